@@ -1,0 +1,49 @@
+"""The ``tokenrouter-ray`` console script.
+
+Each sub-command lives next to the code it drives and registers itself here through a
+``register(subparsers)`` function; this module only collects them and dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tokenrouter_ray.errors import UserFacingError
+
+# Modules that expose ``register(subparsers: argparse._SubParsersAction) -> None``.
+COMMAND_MODULES = (
+    "tokenrouter_ray.demo",
+    "tokenrouter_ray.tuning.commands",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenrouter-ray",
+        description="Token-level LLM routing on Ray Serve.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a real missing dependency, not an absent command module
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserFacingError as exc:
+        print(f"tokenrouter-ray {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

