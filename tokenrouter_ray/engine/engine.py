@@ -60,6 +60,7 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
+        self._uncommitted: StepResult | None = None
         cfg = runner.model.config
         limit = getattr(cfg, "max_position_embeddings", None) or self.kv.capacity_tokens
         self.max_model_len = min(config.max_model_len or limit, limit, self.kv.capacity_tokens)
@@ -173,6 +174,8 @@ class Engine:
     # ----------------------------------------------------------------------- step
     def execute(self, now: float | None = None) -> StepResult | None:
         """Schedule and run one forward; ``None`` when nothing is due (idle or deferred)."""
+        if self._uncommitted is not None:
+            raise RuntimeError("commit() the previous step's result before executing another")
         t0 = time.perf_counter()
         out = self.scheduler.schedule(time.monotonic() if now is None else now)
         if not out:
@@ -181,6 +184,7 @@ class Engine:
         result = self.runner.execute(out, timings)
         for chunk in out.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
+        self._uncommitted = result
         return result
 
     def commit(
@@ -190,6 +194,9 @@ class Engine:
         pause: Collection[str] = (),
     ) -> list[RequestOutput]:
         """Append sampled tokens (except ``drop``), stop finished requests, pause ``pause``."""
+        if result is not self._uncommitted:
+            raise RuntimeError("commit() takes the result of the latest execute(), once")
+        self._uncommitted = None
         t0 = time.perf_counter()
         outputs = []
         for rid, token in zip(result.request_ids, result.token_ids):

@@ -91,6 +91,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.pending: dict[str, Request] = {}
         self.active_requests: int | None = None  # global N from outside; None: local count
+        self.num_preemptions = 0  # since start, for metrics
 
     # ----------------------------------------------------------------- transitions
     def add(self, request: Request) -> None:
@@ -216,6 +217,7 @@ class Scheduler:
         """Free the request's KV; it recomputes from scratch when scheduled again."""
         self.kv.free(request)
         request.num_preemptions += 1
+        self.num_preemptions += 1
         if request.status != RequestStatus.RUNNING:
             return  # stays pending or queued; it recomputes its whole context when run
         self.running.remove(request)

@@ -1,0 +1,99 @@
+"""Tiny random-weight models saved to disk and loaded through the engine's own code path.
+
+They run in float64: tiny random models have near-tied logits, and float64 keeps batched
+and unbatched math from flipping an argmax, so exactness tests hold by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.scheduler import SchedulerConfig
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def save_tiny(path: Path, arch: str, seed: int = 0) -> str:
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**TINY))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **TINY))
+    model.to(torch.float64).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen3"])
+def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def reference_model() -> Callable[[str], torch.nn.Module]:
+    """The plain transformers model (its own SDPA attention), loaded once per directory."""
+    cache: dict[str, torch.nn.Module] = {}
+
+    def load(path: str) -> torch.nn.Module:
+        if path not in cache:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+            cache[path] = model.eval()
+        return cache[path]
+
+    return load
+
+
+def make_engine(path: str, num_blocks: int = 256, block_size: int = 4, **kwargs: object) -> Engine:
+    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.model_fields}
+    return Engine.from_config(
+        EngineConfig(
+            model=path,
+            dtype="float64",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            scheduler=SchedulerConfig(**sched),
+            **kwargs,
+        )
+    )
+
+
+def greedy_reference(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> str:
+    """The real SmolLM2-135M-Instruct, built once and cached (scripts/test.sh prepares it)."""
+    from tokenrouter_ray.demo import prepare_demo
+
+    return str(prepare_demo(quiet=True))

