@@ -1,0 +1,264 @@
+"""PeerReq codec, the receiver's ledger rules, anchors, commit assembly, tokenizer check."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenrouter_ray.protocol import (
+    PROTOCOL_VERSION,
+    Anchors,
+    CommitLog,
+    MsgKind,
+    PeerReq,
+    ProtocolError,
+    RequestLedger,
+    SamplingSpec,
+    TokenizerMismatchError,
+    check_shared_tokenizer,
+    decode,
+    decode_batch,
+    encode,
+    encode_batch,
+)
+
+int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+token = st.integers(min_value=0, max_value=2**31 - 1)
+count = st.integers(min_value=0, max_value=2**40)
+text = st.text(max_size=24)
+scalar = st.none() | st.booleans() | int64 | st.floats(allow_nan=False) | text
+extra_value = st.recursive(scalar, lambda inner: st.lists(inner, max_size=4), max_leaves=8)
+
+samplings = st.builds(
+    SamplingSpec,
+    temperature=st.floats(0, 2),
+    top_p=st.floats(0, 1),
+    top_k=st.integers(0, 1000),
+    seed=st.none() | int64,
+    max_tokens=st.integers(1, 1 << 20),
+    stop_token_ids=st.lists(token, max_size=4),
+)
+
+
+@st.composite
+def peer_reqs(draw: st.DrawFn) -> PeerReq:
+    tokens = draw(st.lists(token, max_size=40))
+    return PeerReq(
+        rid=draw(text),
+        src=draw(text),
+        dst=draw(text),
+        kind=draw(st.sampled_from(MsgKind)),
+        handoff_seq=draw(count),
+        tokens=tokens,
+        anchor=draw(count),
+        committed=draw(st.integers(0, len(tokens))),
+        finish_reason=draw(st.none() | st.sampled_from(["stop", "length", "abort"])),
+        sampling=draw(st.none() | samplings),
+        extras=draw(st.dictionaries(text, extra_value, max_size=4)),
+        active_requests=draw(count),
+        sent_at=draw(int64),
+    )
+
+
+def msg(rid: str, kind: MsgKind, seq: int, tokens: list[int] | None = None) -> PeerReq:
+    tokens = tokens or []
+    return PeerReq(rid, "small/0", "large/0", kind, seq, tokens, committed=len(tokens))
+
+
+@settings(deadline=None)
+@given(peer_reqs())
+def test_codec_round_trip(m: PeerReq) -> None:
+    assert decode(encode(m)) == m
+
+
+@settings(deadline=None)
+@given(st.lists(peer_reqs(), max_size=5))
+def test_batch_codec_round_trip(msgs: list[PeerReq]) -> None:
+    assert decode_batch(encode_batch(msgs)) == msgs
+
+
+def test_wire_form_is_versioned_and_positional() -> None:
+    m = msg("r1", MsgKind.HANDOFF, 3, [7, 8])
+    raw = msgspec.msgpack.decode(encode(m))
+    assert raw[:6] == [PROTOCOL_VERSION, "r1", "small/0", "large/0", 1, 3]
+    raw.append("a field added later")  # optional trailing fields: no version bump needed
+    assert decode(msgspec.msgpack.encode(raw)) == m
+    raw[0] = PROTOCOL_VERSION + 1
+    with pytest.raises(ProtocolError, match=f"v{PROTOCOL_VERSION}"):
+        decode(msgspec.msgpack.encode(raw))
+
+
+def test_bad_frames_raise_protocol_error() -> None:
+    with pytest.raises(ProtocolError):
+        decode(b"\x00garbage")
+    with pytest.raises(ProtocolError):
+        decode_batch(encode(msg("r", MsgKind.NEW, 0)))  # a message is not a batch
+    raw = msgspec.msgpack.decode(encode(msg("r", MsgKind.NEW, 0, [1])))
+    raw[8] = 5  # committed > len(tokens)
+    with pytest.raises(ProtocolError, match="committed"):
+        decode(msgspec.msgpack.encode(raw))
+
+
+def test_sent_at_defaults_to_wall_clock_ns() -> None:
+    import time
+
+    before = time.time_ns()
+    assert before <= msg("r", MsgKind.NEW, 0).sent_at <= time.time_ns()
+
+
+def test_ledger_ignores_duplicate_stale_and_reordered() -> None:
+    ledger = RequestLedger()
+    assert ledger.accept(msg("r", MsgKind.NEW, 0, [1, 2, 3]))
+    assert not ledger.accept(msg("r", MsgKind.NEW, 0, [1, 2, 3]))  # duplicate
+    assert ledger.accept(msg("r", MsgKind.HANDOFF, 2))
+    assert not ledger.accept(msg("r", MsgKind.HANDOFF, 1))  # reordered, older
+    assert not ledger.accept(msg("r", MsgKind.HANDOFF, 2))  # duplicate
+    assert ledger.held_seq("r") == 2
+    assert ledger.accept(msg("r", MsgKind.HANDOFF, 5))
+    assert ledger.accept(msg("other", MsgKind.HANDOFF, 1))  # rids are independent
+    assert ledger.held_seq("r") == 5
+
+
+def test_ledger_finished_is_accepted_once_and_never_revived() -> None:
+    ledger = RequestLedger()
+    assert ledger.accept(msg("r", MsgKind.NEW, 0))
+    assert ledger.accept(msg("r", MsgKind.HANDOFF, 4))
+    assert ledger.accept(msg("r", MsgKind.FINISHED, 2))  # terminal: accepted whatever its seq
+    assert ledger.is_finished("r") and ledger.held_seq("r") is None and ledger.num_live == 0
+    assert not ledger.accept(msg("r", MsgKind.FINISHED, 6))
+    assert not ledger.accept(msg("r", MsgKind.ABORT, 7))
+    assert not ledger.accept(msg("r", MsgKind.HANDOFF, 9))  # late handoff: no revival
+    assert not ledger.accept(msg("r", MsgKind.NEW, 10))
+    assert ledger.accept(msg("q", MsgKind.ABORT, 0))  # abort of an unseen rid
+    assert not ledger.accept(msg("q", MsgKind.NEW, 1))
+
+
+@settings(deadline=None)
+@given(st.permutations(list(range(12))), st.integers(0, 11))
+def test_ledger_acts_on_an_increasing_subsequence(order: list[int], finish_at: int) -> None:
+    ledger = RequestLedger()
+    acted: list[int] = []
+    for seq in order:
+        kind = MsgKind.FINISHED if seq == finish_at else MsgKind.HANDOFF
+        if ledger.accept(msg("r", kind, seq)):
+            acted.append(seq)
+    handoffs = acted[:-1]  # the terminal message is accepted whatever its seq, then nothing
+    assert handoffs == sorted(set(handoffs))
+    assert acted[-1] == finish_at
+    assert not ledger.accept(msg("r", MsgKind.HANDOFF, 99))
+
+
+def test_ledger_finished_memory_is_bounded_lru() -> None:
+    ledger = RequestLedger(finished_capacity=3)
+    for rid in "abcd":
+        ledger.accept(msg(rid, MsgKind.FINISHED, 0))
+    assert not ledger.is_finished("a")  # evicted, oldest
+    assert ledger.is_finished("b")
+    ledger.accept(msg("b", MsgKind.HANDOFF, 1))  # a hit refreshes "b"
+    ledger.accept(msg("e", MsgKind.FINISHED, 0))
+    assert ledger.is_finished("b") and not ledger.is_finished("c")
+
+
+def test_anchors_send_only_the_suffix_after_a_first_visit() -> None:
+    prompt = [10, 11, 12, 13]
+    anchors = Anchors()
+    assert anchors.suffix_for("small", prompt) == (0, prompt)  # first visit: whole prompt
+    anchors.advance("small", 4)
+    sequence = [*prompt, 20, 21, 22]  # small decoded 3 tokens; its KV holds 4 + 2
+    anchors.advance("small", 6)
+    assert anchors.suffix_for("large", sequence) == (0, sequence)
+    anchors.advance("large", len(sequence))
+    sequence += [30]  # large decodes one
+    assert anchors.suffix_for("small", sequence) == (6, [22, 30])
+    assert anchors.suffix_for("medium", sequence) == (0, sequence)
+    anchors.advance("medium", 8)
+    sequence += [31, 32]
+    for model, expected in [("small", 6), ("large", 7), ("medium", 8)]:
+        anchor, tokens = anchors.suffix_for(model, sequence)
+        assert (anchor, tokens) == (expected, sequence[expected:])
+    assert anchors.as_dict() == {"small": 6, "large": 7, "medium": 8}
+
+
+def test_anchors_move_forward_only_unless_rewound() -> None:
+    anchors = Anchors({"small": 5})
+    with pytest.raises(ValueError, match="move back"):
+        anchors.advance("small", 4)
+    anchors.rewind("small", 4)  # its token at position 4 was dropped
+    assert anchors.get("small") == 4
+    with pytest.raises(ValueError, match="within"):
+        anchors.rewind("small", 5)
+    with pytest.raises(ValueError, match="past the sequence end"):
+        Anchors({"large": 9}).suffix_for("large", [1, 2, 3])
+
+
+def test_commit_log_orders_by_position() -> None:
+    log = CommitLog(start=3)
+    assert log.add(3, [1, 2]) == [1, 2]
+    assert log.add(7, [5, 6]) == []  # early: waits for 5..6
+    assert log.add(3, [1, 2]) == []  # duplicate
+    assert log.add(5, [3, 4]) == [3, 4, 5, 6]  # fills the gap, drains the early one
+    assert log.add(6, [4, 5, 6, 7]) == [7]  # overlap
+    assert log.tokens == [1, 2, 3, 4, 5, 6, 7] and log.end == 10 and log.num_waiting == 0
+    with pytest.raises(ProtocolError, match="rewrites"):
+        log.add(8, [0])
+    with pytest.raises(ProtocolError, match="prompt"):
+        log.add(1, [0])
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=10), st.randoms())
+def test_commit_log_any_arrival_order(sizes: list[int], rnd: object) -> None:
+    chunks, pos, output = [], 0, []
+    for size in sizes:
+        chunk = list(range(pos, pos + size))
+        chunks.append((pos, chunk))
+        output += chunk
+        pos += size
+    arrivals = chunks + chunks[: len(chunks) // 2]  # with duplicates
+    rnd.shuffle(arrivals)  # type: ignore[attr-defined]
+    log = CommitLog(start=0)
+    streamed = [t for anchor, chunk in arrivals for t in log.add(anchor, chunk)]
+    assert streamed == output == log.tokens
+
+
+def tiny_tokenizer(words: list[str], eos: str = "</s>") -> object:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", "<pad>", *words])}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")),
+        bos_token="<s>",
+        eos_token=eos,
+        pad_token="<pad>",
+        unk_token="[UNK]",
+    )
+
+
+def test_shared_tokenizer_accepts_equal() -> None:
+    words = ["hello", "world", "token"]
+    check_shared_tokenizer(
+        {
+            "small": tiny_tokenizer(words),
+            "large": tiny_tokenizer(words),
+            "mid": tiny_tokenizer(words),
+        }
+    )
+    check_shared_tokenizer({"only": tiny_tokenizer(words)})
+
+
+def test_shared_tokenizer_rejects_different_and_names_the_models() -> None:
+    base = tiny_tokenizer(["hello", "world", "token"])
+    cases = {
+        "vocab size": tiny_tokenizer(["hello", "world", "token", "extra"]),
+        "mappings differ": tiny_tokenizer(["world", "hello", "token"]),  # same size, swapped
+        "eos_token_id": tiny_tokenizer(["hello", "world", "token"], eos="<pad>"),
+    }
+    for what, other in cases.items():
+        with pytest.raises(ValueError, match=what) as info:
+            check_shared_tokenizer({"qwen-0.6b": base, "ok": base, "qwen-32b": other})
+        assert isinstance(info.value, TokenizerMismatchError)
+        assert "'qwen-0.6b'" in str(info.value) and "'qwen-32b'" in str(info.value)

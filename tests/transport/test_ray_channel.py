@@ -1,0 +1,129 @@
+"""RayChannel and RayDirectory on a real local Ray cluster: driver <-> echo actors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+import ray
+
+from tests.transport import handoff, recv_n
+from tokenrouter_ray.protocol import PeerReq
+from tokenrouter_ray.transport import ChannelClosed, PeerUnreachableError, UnknownPeerError
+from tokenrouter_ray.transport.ray_channel import RayChannel, RayDirectory, RayHost
+
+pytestmark = pytest.mark.asyncio
+
+NAMESPACE = "tokenrouter-tests"
+
+
+@ray.remote(num_cpus=0)
+class Echo:
+    """Hosts a RayChannel (inbox or direct mode) and sends every batch back to its source."""
+
+    def __init__(self, directory: RayDirectory, model: str, direct: bool) -> None:
+        self.directory, self.model, self.direct = directory, model, direct
+
+    async def start(self) -> str:
+        host = RayHost.current("peer_deliver", NAMESPACE) if self.direct else None
+        self.channel = RayChannel(self.model, "0", self.directory, host=host)
+        await self.channel.start()
+        self.loop = asyncio.create_task(self.echo())
+        return self.channel.address
+
+    async def peer_deliver(self, sender: str, n: int, frame: bytes) -> None:
+        self.channel.deliver(sender, n, frame)
+
+    async def echo(self) -> None:
+        async for batch in self.channel:
+            back = [msgspec.structs.replace(m, src=m.dst, dst=m.src) for m in batch]
+            await self.channel.send(back[0].dst, back)
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        await self.loop
+
+
+@pytest.fixture(scope="module")
+def directory(ray_cluster: Any) -> RayDirectory:
+    return RayDirectory.get_or_create(name="test-directory")
+
+
+@pytest_asyncio.fixture
+async def driver(directory: RayDirectory) -> AsyncIterator[RayChannel]:
+    channel = RayChannel("driver", "0", directory)
+    await channel.start()
+    yield channel
+    await channel.close()
+
+
+async def start_echo(directory: RayDirectory, model: str, direct: bool) -> Any:
+    name = f"echo-{model}"
+    echo = Echo.options(name=name, namespace=NAMESPACE).remote(directory, model, direct)
+    address = await echo.start.remote()
+    assert address.startswith("ray-actor:")
+    return echo
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["inbox", "direct"])
+async def test_round_trip_in_order_and_batched(
+    driver: RayChannel, directory: RayDirectory, direct: bool
+) -> None:
+    model = "large-direct" if direct else "large-inbox"
+    echo = await start_echo(directory, model, direct)
+    dst = f"{model}/0"
+    sent = [handoff(seq, src="driver/0", dst=dst) for seq in range(300)]
+    for m in sent[:-3]:  # fast, un-awaited calls: the actor may run them out of order
+        await driver.send(dst, [m])
+    await driver.send(dst, sent[-3:])  # one batch
+    batches = await recv_n(driver, len(sent), timeout_s=30)
+    assert batches[-1] == [echoed(m) for m in sent[-3:]]
+    assert [m for b in batches for m in b] == [echoed(m) for m in sent]
+    await echo.stop.remote()
+    assert await directory.get(dst) is None
+    ray.kill(echo)
+
+
+def echoed(m: PeerReq) -> PeerReq:
+    return msgspec.structs.replace(m, src=m.dst, dst=m.src)
+
+
+async def test_unknown_destination(driver: RayChannel) -> None:
+    with pytest.raises(UnknownPeerError, match="'ghost/0'"):
+        await driver.send("ghost/0", [handoff(0)])
+
+
+async def test_dead_peer_is_reported(directory: RayDirectory) -> None:
+    echo = await start_echo(directory, "doomed", direct=True)
+    async with RayChannel("sender", "0", directory, max_in_flight=1) as sender:
+        await sender.send("doomed/0", [handoff(0)])
+        ray.kill(echo)  # dies without unregistering
+        with pytest.raises(PeerUnreachableError, match="doomed/0"):
+            for seq in range(1, 50):
+                await sender.send("doomed/0", [handoff(seq)])
+                await asyncio.sleep(0.05)
+    await directory.unregister("doomed/0")
+
+
+async def test_close_is_clean(directory: RayDirectory) -> None:
+    channel = RayChannel("closing", "0", directory)
+    await channel.start()
+    inbox_name = channel.address.split(":", 3)[3]
+    pending = asyncio.create_task(channel.recv())
+    await asyncio.sleep(0.05)
+    await channel.close()
+    with pytest.raises(ChannelClosed):
+        await asyncio.wait_for(pending, 2.0)
+    assert await directory.get("closing/0") is None
+    for _ in range(50):  # the inbox actor goes away
+        try:
+            ray.get_actor(inbox_name, namespace="tokenrouter")
+        except ValueError:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("inbox actor still alive after close")

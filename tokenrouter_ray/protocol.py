@@ -1,0 +1,373 @@
+"""The peer protocol: the `PeerReq` message, its codec, and the rules a receiver applies.
+
+Owns what travels between the ingress and the model replicas and the few rules that make it
+correct without a global barrier (DESIGN.md §3):
+
+- `PeerReq` is the only message type. It leaves a process as bytes from `encode` /
+  `encode_batch` (msgpack, positional) and enters one through `decode` / `decode_batch`;
+  a frame that is not a valid PeerReq of this protocol version raises `ProtocolError`.
+- `RequestLedger` is kept by each receiver. `accept(msg)` says whether to act on a message:
+  only a `handoff_seq` newer than the one held counts, and nothing revives a finished request.
+- `Anchors` is kept per request by its current owner: for every model, how many of the
+  request's tokens that model holds in its KV, hence which suffix to send it.
+- `CommitLog` is kept per request by the ingress: committed output assembled by logical
+  position, so commits from different models that arrive out of order are not lost.
+- `check_shared_tokenizer` runs at start-up: token ids travel, so all models must agree on them.
+
+Nothing here imports Ray, ZeroMQ or torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Annotated, Any
+
+import msgspec
+
+from tokenrouter_ray.errors import UserFacingError
+
+PROTOCOL_VERSION = 1
+"""Wire version of `PeerReq`, sent as the first element of every encoded message.
+
+Messages are positional arrays. An optional field may be appended at the end of `PeerReq`
+or `SamplingSpec` without a version bump (older receivers ignore trailing elements); any
+other change (removing, reordering, retyping a field) bumps the version, and a receiver
+rejects versions it does not speak with `ProtocolError`.
+"""
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class ProtocolError(ValueError):
+    """A frame or message that breaks the protocol (undecodable, wrong version, inconsistent)."""
+
+
+class TokenizerMismatchError(UserFacingError, ValueError):
+    """Two models of one deployment do not share a tokenizer."""
+
+
+class MsgKind(IntEnum):
+    """What a `PeerReq` asks of its receiver. Terminal kinds come last (`kind >= FINISHED`)."""
+
+    NEW = 0  # first visit: create request state, prefill `tokens` (the whole prompt)
+    HANDOFF = 1  # control passes to the receiver; `tokens` extends what it already holds
+    COMMIT = 2  # report of committed output (to the ingress)
+    FINISHED = 3  # the request ended (EOS, stop, max_tokens): free its state
+    ABORT = 4  # the client went away: free its state
+
+    @property
+    def is_terminal(self) -> bool:
+        return self >= MsgKind.FINISHED
+
+
+class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
+    """Sampling parameters, sent once, with a request's first visit to a model."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+
+
+class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION):
+    """One message between the ingress and the replicas, about one request.
+
+    `tokens` is the suffix the receiver has not seen; it starts at logical position `anchor`
+    of the request's sequence (prompt + output). Its first `committed` tokens are committed
+    output. `handoff_seq` grows with every message its current owner sends for the request.
+    `dst` / `src` are endpoint names (`endpoint_name(model, replica)` in the transport).
+    `sent_at` is `time.time_ns()` when the message was built: a wall clock, so one-way
+    latency can be measured across processes and (clock sync permitting) across nodes.
+    """
+
+    rid: str
+    src: str
+    dst: str
+    kind: MsgKind
+    handoff_seq: NonNegative
+    tokens: list[int] = []
+    anchor: NonNegative = 0
+    committed: NonNegative = 0
+    finish_reason: str | None = None
+    sampling: SamplingSpec | None = None
+    extras: dict[str, Any] = {}
+    active_requests: NonNegative = 0
+    sent_at: int = msgspec.field(default_factory=time.time_ns)
+
+    def __post_init__(self) -> None:
+        if self.committed > len(self.tokens):
+            raise ValueError(
+                f"PeerReq {self.rid}: committed={self.committed} exceeds "
+                f"len(tokens)={len(self.tokens)}"
+            )
+
+    @property
+    def end(self) -> int:
+        """Logical position just past `tokens`."""
+        return self.anchor + len(self.tokens)
+
+    @property
+    def committed_tokens(self) -> list[int]:
+        return self.tokens[: self.committed]
+
+
+# One encoder and decoders created once: msgspec reuses their buffers and type plans.
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(PeerReq)
+_batch_decoder = msgspec.msgpack.Decoder(list[PeerReq])
+
+
+def encode(msg: PeerReq) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | bytearray | memoryview) -> PeerReq:
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise ProtocolError(
+            f"bad PeerReq frame (this build speaks v{PROTOCOL_VERSION}): {exc}"
+        ) from exc
+
+
+def encode_batch(msgs: Sequence[PeerReq]) -> bytes:
+    """Several messages for one destination, leaving in one step, as one frame."""
+    return _encoder.encode(msgs)
+
+
+def decode_batch(data: bytes | bytearray | memoryview) -> list[PeerReq]:
+    try:
+        return _batch_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(
+            f"bad PeerReq batch (this build speaks v{PROTOCOL_VERSION}): {exc}"
+        ) from exc
+
+
+class RequestLedger:
+    """A receiver's memory of which messages it has acted on, per request id.
+
+    Rules (DESIGN.md §3), all in `accept`:
+    - a message is acted on only if its `handoff_seq` is newer than the highest one held for
+      its rid: duplicates, stale and reordered older messages are ignored;
+    - FINISHED / ABORT are accepted once per rid, whatever their `handoff_seq` (a terminal
+      message can come from the ingress, which does not know the newest seq, and nothing
+      follows it anyway); after that nothing about the rid is accepted again.
+
+    Memory: live rids are held until their terminal message (or `forget`). Finished rids are
+    remembered in an LRU of at most `finished_capacity` entries, refreshed on every hit, so a
+    zombie message for a rid evicted long ago could be accepted again; size the capacity well
+    above requests finished per "maximum network delay" (the default, 2**16, is generous).
+
+    Commits reach the ingress from several models over different connections and may be
+    reordered across senders; the ingress orders them by position with `CommitLog`, not by
+    dropping them here.
+    """
+
+    def __init__(self, finished_capacity: int = 1 << 16) -> None:
+        if finished_capacity < 1:
+            raise ValueError("finished_capacity must be >= 1")
+        self.finished_capacity = finished_capacity
+        self._held: dict[str, int] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+
+    def accept(self, msg: PeerReq) -> bool:
+        rid = msg.rid
+        if rid in self._finished:
+            self._finished.move_to_end(rid)
+            return False
+        if msg.kind.is_terminal:
+            self._held.pop(rid, None)
+            self._remember_finished(rid)
+            return True
+        if msg.handoff_seq <= self._held.get(rid, -1):
+            return False
+        self._held[rid] = msg.handoff_seq
+        return True
+
+    def held_seq(self, rid: str) -> int | None:
+        """Highest `handoff_seq` acted on for a live rid; None if unknown or finished."""
+        return self._held.get(rid)
+
+    def is_finished(self, rid: str) -> bool:
+        return rid in self._finished
+
+    def forget(self, rid: str) -> None:
+        """Drop a live rid without finishing it (e.g. its state was freed for another reason)."""
+        self._held.pop(rid, None)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._held)
+
+    def _remember_finished(self, rid: str) -> None:
+        self._finished[rid] = None
+        if len(self._finished) > self.finished_capacity:
+            self._finished.popitem(last=False)
+
+
+class Anchors:
+    """For one request: model name -> how many of the request's tokens that model holds in KV.
+
+    The anchor is the logical position of the first token the model has *not* seen, so the
+    suffix to send it is `sequence[anchor:]`: the whole prompt on a first visit, only the
+    new tokens afterwards. `advance` moves an anchor forward as a model takes tokens in;
+    `rewind` moves it back when tokens it holds were dropped (e.g. R2R drops the small
+    model's token at the routed position).
+    """
+
+    __slots__ = ("_pos",)
+
+    def __init__(self, positions: Mapping[str, int] | None = None) -> None:
+        self._pos: dict[str, int] = dict(positions or {})
+
+    def get(self, model: str) -> int:
+        return self._pos.get(model, 0)
+
+    def visited(self, model: str) -> bool:
+        return model in self._pos
+
+    def suffix_for(self, model: str, sequence: Sequence[int]) -> tuple[int, list[int]]:
+        """(anchor, sequence[anchor:]) for `model`."""
+        anchor = self._pos.get(model, 0)
+        if anchor > len(sequence):
+            raise ValueError(
+                f"anchor of {model!r} is {anchor}, past the sequence end {len(sequence)}: "
+                "rewind it when tokens it holds are dropped"
+            )
+        return anchor, list(sequence[anchor:])
+
+    def advance(self, model: str, pos: int) -> None:
+        current = self._pos.get(model, 0)
+        if pos < current:
+            raise ValueError(f"advance({model!r}, {pos}) would move back from {current}")
+        self._pos[model] = pos
+
+    def rewind(self, model: str, pos: int) -> None:
+        current = self._pos.get(model, 0)
+        if not 0 <= pos <= current:
+            raise ValueError(f"rewind({model!r}, {pos}) must be within [0, {current}]")
+        self._pos[model] = pos
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self._pos)
+
+    def __repr__(self) -> str:
+        return f"Anchors({self._pos!r})"
+
+
+class CommitLog:
+    """The ingress's committed output for one request, assembled by logical position.
+
+    `add(anchor, tokens)` takes committed tokens starting at `anchor` and returns the tokens
+    that became contiguous (ready to stream). Duplicates and overlaps are absorbed; a commit
+    past the current end waits until the gap is filled. Committed tokens are final, so an
+    overlap that disagrees with what is held raises `ProtocolError`.
+    """
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.tokens: list[int] = []
+        self._pending: dict[int, list[int]] = {}
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._pending)
+
+    def add(self, anchor: int, tokens: Sequence[int]) -> list[int]:
+        if anchor < self.start:
+            raise ProtocolError(f"commit at {anchor} lies inside the prompt (ends at {self.start})")
+        if anchor > self.end:
+            held = self._pending.get(anchor)
+            if held is None or len(held) < len(tokens):
+                self._pending[anchor] = list(tokens)
+            return []
+        fresh = self._append(anchor, tokens)
+        while self._pending:
+            ready = [a for a in self._pending if a <= self.end]
+            if not ready:
+                break
+            for a in sorted(ready):
+                fresh += self._append(a, self._pending.pop(a))
+        return fresh
+
+    def _append(self, anchor: int, tokens: Sequence[int]) -> list[int]:
+        overlap = self.end - anchor
+        held = self.tokens[anchor - self.start :]
+        if list(tokens[:overlap]) != held[: len(tokens)]:
+            raise ProtocolError(
+                f"commit at {anchor} rewrites committed output ({list(tokens[:overlap])} vs "
+                f"{held[: len(tokens)]})"
+            )
+        fresh = list(tokens[overlap:])
+        self.tokens += fresh
+        return fresh
+
+
+@dataclass(frozen=True)
+class TokenizerFingerprint:
+    """What must agree between two tokenizers for token ids to mean the same thing."""
+
+    vocab_size: int
+    vocab_sha256: str
+    special_ids: tuple[tuple[str, int | None], ...]
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenizerFingerprint:
+        """Works for transformers tokenizers and raw `tokenizers.Tokenizer` objects."""
+        vocab: dict[str, int] = tokenizer.get_vocab()
+        if hasattr(tokenizer, "__len__"):
+            size = len(tokenizer)
+        elif hasattr(tokenizer, "get_vocab_size"):
+            size = tokenizer.get_vocab_size()
+        else:
+            size = len(vocab)
+        digest = hashlib.sha256(msgspec.msgpack.encode(sorted(vocab.items()))).hexdigest()
+        names = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+        special = tuple((name, getattr(tokenizer, name, None)) for name in names)
+        return cls(vocab_size=size, vocab_sha256=digest, special_ids=special)
+
+    def differences(self, other: TokenizerFingerprint) -> list[str]:
+        diffs = []
+        if self.vocab_size != other.vocab_size:
+            diffs.append(f"vocab size {self.vocab_size} vs {other.vocab_size}")
+        if self.vocab_sha256 != other.vocab_sha256:
+            diffs.append("token -> id mappings differ")
+        for (name, mine), (_, theirs) in zip(self.special_ids, other.special_ids, strict=True):
+            if mine != theirs:
+                diffs.append(f"{name} {mine} vs {theirs}")
+        return diffs
+
+
+def check_shared_tokenizer(tokenizers: Mapping[str, Any]) -> None:
+    """Raise `TokenizerMismatchError` (a ValueError) naming two models whose tokenizers differ.
+
+    `tokenizers` maps model name -> tokenizer. Every model is compared with the first one.
+    """
+    items = [(name, TokenizerFingerprint.of(tok)) for name, tok in tokenizers.items()]
+    if len(items) < 2:
+        return
+    first_name, first = items[0]
+    for name, fingerprint in items[1:]:
+        diffs = first.differences(fingerprint)
+        if diffs:
+            raise TokenizerMismatchError(
+                f"models {first_name!r} and {name!r} do not share a tokenizer "
+                f"({'; '.join(diffs)}). Token ids travel between models, so every model "
+                "in a deployment must use the same tokenizer."
+            )

@@ -1,0 +1,292 @@
+"""Ray-native peer channel and directory, for clusters where opening ports is unwanted.
+
+Frames travel as Ray actor calls: `send` calls `deliver(sender, n, frame)` on the
+destination's mailbox actor and does not wait for it. It keeps the last `max_in_flight`
+calls per peer and awaits the oldest beyond that, which bounds memory and surfaces a dead
+peer as `PeerUnreachableError` on a later send.
+Ray runs async-actor calls out of order, so every sender numbers its frames per destination
+and the mailbox restores the order (`InOrder`).
+
+A mailbox is one of two things, chosen when the channel is built:
+- inbox mode (default; works inside Ray Serve replicas): `start()` creates a small async
+  `PeerInbox` actor pinned to this node; the channel long-polls it with `take()`. One extra
+  local hop per frame.
+- direct mode (`host=RayHost.current("method")`): the channel lives in a named async actor
+  whose method of that name forwards to `channel.deliver(sender, n, frame)`. No extra hop.
+
+`RayDirectory` is the directory as a named Ray actor, shared by every process of the
+cluster. Nothing here blocks the event loop: object refs are awaited, and the blocking
+`ray.get_actor` lookup runs in a thread once per peer. Ray is imported only in this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from tokenrouter_ray.protocol import PeerReq, encode_batch
+from tokenrouter_ray.transport.base import (
+    ChannelClosed,
+    Directory,
+    Endpoint,
+    FrameQueue,
+    InOrder,
+    PeerChannel,
+    PeerUnreachableError,
+)
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "tokenrouter"
+_SCHEME = "ray-actor"
+
+
+def actor_address(namespace: str, name: str, method: str) -> str:
+    """The address of a named actor's delivery method: `ray-actor:<ns>:<method>:<name>`."""
+    return f"{_SCHEME}:{namespace}:{method}:{name}"
+
+
+def parse_actor_address(address: str) -> tuple[str, str, str]:
+    """(namespace, name, method) of a `ray-actor:` address."""
+    scheme, namespace, method, name = address.split(":", 3)
+    if scheme != _SCHEME:
+        raise ValueError(f"not a Ray actor address: {address!r}")
+    return namespace, name, method
+
+
+@dataclass(frozen=True)
+class RayHost:
+    """The named actor a direct-mode channel lives in, and its delivery method."""
+
+    name: str
+    namespace: str
+    method: str
+
+    @classmethod
+    def current(cls, method: str, namespace: str | None = None) -> RayHost:
+        """The calling actor, which must be named. Call inside the actor.
+
+        Ray does not tell an actor its own namespace: pass the one it was created in unless
+        it is the job's namespace (the default).
+        """
+        ctx = ray.get_runtime_context()
+        name = ctx.get_actor_name()
+        if not name:
+            raise RuntimeError("direct mode needs a named actor; name it or use inbox mode")
+        return cls(name=name, namespace=namespace or ctx.namespace, method=method)
+
+
+@ray.remote(num_cpus=0)
+class PeerInbox:
+    """A replica's mailbox actor (inbox mode): frames in by `deliver`, out by `take`."""
+
+    def __init__(self) -> None:
+        self._order = InOrder()
+        self._frames: collections.deque[bytes] = collections.deque()
+        self._arrived = asyncio.Event()
+
+    async def ready(self) -> bool:
+        return True
+
+    async def deliver(self, sender: str, n: int, frame: bytes) -> None:
+        ready = self._order.push(sender, n, frame)
+        if ready:
+            self._frames.extend(ready)
+            self._arrived.set()
+
+    async def take(self) -> list[bytes]:
+        """Every frame waiting, in order; waits for at least one."""
+        while not self._frames:
+            self._arrived.clear()
+            await self._arrived.wait()
+        frames = list(self._frames)
+        self._frames.clear()
+        return frames
+
+
+class _Target:
+    """A resolved destination: its delivery method, frame counter and calls in flight."""
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+        self.next_n = 0
+        self.in_flight: collections.deque[ray.ObjectRef] = collections.deque()
+
+
+class RayChannel(PeerChannel):
+    def __init__(
+        self,
+        model: str,
+        replica: str,
+        directory: Directory,
+        host: RayHost | None = None,
+        max_in_flight: int = 64,
+    ) -> None:
+        super().__init__(model, replica, directory)
+        self.host = host
+        self.max_in_flight = max_in_flight
+        self._sender_id = f"{self.name}#{uuid.uuid4().hex[:12]}"
+        self._queue: FrameQueue | None = None
+        self._order = InOrder()  # direct mode
+        self._inbox: Any = None  # inbox mode: PeerInbox handle
+        self._pump: asyncio.Task[None] | None = None
+        self._targets: dict[str, _Target] = {}
+        self._resolving: dict[str, asyncio.Task[_Target]] = {}
+
+    async def _open(self) -> str:
+        self._queue = FrameQueue()
+        if self.host is not None:
+            return actor_address(self.host.namespace, self.host.name, self.host.method)
+        name = f"tokenrouter-inbox:{self.name}:{uuid.uuid4().hex[:8]}"
+        here = ray.get_runtime_context().get_node_id()
+        self._inbox = PeerInbox.options(
+            name=name,
+            namespace=NAMESPACE,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+        ).remote()
+        await self._inbox.ready.remote()
+        self._pump = asyncio.create_task(self._pump_inbox(), name=f"{name}-pump")
+        return actor_address(NAMESPACE, name, "deliver")
+
+    def deliver(self, sender: str, n: int, frame: bytes) -> None:
+        """Direct mode: the host actor's delivery method calls this on the channel's loop."""
+        if self._queue is None or self._closed:
+            return
+        for ready in self._order.push(sender, n, frame):
+            self._queue.put(ready)
+
+    async def _pump_inbox(self) -> None:
+        assert self._queue is not None
+        try:
+            while True:
+                for frame in await self._inbox.take.remote():
+                    self._queue.put(frame)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the inbox actor died
+            logger.error("channel %s lost its inbox: %s", self.name, exc)
+            self._queue.close(exc)
+
+    async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> None:
+        target = self._targets.get(dst.name) or await self._target(dst)
+        n = target.next_n
+        target.next_n += 1
+        target.in_flight.append(target.method.remote(self._sender_id, n, encode_batch(msgs)))
+        while len(target.in_flight) > self.max_in_flight:
+            ref = target.in_flight.popleft()
+            try:
+                await ref  # almost always long done: the window only bounds memory
+            except RayError as exc:
+                self._targets.pop(dst.name, None)
+                self.forget_peer(dst.name)
+                raise PeerUnreachableError(
+                    f"peer {dst.name!r} did not take a frame: {exc}"
+                ) from exc
+
+    async def _target(self, dst: Endpoint) -> _Target:
+        task = self._resolving.get(dst.name)
+        if task is None:
+            task = asyncio.create_task(self._resolve_target(dst))
+            self._resolving[dst.name] = task
+            task.add_done_callback(lambda _: self._resolving.pop(dst.name, None))
+        return await asyncio.shield(task)
+
+    async def _resolve_target(self, dst: Endpoint) -> _Target:
+        namespace, name, method = parse_actor_address(dst.address)
+        try:
+            handle = await asyncio.to_thread(ray.get_actor, name, namespace=namespace)
+        except ValueError as exc:
+            raise PeerUnreachableError(f"peer {dst.name!r}: no actor {name!r} ({exc})") from exc
+        target = _Target(getattr(handle, method))
+        self._targets[dst.name] = target
+        return target
+
+    async def recv(self) -> list[PeerReq]:
+        if self._queue is None:
+            raise ChannelClosed(f"channel {self.name!r} is not started")
+        return await self._queue.get(self.name)
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until every frame sent so far was taken by its mailbox."""
+        refs = [ref for target in self._targets.values() for ref in target.in_flight]
+        if refs:
+            await asyncio.wait_for(asyncio.gather(*refs, return_exceptions=True), timeout_s)
+        for target in self._targets.values():
+            target.in_flight.clear()
+
+    async def _shut(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.flush(timeout_s=1.0)
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(BaseException):
+                await self._pump
+        if self._inbox is not None:
+            ray.kill(self._inbox, no_restart=True)
+        if self._queue is not None:
+            self._queue.close()
+
+
+@ray.remote(num_cpus=0)
+class _DirectoryActor:
+    def __init__(self) -> None:
+        self._endpoints: dict[str, Endpoint] = {}
+
+    async def register(self, endpoint: Endpoint) -> None:
+        self._endpoints[endpoint.name] = endpoint
+
+    async def unregister(self, name: str) -> None:
+        self._endpoints.pop(name, None)
+
+    async def get(self, name: str) -> Endpoint | None:
+        return self._endpoints.get(name)
+
+    async def endpoints(self, model: str | None) -> list[Endpoint]:
+        found = [e for e in self._endpoints.values() if model is None or e.model == model]
+        return sorted(found, key=lambda e: e.name)
+
+
+class RayDirectory(Directory):
+    """The endpoint directory as a named actor; picklable, so it can be passed to actors."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    @classmethod
+    def get_or_create(
+        cls, name: str = "tokenrouter-directory", namespace: str = NAMESPACE, detached: bool = False
+    ) -> RayDirectory:
+        """Connect to the named directory actor, creating it if needed.
+
+        Blocking (a GCS round trip): call it outside an event loop, or through
+        `asyncio.to_thread`. A non-detached directory dies with the process that created it.
+        """
+        handle = _DirectoryActor.options(
+            name=name,
+            namespace=namespace,
+            get_if_exists=True,
+            lifetime="detached" if detached else None,
+        ).remote()
+        return cls(handle)
+
+    async def register(self, endpoint: Endpoint) -> None:
+        await self._handle.register.remote(endpoint)
+
+    async def unregister(self, name: str) -> None:
+        await self._handle.unregister.remote(name)
+
+    async def get(self, name: str) -> Endpoint | None:
+        return await self._handle.get.remote(name)
+
+    async def endpoints(self, model: str | None = None) -> list[Endpoint]:
+        return await self._handle.endpoints.remote(model)

@@ -1,0 +1,184 @@
+"""ZeroMQ peer channel: a PULL mailbox per replica, lazily created PUSH sockets to peers.
+
+Data enters through the replica's PULL socket, bound either on ipc:// (a socket file in a
+temp dir: replicas on one node) or tcp:// (host and port from `ZmqConfig`; port 0 lets the
+OS pick a free one). The bound address is registered in the directory. Data leaves through
+one PUSH socket per destination, connected on first use and cached: each `send` is one
+single-part message holding `encode_batch(msgs)`. ZeroMQ keeps per-connection FIFO order.
+
+Sockets are `zmq.asyncio` sockets owned by the event loop that called `start()`: use the
+channel from that loop only. Every socket has linger 0, so `close()` never blocks on
+undelivered frames (they are dropped; the protocol tolerates loss at shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import zmq
+import zmq.asyncio
+
+from tokenrouter_ray.protocol import PeerReq, encode_batch
+from tokenrouter_ray.transport.base import (
+    ChannelClosed,
+    Directory,
+    Endpoint,
+    PeerChannel,
+    decode_frame,
+)
+
+_IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, 104 on macOS
+
+
+@dataclass(frozen=True)
+class ZmqConfig:
+    """How a replica's mailbox is bound and advertised."""
+
+    transport: Literal["ipc", "tcp"] = "ipc"
+    bind_host: str = "127.0.0.1"  # tcp: interface to bind ("0.0.0.0": all)
+    advertise_host: str | None = None  # tcp: host peers connect to; default: bind_host or IP
+    port: int = 0  # tcp: 0 picks a free port
+    ipc_dir: str | None = None  # ipc: directory for socket files; default: a fresh temp dir
+    send_hwm: int = 100_000  # frames queued per peer before send waits
+    recv_hwm: int = 100_000
+
+
+class ZmqChannel(PeerChannel):
+    def __init__(
+        self,
+        model: str,
+        replica: str,
+        directory: Directory,
+        config: ZmqConfig | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        super().__init__(model, replica, directory)
+        self.config = config or ZmqConfig()
+        self._context = context
+        self._pull: zmq.asyncio.Socket | None = None
+        self._pushes: dict[str, zmq.asyncio.Socket] = {}
+        self._connecting: dict[str, asyncio.Future[zmq.asyncio.Socket]] = {}
+        self._pending_recv: asyncio.Future[bytes] | None = None
+        self._ipc_dir_owned: str | None = None
+
+    @property
+    def context(self) -> zmq.asyncio.Context:
+        if self._context is None:
+            self._context = zmq.asyncio.Context.instance()
+        return self._context
+
+    async def _open(self) -> str:
+        pull = self.context.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
+        try:
+            address = self._bind(pull)
+        except BaseException:
+            pull.close(linger=0)
+            raise
+        self._pull = pull
+        return address
+
+    def _bind(self, pull: zmq.asyncio.Socket) -> str:
+        cfg = self.config
+        if cfg.transport == "ipc":
+            directory = cfg.ipc_dir
+            if directory is None:
+                directory = self._ipc_dir_owned = tempfile.mkdtemp(prefix="trr-")
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.name)
+            path = os.path.join(directory, f"{safe[:40]}-{uuid.uuid4().hex[:8]}.sock")
+            if len(path) > _IPC_PATH_MAX:
+                raise ValueError(f"ipc socket path too long ({len(path)} chars): {path}")
+            pull.bind(f"ipc://{path}")
+            return f"ipc://{path}"
+        if cfg.transport != "tcp":
+            raise ValueError(f"unknown zmq transport {cfg.transport!r} (ipc or tcp)")
+        port = "*" if cfg.port == 0 else str(cfg.port)
+        pull.bind(f"tcp://{cfg.bind_host}:{port}")
+        bound = pull.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://host:port
+        bound_port = bound.rsplit(":", 1)[1]
+        return f"tcp://{self._advertised_host()}:{bound_port}"
+
+    def _advertised_host(self) -> str:
+        cfg = self.config
+        if cfg.advertise_host:
+            return cfg.advertise_host
+        if cfg.bind_host not in ("0.0.0.0", "*", "::"):
+            return cfg.bind_host
+        return _node_ip()
+
+    async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> None:
+        push = self._pushes.get(dst.name) or await self._connect(dst)
+        await push.send(encode_batch(msgs), copy=True)
+
+    async def _connect(self, dst: Endpoint) -> zmq.asyncio.Socket:
+        pending = self._connecting.get(dst.name)
+        if pending is not None:  # another send is connecting to the same peer
+            return await pending
+        future: asyncio.Future[zmq.asyncio.Socket] = asyncio.get_running_loop().create_future()
+        self._connecting[dst.name] = future
+        try:
+            push = self.context.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDHWM, self.config.send_hwm)
+            push.connect(dst.address)
+            self._pushes[dst.name] = push
+            future.set_result(push)
+            return push
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # mark retrieved: no "never retrieved" warning
+            raise
+        finally:
+            del self._connecting[dst.name]
+
+    def forget_peer(self, dst: str) -> None:
+        super().forget_peer(dst)
+        push = self._pushes.pop(dst, None)
+        if push is not None:
+            push.close(linger=0)
+
+    async def recv(self) -> list[PeerReq]:
+        if self._pull is None or self._closed:
+            raise ChannelClosed(f"channel {self.name!r} is closed")
+        while True:
+            self._pending_recv = self._pull.recv(copy=True)
+            try:
+                frame = await self._pending_recv
+            finally:
+                self._pending_recv = None
+            batch = decode_frame(frame, self.name)
+            if batch is not None:
+                return batch
+
+    async def _shut(self) -> None:
+        pending = self._pending_recv
+        if pending is not None and not pending.done():
+            # Resolve the waiting recv ourselves: the socket would only cancel it.
+            pending.set_exception(ChannelClosed(f"channel {self.name!r} is closed"))
+        for push in self._pushes.values():
+            push.close(linger=0)
+        self._pushes.clear()
+        if self._pull is not None:
+            self._pull.close(linger=0)
+        if self._ipc_dir_owned is not None:
+            shutil.rmtree(self._ipc_dir_owned, ignore_errors=True)
+
+
+def _node_ip() -> str:
+    """This host's outward IP address (no packet is sent: UDP connect only picks a route)."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
