@@ -1,0 +1,34 @@
+"""Deferred-batching thresholds: the Markov-chain throughput model and its search.
+
+``profile`` holds the routing statistics (step times, p, c), ``chain`` enumerates the
+reachable states, ``stationary`` solves the long-run distribution, ``markov`` turns that into
+predicted tokens per second, ``montecarlo``/``simulate`` estimate the same chain by
+simulation, ``search`` picks ``B*(N)``, and ``commands`` is the ``tune`` CLI.
+"""
+
+from __future__ import annotations
+
+from tokenrouter_ray.tuning.markov import (
+    ThroughputResult,
+    check_admissible,
+    is_admissible,
+    single_request_throughput,
+    throughput,
+)
+from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile, load_profile
+from tokenrouter_ray.tuning.search import SweepResult, sweep, threshold_lists, tune
+
+__all__ = [
+    "ModelProfile",
+    "RoutingProfile",
+    "SweepResult",
+    "ThroughputResult",
+    "check_admissible",
+    "is_admissible",
+    "load_profile",
+    "single_request_throughput",
+    "sweep",
+    "threshold_lists",
+    "throughput",
+    "tune",
+]

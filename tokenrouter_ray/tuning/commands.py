@@ -1,0 +1,202 @@
+"""The ``tokenrouter-ray tune`` command: solve deferred-batching thresholds from statistics.
+
+Statistics come either inline (``--step-ms``, ``--route-prob``, ``--commit``) or from a
+``--profile`` JSON/YAML file (format in docs/tuning.md). For each ``--concurrency`` N the
+command sweeps the free thresholds, prints the predicted throughput of every B and the best
+one (a table, or JSON with ``--json``), and with ``--thresholds-out`` writes the per-model
+threshold lists (index = active requests) a scheduler config takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tokenrouter_ray.errors import UserFacingError
+from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig
+from tokenrouter_ray.tuning.profile import RoutingProfile, load_profile, profile_from_mapping
+from tokenrouter_ray.tuning.search import METHODS, SweepResult, threshold_lists, tune
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "tune",
+        help="predict throughput per batching threshold B and pick the best per concurrency",
+        description=(
+            "Solve the deferred-batching Markov model (docs/tuning.md). Models are given in "
+            "--step-ms order (or the profile's order); requests enter at the first one."
+        ),
+    )
+    source = parser.add_argument_group("statistics (inline, or --profile)")
+    source.add_argument("--profile", type=Path, help="JSON or YAML profile file")
+    source.add_argument("--step-ms", help="step time per model, e.g. small=6.0,large=27.9")
+    source.add_argument(
+        "--route-prob",
+        help="p(src->dst), e.g. small:small=0.65,small:large=0.35,large:small=1 (missing = 0)",
+    )
+    source.add_argument("--commit", help="tokens committed per move src:dst (missing = 0)")
+    source.add_argument("--grain-ms", type=float, help="time grain delta in ms (default 0.1)")
+    parser.add_argument(
+        "--concurrency", default="1,2,4,8,16", help="active-request counts N, e.g. 1,2,4 or 1-16"
+    )
+    parser.add_argument("--fix", help="thresholds held fixed, e.g. small=1")
+    parser.add_argument("--method", choices=METHODS, default="auto")
+    parser.add_argument(
+        "--patience",
+        type=int,
+        help="stop a model's sweep after this many B in a row below its best (default: all B)",
+    )
+    parser.add_argument("--mc-replicas", type=int, default=MonteCarloConfig.replicas)
+    parser.add_argument("--mc-events", type=int, default=MonteCarloConfig.events)
+    parser.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--thresholds-out", type=Path, help="write {model: [B at N=0..max]} JSON here"
+    )
+    parser.set_defaults(func=run_tune)
+
+
+def _pairs(text: str | None, what: str) -> dict[str, str]:
+    """``a=1,b=2`` to ``{"a": "1", "b": "2"}``, keeping order."""
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise UserFacingError(f"{what}: expected name=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    values: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        lo, dash, hi = item.partition("-")
+        try:
+            values += list(range(int(lo), int(hi) + 1)) if dash else [int(item)]
+        except ValueError:
+            raise UserFacingError(f"{what}: {item!r} is not an integer or range") from None
+    if not values or min(values) < 1:
+        raise UserFacingError(f"{what}: need positive integers, got {text!r}")
+    return sorted(set(values))
+
+
+def _inline_profile(args: argparse.Namespace) -> RoutingProfile:
+    if not args.step_ms or not args.route_prob:
+        raise UserFacingError("give --profile FILE, or both --step-ms and --route-prob")
+    models: dict[str, Any] = {}
+    for name, ms in _pairs(args.step_ms, "--step-ms").items():
+        try:
+            models[name] = {"step_ms": float(ms)}
+        except ValueError:
+            raise UserFacingError(f"--step-ms: {name}={ms!r} is not a number") from None
+    return profile_from_mapping(
+        {
+            "models": models,
+            "route_prob": _pairs(args.route_prob, "--route-prob"),
+            "commit": _pairs(args.commit, "--commit"),
+        }
+    )
+
+
+def build_profile(args: argparse.Namespace) -> RoutingProfile:
+    """The profile the arguments describe (file or inline), with --grain-ms applied."""
+    if args.profile is not None:
+        if args.step_ms or args.route_prob or args.commit:
+            raise UserFacingError("--profile replaces --step-ms/--route-prob/--commit")
+        profile = load_profile(args.profile)
+    else:
+        profile = _inline_profile(args)
+    if not any(any(row) for row in profile.commit):
+        raise UserFacingError("every commit count is 0: nothing would ever be committed")
+    if args.grain_ms is not None:
+        if not args.grain_ms > 0:
+            raise UserFacingError(f"--grain-ms must be positive, got {args.grain_ms}")
+        profile = profile.with_grain(args.grain_ms)
+    return profile
+
+
+def _fixed(args: argparse.Namespace, profile: RoutingProfile) -> dict[str, int]:
+    fixed = {}
+    for name, value in _pairs(args.fix, "--fix").items():
+        if name not in profile.names:
+            raise UserFacingError(f"--fix: unknown model {name!r} (models: {list(profile.names)})")
+        try:
+            fixed[name] = int(value)
+        except ValueError:
+            raise UserFacingError(f"--fix: {name}={value!r} is not an integer") from None
+    return fixed
+
+
+def results_to_json(results: Mapping[int, SweepResult]) -> dict[str, Any]:
+    """``{"<N>": {"best": {model: B}, "throughput": {label: tok/s}, "method": ...}}``."""
+    out: dict[str, Any] = {}
+    for n, result in results.items():
+        entry: dict[str, Any] = {
+            "best": result.best_by_name(),
+            "throughput": {result.point_label(p): round(p.throughput, 3) for p in result.points},
+            "method": result.method,
+        }
+        if result.method == "monte-carlo":
+            entry["stderr"] = {
+                result.point_label(p): round(p.stderr or 0.0, 3) for p in result.points
+            }
+        out[str(n)] = entry
+    return out
+
+
+def format_table(results: Mapping[int, SweepResult]) -> str:
+    lines = []
+    for n, result in results.items():
+        free = ",".join(result.names[i] for i in result.free) or "(none free)"
+        lines.append(f"N={n}  sweeping B[{free}]  {result.method}, {result.elapsed_s:.2f} s")
+        best = result.best
+        for point in result.points:
+            label = result.point_label(point)
+            label = f"B[{free}]={label}" if len(result.free) == 1 else label
+            extra = (
+                f"+/- {point.stderr:7.2f}"
+                if point.stderr is not None
+                else f"{point.num_states:>8} states"
+            )
+            mark = "  <- best" if point is best else ""
+            lines.append(f"  {label:<20} {point.throughput:11.2f} tok/s  {extra}{mark}")
+    lines.append("")
+    lines.append("best thresholds:")
+    for n, result in results.items():
+        chosen = " ".join(f"{k}={v}" for k, v in result.best_by_name().items())
+        lines.append(f"  N={n:<4} {chosen}   ({result.best.throughput:.2f} tok/s)")
+    return "\n".join(lines)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    profile = build_profile(args)
+    concurrencies = _int_list(args.concurrency, "--concurrency")
+    fixed = _fixed(args, profile)
+    if args.patience is not None and args.patience < 1:
+        raise UserFacingError("--patience must be >= 1")
+    if args.mc_replicas < 2 or args.mc_events < 1:
+        raise UserFacingError("--mc-replicas must be >= 2 and --mc-events >= 1")
+    mc_config = MonteCarloConfig(replicas=args.mc_replicas, events=args.mc_events, seed=args.seed)
+    try:
+        results = tune(profile, concurrencies, fixed, args.method, args.patience, mc_config)
+    except ValueError as exc:
+        raise UserFacingError(str(exc)) from None
+    if args.json:
+        json.dump(results_to_json(results), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_table(results))
+    if args.thresholds_out is not None:
+        lists = threshold_lists(results)
+        args.thresholds_out.write_text(json.dumps(lists, indent=2) + "\n")
+    return 0

@@ -1,0 +1,191 @@
+"""Choosing thresholds: the search for ``B*(N) = argmax_B T(B)`` and the per-N threshold lists.
+
+Input: a profile, the concurrencies N to tune, and optionally some thresholds held fixed
+(e.g. ``{"small": 1}``). Each free model's B ranges over ``1..N`` subject to the no-deadlock
+rule ``sum_i (B_i - 1) < N``. Output: a ``SweepResult`` per N (every evaluated point and the
+best), and ``threshold_lists`` turns those into the per-model lists a scheduler config takes
+(index = number of active requests).
+
+Methods: ``exact`` solves the Markov chain for every admissible B; ``monte-carlo`` estimates
+all of them at once with the vectorized simulation of the same chain (``montecarlo.py``);
+``auto`` takes exact for two models, or for more models up to ``AUTO_EXACT_MAX_N``, and Monte
+Carlo beyond. The exact sweep is exhaustive by default. ``patience=k`` stops a free model's
+sweep after k values in a row below its best so far; T(B) is *not* always single-peaked (at
+N=64 in the paper setting it dips near B=22 before its maximum at B=40, see docs/tuning.md),
+so early stopping is an opt-in speed/accuracy trade.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tokenrouter_ray.tuning.markov import ThroughputResult, is_admissible, throughput
+from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig, monte_carlo
+from tokenrouter_ray.tuning.profile import RoutingProfile
+
+METHODS = ("auto", "exact", "monte-carlo")
+AUTO_EXACT_MAX_N = 8  # with 3+ models, exact chains past this N reach 10^5..10^6 states
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """All evaluated thresholds for one N, and the best of them."""
+
+    n_requests: int
+    names: tuple[str, ...]
+    free: tuple[int, ...]  # indices of the models whose B was swept
+    points: tuple[ThroughputResult, ...]  # in evaluation order
+    method: str  # "exact" or "monte-carlo"
+    elapsed_s: float
+
+    @property
+    def best(self) -> ThroughputResult:
+        return max(self.points, key=lambda point: point.throughput)
+
+    def best_by_name(self) -> dict[str, int]:
+        return dict(zip(self.names, self.best.thresholds, strict=True))
+
+    def point_label(self, point: ThroughputResult) -> str:
+        """The swept B alone with one free model, else ``name=B`` pairs for the free ones."""
+        if len(self.free) == 1:
+            return str(point.thresholds[self.free[0]])
+        return ",".join(f"{self.names[i]}={point.thresholds[i]}" for i in self.free)
+
+
+def _base_and_free(
+    profile: RoutingProfile, n_requests: int, fixed: Mapping[str, int] | None
+) -> tuple[list[int], tuple[int, ...]]:
+    pinned = {}
+    for name, value in (fixed or {}).items():
+        if int(value) < 1:
+            raise ValueError(f"fixed threshold for {name!r} must be >= 1, got {value}")
+        pinned[profile.index(name)] = int(value)
+    base = [pinned.get(i, 1) for i in range(profile.num_models)]
+    if not is_admissible(n_requests, base):
+        raise ValueError(
+            f"fixed thresholds {dict(fixed or {})} deadlock at N={n_requests}: "
+            "sum(B_i - 1) must be < N"
+        )
+    return base, tuple(i for i in range(profile.num_models) if i not in pinned)
+
+
+def candidates(
+    profile: RoutingProfile, n_requests: int, fixed: Mapping[str, int] | None = None
+) -> list[tuple[int, ...]]:
+    """Every admissible threshold vector with the fixed entries pinned."""
+    base, free = _base_and_free(profile, n_requests, fixed)
+    out = []
+    for values in itertools.product(range(1, n_requests + 1), repeat=len(free)):
+        trial = base.copy()
+        for i, value in zip(free, values, strict=True):
+            trial[i] = value
+        if is_admissible(n_requests, trial):
+            out.append(tuple(trial))
+    return out
+
+
+def _climb_exact(
+    profile: RoutingProfile,
+    n_requests: int,
+    base: list[int],
+    free: tuple[int, ...],
+    patience: int | None,
+) -> list[ThroughputResult]:
+    points: list[ThroughputResult] = []
+
+    def climb(axis: int, thresholds: list[int]) -> float:
+        """Best throughput over free axes ``axis..`` with the earlier ones set."""
+        if axis == len(free):
+            point = throughput(profile, n_requests, tuple(thresholds))
+            points.append(point)
+            return point.throughput
+        best, worse_in_a_row = float("-inf"), 0
+        for value in range(1, n_requests + 1):
+            trial = thresholds.copy()
+            trial[free[axis]] = value
+            if not is_admissible(n_requests, trial):
+                break
+            found = climb(axis + 1, trial)
+            if found > best:
+                best, worse_in_a_row = found, 0
+            else:
+                worse_in_a_row += 1
+                if patience is not None and worse_in_a_row >= patience:
+                    break
+        return best
+
+    climb(0, base)
+    return points
+
+
+def resolve_method(profile: RoutingProfile, n_requests: int, method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    if method != "auto":
+        return method
+    if profile.num_models <= 2 or n_requests <= AUTO_EXACT_MAX_N:
+        return "exact"
+    return "monte-carlo"
+
+
+def sweep(
+    profile: RoutingProfile,
+    n_requests: int,
+    fixed: Mapping[str, int] | None = None,
+    method: str = "auto",
+    patience: int | None = None,
+    mc_config: MonteCarloConfig | None = None,
+) -> SweepResult:
+    """Evaluate thresholds for one N and return every point tried (see module docstring)."""
+    base, free = _base_and_free(profile, n_requests, fixed)
+    chosen = resolve_method(profile, n_requests, method)
+    start = time.perf_counter()
+    if chosen == "exact":
+        points = _climb_exact(profile, n_requests, base, free, patience)
+    else:
+        points = monte_carlo(profile, n_requests, candidates(profile, n_requests, fixed), mc_config)
+    return SweepResult(
+        n_requests=n_requests,
+        names=profile.names,
+        free=free,
+        points=tuple(points),
+        method=chosen,
+        elapsed_s=time.perf_counter() - start,
+    )
+
+
+def tune(
+    profile: RoutingProfile,
+    concurrencies: Sequence[int],
+    fixed: Mapping[str, int] | None = None,
+    method: str = "auto",
+    patience: int | None = None,
+    mc_config: MonteCarloConfig | None = None,
+) -> dict[int, SweepResult]:
+    """``sweep`` for each N, keyed by N."""
+    return {n: sweep(profile, n, fixed, method, patience, mc_config) for n in concurrencies}
+
+
+def threshold_lists(
+    results: Mapping[int, SweepResult], max_n: int | None = None
+) -> dict[str, list[int]]:
+    """Per-model threshold lists indexed by the number of active requests (0..max_n).
+
+    Entry n uses the best B of the largest tuned N <= n (a B that is deadlock-free at N is
+    deadlock-free at every larger n); below the smallest tuned N, and at index 0, it is 1.
+    """
+    if not results:
+        return {}
+    names = next(iter(results.values())).names
+    top = max(results) if max_n is None else max_n
+    lists: dict[str, list[int]] = {name: [1] * (top + 1) for name in names}
+    tuned = sorted(results)
+    for n in range(1, top + 1):
+        below = [m for m in tuned if m <= n]
+        if below:
+            for name, value in zip(names, results[below[-1]].best.thresholds, strict=True):
+                lists[name][n] = value
+    return lists
