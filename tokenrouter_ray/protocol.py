@@ -196,6 +196,11 @@ class RequestLedger:
         self._held[rid] = msg.handoff_seq
         return True
 
+    def finish(self, rid: str) -> None:
+        """Mark a rid finished locally (e.g. its owner stopped it): nothing revives it."""
+        self._held.pop(rid, None)
+        self._remember_finished(rid)
+
     def held_seq(self, rid: str) -> int | None:
         """Highest `handoff_seq` acted on for a live rid; None if unknown or finished."""
         return self._held.get(rid)

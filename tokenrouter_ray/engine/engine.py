@@ -61,6 +61,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
         self._uncommitted: StepResult | None = None
+        self.deferred_until: float | None = None  # set when the launch threshold held a step
         cfg = runner.model.config
         limit = getattr(cfg, "max_position_embeddings", None) or self.kv.capacity_tokens
         self.max_model_len = min(config.max_model_len or limit, limit, self.kv.capacity_tokens)
@@ -178,6 +179,7 @@ class Engine:
             raise RuntimeError("commit() the previous step's result before executing another")
         t0 = time.perf_counter()
         out = self.scheduler.schedule(time.monotonic() if now is None else now)
+        self.deferred_until = out.wake_at if out.deferred else None
         if not out:
             return None
         timings = StepTimings(schedule=time.perf_counter() - t0)

@@ -1,0 +1,84 @@
+"""The sequential reference for routed generation: one request at a time, a full-context
+forward per token, no KV reuse, no batching, no messages.
+
+It runs each policy's semantics plainly (whoever is active generates; ``route`` picks the
+next model; ``send`` says whether the token just sampled is dropped) on plain transformers
+models, so it checks everything the runtime adds: paged KV, extends after handoffs,
+batching, anchors, the protocol. Greedy ``LocalRuntime`` output must equal it token for
+token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from tokenrouter_ray.engine.outputs import StepResult
+from tokenrouter_ray.engine.request import SamplingParams
+from tokenrouter_ray.engine.sampler import sample
+from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch
+
+
+@dataclass
+class ReferenceResult:
+    token_ids: list[int] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    handoffs: int = 0
+    finish_reason: str = "length"
+
+
+def _eos_ids(model: PreTrainedModel) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    return set([eos] if isinstance(eos, int) else (eos or []))
+
+
+@torch.inference_mode()
+def reference_generate(
+    models: Sequence[tuple[str, PreTrainedModel]],
+    policy: Policy,
+    prompt: Sequence[int],
+    sampling: SamplingParams,
+    seed: int,
+) -> ReferenceResult:
+    names = [n for n, _ in models]
+    sequence = list(prompt)
+    result = ReferenceResult()
+    active = 0
+    while True:
+        model = models[active][1]
+        out = model(torch.tensor([sequence]), output_hidden_states=True)
+        logits = out.logits[0, -1:].float()  # (1, V)
+        hidden = out.hidden_states[-1][0, -1:]  # (1, H) after the final norm
+        token = sample(logits, [sampling], [seed], [len(sequence)])
+        step = StepResult(["ref"], token, token.tolist(), [len(sequence)], logits, hidden)
+        batch = RouteBatch(
+            model=active,
+            step=step,
+            positions=torch.tensor([len(sequence)]),
+            prev_tokens=torch.tensor([sequence[-1]]),
+            is_first=torch.tensor([len(sequence) == len(prompt)]),
+            seeds=[seed],
+            embed=model.get_input_embeddings(),
+        )
+        dst = int(policy.route(batch)[0])
+        drop = (
+            dst != active
+            and policy.send(RequestView("ref", active, len(sequence)), dst).drop_sampled
+        )
+        if not drop:
+            t = int(token[0])
+            sequence.append(t)
+            result.token_ids.append(t)
+            result.counts[names[active]] = result.counts.get(names[active], 0) + 1
+            if t in sampling.stop_token_ids or (not sampling.ignore_eos and t in _eos_ids(model)):
+                result.finish_reason = "stop"
+                return result
+            if len(result.token_ids) >= sampling.max_tokens:
+                return result
+        result.handoffs += dst != active  # a finished request hands nothing off
+        active = dst

@@ -1,0 +1,49 @@
+"""Shared by the policies with a trained router: config fields and lazy loading."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from tokenrouter_ray.routing.policy import PolicyConfig
+from tokenrouter_ray.routing.routers import load_router, random_router
+
+
+class NeuralConfig(PolicyConfig):
+    checkpoint: str | None = Field(
+        None,
+        description="Router checkpoint from `tokenrouter-ray train-router`. None: an untrained "
+        "router with seeded random weights (tests and wiring experiments only).",
+    )
+    threshold: float = Field(0.5, ge=0, le=1, description="Decision threshold on the score.")
+    seed: int = Field(0, description="Seed of the untrained router when no checkpoint is set.")
+    hidden_size: int | None = Field(
+        None, description="Hidden size for an untrained router (a checkpoint records its own)."
+    )
+
+
+class RouterHolder:
+    """Loads the router once, then moves it to the device/dtype of the features it sees."""
+
+    def __init__(self, config: NeuralConfig, kind: str, **arch: object) -> None:
+        self.config = config
+        self.kind = kind
+        self.arch = arch
+        self.module: nn.Module | None = None
+
+    def get(self, like: torch.Tensor) -> nn.Module:
+        if self.module is None:
+            if self.config.checkpoint:
+                self.module, _ = load_router(self.config.checkpoint, self.kind)
+            else:
+                size = self.config.hidden_size or like.shape[-1]
+                self.module = random_router(
+                    self.kind, self.config.seed, hidden_size=size, **self.arch
+                )
+        if (
+            next(self.module.parameters()).dtype != like.dtype
+            or next(self.module.parameters()).device != like.device
+        ):
+            self.module = self.module.to(device=like.device, dtype=like.dtype)
+        return self.module

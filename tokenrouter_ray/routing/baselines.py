@@ -1,0 +1,79 @@
+"""Baselines for experiments: never / always hand off, a fixed probability, an entropy bar.
+
+- ``never``: model 0 writes everything.
+- ``always``: every position goes to model 1 (model 0's token is dropped each time).
+- ``bernoulli(p)``: a position escalates with probability p, drawn from (request seed,
+  position) so it does not depend on batching, replicas or timing.
+- ``entropy(threshold)``: R2R's non-neural baseline, escalate when model 0's normalized
+  entropy exceeds the threshold.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from tokenrouter_ray.routing.policy import (
+    EscalateOnce,
+    PolicyConfig,
+    RouteBatch,
+    normalized_entropy,
+    register_policy,
+)
+
+
+@register_policy
+class Never(EscalateOnce):
+    name = "never"
+
+    def escalate(self, batch: RouteBatch) -> torch.Tensor:
+        return torch.zeros(batch.size, dtype=torch.bool, device=batch.device)
+
+
+@register_policy
+class Always(EscalateOnce):
+    name = "always"
+
+    def escalate(self, batch: RouteBatch) -> torch.Tensor:
+        return torch.ones(batch.size, dtype=torch.bool, device=batch.device)
+
+
+class BernoulliConfig(PolicyConfig):
+    p: float = Field(0.35, ge=0, le=1, description="Probability that a position escalates.")
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) from (seed, position): splitmix64, no generator state."""
+    z = seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019
+    z &= (1 << 64) - 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+
+
+@register_policy
+class Bernoulli(EscalateOnce):
+    name = "bernoulli"
+    Config = BernoulliConfig
+
+    def escalate(self, batch: RouteBatch) -> torch.Tensor:
+        draws = [
+            seeded_uniform(s, p) for s, p in zip(batch.seeds, batch.positions.tolist(), strict=True)
+        ]
+        return torch.tensor(draws, device=batch.device) < self.config.p
+
+
+class EntropyConfig(PolicyConfig):
+    threshold: float = Field(
+        0.3, ge=0, le=1, description="Escalate when H/log V of model 0 exceeds this."
+    )
+
+
+@register_policy
+class Entropy(EscalateOnce):
+    name = "entropy"
+    Config = EntropyConfig
+    needs_logits = True
+
+    def escalate(self, batch: RouteBatch) -> torch.Tensor:
+        return normalized_entropy(batch.step.logits) > self.config.threshold

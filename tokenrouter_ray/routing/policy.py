@@ -1,0 +1,146 @@
+"""The routing-policy interface: written from one request's point of view, run batched.
+
+After every step of model ``i`` the runtime hands the policy a ``RouteBatch`` (the step's
+sampled tokens, logits and last hidden states as device tensors, one row per request) and
+asks three things:
+
+- ``route(batch)``: the destination model index of every row, computed on device for the
+  whole batch at once; only this index vector leaves the device.
+- ``send(request, dst)``: for a row leaving model ``i``, what travels: whether the sampled
+  token is dropped (the destination regenerates that position) and policy extras.
+- ``receive(request, tokens, extras)``: on arrival at the destination, which of the
+  committed tokens it takes (default: all of them).
+
+Models are indexed from the smallest/entry model (0) upwards. A policy is configured by a
+pydantic model and registered by name (``register_policy``), one policy per file.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from tokenrouter_ray.engine.outputs import StepResult
+
+
+class PolicyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class RouteBatch:
+    """What ``route`` sees: the step output plus per-row facts, all batched."""
+
+    model: int  # index of the model that ran this step
+    step: StepResult  # sampled (B,), logits (B, V), hidden (B, H) on device
+    positions: torch.Tensor  # (B,) long: logical position of each sampled token
+    prev_tokens: torch.Tensor  # (B,) long: the token before it
+    is_first: torch.Tensor  # (B,) bool: first output token of the request
+    seeds: Sequence[int]  # per-request seeds (for seeded random policies)
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # token ids -> embeddings
+
+    @property
+    def size(self) -> int:
+        return len(self.step.request_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.step.sampled.device
+
+
+@dataclass
+class RequestView:
+    """One request as the policy sees it in ``send``/``receive``."""
+
+    request_id: str
+    model: int  # where it is now
+    position: int  # logical position of the token just sampled (send) / next to fill
+    state: dict[str, Any] = field(default_factory=dict)  # policy scratch, per request
+
+
+@dataclass(frozen=True)
+class Send:
+    drop_sampled: bool  # the destination regenerates the position just sampled
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Policy(ABC):
+    name: ClassVar[str]
+    Config: ClassVar[type[PolicyConfig]] = PolicyConfig
+    needs_logits: ClassVar[bool] = False
+    needs_hidden: ClassVar[bool] = False
+    needs_embeddings: ClassVar[bool] = False
+    min_models: ClassVar[int] = 2
+    max_models: ClassVar[int | None] = 2
+
+    def __init__(self, config: PolicyConfig, models: Sequence[str], tokenizer: Any = None) -> None:
+        if len(models) < self.min_models or (self.max_models and len(models) > self.max_models):
+            most = self.max_models or "any number of"
+            raise ValueError(
+                f"policy {self.name!r} routes between {self.min_models}..{most} models, "
+                f"got {len(models)}: {list(models)}"
+            )
+        self.config = config
+        self.models = list(models)
+        self.tokenizer = tokenizer
+
+    @abstractmethod
+    def route(self, batch: RouteBatch) -> torch.Tensor:
+        """(B,) long destination model index per row, on ``batch.device``."""
+
+    def send(self, request: RequestView, dst: int) -> Send:
+        """Default: escalating to a larger model drops the token it will regenerate;
+        returning to a smaller one keeps the token just generated."""
+        return Send(drop_sampled=dst > request.model)
+
+    def receive(self, request: RequestView, tokens: list[int], extras: dict[str, Any]) -> list[int]:
+        """Default: take every token the peer committed."""
+        return tokens
+
+
+class EscalateOnce(Policy):
+    """The shape of R2R, CITER, Co-LLM and their baselines: model 0 generates; where
+    ``escalate`` says so its token is dropped and model 1 generates exactly that one token,
+    then control returns to model 0."""
+
+    @abstractmethod
+    def escalate(self, batch: RouteBatch) -> torch.Tensor:
+        """(B,) bool: should the large model produce this position instead?"""
+
+    def route(self, batch: RouteBatch) -> torch.Tensor:
+        if batch.model != 0:
+            return torch.zeros(batch.size, dtype=torch.long, device=batch.device)
+        return self.escalate(batch).long()
+
+
+def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """H(softmax(logits)) / log(V) per row: 0 for a certain model, 1 for a uniform one."""
+    logp = torch.log_softmax(logits.double(), dim=-1)  # (B, V)
+    return -(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])
+
+
+# --------------------------------------------------------------------------- registry
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def build_policy(
+    name: str, options: dict[str, Any] | None, models: Sequence[str], tokenizer: Any = None
+) -> Policy:
+    from tokenrouter_ray.routing import load_builtin_policies
+
+    load_builtin_policies()
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    cls = POLICIES[name]
+    return cls(cls.Config(**(options or {})), models, tokenizer)

@@ -1,0 +1,153 @@
+"""The ingress side of the protocol: submit requests, assemble commits, abort.
+
+``IngressCore`` is the single holder of each request's committed output. It sends NEW to
+the entry model, orders COMMITs from whichever model committed (``CommitLog``), completes a
+request once FINISHED arrived *and* every committed token up to the final length is in, and
+broadcasts ABORT to every model endpoint (receivers that never held the request ignore it).
+The OpenAI server and ``LocalRuntime`` both drive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, ProtocolError, SamplingSpec
+from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_len: int
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    counts: dict[str, int] = field(default_factory=dict)  # committed tokens per model
+    handoffs: int = 0
+    error: str | None = None
+
+
+class _Live:
+    def __init__(self, rid: str, prompt_len: int) -> None:
+        self.log = CommitLog(prompt_len)
+        self.completion = Completion(rid, prompt_len)
+        self.final_len: int | None = None
+        self.updates: asyncio.Queue[list[int] | None] = asyncio.Queue()
+
+    @property
+    def complete(self) -> bool:
+        return self.final_len is not None and self.log.end >= self.final_len
+
+
+class IngressCore:
+    def __init__(
+        self,
+        channel: PeerChannel,
+        entry_endpoint: Callable[[], str],
+        all_endpoints: Callable[[], list[str]],
+    ) -> None:
+        self.channel = channel
+        self.entry_endpoint = entry_endpoint
+        self.all_endpoints = all_endpoints
+        self.live: dict[str, _Live] = {}
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._receive_loop(), name="ingress-recv")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ChannelClosed):
+                await self._task
+
+    @property
+    def num_active(self) -> int:
+        return len(self.live)
+
+    async def submit(self, rid: str, prompt: list[int], sampling: SamplingSpec) -> None:
+        if rid in self.live:
+            raise ValueError(f"request {rid!r} is already running")
+        if sampling.seed is None:  # one seed for every model the request visits
+            sampling = msgspec.structs.replace(sampling, seed=secrets.randbits(62))
+        self.live[rid] = _Live(rid, len(prompt))
+        msg = PeerReq(
+            rid=rid,
+            src=self.channel.name,
+            dst=self.entry_endpoint(),
+            kind=MsgKind.NEW,
+            handoff_seq=0,
+            tokens=list(prompt),
+            sampling=sampling,
+            active_requests=self.num_active,
+        )
+        await self.channel.send(msg.dst, [msg])
+
+    async def stream(self, rid: str) -> AsyncIterator[list[int]]:
+        """Newly committed tokens as they become contiguous, until the request completes."""
+        live = self.live[rid]
+        try:
+            while (chunk := await live.updates.get()) is not None:
+                yield chunk
+        finally:
+            if not live.complete:
+                await self.abort(rid)
+
+    async def result(self, rid: str) -> Completion:
+        async for _ in self.stream(rid):
+            pass
+        return self.live.pop(rid).completion
+
+    async def abort(self, rid: str) -> None:
+        live = self.live.pop(rid, None)
+        if live is None:
+            return
+        msgs = [
+            PeerReq(
+                rid=rid,
+                src=self.channel.name,
+                dst=dst,
+                kind=MsgKind.ABORT,
+                handoff_seq=0,
+                active_requests=self.num_active,
+            )
+            for dst in self.all_endpoints()
+        ]
+        await self.channel.send_grouped(msgs)
+        live.completion.finish_reason = "abort"
+        live.updates.put_nowait(None)
+
+    async def _receive_loop(self) -> None:
+        async for batch in self.channel:
+            for msg in batch:
+                self._on_message(msg)
+
+    def _on_message(self, msg: PeerReq) -> None:
+        live = self.live.get(msg.rid)
+        if live is None:
+            return
+        if msg.kind == MsgKind.COMMIT:
+            try:
+                fresh = live.log.add(msg.anchor, msg.tokens)
+            except ProtocolError as exc:
+                live.completion.error = str(exc)
+                live.final_len = live.log.end
+                fresh = []
+            if fresh:
+                live.completion.token_ids += fresh
+                live.updates.put_nowait(fresh)
+        elif msg.kind == MsgKind.FINISHED:
+            live.final_len = msg.anchor
+            live.completion.finish_reason = msg.finish_reason
+            live.completion.counts = dict(msg.extras.get("counts", {}))
+            live.completion.handoffs = int(msg.extras.get("handoffs", 0))
+            live.completion.error = msg.extras.get("error")
+            if live.completion.error:
+                live.final_len = live.log.end
+        if live.complete:
+            live.updates.put_nowait(None)

@@ -1,0 +1,348 @@
+"""One model's autonomous sub-server: an engine, a routing policy and a peer channel.
+
+Two asyncio tasks that never wait for another model:
+- the receive loop drains the channel into an inbox (NEW / HANDOFF / FINISHED / ABORT from
+  the ingress and from peers) and wakes the decode loop;
+- the decode loop applies the inbox between steps, runs schedule -> forward -> route in a
+  worker thread (the event loop stays free), then commits, pauses requests the policy sent
+  elsewhere, and sends one frame per destination: HANDOFFs carrying only the suffix the
+  receiver has not seen, COMMITs and FINISHEDs to the request's ingress.
+
+Only this task touches the engine, so no lock is needed. Bad messages are logged and
+dropped; a request that cannot be served here is finished with ``finish_reason="error"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tokenrouter_ray.engine.engine import Engine
+from tokenrouter_ray.engine.outputs import StepResult
+from tokenrouter_ray.protocol import MsgKind, PeerReq, RequestLedger
+from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch
+from tokenrouter_ray.runtime.tracking import Tracked, engine_sampling
+from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HandoffRecord:
+    """What one handoff put on the wire (for tests, metrics and benchmarks)."""
+
+    rid: str
+    seq: int  # handoff_seq of the message
+    src: str
+    dst: str
+    anchor: int  # where the suffix starts: what dst already held
+    end: int  # sequence length at the handoff
+    num_tokens: int  # suffix length actually sent
+    first_visit: bool
+
+
+class SubServer:
+    def __init__(
+        self,
+        models: list[str],
+        index: int,
+        engine: Engine,
+        policy: Policy,
+        channel: PeerChannel,
+        pick_endpoint: Callable[[str], str],
+    ) -> None:
+        self.models = models
+        self.index = index
+        self.name = models[index]
+        self.engine = engine
+        self.policy = policy
+        self.channel = channel
+        self.pick_endpoint = pick_endpoint  # model name -> endpoint for a first visit
+        self.ledger = RequestLedger()
+        self.tracked: dict[str, Tracked] = {}
+        self.inbox: deque[PeerReq] = deque()
+        self.handoff_log: deque[HandoffRecord] = deque(maxlen=100_000)
+        self.active_requests = 0
+        self.num_steps = 0
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+        runner = engine.runner
+        runner.keep_logits |= policy.needs_logits
+        runner.keep_hidden |= policy.needs_hidden
+        embeddings = runner.model.get_input_embeddings()
+        self._embed = embeddings if policy.needs_embeddings else None
+
+    @property
+    def endpoint(self) -> str:
+        return self.channel.name
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name=f"{self.name}-recv"),
+            asyncio.create_task(self._decode_loop(), name=f"{self.name}-decode"),
+        ]
+
+    async def stop(self) -> None:
+        self._closing = True
+        self._wake.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, ChannelClosed):
+                await task
+
+    def deliver(self, msgs: list[PeerReq]) -> None:
+        """Queue messages for the decode loop (also used by transports that push)."""
+        self.inbox.extend(msgs)
+        self._wake.set()
+
+    # ------------------------------------------------------------------- receive
+    async def _receive_loop(self) -> None:
+        async for batch in self.channel:
+            self.deliver(batch)
+
+    def _apply_inbox(self, out: list[PeerReq]) -> None:
+        while self.inbox:
+            msg = self.inbox.popleft()
+            if not self.ledger.accept(msg):
+                continue
+            if msg.active_requests:
+                self.active_requests = msg.active_requests
+            try:
+                self._apply(msg, out)
+            except (ValueError, KeyError) as exc:
+                logger.warning("%s: dropping %s for %s: %s", self.name, msg.kind.name, msg.rid, exc)
+                self._fail(msg, str(exc), out)
+        self.engine.set_active_requests(self.active_requests or None)
+
+    def _apply(self, msg: PeerReq, out: list[PeerReq]) -> None:
+        rid = msg.rid
+        if msg.kind.is_terminal:
+            self.engine.abort(rid)
+            self.tracked.pop(rid, None)
+            return
+        if msg.kind == MsgKind.NEW:
+            tracked = Tracked(rid, msg.src, len(msg.tokens), msg.sampling, seq=msg.handoff_seq)
+            tracked.endpoints[self.name] = self.endpoint
+            self.tracked[rid] = tracked
+            self.engine.add_request(
+                rid, msg.tokens, engine_sampling(msg.sampling), num_prompt_tokens=len(msg.tokens)
+            )
+            return
+        if msg.kind != MsgKind.HANDOFF:
+            return
+        extras = msg.extras
+        tracked = self.tracked.get(rid)
+        if tracked is None:
+            if msg.sampling is None:
+                raise ValueError("first visit without sampling parameters")
+            tracked = self.tracked[rid] = Tracked.from_handoff(
+                rid, extras, msg.sampling, msg.handoff_seq
+            )
+        else:
+            tracked.update_from(extras, msg.handoff_seq)
+        view = RequestView(rid, self.index, msg.anchor + len(msg.tokens), tracked.policy_state)
+        tokens = self.policy.receive(view, list(msg.tokens), extras.get("policy", {}))
+        if rid in self.engine.requests:
+            self.engine.resume(rid, tokens, anchor=msg.anchor)
+        elif msg.anchor == 0:
+            self.engine.add_request(
+                rid, tokens, engine_sampling(tracked.sampling), num_prompt_tokens=tracked.prompt_len
+            )
+        else:
+            raise ValueError(f"extend at {msg.anchor} but this replica holds no state")
+        if rid not in self.engine.requests:  # the extend reached the context limit
+            self._finished(tracked, "length", out)
+
+    # -------------------------------------------------------------------- decode
+    async def _decode_loop(self) -> None:
+        while not self._closing:
+            out: list[PeerReq] = []
+            self._apply_inbox(out)
+            if out:
+                await self.channel.send_grouped(out)
+            if not self.engine.has_runnable:
+                self._wake.clear()
+                if not self.inbox:
+                    await self._wake.wait()
+                continue
+            step = await asyncio.to_thread(self._forward_and_route)
+            if step is None:  # deferred: wait for more work or the max-wait deadline
+                await self._sleep_until(self.engine.deferred_until)
+                continue
+            result, destinations = step
+            out = self._commit(result, destinations)
+            if out:
+                await self.channel.send_grouped(out)
+
+    async def _sleep_until(self, deadline: float | None) -> None:
+        self._wake.clear()
+        if self.inbox:
+            return
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _forward_and_route(self) -> tuple[StepResult, list[int]] | None:
+        result = self.engine.execute()
+        if result is None:
+            return None
+        self.num_steps += 1
+        if not result.request_ids:
+            return result, []
+        requests = [self.engine.requests[rid] for rid in result.request_ids]
+        dev = result.sampled.device
+        batch = RouteBatch(
+            model=self.index,
+            step=result,
+            positions=torch.tensor(result.positions, device=dev),
+            prev_tokens=torch.tensor([r.token_ids[-1] for r in requests], device=dev),
+            is_first=torch.tensor(
+                [r.num_tokens == r.num_prompt_tokens for r in requests], device=dev
+            ),
+            seeds=[r.seed for r in requests],
+            embed=self._embed,
+        )
+        with torch.inference_mode():
+            destinations = self.policy.route(batch).tolist()
+        return result, destinations
+
+    def _commit(self, result: StepResult, destinations: list[int]) -> list[PeerReq]:
+        drop: set[str] = set()
+        leaving: dict[str, tuple[int, dict]] = {}
+        for rid, position, dst in zip(
+            result.request_ids, result.positions, destinations, strict=True
+        ):
+            if dst == self.index:
+                continue
+            tracked = self.tracked[rid]
+            send = self.policy.send(
+                RequestView(rid, self.index, position, tracked.policy_state), dst
+            )
+            if send.drop_sampled:
+                drop.add(rid)
+            leaving[rid] = (dst, send.extras)
+        positions = dict(zip(result.request_ids, result.positions, strict=True))
+        out: list[PeerReq] = []
+        for o in self.engine.commit(result, drop=drop, pause=leaving.keys()):
+            tracked = self.tracked[o.request_id]
+            if o.new_token_ids:
+                self._count(tracked, len(o.new_token_ids))
+                out.append(
+                    self._to_ingress(
+                        tracked, MsgKind.COMMIT, o.new_token_ids, anchor=positions[o.request_id]
+                    )
+                )
+            if o.finished:
+                self._finished(tracked, o.finish_reason, out)
+            elif o.request_id in leaving:
+                dst, extras = leaving[o.request_id]
+                sequence = self.engine.requests[o.request_id].token_ids
+                out.append(self._handoff(tracked, sequence, dst, extras))
+        return out
+
+    def _count(self, tracked: Tracked, n: int) -> None:
+        tracked.counts[self.name] = tracked.counts.get(self.name, 0) + n
+
+    def _handoff(self, tracked: Tracked, sequence: list[int], dst: int, extras: dict) -> PeerReq:
+        model = self.models[dst]
+        first_visit = model not in tracked.anchors
+        anchor = tracked.anchors.get(model, 0)
+        suffix = sequence[anchor:]
+        tracked.anchors[self.name] = len(sequence)
+        tracked.anchors[model] = len(sequence)
+        endpoint = tracked.endpoints.get(model) or self.pick_endpoint(model)
+        tracked.endpoints[model] = endpoint
+        tracked.handoffs += 1
+        tracked.seq += 1
+        self.handoff_log.append(
+            HandoffRecord(
+                tracked.rid,
+                tracked.seq,
+                self.name,
+                model,
+                anchor,
+                len(sequence),
+                len(suffix),
+                first_visit,
+            )
+        )
+        return PeerReq(
+            rid=tracked.rid,
+            src=self.endpoint,
+            dst=endpoint,
+            kind=MsgKind.HANDOFF,
+            handoff_seq=tracked.seq,
+            tokens=suffix,
+            anchor=anchor,
+            committed=max(0, len(sequence) - max(anchor, tracked.prompt_len)),
+            sampling=tracked.sampling if first_visit else None,
+            extras=tracked.to_extras(extras),
+            active_requests=self.active_requests,
+        )
+
+    def _to_ingress(
+        self,
+        tracked: Tracked,
+        kind: MsgKind,
+        tokens: list[int],
+        anchor: int,
+        reason: str | None = None,
+        extras: dict | None = None,
+    ) -> PeerReq:
+        return PeerReq(
+            rid=tracked.rid,
+            src=self.endpoint,
+            dst=tracked.ingress,
+            kind=kind,
+            handoff_seq=tracked.seq,
+            tokens=tokens,
+            anchor=anchor,
+            committed=len(tokens),
+            finish_reason=reason,
+            extras=extras or {},
+            active_requests=self.active_requests,
+        )
+
+    def _finished(
+        self, tracked: Tracked, reason: str | None, out: list[PeerReq], error: str | None = None
+    ) -> None:
+        """FINISHED to the ingress (with the final counts) and to every other holder."""
+        rid = tracked.rid
+        self.tracked.pop(rid, None)
+        self.ledger.finish(rid)
+        self.engine.abort(rid)
+        total = tracked.prompt_len + sum(tracked.counts.values())
+        summary = {"counts": tracked.counts, "handoffs": tracked.handoffs}
+        if error is not None:
+            summary["error"] = error
+        out.append(self._to_ingress(tracked, MsgKind.FINISHED, [], total, reason, summary))
+        for model, endpoint in tracked.endpoints.items():
+            if model != self.name:
+                out.append(
+                    PeerReq(
+                        rid=rid,
+                        src=self.endpoint,
+                        dst=endpoint,
+                        kind=MsgKind.FINISHED,
+                        handoff_seq=tracked.seq + 1,
+                        finish_reason=reason,
+                    )
+                )
+
+    def _fail(self, msg: PeerReq, error: str, out: list[PeerReq]) -> None:
+        """A message this replica cannot serve ends its request with an error."""
+        tracked = self.tracked.get(msg.rid)
+        if tracked is None:
+            if msg.kind != MsgKind.NEW:
+                return
+            tracked = Tracked(msg.rid, msg.src, len(msg.tokens), msg.sampling)
+        self._finished(tracked, "error", out, error=error)
