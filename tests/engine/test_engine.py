@@ -203,7 +203,7 @@ def test_random_operations_leave_every_block_free(tiny_llama_dir) -> None:
         elif op == "step":
             engine.step(now=float("inf"))
         elif live:
-            rid = rng.choice(live + ["ghost"])
+            rid = rng.choice([*live, "ghost"])
             if op == "pause":
                 engine.pause(rid)
             elif op == "resume" and rid in engine.requests:

@@ -201,7 +201,7 @@ class Engine:
         self._uncommitted = None
         t0 = time.perf_counter()
         outputs = []
-        for rid, token in zip(result.request_ids, result.token_ids):
+        for rid, token in zip(result.request_ids, result.token_ids, strict=True):
             request = self.requests.get(rid)
             if request is None:
                 continue

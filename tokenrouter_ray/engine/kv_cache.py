@@ -35,7 +35,7 @@ class PagedKVCache:
     def write(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
     ) -> None:
-        """Store new tokens. key/value: (num_tokens, num_kv_heads, head_dim); slots: (num_tokens,)."""
+        """Store new tokens: key/value (num_tokens, num_kv_heads, head_dim), slots (num_tokens,)."""
         flat = (-1, self.num_kv_heads, self.head_dim)
         self.keys[layer].view(flat).index_copy_(0, slots, key)
         self.values[layer].view(flat).index_copy_(0, slots, value)
