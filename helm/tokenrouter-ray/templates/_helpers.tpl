@@ -1,0 +1,101 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "tokenrouter-ray.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified name: the RayService's name. Kept to 40 characters because KubeRay derives
+longer names from it (<name>-raycluster-xxxxx, <name>-serve-svc, <name>-head-svc).
+*/}}
+{{- define "tokenrouter-ray.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The Service KubeRay creates in front of the healthy Serve proxies. */}}
+{{- define "tokenrouter-ray.serveServiceName" -}}
+{{- printf "%s-serve-svc" (include "tokenrouter-ray.fullname" .) }}
+{{- end }}
+
+{{- define "tokenrouter-ray.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tokenrouter-ray.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tokenrouter-ray.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "tokenrouter-ray.labels" -}}
+helm.sh/chart: {{ include "tokenrouter-ray.chart" . }}
+{{ include "tokenrouter-ray.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "tokenrouter-ray.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The app's Hydra overrides, one per line, in the order conf/r2r_cross_node.yaml has them. */}}
+{{- define "tokenrouter-ray.overrides" -}}
+- models={{ .Values.serve.modelsConfig }}
+- policy={{ .Values.policy }}
+- transport={{ .Values.transport.name }}
+- placement={{ .Values.placement }}
+{{- range .Values.serve.extraOverrides }}
+- {{ . | toJson }}
+{{- end }}
+{{- end }}
+
+{{/* The Ray Serve config (serveConfigV2): the same document as conf/r2r_cross_node.yaml. */}}
+{{- define "tokenrouter-ray.serveConfig" -}}
+proxy_location: {{ .Values.serve.proxyLocation }}
+http_options:
+  host: 0.0.0.0
+  port: {{ .Values.serve.port }}
+applications:
+  - name: {{ .Values.serve.appName }}
+    route_prefix: {{ .Values.serve.routePrefix }}
+    import_path: {{ .Values.serve.importPath }}
+    args:
+      overrides:
+{{ include "tokenrouter-ray.overrides" . | indent 8 }}
+{{- end }}
+
+{{/*
+rayStartParams.resources in the form KubeRay passes to `ray start --resources=...` through a
+shell: a JSON object in double quotes with its inner quotes backslash-escaped,
+e.g. "{\"tokenrouter_small\": 1}".
+*/}}
+{{- define "tokenrouter-ray.rayResources" -}}
+{{- printf "\"{\\\"%s\\\": 1}\"" . }}
+{{- end }}
+
+{{/* Environment and volume mounts shared by every Ray container. */}}
+{{- define "tokenrouter-ray.containerEnv" -}}
+- name: HF_HOME
+  value: {{ .Values.modelCache.mountPath | quote }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "tokenrouter-ray.modelCacheVolume" -}}
+- name: model-cache
+{{- if .Values.modelCache.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.modelCache.existingClaim }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.modelCache.sizeLimit }}
+{{- end }}
+{{- end }}

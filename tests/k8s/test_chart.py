@@ -1,0 +1,218 @@
+"""The Helm chart: lint, the default layout, value variants, rejected values, dashboards."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.k8s import manifests, tools
+from tests.k8s.manifests import only
+
+Objects = list[dict[str, Any]]
+
+
+def serve_config(objects: Objects) -> dict[str, Any]:
+    return yaml.safe_load(only(objects, "RayService")["spec"]["serveConfigV2"])
+
+
+def ray_resources(param: str) -> dict[str, float]:
+    """Parses rayStartParams.resources the way Ray's KubeRay autoscaler does: the value is a
+    double-quoted JSON object with backslash-escaped inner quotes, as a shell would read it."""
+    assert param.startswith('"') and param.endswith('"'), param
+    return json.loads(param[1:-1].replace('\\"', '"'))
+
+
+def pod_templates(rayservice: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Group name ("head" for the head) -> pod template."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    templates = {"head": cluster["headGroupSpec"]["template"]}
+    templates.update({g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]})
+    return templates
+
+
+def ports(template: dict[str, Any]) -> dict[str, int]:
+    container = template["spec"]["containers"][0]
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def test_helm_is_the_official_binary(helm: Path) -> None:
+    result = tools.run(helm, "version", "--short")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(("v3.", "v4.")), result.stdout
+
+
+def test_lint_strict(helm: Path) -> None:
+    result = tools.run(helm, "lint", "--strict", str(manifests.CHART))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_default_render_is_the_cross_node_layout(default_render: Objects) -> None:
+    assert sorted(obj["kind"] for obj in default_render) == ["Ingress", "PodMonitor", "RayService"]
+
+
+def test_default_serve_config_is_conf_r2r_cross_node(
+    default_render: Objects, conf_serve_config: dict[str, Any]
+) -> None:
+    assert serve_config(default_render) == conf_serve_config
+
+
+def test_head_group(default_render: Objects) -> None:
+    head = only(default_render, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"] == {
+        "num-cpus": "0",
+        "dashboard-host": "0.0.0.0",
+        "metrics-export-port": "8080",
+    }
+    assert ports(head["template"]) == {
+        "gcs-server": 6379,
+        "dashboard": 8265,
+        "client": 10001,
+        "serve": 8000,
+        "metrics": 8080,
+    }
+
+
+def test_one_gpu_worker_group_per_model(default_render: Objects) -> None:
+    cluster = only(default_render, "RayService")["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    expected = {"small": (1, "tokenrouter_small"), "large": (2, "tokenrouter_large")}
+    assert set(groups) == set(expected)
+    for name, (gpus, node_resource) in expected.items():
+        group = groups[name]
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 1
+        assert ray_resources(group["rayStartParams"]["resources"]) == {node_resource: 1}
+        assert group["rayStartParams"]["metrics-export-port"] == "8080"
+        spec = group["template"]["spec"]
+        container = spec["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert ports(group["template"]) == {"serve": 8000, "metrics": 8080, "peer-zmq": 5555}
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert mounts["dshm"] == "/dev/shm"
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+            "tolerations"
+        ]
+
+
+def test_ingress_targets_the_serve_service(default_render: Objects) -> None:
+    rayservice = only(default_render, "RayService")
+    backend = only(default_render, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]
+    assert backend["service"]["name"] == f"{rayservice['metadata']['name']}-serve-svc"
+    assert (
+        backend["service"]["port"]["number"] == serve_config(default_render)["http_options"]["port"]
+    )
+
+
+def test_pod_monitor_scrapes_every_ray_pod(default_render: Objects) -> None:
+    rayservice = only(default_render, "RayService")
+    monitor = only(default_render, "PodMonitor")["spec"]
+    selector = monitor["selector"]["matchLabels"]
+    [endpoint] = monitor["podMetricsEndpoints"]
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    params = [cluster["headGroupSpec"]["rayStartParams"]] + [
+        g["rayStartParams"] for g in cluster["workerGroupSpecs"]
+    ]
+    for name, template in pod_templates(rayservice).items():
+        assert selector.items() <= template["metadata"]["labels"].items(), name
+        assert ports(template)[endpoint["port"]] == 8080, name
+    assert all(p["metrics-export-port"] == "8080" for p in params)
+
+
+def test_transport_ray_opens_no_peer_port(render_values: Callable[..., Objects]) -> None:
+    values = manifests.default_values()
+    values["transport"]["name"] = "ray"
+    objects = render_values(values)
+    assert serve_config(objects)["applications"][0]["args"]["overrides"][2] == "transport=ray"
+    for name, template in pod_templates(only(objects, "RayService")).items():
+        assert "peer-zmq" not in ports(template), name
+
+
+def test_values_variant(render_values: Callable[..., Objects]) -> None:
+    values = manifests.default_values()
+    values["serve"]["extraOverrides"] = ["transport.port=6000", "tuning.interval_s=5"]
+    values["transport"]["port"] = 6000
+    values["ingress"].update(
+        className="nginx",
+        host="tokenrouter.example.com",
+        tls=[{"secretName": "tokenrouter-tls", "hosts": ["tokenrouter.example.com"]}],
+    )
+    values["metrics"]["podMonitor"]["enabled"] = False
+    medium = json.loads(json.dumps(values["models"][0]))
+    medium.update(name="medium", hfId="Qwen/Qwen3-8B", nodeResource="tokenrouter_medium")
+    values["models"].insert(1, medium)
+    values["models"][2]["worker"]["nodeSelector"] = {"nvidia.com/gpu.product": "NVIDIA-H100"}
+    objects = render_values(values)
+
+    assert sorted(obj["kind"] for obj in objects) == ["Ingress", "RayService"]
+    overrides = serve_config(objects)["applications"][0]["args"]["overrides"]
+    assert overrides[4:] == ["transport.port=6000", "tuning.interval_s=5"]
+    groups = only(objects, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert [g["groupName"] for g in groups] == ["small", "medium", "large"]
+    assert ports(groups[1]["template"])["peer-zmq"] == 6000
+    assert groups[2]["template"]["spec"]["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-H100"
+    }
+    ingress = only(objects, "Ingress")["spec"]
+    assert ingress["ingressClassName"] == "nginx"
+    assert ingress["rules"][0]["host"] == "tokenrouter.example.com"
+    assert ingress["tls"][0]["secretName"] == "tokenrouter-tls"
+
+
+def _bad_values(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    values = manifests.default_values()
+    change(values)
+    return values
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (_bad_values(lambda v: v["transport"].update(name="grpc")), "transport/name"),
+        (_bad_values(lambda v: v.update(colour="blue")), "colour"),
+        (_bad_values(lambda v: v["models"][1].update(gpus=3)), "multiple of tensorParallel"),
+        (_bad_values(lambda v: v["models"][1].update(name="small")), "appears twice"),
+        (_bad_values(lambda v: v["models"][0]["worker"].update(replicas=2)), "replicas must"),
+        (_bad_values(lambda v: v["head"]["rayStartParams"].update({"num-gpus": 0})), "num-gpus"),
+    ],
+    ids=["transport", "unknown-key", "gpus-vs-tp", "duplicate-model", "replicas", "param-type"],
+)
+def test_invalid_values_are_rejected(
+    render_values: Callable[..., Objects], values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(manifests.HelmError, match=message):
+        render_values(values)
+
+
+def test_dashboards_render_from_json_files(
+    tmp_path: Path, helm: Path, kubectl: Path, render_values: Callable[..., Objects]
+) -> None:
+    """A JSON file dropped into k8s/dashboards/ becomes the same ConfigMap in the chart's
+    render and in k8s/ (after regeneration); without files, nothing renders."""
+    shutil.copytree(manifests.K8S, tmp_path / "k8s")
+    (tmp_path / "helm").mkdir()
+    shutil.copytree(manifests.CHART, tmp_path / "helm" / "tokenrouter-ray", symlinks=True)
+    chart, k8s = tmp_path / "helm" / "tokenrouter-ray", tmp_path / "k8s"
+    dashboard = {"title": "TokenRouter overview", "panels": [], "schemaVersion": 39}
+    (k8s / "dashboards" / "tokenrouter_overview.json").write_text(json.dumps(dashboard) + "\n")
+
+    [from_chart] = [o for o in manifests.render(chart=chart, helm=helm) if o["kind"] == "ConfigMap"]
+    assert from_chart["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(from_chart["data"]["tokenrouter_overview.json"]) == dashboard
+
+    files = manifests.generate(manifests.render(chart=chart, helm=helm), k8s / "dashboards")
+    for path, text in files.items():
+        (k8s / path).write_text(text)
+    [from_kustomize] = [o for o in manifests.kustomize(k8s, kubectl) if o["kind"] == "ConfigMap"]
+    assert from_kustomize == manifests.strip_helm_labels(from_chart)
+
+    values = manifests.default_values()
+    values["dashboards"]["enabled"] = False
+    assert "ConfigMap" not in {o["kind"] for o in render_values(values, chart=chart)}
