@@ -1,7 +1,12 @@
-"""Shared fixtures. `ray_cluster`: one local Ray cluster for every test that needs Ray.
+"""Shared fixtures.
 
-Ray is imported inside the fixture, so test sessions that never ask for it do not pay for
-the import. Tests that need Serve start it in their own fixtures on top of this cluster.
+`ray_cluster`: one local Ray cluster for every test that needs Ray, started once per session:
+two nodes on this machine (`ray.cluster_utils.Cluster`), the head advertising the custom
+resource `tokenrouter_small` and the second node `tokenrouter_large`, so cross-node
+placement is testable on the same cluster every other Ray test uses.
+`serve_http`: Ray Serve on that cluster, HTTP on a test port.
+
+Ray is imported inside the fixtures, so sessions that never ask for it do not pay for it.
 """
 
 from __future__ import annotations
@@ -12,23 +17,40 @@ from typing import Any
 
 import pytest
 
+SERVE_PORT = 18123
+
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Any]:
-    """A local Ray cluster (2 CPUs, no dashboard), started once per session.
-
-    Yields the `ray` module's context from `ray.init`; shut down at the end of the session.
-    """
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
+    from ray.cluster_utils import Cluster
 
-    started_here = not ray.is_initialized()
-    context = (
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        if started_here
-        else ray.get_runtime_context()
+    if ray.is_initialized():
+        yield ray.get_runtime_context()
+        return
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 6,
+            "resources": {"tokenrouter_small": 1},
+            "include_dashboard": False,
+        },
     )
+    cluster.add_node(num_cpus=6, resources={"tokenrouter_large": 1})
+    cluster.wait_for_nodes()
+    context = ray.init(address=cluster.address, log_to_driver=False)
     yield context
-    if started_here:
-        ray.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_http(ray_cluster: Any) -> Iterator[str]:
+    """Base URL of Ray Serve's HTTP proxy on the shared cluster."""
+    from ray import serve
+
+    serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+    yield f"http://127.0.0.1:{SERVE_PORT}"
+    serve.shutdown()

@@ -41,3 +41,36 @@ def chain_reference_models(chain_dirs: dict[str, str]) -> dict[str, torch.nn.Mod
 
 def chain_engines(chain_dirs: dict[str, str], names: list[str], **kwargs: object) -> list:
     return [(name, make_engine(chain_dirs[name], **kwargs)) for name in names]
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+
+def save_tiny_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the tiny models' 128 ids: token i is the word ``w{i}``
+    (w0 is also EOS), so text maps back to ids exactly."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(128)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="w1"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w1")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def served_chain_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The chain models again, each directory with the tiny tokenizer, for HTTP tests."""
+    root = tmp_path_factory.mktemp("served")
+    dirs = {}
+    for name, layers, seed in zip(MODEL_NAMES, (1, 2, 3), (11, 12, 13), strict=True):
+        dirs[name] = save_chain_model(root / name, layers, seed)
+        save_tiny_tokenizer(root / name)
+    return dirs

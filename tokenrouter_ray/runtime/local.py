@@ -56,7 +56,7 @@ class LocalRuntime:
                 self.engines[name],
                 self.policy,
                 channel,
-                pick_endpoint=lambda model: endpoint_name(model, "0"),
+                pick_endpoint=lambda model, rid: endpoint_name(model, "0"),
             )
             await server.start()
             self.subservers.append(server)

@@ -56,7 +56,7 @@ class SubServer:
         engine: Engine,
         policy: Policy,
         channel: PeerChannel,
-        pick_endpoint: Callable[[str], str],
+        pick_endpoint: Callable[[str, str], str],
     ) -> None:
         self.models = models
         self.index = index
@@ -64,7 +64,7 @@ class SubServer:
         self.engine = engine
         self.policy = policy
         self.channel = channel
-        self.pick_endpoint = pick_endpoint  # model name -> endpoint for a first visit
+        self.pick_endpoint = pick_endpoint  # (model, request id) -> endpoint, first visit
         self.ledger = RequestLedger()
         self.tracked: dict[str, Tracked] = {}
         self.inbox: deque[PeerReq] = deque()
@@ -259,7 +259,7 @@ class SubServer:
         suffix = sequence[anchor:]
         tracked.anchors[self.name] = len(sequence)
         tracked.anchors[model] = len(sequence)
-        endpoint = tracked.endpoints.get(model) or self.pick_endpoint(model)
+        endpoint = tracked.endpoints.get(model) or self.pick_endpoint(model, tracked.rid)
         tracked.endpoints[model] = endpoint
         tracked.handoffs += 1
         tracked.seq += 1

@@ -1,0 +1,167 @@
+"""The application config: composed by Hydra from ``conf/`` groups, validated by pydantic.
+
+``compose_config(overrides)`` runs Hydra's compose API over ``conf/`` (groups: models,
+policy, transport, placement, scheduler; primary config ``conf/base.yaml``) plus the
+overrides a Serve YAML lists under ``args.overrides``, resolves ``${demo:large}``-style
+paths to the cached demo models, and returns an ``AppConfig``. Every problem surfaces as one
+``ConfigError`` whose message says what to fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tokenrouter_ray.engine.scheduler import SchedulerConfig
+from tokenrouter_ray.errors import UserFacingError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class ConfigError(UserFacingError):
+    """The composed configuration is invalid."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    path: str = Field(description="HF causal-LM directory or hub id.")
+    gguf_file: str | None = Field(None, description="GGUF file inside `path`, if any.")
+    dtype: str = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
+    num_gpus: float = Field(0, ge=0, description="GPUs per replica (0: CPU).")
+    num_cpus: float = Field(1, ge=0, description="CPUs reserved per replica.")
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description="GPUs the model spans; reserved as one placement-group bundle each "
+        "(layers are split across them with accelerate's device_map).",
+    )
+    num_replicas: int = Field(1, ge=1, description="Data-parallel replicas.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources: pins the model to nodes."
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    memory_budget_gb: float = Field(2.0, gt=0, description="Weights + KV budget per replica.")
+    max_model_len: int | None = Field(None, ge=2, description="Longest sequence.")
+    scheduler: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of the shared scheduler settings."
+    )
+
+
+class PolicySpec(_Strict):
+    name: str = Field(description="A registered policy (see docs/policies.md).")
+    options: dict[str, Any] = Field(default_factory=dict, description="The policy's config.")
+
+
+class ZmqSpec(_Strict):
+    transport: Literal["ipc", "tcp"] = "ipc"
+    bind_host: str = Field("127.0.0.1", description="tcp: interface to bind (0.0.0.0: all).")
+    advertise_host: str | None = Field(
+        None, description="tcp: address peers dial (the RoCE NIC's IP); default: node IP."
+    )
+    port: int = Field(0, ge=0, le=65535, description="tcp: 0 picks a free port per replica.")
+
+
+class TransportSpec(_Strict):
+    kind: Literal["zmq", "ray"] = "zmq"
+    zmq: ZmqSpec = Field(default_factory=ZmqSpec)
+
+
+class IngressSpec(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    max_active_requests: int = Field(
+        256, ge=1, description="Requests in flight per ingress replica before 503."
+    )
+
+
+class AppConfig(_Strict):
+    served_model_name: str = Field("tokenrouter", description="The `model` clients ask for.")
+    models: dict[str, ModelSpec] = Field(description="Ordered from the entry (smallest) model.")
+    policy: PolicySpec
+    transport: TransportSpec = Field(default_factory=TransportSpec)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    ingress: IngressSpec = Field(default_factory=IngressSpec)
+
+    @model_validator(mode="after")
+    def _check(self) -> AppConfig:
+        if len(self.models) < 1:
+            raise ValueError("at least one model is needed")
+        for name in self.models:
+            self.scheduler_for(name)  # each merged scheduler config must validate
+        self._check_deadlock_free()
+        return self
+
+    def scheduler_for(self, name: str) -> SchedulerConfig:
+        merged = {**self.scheduler.model_dump(), **self.models[name].scheduler}
+        return SchedulerConfig(**merged)
+
+    def _check_deadlock_free(self) -> None:
+        """sum_i(B_i(N) - 1) < N for every active count N (DESIGN.md §4)."""
+        tables = [self.scheduler_for(name).batch_thresholds for name in self.models]
+        longest = max(len(t) for t in tables)
+        for n in range(1, longest + 1):
+            slack = sum(t[min(n, len(t) - 1)] - 1 for t in tables)
+            if slack >= n:
+                raise ValueError(
+                    f"batch_thresholds can deadlock at {n} active requests: "
+                    f"sum(B_i - 1) = {slack} must stay below {n}"
+                )
+
+    @property
+    def model_names(self) -> list[str]:
+        return list(self.models)
+
+
+def _register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("demo"):
+        OmegaConf.register_new_resolver("demo", _demo_path)
+
+
+def _demo_path(which: str) -> str:
+    from tokenrouter_ray import demo
+
+    if which == "large":
+        return str(demo.prepare_demo(quiet=True))
+    if which == "small":
+        from tokenrouter_ray.demo_pair import prepare_small_model
+
+        return str(prepare_small_model(demo.prepare_demo(quiet=True), quiet=True))
+    if which == "router":
+        from tokenrouter_ray.demo_pair import prepare_demo_router
+
+        return str(prepare_demo_router(quiet=True))
+    raise ValueError(f"unknown demo artifact {which!r}: large, small or router")
+
+
+def compose_config(
+    overrides: list[str] | tuple[str, ...] = (), config_name: str = "base"
+) -> AppConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    _register_resolvers()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(f"cannot compose the config: {exc}") from exc
+    except (UserFacingError, OSError) as exc:
+        raise ConfigError(f"cannot resolve a model path: {exc}") from exc
+    try:
+        return AppConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid config: {problems}") from None
