@@ -43,24 +43,22 @@ def chain_engines(chain_dirs: dict[str, str], names: list[str], **kwargs: object
     return [(name, make_engine(chain_dirs[name], **kwargs)) for name in names]
 
 
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}assistant {% endif %}"
-)
+TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 def save_tiny_tokenizer(path: Path) -> None:
-    """A word-level tokenizer over the tiny models' 128 ids: token i is the word ``w{i}``
-    (w0 is also EOS), so text maps back to ids exactly."""
+    """A word-level tokenizer over the tiny models' 128 ids: token i is the word ``w{i}``,
+    so text maps back to ids exactly (the unknown token is an extra id the models never
+    produce)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(128)}
-    tok = Tokenizer(WordLevel(vocab, unk_token="w1"))
+    vocab = {f"w{i}": i for i in range(128)} | {"<unk>": 128}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w1")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
     fast.chat_template = TINY_CHAT_TEMPLATE
     fast.save_pretrained(path)
 

@@ -20,7 +20,7 @@ class RecordingChannel(InProcChannel):
 
     sent: list[tuple[str, list]] = []
 
-    async def _send_frame(self, dst, msgs) -> None:  # noqa: ANN001
+    async def _send_frame(self, dst, msgs) -> None:
         RecordingChannel.sent.append((dst.name, list(msgs)))
         if any(m.kind == MsgKind.HANDOFF for m in msgs):
             await asyncio.sleep(0.02)
@@ -49,7 +49,9 @@ def test_abort_mid_handoff_frees_kv_everywhere(chain_dirs) -> None:
             while len(rt.handoffs) < 20:  # requests are bouncing between the models
                 await asyncio.sleep(0.005)
             in_flight = [
-                m.rid for _, msgs in RecordingChannel.sent[-6:] for m in msgs
+                m.rid
+                for _, msgs in RecordingChannel.sent[-6:]
+                for m in msgs
                 if m.kind == MsgKind.HANDOFF
             ]
             for rid in rids:
@@ -94,3 +96,45 @@ def decode_batch_roundtrip(msgs: list) -> list:
     from tokenrouter_ray.protocol import encode_batch
 
     return decode_batch(encode_batch(msgs))
+
+
+def test_a_failing_step_ends_its_requests_with_an_error_and_the_model_keeps_serving(
+    chain_dirs,
+) -> None:
+    policy = build_policy("never", {}, TWO)
+
+    async def go() -> None:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            runner = rt.subservers[0].engine.runner
+            real = runner.execute
+            calls = {"n": 0}
+
+            def flaky(out, timings):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise RuntimeError("device fell over")
+                return real(out, timings)
+
+            runner.execute = flaky
+            broken = await asyncio.wait_for(rt.complete([1, 2, 3], SPEC), 60)
+            assert broken.finish_reason == "error" and "device fell over" in broken.error
+            await rt.wait_idle()
+            assert all_free(rt)
+            fine = await asyncio.wait_for(rt.complete([1, 2, 3], SPEC), 60)
+            assert fine.finish_reason == "length" and len(fine.token_ids) == SPEC.max_tokens
+
+    asyncio.run(go())
+
+
+def test_out_of_vocabulary_prompt_is_refused_without_harm(chain_dirs) -> None:
+    async def go() -> None:
+        policy = build_policy("never", {}, TWO)
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            bad = await asyncio.wait_for(rt.complete([1, 999], SPEC), 60)
+            assert bad.finish_reason == "error" and "vocabulary" in bad.error
+            ok = await asyncio.wait_for(rt.complete([1, 2], SPEC), 60)
+            assert len(ok.token_ids) == SPEC.max_tokens
+            await rt.wait_idle()
+            assert all_free(rt)
+
+    asyncio.run(go())

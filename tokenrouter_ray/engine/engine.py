@@ -65,6 +65,7 @@ class Engine:
         cfg = runner.model.config
         limit = getattr(cfg, "max_position_embeddings", None) or self.kv.capacity_tokens
         self.max_model_len = min(config.max_model_len or limit, limit, self.kv.capacity_tokens)
+        self.vocab_size = runner.model.get_input_embeddings().num_embeddings
         eos = getattr(runner.model.generation_config, "eos_token_id", None)
         if eos is None:
             eos = cfg.eos_token_id
@@ -96,6 +97,7 @@ class Engine:
             raise ValueError(f"request {request_id!r} already exists")
         if not token_ids:
             raise ValueError("a request needs at least one token")
+        self._check_ids(token_ids)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(token_ids)} tokens leaves no room: this model's limit is "
@@ -130,6 +132,7 @@ class Engine:
         request = self._live(request_id)
         if request is None:
             return
+        self._check_ids(new_token_ids)
         anchor = request.num_tokens if anchor is None else anchor
         if not 0 < anchor <= request.num_tokens:
             raise ValueError(f"anchor {anchor} outside 1..{request.num_tokens} for {request_id!r}")
@@ -163,6 +166,13 @@ class Engine:
     def set_active_requests(self, n: int | None) -> None:
         """The global number of active requests, for deferred-launch thresholds."""
         self.scheduler.active_requests = n
+
+    def _check_ids(self, token_ids: Sequence[int]) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"token id {bad} is outside this model's vocabulary (0..{self.vocab_size - 1})"
+            )
 
     def _live(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -215,6 +225,10 @@ class Engine:
             outputs.append(RequestOutput(rid, new, status is not None, request.finish_reason))
         result.timings.commit = time.perf_counter() - t0
         return outputs
+
+    def discard_uncommitted(self) -> None:
+        """Forget a step that failed between execute() and commit() (its KV is recomputed)."""
+        self._uncommitted = None
 
     def step(self, now: float | None = None) -> list[RequestOutput]:
         result = self.execute(now)

@@ -37,6 +37,7 @@ class _Live:
         self.log = CommitLog(prompt_len)
         self.completion = Completion(rid, prompt_len)
         self.final_len: int | None = None
+        self.aborted = False
         self.updates: asyncio.Queue[list[int] | None] = asyncio.Queue()
 
     @property
@@ -70,43 +71,43 @@ class IngressCore:
     def num_active(self) -> int:
         return len(self.live)
 
-    async def submit(self, rid: str, prompt: list[int], sampling: SamplingSpec) -> None:
+    async def submit(
+        self, rid: str, prompt: list[int], sampling: SamplingSpec, entry: str | None = None
+    ) -> None:
+        """Send NEW to ``entry`` (default: ``entry_endpoint()``)."""
         if rid in self.live:
             raise ValueError(f"request {rid!r} is already running")
         if sampling.seed is None:  # one seed for every model the request visits
             sampling = msgspec.structs.replace(sampling, seed=secrets.randbits(62))
         self.live[rid] = _Live(rid, len(prompt))
+        dst = entry or self.entry_endpoint()
         msg = PeerReq(
             rid=rid,
             src=self.channel.name,
-            dst=self.entry_endpoint(),
+            dst=dst,
             kind=MsgKind.NEW,
             handoff_seq=0,
             tokens=list(prompt),
             sampling=sampling,
             active_requests=self.num_active,
         )
-        await self.channel.send(msg.dst, [msg])
+        await self.channel.send(dst, [msg])
 
     async def stream(self, rid: str) -> AsyncIterator[list[int]]:
-        """Newly committed tokens as they become contiguous, until the request completes."""
+        """Newly committed tokens as they become contiguous, until the request completes
+        or is aborted."""
         live = self.live[rid]
-        try:
-            while (chunk := await live.updates.get()) is not None:
-                yield chunk
-        finally:
-            if not live.complete:
-                await self.abort(rid)
-
-    async def result(self, rid: str) -> Completion:
-        async for _ in self.stream(rid):
-            pass
-        return self.live.pop(rid).completion
+        while (chunk := await live.updates.get()) is not None:
+            yield chunk
 
     async def abort(self, rid: str) -> None:
-        live = self.live.pop(rid, None)
-        if live is None:
+        """Stop the request on every model (unless it already completed)."""
+        live = self.live.get(rid)
+        if live is None or live.complete or live.aborted:
             return
+        live.aborted = True
+        live.completion.finish_reason = "abort"
+        live.updates.put_nowait(None)
         msgs = [
             PeerReq(
                 rid=rid,
@@ -114,13 +115,20 @@ class IngressCore:
                 dst=dst,
                 kind=MsgKind.ABORT,
                 handoff_seq=0,
-                active_requests=self.num_active,
+                active_requests=self.num_active - 1,
             )
             for dst in self.all_endpoints()
         ]
         await self.channel.send_grouped(msgs)
-        live.completion.finish_reason = "abort"
-        live.updates.put_nowait(None)
+
+    def release(self, rid: str) -> Completion:
+        """Forget a completed or aborted request; its final record."""
+        return self.live.pop(rid).completion
+
+    async def result(self, rid: str) -> Completion:
+        async for _ in self.stream(rid):
+            pass
+        return self.release(rid)
 
     async def _receive_loop(self) -> None:
         async for batch in self.channel:
@@ -129,7 +137,7 @@ class IngressCore:
 
     def _on_message(self, msg: PeerReq) -> None:
         live = self.live.get(msg.rid)
-        if live is None:
+        if live is None or live.aborted:
             return
         if msg.kind == MsgKind.COMMIT:
             try:

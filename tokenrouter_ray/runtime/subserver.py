@@ -174,7 +174,12 @@ class SubServer:
                 if not self.inbox:
                     await self._wake.wait()
                 continue
-            step = await asyncio.to_thread(self._forward_and_route)
+            try:
+                step = await asyncio.to_thread(self._forward_and_route)
+            except Exception as exc:  # a broken step must not take the model down
+                logger.exception("%s: step failed", self.name)
+                await self.channel.send_grouped(self._fail_runnable(f"step failed: {exc}"))
+                continue
             if step is None:  # deferred: wait for more work or the max-wait deadline
                 await self._sleep_until(self.engine.deferred_until)
                 continue
@@ -337,6 +342,18 @@ class SubServer:
                         finish_reason=reason,
                     )
                 )
+
+    def _fail_runnable(self, error: str) -> list[PeerReq]:
+        """End every request that could have been in the failed step, with an error."""
+        self.engine.discard_uncommitted()
+        out: list[PeerReq] = []
+        for rid in [r.request_id for r in self.engine.requests.values() if r.is_runnable]:
+            tracked = self.tracked.get(rid)
+            if tracked is not None:
+                self._finished(tracked, "error", out, error=error)
+            else:
+                self.engine.abort(rid)
+        return out
 
     def _fail(self, msg: PeerReq, error: str, out: list[PeerReq]) -> None:
         """A message this replica cannot serve ends its request with an error."""

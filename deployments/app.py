@@ -1,0 +1,97 @@
+"""The app builder: ``import_path: deployments.app:build_app`` in every Serve config.
+
+``build_app(args)`` takes the Serve YAML's ``args`` (typed below), composes the full config
+with Hydra from ``conf/`` plus ``args.overrides``, validates it (known policy and options,
+sane thresholds, shared tokenizer when the models are local), and binds the endpoint
+directory, one deployment per model (named after the model) and the OpenAI ingress.
+Any config problem is raised as one ``ConfigError`` with a message to act on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray import serve
+from ray.serve import Application
+
+from deployments.directory import EndpointDirectory
+from deployments.ingress import Ingress
+from deployments.model_server import ModelServer, load_tokenizer
+from tokenrouter_ray.config import AppConfig, ConfigError, ModelSpec, compose_config
+from tokenrouter_ray.protocol import check_shared_tokenizer
+from tokenrouter_ray.routing.policy import build_policy
+
+
+class AppArgs(BaseModel):
+    """What a Serve YAML may put under ``args``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    overrides: list[str] = Field(
+        default_factory=list, description="Hydra overrides, e.g. ['policy=rstitch']."
+    )
+    config_name: str = Field("base", description="Primary config in conf/.")
+
+
+def validate_app(cfg: AppConfig) -> None:
+    try:
+        build_policy(cfg.policy.name, cfg.policy.options, cfg.model_names)
+    except (ValueError, ValidationError) as exc:
+        raise ConfigError(f"policy {cfg.policy.name!r}: {exc}") from None
+    checkpoint = cfg.policy.options.get("checkpoint")
+    if checkpoint and not Path(checkpoint).is_file():
+        raise ConfigError(
+            f"policy {cfg.policy.name!r}: router checkpoint {checkpoint} does not "
+            "exist (train one with `tokenrouter-ray train-router`)"
+        )
+    local = [name for name, spec in cfg.models.items() if Path(spec.path).is_dir()]
+    if len(local) == len(cfg.models) > 1:  # hub ids are checked when the replicas load
+        check_shared_tokenizer({n: load_tokenizer(cfg.models[n].path) for n in local})
+
+
+def model_options(name: str, spec: ModelSpec) -> dict[str, Any]:
+    actor: dict[str, Any] = {"num_cpus": spec.num_cpus, "resources": dict(spec.resources)}
+    options: dict[str, Any] = {
+        "name": name,
+        "num_replicas": spec.num_replicas,
+        "max_ongoing_requests": 1000,
+    }
+    if spec.tensor_parallel > 1:
+        gpu_each = spec.num_gpus / spec.tensor_parallel
+        first = {"CPU": spec.num_cpus, "GPU": gpu_each, **spec.resources}
+        options["placement_group_bundles"] = [first] + [
+            {"GPU": gpu_each} for _ in range(spec.tensor_parallel - 1)
+        ]
+        options["placement_group_strategy"] = "STRICT_PACK"
+        actor["num_gpus"] = gpu_each
+    else:
+        actor["num_gpus"] = spec.num_gpus
+    options["ray_actor_options"] = actor
+    return options
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    try:
+        parsed = AppArgs.model_validate(args or {})
+    except ValidationError as exc:
+        raise ConfigError(
+            f"invalid Serve args: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}"
+        ) from None
+    cfg = compose_config(parsed.overrides, parsed.config_name)
+    validate_app(cfg)
+    return bind_app(cfg)
+
+
+def bind_app(cfg: AppConfig) -> Application:
+    data = cfg.model_dump(mode="json")
+    directory = EndpointDirectory.bind()
+    models = {
+        name: ModelServer.options(**model_options(name, spec)).bind(name, data, directory)
+        for name, spec in cfg.models.items()
+    }
+    return Ingress.options(num_replicas=cfg.ingress.num_replicas).bind(data, directory, models)
+
+
+__all__ = ["AppArgs", "bind_app", "build_app", "serve"]

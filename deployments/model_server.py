@@ -1,0 +1,93 @@
+"""One Serve deployment per model: a replica hosts one model sub-server (engine + policy +
+peer channel). Requests reach it as PeerReqs over the channel, not as handle calls; the
+handle serves only ``info`` and health checks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments.directory import ServeDirectory
+from deployments.peers import PeerBook, make_channel
+from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.runtime.subserver import SubServer
+
+
+def engine_config(cfg: AppConfig, name: str) -> EngineConfig:
+    spec = cfg.models[name]
+    return EngineConfig(
+        model=spec.path,
+        gguf_file=spec.gguf_file,
+        dtype=spec.dtype,
+        device="cuda" if spec.num_gpus > 0 else "cpu",
+        block_size=spec.block_size,
+        memory_budget_bytes=int(spec.memory_budget_gb * 2**30),
+        max_model_len=spec.max_model_len,
+        scheduler=cfg.scheduler_for(name),
+    )
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@serve.deployment(health_check_period_s=5, graceful_shutdown_timeout_s=5)
+class ModelServer:
+    async def __init__(self, model: str, app_config: dict, directory: DeploymentHandle) -> None:
+        cfg = AppConfig.model_validate(app_config)
+        self.model = model
+        index = cfg.model_names.index(model)
+        self.engine = await asyncio.to_thread(Engine.from_config, engine_config(cfg, model))
+        needs_tokenizer = cfg.policy.name == "glimprouter"
+        tokenizer = load_tokenizer(cfg.models[model].path) if needs_tokenizer else None
+        policy = build_policy(cfg.policy.name, cfg.policy.options, cfg.model_names, tokenizer)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.directory = ServeDirectory(directory)
+        self.channel = make_channel(cfg.transport, model, replica, self.directory)
+        self.peers = PeerBook(self.directory, cfg.model_names)
+        await self.channel.start()
+        await self.peers.start(wait_for_all=False)
+        self.server = SubServer(
+            cfg.model_names, index, self.engine, policy, self.channel, pick_endpoint=self._pick
+        )
+        await self.server.start()
+
+    def _pick(self, model: str, rid: str) -> str:
+        if not self.peers.by_model.get(model):
+            raise LookupError(f"no replica of {model!r} known yet")
+        return self.peers.sticky(model, rid)
+
+    async def info(self) -> dict[str, Any]:
+        import ray
+
+        return {
+            "model": self.model,
+            "endpoint": self.server.endpoint,
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": self.engine.vocab_size,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "active_requests": len(self.engine.requests),
+            "steps": self.server.num_steps,
+            "kv_blocks_free": self.engine.kv.pool.num_free_blocks,
+            "kv_blocks_total": self.engine.kv.pool.num_blocks,
+        }
+
+    async def check_health(self) -> None:
+        for task in self.server._tasks:
+            if task.done():
+                raise RuntimeError(
+                    f"{self.model}: task {task.get_name()} stopped: "
+                    f"{task.exception() if not task.cancelled() else 'cancelled'}"
+                )
+
+    async def __del__(self) -> None:
+        await self.server.stop()
+        await self.peers.stop()
+        await self.channel.close()

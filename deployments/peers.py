@@ -1,0 +1,90 @@
+"""What a replica needs to reach its peers: a channel of the configured kind, and a cached
+view of every model's endpoints (refreshed in the background) for choosing replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import zlib
+
+import ray
+
+from tokenrouter_ray.config import TransportSpec
+from tokenrouter_ray.transport.base import Directory, PeerChannel
+from tokenrouter_ray.transport.zmq_channel import ZmqChannel, ZmqConfig
+
+
+def make_channel(
+    spec: TransportSpec, model: str, replica: str, directory: Directory
+) -> PeerChannel:
+    if spec.kind == "ray":
+        from tokenrouter_ray.transport.ray_channel import RayChannel
+
+        return RayChannel(model, replica, directory)
+    z = spec.zmq
+    advertise = z.advertise_host
+    if z.transport == "tcp" and advertise is None and z.bind_host in ("0.0.0.0", "::"):
+        advertise = ray.util.get_node_ip_address()
+    return ZmqChannel(
+        model,
+        replica,
+        directory,
+        ZmqConfig(
+            transport=z.transport,
+            bind_host=z.bind_host,
+            advertise_host=advertise,
+            port=z.port,
+        ),
+    )
+
+
+class PeerBook:
+    """model -> sorted endpoint names, refreshed every ``period_s``."""
+
+    def __init__(self, directory: Directory, models: list[str], period_s: float = 1.0) -> None:
+        self.directory = directory
+        self.models = models
+        self.period_s = period_s
+        self.by_model: dict[str, list[str]] = {m: [] for m in models}
+        self._task: asyncio.Task | None = None
+
+    async def start(self, wait_for_all: bool = True, timeout_s: float = 600) -> None:
+        await self.refresh()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while wait_for_all and not all(self.by_model.values()):
+            if asyncio.get_running_loop().time() > deadline:
+                missing = [m for m, e in self.by_model.items() if not e]
+                raise TimeoutError(f"no replica of {missing} registered its endpoint")
+            await asyncio.sleep(0.2)
+            await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="peerbook-refresh")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def refresh(self) -> None:
+        endpoints = await self.directory.endpoints()
+        by_model: dict[str, list[str]] = {m: [] for m in self.models}
+        for e in endpoints:
+            if e.model in by_model:
+                by_model[e.model].append(e.name)
+        self.by_model = by_model
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            with contextlib.suppress(Exception):
+                await self.refresh()
+
+    def all(self) -> list[str]:
+        return [e for m in self.models for e in self.by_model[m]]
+
+    def sticky(self, model: str, key: str) -> str:
+        """A request's replica of ``model`` on its first visit: spread by request id."""
+        options = self.by_model[model]
+        if not options:
+            raise LookupError(f"no replica of model {model!r} is registered")
+        return options[zlib.crc32(key.encode()) % len(options)]

@@ -1,0 +1,72 @@
+"""Serve apps on the shared two-node test cluster, built from conf/ with overrides that point
+the models at tiny float64 checkpoints (with a word-level tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from tests.routing.conftest import chain_engines, served_chain_dirs  # noqa: F401  (fixture)
+from tokenrouter_ray.config import compose_config
+from tokenrouter_ray.protocol import SamplingSpec
+from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.runtime.local import LocalRuntime
+
+
+def tiny_overrides(
+    dirs: dict[str, str], names: list[str], policy: str, transport: str, extra: list[str] = ()
+) -> list[str]:
+    models = "qwen3_escalation" if len(names) == 3 else "qwen3_r2r"  # shape only; paths replaced
+    out = [f"models={models}", f"policy={policy}", f"transport={transport}"]
+    for name in names:
+        out += [
+            f"models.{name}.path={dirs[name]}",
+            f"models.{name}.dtype=float64",
+            f"models.{name}.num_gpus=0",
+            f"models.{name}.tensor_parallel=1",
+            f"models.{name}.num_cpus=0.5",
+            f"models.{name}.block_size=4",
+            f"models.{name}.memory_budget_gb=0.25",
+            f"models.{name}.max_model_len=256",
+        ]
+    return out + list(extra)
+
+
+@pytest.fixture(scope="session")
+def serve_app(serve_http: str) -> Callable[..., Any]:
+    """Context manager: deploy an app from overrides, yield its OpenAI base URL, delete it."""
+    from ray import serve
+
+    from deployments.app import bind_app
+
+    @contextmanager
+    def deploy(overrides: list[str], name: str) -> Iterator[str]:
+        cfg = compose_config(overrides)
+        serve.run(bind_app(cfg), name=name, route_prefix=f"/{name}", blocking=False)
+        try:
+            yield f"{serve_http}/{name}/v1"
+        finally:
+            serve.delete(name)
+
+    return deploy
+
+
+def local_outputs(
+    dirs: dict[str, str],
+    names: list[str],
+    policy: str,
+    options: dict,
+    prompts: list[list[int]],
+    max_tokens: int,
+) -> list[Any]:
+    async def go() -> list[Any]:
+        engines = chain_engines(dirs, names)
+        async with LocalRuntime(engines, build_policy(policy, options, names)) as runtime:
+            spec = SamplingSpec(temperature=0.0, max_tokens=max_tokens, seed=0)
+            return await runtime.complete_all(prompts, spec)
+
+    return asyncio.run(go())

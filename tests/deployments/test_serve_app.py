@@ -1,0 +1,42 @@
+"""The Serve app on a real local Ray cluster, called with the official openai client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import openai
+import pytest
+
+from tests.deployments.conftest import local_outputs, tiny_overrides
+
+TWO = ["small", "large"]
+POLICY = ["policy.options.threshold=0.45"]  # entropy policy: deterministic routing
+
+
+def prompts() -> list[list[int]]:
+    return [[(7 * i + j) % 128 for j in range(3 + 2 * i)] for i in range(8)]
+
+
+def ids_of(text: str) -> list[int]:
+    return [int(w[1:]) for w in text.split()]
+
+
+@pytest.mark.parametrize("transport", ["zmq_ipc", "ray"])
+def test_served_greedy_equals_local_runtime(transport, serve_app, served_chain_dirs) -> None:
+    overrides = tiny_overrides(served_chain_dirs, TWO, "entropy", transport, POLICY)
+    expected = local_outputs(served_chain_dirs, TWO, "entropy", {"threshold": 0.45}, prompts(), 24)
+    with serve_app(overrides, f"equiv-{transport.replace('_', '-')}") as base:
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+
+        def call(prompt: list[int]) -> openai.types.Completion:
+            return client.completions.create(
+                model="tokenrouter", prompt=prompt, max_tokens=24, temperature=0
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # 8 concurrent clients
+            got = list(pool.map(call, prompts()))
+    for want, response in zip(expected, got, strict=True):
+        assert ids_of(response.choices[0].text) == want.token_ids
+        assert response.model_extra["routing"]["tokens_per_model"] == want.counts
+        assert response.usage.completion_tokens == len(want.token_ids)
+    assert sum(w.handoffs for w in expected) > 20  # the comparison covers real routing

@@ -1,0 +1,143 @@
+"""Incremental detokenization of one output sequence, with stop strings.
+
+Committed token ids enter through `push` (any number at a time, in order); text that is safe
+to show leaves as its return value, and `finish` returns the rest once the output has ended.
+One `IncrementalDetokenizer` per choice (a request with ``n=2`` has two).
+
+Three things make a token's text not yet safe to show:
+
+- Neighbours change it. Byte-level BPE splits a multi-byte character over tokens, and
+  SentencePiece decoders drop or keep a leading space depending on what came before. So
+  each token is decoded inside a window of earlier tokens: the new text is
+  ``decode(ids[prefix:]) - decode(ids[prefix:read])`` (vLLM's ``prefix_offset /
+  read_offset``), which makes the concatenation of everything emitted equal to
+  ``decode(all_ids)``.
+- It ends in an incomplete character (U+FFFD): held back until the character completes, and
+  only flushed by `finish` if it never does.
+- It could be the start of a stop string: the longest suffix that is a prefix of some stop
+  string is held back, so no part of a stop string is ever emitted. When a stop string
+  appears, the output is cut before it, `stopped` becomes true, `stop_reason` is that string,
+  and further pushes return ``""`` (the caller aborts the request).
+
+Special tokens (EOS, ...) decode to nothing with ``skip_special_tokens=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+CONTEXT_WINDOW = 5  # prompt tokens decoded with the first output token (vLLM uses 5 too)
+
+
+class IncrementalDetokenizer:
+    """Token ids in, safe-to-show text out, for one sequence."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        stop: Sequence[str] = (),
+        prompt_token_ids: Sequence[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        """``prompt_token_ids``: the prompt (only its last few ids are kept) so the first
+        output token decodes as a continuation; None decodes the output on its own."""
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(s for s in stop if s)
+        self._max_held = max((len(s) for s in self.stop), default=1) - 1
+        context = list(prompt_token_ids[-CONTEXT_WINDOW:]) if prompt_token_ids else []
+        self._ids: list[int] = context  # context + output ids
+        self._prefix = 0  # window start: decoded only for context
+        self._read = len(context)  # ids before this have been turned into text
+        self._prefix_text = self._decode(self._prefix, self._read)
+        self._held = ""  # decoded but not emitted: could be the start of a stop string
+        self._pieces: list[str] = []
+        self.num_tokens = 0  # output tokens consumed, up to the one that completed a stop
+        self.stopped = False
+        self.stop_reason: str | None = None
+        self.finished = False
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (for non-streaming responses)."""
+        return "".join(self._pieces)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add output token ids; return the text that became safe to emit (maybe ``""``)."""
+        if self.stopped or self.finished:
+            return ""
+        emitted: list[str] = []
+        for token_id in token_ids:
+            self._ids.append(int(token_id))
+            self.num_tokens += 1
+            new_text = self._advance(final=False)
+            if new_text:
+                emitted.append(self._filter_stop(new_text, final=False))
+                if self.stopped:
+                    break
+        return self._emit("".join(emitted))
+
+    def finish(self) -> str:
+        """The output ended: return whatever was held back (stop-string prefixes, an
+        incomplete character). Idempotent; ``""`` after a stop string."""
+        if self.stopped or self.finished:
+            return ""
+        self.finished = True
+        return self._emit(self._filter_stop(self._advance(final=True), final=True))
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._pieces.append(text)
+        return text
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self.tokenizer.decode(
+            self._ids[start:end], skip_special_tokens=self.skip_special_tokens
+        )
+
+    def _advance(self, final: bool) -> str:
+        """Text the ids after ``_read`` add to the window; ``""`` (offsets kept) while it is
+        empty or ends in an incomplete character, unless ``final``."""
+        full_text = self._decode(self._prefix, len(self._ids))
+        if len(full_text) <= len(self._prefix_text):
+            return ""
+        if full_text.endswith(REPLACEMENT_CHAR) and not final:
+            return ""
+        new_text = full_text[len(self._prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_text = self._decode(self._prefix, self._read)
+        return new_text
+
+    def _filter_stop(self, new_text: str, final: bool) -> str:
+        """Cut at the first stop string; hold back a suffix that could start one."""
+        text = self._held + new_text
+        self._held = ""
+        if not self.stop:
+            return text
+        cut, reason = -1, None
+        for s in self.stop:
+            i = text.find(s)
+            if i != -1 and (cut == -1 or i < cut):
+                cut, reason = i, s
+        if reason is not None:
+            self.stopped, self.stop_reason = True, reason
+            return text[:cut]
+        if not final:
+            keep = self._stop_prefix_len(text)
+            if keep:
+                self._held = text[-keep:]
+                return text[:-keep]
+        return text
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        for k in range(min(len(text), self._max_held), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0

@@ -1,0 +1,210 @@
+"""Non-streaming response bodies, shaped exactly like OpenAI's, plus the `routing` extension.
+
+The ingress collects one `ChoiceResult` per choice (text from its detokenizer, the finish
+reason, its token count, and the routing stats the runtime reports) and calls
+`build_completion` / `build_chat_completion`; the returned model is serialised with
+``model_dump(mode="json")``. The official ``openai`` client parses these bodies; the extra
+``routing`` field (response-level: summed over choices; choice-level: that choice's) is
+reachable there through ``model_extra``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenrouter_ray.openai.errors import InternalServerError
+
+FinishReason = Literal["stop", "length"]
+
+_OUT = ConfigDict(extra="forbid")
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def finish_reason(engine_reason: str | None, stopped_by_string: bool = False) -> FinishReason:
+    """OpenAI's finish reason from the engine's (``"stop"``, ``"length"``, ...).
+
+    A stop string seen by the detokenizer is ``"stop"`` whatever the engine says (it was
+    aborted). ``"error"`` is a server fault and raises `InternalServerError`.
+    """
+    if stopped_by_string:
+        return "stop"
+    if engine_reason == "error":
+        raise InternalServerError()
+    return "length" if engine_reason == "length" else "stop"
+
+
+class RoutingInfo(BaseModel):
+    """Extension: which model produced the output, and how often control moved."""
+
+    model_config = _OUT
+
+    tokens_per_model: dict[str, int] = Field(
+        default_factory=dict, description="Committed output tokens per model name."
+    )
+    handoffs: int = Field(0, ge=0, description="Times control passed between models.")
+
+    @classmethod
+    def merge(cls, infos: Iterable[RoutingInfo | None]) -> RoutingInfo:
+        """The sum over choices."""
+        tokens: dict[str, int] = {}
+        handoffs = 0
+        for info in infos:
+            if info is None:
+                continue
+            handoffs += info.handoffs
+            for name, count in info.tokens_per_model.items():
+                tokens[name] = tokens.get(name, 0) + count
+        return cls(tokens_per_model=tokens, handoffs=handoffs)
+
+
+class Usage(BaseModel):
+    model_config = _OUT
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    """What the ingress knows about one finished choice."""
+
+    index: int
+    text: str
+    finish_reason: FinishReason
+    num_tokens: int  # completion tokens (the detokenizer's `num_tokens`)
+    routing: RoutingInfo | None = None
+
+    @staticmethod
+    def routing_of(counts: Mapping[str, int], handoffs: int) -> RoutingInfo:
+        return RoutingInfo(tokens_per_model=dict(counts), handoffs=handoffs)
+
+
+class CompletionChoice(BaseModel):
+    model_config = _OUT
+
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason
+    routing: RoutingInfo | None = None
+
+
+class Completion(BaseModel):
+    """``POST /v1/completions`` response (``object: "text_completion"``)."""
+
+    model_config = _OUT
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    routing: RoutingInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    model_config = _OUT
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    model_config = _OUT
+
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+    routing: RoutingInfo | None = None
+
+
+class ChatCompletion(BaseModel):
+    """``POST /v1/chat/completions`` response (``object: "chat.completion"``)."""
+
+    model_config = _OUT
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    routing: RoutingInfo | None = None
+
+
+def build_completion(
+    model: str,
+    prompt_tokens: int,
+    choices: Sequence[ChoiceResult],
+    *,
+    request_id: str | None = None,
+    created: int | None = None,
+) -> Completion:
+    ordered = sorted(choices, key=lambda c: c.index)
+    return Completion(
+        id=request_id or completion_id(),
+        created=int(time.time()) if created is None else created,
+        model=model,
+        choices=[
+            CompletionChoice(
+                index=c.index, text=c.text, finish_reason=c.finish_reason, routing=c.routing
+            )
+            for c in ordered
+        ],
+        usage=Usage.of(prompt_tokens, sum(c.num_tokens for c in ordered)),
+        routing=RoutingInfo.merge(c.routing for c in ordered),
+    )
+
+
+def build_chat_completion(
+    model: str,
+    prompt_tokens: int,
+    choices: Sequence[ChoiceResult],
+    *,
+    request_id: str | None = None,
+    created: int | None = None,
+) -> ChatCompletion:
+    ordered = sorted(choices, key=lambda c: c.index)
+    return ChatCompletion(
+        id=request_id or chat_completion_id(),
+        created=int(time.time()) if created is None else created,
+        model=model,
+        choices=[
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=c.text),
+                finish_reason=c.finish_reason,
+                routing=c.routing,
+            )
+            for c in ordered
+        ],
+        usage=Usage.of(prompt_tokens, sum(c.num_tokens for c in ordered)),
+        routing=RoutingInfo.merge(c.routing for c in ordered),
+    )

@@ -1,0 +1,165 @@
+"""Server-sent events: framing, and the chunk sequence of one streaming request.
+
+Text pieces from the detokenizers enter a `ChatStream` / `CompletionStream` (one per
+request, all ``n`` choices); ready-to-send SSE bytes leave. The order is OpenAI's:
+
+- chat: one role chunk per choice (``delta: {"role": "assistant", "content": ""}``), then
+  content chunks, then per choice a chunk with empty ``delta`` and its ``finish_reason``;
+- completions: text chunks, then per choice a chunk with ``text: ""`` and ``finish_reason``;
+- with ``stream_options.include_usage``: every chunk carries ``"usage": null`` and a last
+  chunk has ``choices: []`` and the request's usage;
+- ``data: [DONE]``.
+
+Extension: each finish chunk carries a top-level ``routing`` with that choice's stats; the
+usage chunk, when sent, carries them summed over choices. Chunks are built as dicts and
+encoded with `json.dumps` (no pydantic on the per-token path).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+from tokenrouter_ray.openai.errors import as_openai_error
+from tokenrouter_ray.openai.responses import (
+    FinishReason,
+    RoutingInfo,
+    Usage,
+    chat_completion_id,
+    completion_id,
+)
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_MEDIA_TYPE = "text/event-stream"
+
+
+def sse_event(obj: BaseModel | Mapping[str, Any]) -> bytes:
+    """One event: ``data: {json}\\n\\n`` (compact JSON, non-ASCII kept as UTF-8)."""
+    data = obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj
+    return (
+        b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    )
+
+
+def sse_error(exc: BaseException) -> bytes:
+    """An error after the stream started (status already sent): the envelope as an event.
+    The ``openai`` client raises ``APIError`` on it. Send `SSE_DONE` after it."""
+    return sse_event(as_openai_error(exc).to_dict())
+
+
+class _Stream:
+    object: str = ""
+
+    def __init__(
+        self,
+        model: str,
+        n: int = 1,
+        *,
+        include_usage: bool = False,
+        request_id: str | None = None,
+        created: int | None = None,
+    ) -> None:
+        self.id = request_id or self._new_id()
+        self.model = model
+        self.n = n
+        self.include_usage = include_usage
+        self.created = int(time.time()) if created is None else created
+
+    def _new_id(self) -> str:
+        raise NotImplementedError
+
+    def _chunk(
+        self, choices: list[dict[str, Any]], routing: RoutingInfo | None = None
+    ) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        if routing is not None:
+            chunk["routing"] = routing.model_dump()
+        return chunk
+
+    def end(
+        self, prompt_tokens: int, completion_tokens: int, routing: RoutingInfo | None = None
+    ) -> bytes:
+        """The usage chunk (only with ``include_usage``), then ``[DONE]``.
+        ``completion_tokens``: summed over choices; ``routing``: likewise (see `merge`)."""
+        if not self.include_usage:
+            return SSE_DONE
+        chunk = self._chunk([], routing)
+        chunk["usage"] = Usage.of(prompt_tokens, completion_tokens).model_dump()
+        return sse_event(chunk) + SSE_DONE
+
+
+class ChatStream(_Stream):
+    """The ``chat.completion.chunk`` events of one chat request."""
+
+    object = "chat.completion.chunk"
+
+    def _new_id(self) -> str:
+        return chat_completion_id()
+
+    def _choice(
+        self, index: int, delta: dict[str, Any], finish: FinishReason | None = None
+    ) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def start(self) -> bytes:
+        """One role chunk per choice; send before any content."""
+        return b"".join(
+            sse_event(self._chunk([self._choice(i, {"role": "assistant", "content": ""})]))
+            for i in range(self.n)
+        )
+
+    def delta(self, index: int, text: str) -> bytes:
+        """A content chunk for choice ``index``; ``b""`` for empty text."""
+        if not text:
+            return b""
+        return sse_event(self._chunk([self._choice(index, {"content": text})]))
+
+    def finish(
+        self, index: int, reason: FinishReason, routing: RoutingInfo | None = None, text: str = ""
+    ) -> bytes:
+        """The last chunk of choice ``index``: ``finish_reason`` and its routing; its delta
+        is empty, or carries ``text`` (e.g. the detokenizer's `finish` output)."""
+        delta = {"content": text} if text else {}
+        return sse_event(self._chunk([self._choice(index, delta, reason)], routing))
+
+
+class CompletionStream(_Stream):
+    """The ``text_completion`` events of one completions request."""
+
+    object = "text_completion"
+
+    def _new_id(self) -> str:
+        return completion_id()
+
+    def _choice(self, index: int, text: str, finish: FinishReason | None = None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def start(self) -> bytes:
+        """Nothing: completions streams have no role chunk (here for symmetry)."""
+        return b""
+
+    def delta(self, index: int, text: str) -> bytes:
+        """A text chunk for choice ``index``; ``b""`` for empty text."""
+        if not text:
+            return b""
+        return sse_event(self._chunk([self._choice(index, text)]))
+
+    def finish(
+        self, index: int, reason: FinishReason, routing: RoutingInfo | None = None, text: str = ""
+    ) -> bytes:
+        """The last chunk of choice ``index``: ``finish_reason``, its routing, and ``text``
+        (default ``""``; e.g. the detokenizer's `finish` output)."""
+        return sse_event(self._chunk([self._choice(index, text, reason)], routing))

@@ -1,0 +1,227 @@
+"""From an HTTP body to what the engine needs: prompt token ids and `SamplingOptions`.
+
+Data enters as raw bytes (or an already-parsed dict) and the served model's `RequestLimits`;
+it leaves as a `PreparedRequest` or as an `OpenAIError` (400 / 404) raised on the way:
+
+1. `parse_request(cls, body)`: JSON and schema (malformed JSON and schema errors → 400).
+2. `check_model(name, served)`: 404 ``model_not_found`` for a model not served.
+3. `prepare_completion` / `prepare_chat`: tokenize (chat: apply the chat template), then check
+   the limits that depend on the model: ``n`` cap, token ids inside the vocabulary, prompt
+   plus completion within the context (400 ``context_length_exceeded``).
+
+Tokenizing is CPU work; an ingress serving long prompts should run step 3 off its event loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tokenrouter_ray.openai.chat import render_chat
+from tokenrouter_ray.openai.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    from_json_error,
+    from_validation_error,
+)
+from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
+from tokenrouter_ray.protocol import SamplingSpec
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+class RequestLimits(BaseModel):
+    """What one served model allows; built by the ingress from the model's config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_model_len: int = Field(ge=2, description="Context length: prompt + completion tokens.")
+    max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
+    vocab_size: int | None = Field(
+        None, ge=1, description="Token ids in a prompt must be below this; None: unchecked."
+    )
+    max_output_tokens: int | None = Field(
+        None, ge=1, description="Server cap on completion tokens; None: only the context."
+    )
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Everything about how to generate, from either request kind, defaults resolved."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+
+    def to_spec(self, choice_index: int = 0) -> SamplingSpec:
+        """The engine's `SamplingSpec` for one choice.
+
+        With a seed, choice ``i`` samples with ``seed + i`` (mod 2**63, so non-negative), so
+        the ``n`` choices of a seeded request differ but are reproducible.
+        """
+        seed = None if self.seed is None else (self.seed + choice_index) % (1 << 63)
+        return SamplingSpec(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=seed,
+            max_tokens=self.max_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            repetition_penalty=self.repetition_penalty,
+        )
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready to submit ``sampling.n`` times."""
+
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+
+
+def parse_request(cls: type[RequestT], body: bytes | str | Mapping[str, Any]) -> RequestT:
+    """Parse a JSON body (bytes / str) or a decoded dict into ``cls``; errors → 400."""
+    if isinstance(body, (bytes, bytearray, str)):
+        try:
+            body = json.loads(body)
+        except ValueError as exc:  # JSONDecodeError, and UnicodeDecodeError for bytes
+            raise from_json_error(exc) from None
+    if not isinstance(body, Mapping):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def check_model(name: str, served: Collection[str]) -> None:
+    """404 ``model_not_found`` unless ``name`` is one of ``served``."""
+    if name not in served:
+        raise ModelNotFoundError(name)
+
+
+def prepare_completion(
+    request: CompletionRequest, tokenizer: Any, limits: RequestLimits
+) -> PreparedRequest:
+    """Tokenize ``prompt`` (with the tokenizer's special tokens) and resolve sampling."""
+    _check_cheap_limits(request, limits)
+    if isinstance(request.prompt, str):
+        prompt_ids = list(tokenizer.encode(request.prompt, add_special_tokens=True))
+    else:
+        prompt_ids = list(request.prompt)
+        _check_vocab(prompt_ids, "prompt", limits)
+    max_tokens = _max_tokens(request.max_tokens, "max_tokens", len(prompt_ids), "prompt", limits)
+    return PreparedRequest(request.model, prompt_ids, _sampling(request, max_tokens))
+
+
+def prepare_chat(
+    request: ChatCompletionRequest, tokenizer: Any, limits: RequestLimits
+) -> PreparedRequest:
+    """Render ``messages`` with the chat template and resolve sampling."""
+    _check_cheap_limits(request, limits)
+    prompt_ids = render_chat(tokenizer, request.messages)
+    budget, field = request.completion_budget
+    max_tokens = _max_tokens(budget, field, len(prompt_ids), "messages", limits)
+    return PreparedRequest(request.model, prompt_ids, _sampling(request, max_tokens))
+
+
+def _check_cheap_limits(
+    request: CompletionRequest | ChatCompletionRequest, limits: RequestLimits
+) -> None:
+    """Limits that need no tokenizer, checked before tokenizing."""
+    if request.n is not None and request.n > limits.max_n:
+        raise InvalidRequestError(
+            f"Invalid value for 'n': {request.n} is more than this server allows ({limits.max_n}).",
+            param="n",
+            code="invalid_value",
+        )
+    _check_vocab(request.stop_token_ids or (), "stop_token_ids", limits)
+
+
+def _check_vocab(token_ids: Sequence[int], field: str, limits: RequestLimits) -> None:
+    if limits.vocab_size is not None:
+        bad = next((t for t in token_ids if t >= limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"Invalid value for '{field}': token id {bad} is outside the vocabulary "
+                f"(size {limits.vocab_size}).",
+                param=field,
+                code="invalid_value",
+            )
+
+
+def _max_tokens(
+    requested: int | None, field: str, prompt_len: int, prompt_field: str, limits: RequestLimits
+) -> int:
+    """The completion budget: the request's, else what is left of the context (and cap)."""
+    ctx = limits.max_model_len
+    if prompt_len >= ctx:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {ctx} tokens. However, your {prompt_field} "
+            f"resulted in {prompt_len} tokens, which leaves no room for a completion. Please "
+            f"reduce the length of the {prompt_field}.",
+            param=prompt_field,
+        )
+    cap = limits.max_output_tokens
+    if requested is None:
+        left = ctx - prompt_len
+        return left if cap is None else min(left, cap)
+    if cap is not None and requested > cap:
+        raise InvalidRequestError(
+            f"Invalid value for '{field}': {requested} is more than this server allows ({cap}).",
+            param=field,
+            code="invalid_value",
+        )
+    if prompt_len + requested > ctx:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the {prompt_field}, {requested} "
+            f"in the completion). Please reduce the length of the {prompt_field} or completion.",
+            param=field,
+        )
+    return requested
+
+
+def _sampling(
+    request: CompletionRequest | ChatCompletionRequest, max_tokens: int
+) -> SamplingOptions:
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=_default(request.temperature, 1.0),
+        top_p=_default(request.top_p, 1.0),
+        top_k=_default(request.top_k, 0),
+        min_p=_default(request.min_p, 0.0),
+        repetition_penalty=_default(request.repetition_penalty, 1.0),
+        seed=request.seed,
+        stop=tuple(request.stop),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=bool(request.ignore_eos),
+        n=1 if request.n is None else request.n,
+        stream=bool(request.stream),
+        include_usage=request.include_usage,
+    )
+
+
+_T = TypeVar("_T")
+
+
+def _default(value: _T | None, default: _T) -> _T:
+    return default if value is None else value
