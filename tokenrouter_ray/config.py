@@ -150,6 +150,12 @@ def compose_config(
 
     _register_resolvers()
     GlobalHydra.instance().clear()
+    # Any dotted key may be set, present in the YAML or not (pydantic's extra="forbid"
+    # still rejects typos); group choices (`policy=rstitch`) stay as they are.
+    overrides = [
+        f"++{o}" if "=" in o and "." in o.split("=", 1)[0] and o[0] not in "+~" else o
+        for o in overrides
+    ]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             cfg = compose(config_name=config_name, overrides=list(overrides))

@@ -4,6 +4,7 @@ on every model; stale, replayed and post-FINISHED messages change nothing."""
 from __future__ import annotations
 
 import asyncio
+from typing import ClassVar
 
 from tests.routing.conftest import chain_engines
 from tokenrouter_ray.protocol import MsgKind, SamplingSpec, decode_batch
@@ -18,7 +19,7 @@ SPEC = SamplingSpec(temperature=0.0, max_tokens=60, seed=3)
 class RecordingChannel(InProcChannel):
     """Keeps every frame it sent; HANDOFF frames are delivered late (a slow network)."""
 
-    sent: list[tuple[str, list]] = []
+    sent: ClassVar[list[tuple[str, list]]] = []
 
     async def _send_frame(self, dst, msgs) -> None:
         RecordingChannel.sent.append((dst.name, list(msgs)))
