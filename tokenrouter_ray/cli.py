@@ -14,7 +14,10 @@ from tokenrouter_ray.errors import UserFacingError
 
 # Modules that expose ``register(subparsers: argparse._SubParsersAction) -> None``.
 COMMAND_MODULES = (
+    "tokenrouter_ray.dashboards.commands",
     "tokenrouter_ray.demo",
+    "tokenrouter_ray.demo_pair",
+    "tokenrouter_ray.routing.training.commands",
     "tokenrouter_ray.tuning.commands",
 )
 
@@ -43,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserFacingError as exc:
         print(f"tokenrouter-ray {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and closed early
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,83 @@
+"""`serve run conf/local.yaml` as a user runs it: a subprocess with its own Ray instance,
+answering the official openai client, and shutting down cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tokenrouter_ray.config import CONF_DIR
+
+pytestmark = pytest.mark.demo
+BASE = "http://127.0.0.1:8000"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ADDRESS": "local"}  # a fresh Ray instance, not the test session's cluster
+    serve_bin = Path(sys.executable).with_name("serve")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(serve_bin), "run", str(CONF_DIR / "local.yaml")],
+                                stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=CONF_DIR.parent, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(f"{BASE}/v1/models", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"serve run did not come up:\n{log.read_text()[-4000:]}")
+        time.sleep(1)
+    yield proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_models_endpoint(served) -> None:
+    models = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none").models.list()
+    assert [m.id for m in models.data] == ["tokenrouter"]
+
+
+def test_chat_and_completions_streaming_and_not(served) -> None:
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=120)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model="tokenrouter", messages=question,
+                                          max_tokens=24, temperature=0)
+    answer = chat.choices[0].message.content
+    assert "Paris" in answer
+    routing = chat.model_extra["routing"]
+    assert sum(routing["tokens_per_model"].values()) == chat.usage.completion_tokens
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="tokenrouter", messages=question,
+                                                max_tokens=24, temperature=0, stream=True)
+        if c.choices
+    )
+    assert streamed == answer
+    completion = client.completions.create(model="tokenrouter", prompt="The sky is",
+                                           max_tokens=8, temperature=0)
+    pieces = client.completions.create(model="tokenrouter", prompt="The sky is", max_tokens=8,
+                                       temperature=0, stream=True)
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == completion.choices[0].text
+    assert completion.usage.completion_tokens == 8
+
+
+def test_sigterm_shuts_down_cleanly(served) -> None:
+    served.send_signal(signal.SIGTERM)
+    assert served.wait(timeout=120) is not None
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{BASE}/v1/models", timeout=2)
