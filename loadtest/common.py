@@ -37,3 +37,13 @@ QUESTIONS = [
     "What is 17 times 23?",
     "Give three tips for learning a language.",
 ]
+
+
+def chat_prompts(tokenizer: object, n: int) -> list[list[int]]:
+    """``n`` chat-templated prompts (cycling through QUESTIONS) as token ids."""
+    from tokenrouter_ray.openai.chat import render_chat
+
+    return [
+        render_chat(tokenizer, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+        for i in range(n)
+    ]

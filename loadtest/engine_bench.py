@@ -17,24 +17,12 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from loadtest.common import QUESTIONS, command, machine
+from loadtest.common import chat_prompts, command, machine
 from tokenrouter_ray.demo import prepare_demo
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.outputs import StepTimings
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
-
-
-def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    out = []
-    for i in range(n):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-            add_generation_prompt=True,
-            tokenize=True,
-        )
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
 
 
 def sequential_generate(model, prompts: list[list[int]], tokens: list[int]) -> float:

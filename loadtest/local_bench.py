@@ -19,7 +19,7 @@ import time
 
 from transformers import AutoTokenizer
 
-from loadtest.common import QUESTIONS, command, machine
+from loadtest.common import chat_prompts, command, machine
 from tokenrouter_ray.demo import prepare_demo
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.request import SamplingParams
@@ -111,14 +111,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(large_cfg.model)
     rows = []
     for n in (int(c) for c in args.concurrency.split(",")):
-        prompts = []
-        for i in range(n):
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                add_generation_prompt=True,
-                tokenize=True,
-            )
-            prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        prompts = chat_prompts(tokenizer, n)
         glue_out, glue_s, glue_sent = glue_dispatch(engines, prompts, args.tokens, args.p)
         local_out, local_s, local_sent = asyncio.run(
             local_run(engines, prompts, args.tokens, args.p)
