@@ -24,7 +24,8 @@ class NeuralConfig(PolicyConfig):
 
 
 class RouterHolder:
-    """Loads the router once, then moves it to the device/dtype of the features it sees."""
+    """Loads the router once and scores features with it, in float32 (float64 when the
+    model runs in float64): a bf16 sigmoid cannot resolve thresholds near 0 or 1."""
 
     def __init__(self, config: NeuralConfig, kind: str, **arch: object) -> None:
         self.config = config
@@ -32,7 +33,10 @@ class RouterHolder:
         self.arch = arch
         self.module: nn.Module | None = None
 
-    def get(self, like: torch.Tensor) -> nn.Module:
+    def score(self, *features: torch.Tensor) -> torch.Tensor:
+        """sigmoid(router(*features)), (B,), on the features' device."""
+        like = features[0]
+        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
         if self.module is None:
             if self.config.checkpoint:
                 self.module, _ = load_router(self.config.checkpoint, self.kind)
@@ -41,9 +45,7 @@ class RouterHolder:
                 self.module = random_router(
                     self.kind, self.config.seed, hidden_size=size, **self.arch
                 )
-        if (
-            next(self.module.parameters()).dtype != like.dtype
-            or next(self.module.parameters()).device != like.device
-        ):
-            self.module = self.module.to(device=like.device, dtype=like.dtype)
-        return self.module
+        param = next(self.module.parameters())
+        if param.dtype != dtype or param.device != like.device:
+            self.module = self.module.to(device=like.device, dtype=dtype)
+        return torch.sigmoid(self.module(*(f.to(dtype) for f in features)))

@@ -42,7 +42,5 @@ class R2R(EscalateOnce):
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
         step = batch.step
-        router = self.router.get(step.hidden)
-        logits = step.logits.to(step.hidden.dtype)
-        score = torch.sigmoid(router(step.hidden, batch.embed(step.sampled), logits))
+        score = self.router.score(step.hidden, batch.embed(step.sampled), step.logits)
         return score >= self.config.threshold
