@@ -29,8 +29,14 @@ from deployments.directory import ServeDirectory
 from deployments.model_server import load_tokenizer
 from deployments.peers import PeerBook, make_channel
 from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.metrics import INGRESS, Metrics
 from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
-from tokenrouter_ray.openai.errors import InvalidRequestError, OverloadedError, error_response
+from tokenrouter_ray.openai.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    as_openai_error,
+    error_response,
+)
 from tokenrouter_ray.openai.responses import (
     ChoiceResult,
     RoutingInfo,
@@ -57,6 +63,7 @@ app = FastAPI(title="tokenrouter-ray", docs_url=None, redoc_url=None)
 @app.exception_handler(Exception)
 async def _openai_errors(_: Request, exc: Exception) -> JSONResponse:
     status, body = error_response(exc)
+    Metrics.ray().error(INGRESS, f"{as_openai_error(exc).error_type}_{status}")  # bounded
     return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
 
@@ -81,7 +88,7 @@ class Ingress:
         await self.channel.start()
         self.peers = PeerBook(serve_directory, cfg.model_names)
         await self.peers.start(wait_for_all=True)
-        self.core = IngressCore(self.channel, self._entry, self.peers.all)
+        self.core = IngressCore(self.channel, self._entry, self.peers.all, Metrics.ray())
         await self.core.start()
         self.entry_load: dict[str, int] = {}
         self.entry_total: dict[str, int] = {}
@@ -166,7 +173,7 @@ class Ingress:
                 if text and pieces is not None:
                     pieces.put_nowait((index, text))
                 if detok.stopped:
-                    await self.core.abort(rid)
+                    await self.core.abort(rid, reason="stop")
                     break
             tail = detok.finish()
             if tail and pieces is not None:

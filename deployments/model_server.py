@@ -14,6 +14,7 @@ from deployments.directory import ServeDirectory
 from deployments.peers import PeerBook, make_channel
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.runtime.subserver import SubServer
 
@@ -55,7 +56,13 @@ class ModelServer:
         await self.channel.start()
         await self.peers.start(wait_for_all=False)
         self.server = SubServer(
-            cfg.model_names, index, self.engine, policy, self.channel, pick_endpoint=self._pick
+            cfg.model_names,
+            index,
+            self.engine,
+            policy,
+            self.channel,
+            pick_endpoint=self._pick,
+            metrics=Metrics.ray(policy=cfg.policy.name),  # exported by Ray's metrics agent
         )
         await self.server.start()
 

@@ -53,8 +53,15 @@ def test_lint_strict(helm: Path) -> None:
     assert "0 chart(s) failed" in result.stdout
 
 
+def kinds(objects: Objects) -> list[str]:
+    """Sorted kinds, dashboard ConfigMaps left out (they follow k8s/dashboards/*.json)."""
+    return sorted(obj["kind"] for obj in objects if obj["kind"] != "ConfigMap")
+
+
 def test_default_render_is_the_cross_node_layout(default_render: Objects) -> None:
-    assert sorted(obj["kind"] for obj in default_render) == ["Ingress", "PodMonitor", "RayService"]
+    assert kinds(default_render) == ["Ingress", "PodMonitor", "RayService"]
+    dashboards = sorted(k for o in default_render if o["kind"] == "ConfigMap" for k in o["data"])
+    assert dashboards == sorted(p.name for p in (manifests.K8S / "dashboards").glob("*.json"))
 
 
 def test_default_serve_config_is_conf_r2r_cross_node(
@@ -151,7 +158,7 @@ def test_values_variant(render_values: Callable[..., Objects]) -> None:
     values["models"][2]["worker"]["nodeSelector"] = {"nvidia.com/gpu.product": "NVIDIA-H100"}
     objects = render_values(values)
 
-    assert sorted(obj["kind"] for obj in objects) == ["Ingress", "RayService"]
+    assert kinds(objects) == ["Ingress", "RayService"]
     overrides = serve_config(objects)["applications"][0]["args"]["overrides"]
     assert overrides[4:] == ["transport.port=6000", "tuning.interval_s=5"]
     groups = only(objects, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
@@ -195,7 +202,7 @@ def test_dashboards_render_from_json_files(
     tmp_path: Path, helm: Path, kubectl: Path, render_values: Callable[..., Objects]
 ) -> None:
     """A JSON file dropped into k8s/dashboards/ becomes the same ConfigMap in the chart's
-    render and in k8s/ (after regeneration); without files, nothing renders."""
+    render and in k8s/ (after regeneration); disabled, nothing renders."""
     shutil.copytree(manifests.K8S, tmp_path / "k8s")
     (tmp_path / "helm").mkdir()
     shutil.copytree(manifests.CHART, tmp_path / "helm" / "tokenrouter-ray", symlinks=True)
@@ -203,14 +210,17 @@ def test_dashboards_render_from_json_files(
     dashboard = {"title": "TokenRouter overview", "panels": [], "schemaVersion": 39}
     (k8s / "dashboards" / "tokenrouter_overview.json").write_text(json.dumps(dashboard) + "\n")
 
-    [from_chart] = [o for o in manifests.render(chart=chart, helm=helm) if o["kind"] == "ConfigMap"]
+    name = "tokenrouter_overview.json"
+    [from_chart] = [
+        o for o in manifests.render(chart=chart, helm=helm) if name in o.get("data", {})
+    ]
     assert from_chart["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(from_chart["data"]["tokenrouter_overview.json"]) == dashboard
 
     files = manifests.generate(manifests.render(chart=chart, helm=helm), k8s / "dashboards")
     for path, text in files.items():
         (k8s / path).write_text(text)
-    [from_kustomize] = [o for o in manifests.kustomize(k8s, kubectl) if o["kind"] == "ConfigMap"]
+    [from_kustomize] = [o for o in manifests.kustomize(k8s, kubectl) if name in o.get("data", {})]
     assert from_kustomize == manifests.strip_helm_labels(from_chart)
 
     values = manifests.default_values()

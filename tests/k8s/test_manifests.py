@@ -45,7 +45,12 @@ def test_serve_config_passes_ray_serve_schema(
 def test_kustomize_builds_the_files(kubectl: Path, k8s_objects: Objects) -> None:
     built = manifests.kustomize(manifests.K8S, kubectl)
     key = lambda obj: (obj["kind"], obj["metadata"]["name"])  # noqa: E731
-    assert sorted(built, key=key) == sorted(k8s_objects, key=key)
+    plain = [obj for obj in built if obj["kind"] != "ConfigMap"]
+    assert sorted(plain, key=key) == sorted(k8s_objects, key=key)
+    configmaps = [obj for obj in built if obj["kind"] == "ConfigMap"]
+    dashboards = {name: text for obj in configmaps for name, text in obj["data"].items()}
+    files = {p.name: p.read_text() for p in (manifests.K8S / "dashboards").glob("*.json")}
+    assert dashboards == files
 
 
 def test_k8s_matches_the_chart_in_what_matters(

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
+from tokenrouter_ray.metrics import INGRESS, Metrics
 from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, ProtocolError, SamplingSpec
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
 
@@ -39,6 +41,9 @@ class _Live:
         self.final_len: int | None = None
         self.aborted = False
         self.updates: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        self.submitted_at = time.monotonic()  # for TTFT / ITL / end-to-end metrics
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
 
     @property
     def complete(self) -> bool:
@@ -51,8 +56,10 @@ class IngressCore:
         channel: PeerChannel,
         entry_endpoint: Callable[[], str],
         all_endpoints: Callable[[], list[str]],
+        metrics: Metrics | None = None,
     ) -> None:
         self.channel = channel
+        self.metrics = metrics if metrics is not None else Metrics()
         self.entry_endpoint = entry_endpoint
         self.all_endpoints = all_endpoints
         self.live: dict[str, _Live] = {}
@@ -80,6 +87,7 @@ class IngressCore:
         if sampling.seed is None:  # one seed for every model the request visits
             sampling = msgspec.structs.replace(sampling, seed=secrets.randbits(62))
         self.live[rid] = _Live(rid, len(prompt))
+        self.metrics.ingress_active(self.num_active)
         dst = entry or self.entry_endpoint()
         msg = PeerReq(
             rid=rid,
@@ -100,13 +108,14 @@ class IngressCore:
         while (chunk := await live.updates.get()) is not None:
             yield chunk
 
-    async def abort(self, rid: str) -> None:
-        """Stop the request on every model (unless it already completed)."""
+    async def abort(self, rid: str, reason: str = "abort") -> None:
+        """Stop the request on every model (unless it already completed); ``reason`` is its
+        finish reason (``"stop"`` when the caller saw a stop string)."""
         live = self.live.get(rid)
         if live is None or live.complete or live.aborted:
             return
         live.aborted = True
-        live.completion.finish_reason = "abort"
+        live.completion.finish_reason = reason
         live.updates.put_nowait(None)
         msgs = [
             PeerReq(
@@ -123,7 +132,26 @@ class IngressCore:
 
     def release(self, rid: str) -> Completion:
         """Forget a completed or aborted request; its final record."""
-        return self.live.pop(rid).completion
+        live = self.live.pop(rid)
+        self._record_done(live)
+        return live.completion
+
+    def _record_done(self, live: _Live) -> None:
+        done, n = live.completion, len(live.completion.token_ids)
+        tpot = None
+        if n > 1 and live.first_token_at is not None and live.last_token_at is not None:
+            tpot = (live.last_token_at - live.first_token_at) / (n - 1)
+        self.metrics.request_done(
+            done.finish_reason or "unknown",
+            time.monotonic() - live.submitted_at,
+            done.prompt_len,
+            n,
+            done.handoffs,
+            tpot,
+        )
+        if done.error or done.finish_reason == "error":
+            self.metrics.error(INGRESS, "request_failed")
+        self.metrics.ingress_active(self.num_active)
 
     async def result(self, rid: str) -> Completion:
         async for _ in self.stream(rid):
@@ -133,6 +161,7 @@ class IngressCore:
     async def _receive_loop(self) -> None:
         async for batch in self.channel:
             for msg in batch:
+                self.metrics.peer_message(INGRESS, msg.sent_at)
                 self._on_message(msg)
 
     def _on_message(self, msg: PeerReq) -> None:
@@ -143,10 +172,12 @@ class IngressCore:
             try:
                 fresh = live.log.add(msg.anchor, msg.tokens)
             except ProtocolError as exc:
+                self.metrics.error(INGRESS, "protocol_error")
                 live.completion.error = str(exc)
                 live.final_len = live.log.end
                 fresh = []
             if fresh:
+                self._record_tokens(live, len(fresh))
                 live.completion.token_ids += fresh
                 live.updates.put_nowait(fresh)
         elif msg.kind == MsgKind.FINISHED:
@@ -159,3 +190,12 @@ class IngressCore:
                 live.final_len = live.log.end
         if live.complete:
             live.updates.put_nowait(None)
+
+    def _record_tokens(self, live: _Live, n: int) -> None:
+        now = time.monotonic()
+        if live.first_token_at is None:
+            live.first_token_at = now
+            self.metrics.first_token(now - live.submitted_at)
+        else:
+            self.metrics.inter_token((now - live.last_token_at) / n)
+        live.last_token_at = now

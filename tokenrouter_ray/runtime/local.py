@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Sequence
 
 from tokenrouter_ray.engine.engine import Engine
+from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import Policy
 from tokenrouter_ray.runtime.ingress import Completion, IngressCore
@@ -27,6 +28,7 @@ class LocalRuntime:
         engines: Sequence[tuple[str, Engine]],
         policy: Policy,
         channel_type: type[InProcChannel] = InProcChannel,
+        metrics: Metrics | None = None,
     ) -> None:
         self.models = [name for name, _ in engines]
         if policy.models != self.models:
@@ -34,6 +36,8 @@ class LocalRuntime:
         self.engines = dict(engines)
         self.policy = policy
         self.channel_type = channel_type
+        # Default: prometheus-client on its global registry, labelled with the policy.
+        self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
         self.subservers: list[SubServer] = []
         self.ingress: IngressCore | None = None
         self._ids = itertools.count()
@@ -57,13 +61,16 @@ class LocalRuntime:
                 self.policy,
                 channel,
                 pick_endpoint=lambda model, rid: endpoint_name(model, "0"),
+                metrics=self.metrics,
             )
             await server.start()
             self.subservers.append(server)
         channel = self.channel_type("ingress", "0", directory, hub)
         await channel.start()
         endpoints = [s.endpoint for s in self.subservers]
-        self.ingress = IngressCore(channel, lambda: endpoints[0], lambda: endpoints)
+        self.ingress = IngressCore(
+            channel, lambda: endpoints[0], lambda: endpoints, metrics=self.metrics
+        )
         await self.ingress.start()
 
     async def stop(self) -> None:

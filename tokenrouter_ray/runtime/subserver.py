@@ -26,6 +26,7 @@ import torch
 
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.outputs import StepResult
+from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import MsgKind, PeerReq, RequestLedger
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch
 from tokenrouter_ray.runtime.tracking import Tracked, engine_sampling
@@ -57,6 +58,7 @@ class SubServer:
         policy: Policy,
         channel: PeerChannel,
         pick_endpoint: Callable[[str, str], str],
+        metrics: Metrics | None = None,
     ) -> None:
         self.models = models
         self.index = index
@@ -71,6 +73,8 @@ class SubServer:
         self.handoff_log: deque[HandoffRecord] = deque(maxlen=100_000)
         self.active_requests = 0
         self.num_steps = 0
+        self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
+        self._deferred_since: float | None = None  # when the launch threshold began holding
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
@@ -112,6 +116,7 @@ class SubServer:
     def _apply_inbox(self, out: list[PeerReq]) -> None:
         while self.inbox:
             msg = self.inbox.popleft()
+            self.metrics.peer_message(self.name, msg.sent_at)
             if not self.ledger.accept(msg):
                 continue
             if msg.active_requests:
@@ -120,8 +125,10 @@ class SubServer:
                 self._apply(msg, out)
             except (ValueError, KeyError) as exc:
                 logger.warning("%s: dropping %s for %s: %s", self.name, msg.kind.name, msg.rid, exc)
+                self.metrics.error(self.name, "bad_message")
                 self._fail(msg, str(exc), out)
         self.engine.set_active_requests(self.active_requests or None)
+        self.metrics.engine_state(self.name, self.engine)
 
     def _apply(self, msg: PeerReq, out: list[PeerReq]) -> None:
         rid = msg.rid
@@ -170,6 +177,7 @@ class SubServer:
             if out:
                 await self.channel.send_grouped(out)
             if not self.engine.has_runnable:
+                self._deferred_since = None
                 self._wake.clear()
                 if not self.inbox:
                     await self._wake.wait()
@@ -178,6 +186,7 @@ class SubServer:
                 step = await asyncio.to_thread(self._forward_and_route)
             except Exception as exc:  # a broken step must not take the model down
                 logger.exception("%s: step failed", self.name)
+                self.metrics.error(self.name, "step_failed")
                 await self.channel.send_grouped(self._fail_runnable(f"step failed: {exc}"))
                 continue
             if step is None:  # deferred: wait for more work or the max-wait deadline
@@ -199,9 +208,15 @@ class SubServer:
     def _forward_and_route(self) -> tuple[StepResult, list[int]] | None:
         result = self.engine.execute()
         if result is None:
+            if self.engine.deferred_until is not None and self._deferred_since is None:
+                self._deferred_since = time.monotonic()
             return None
+        if self._deferred_since is not None:
+            self.metrics.deferred_wait(self.name, time.monotonic() - self._deferred_since)
+            self._deferred_since = None
         self.num_steps += 1
         if not result.request_ids:
+            self.metrics.step(self.name, result.batch_size, result.timings.total, None)
             return result, []
         requests = [self.engine.requests[rid] for rid in result.request_ids]
         dev = result.sampled.device
@@ -216,8 +231,11 @@ class SubServer:
             seeds=[r.seed for r in requests],
             embed=self._embed,
         )
+        t0 = time.perf_counter()
         with torch.inference_mode():
             destinations = self.policy.route(batch).tolist()
+        route_seconds = time.perf_counter() - t0
+        self.metrics.step(self.name, result.batch_size, result.timings.total, route_seconds)
         return result, destinations
 
     def _commit(self, result: StepResult, destinations: list[int]) -> list[PeerReq]:
@@ -237,10 +255,12 @@ class SubServer:
             leaving[rid] = (dst, send.extras)
         positions = dict(zip(result.request_ids, result.positions, strict=True))
         out: list[PeerReq] = []
+        committed = 0
         for o in self.engine.commit(result, drop=drop, pause=leaving.keys()):
             tracked = self.tracked[o.request_id]
             if o.new_token_ids:
                 self._count(tracked, len(o.new_token_ids))
+                committed += len(o.new_token_ids)
                 out.append(
                     self._to_ingress(
                         tracked, MsgKind.COMMIT, o.new_token_ids, anchor=positions[o.request_id]
@@ -252,6 +272,7 @@ class SubServer:
                 dst, extras = leaving[o.request_id]
                 sequence = self.engine.requests[o.request_id].token_ids
                 out.append(self._handoff(tracked, sequence, dst, extras))
+        self.metrics.committed(self.name, committed)
         return out
 
     def _count(self, tracked: Tracked, n: int) -> None:
@@ -268,6 +289,7 @@ class SubServer:
         tracked.endpoints[model] = endpoint
         tracked.handoffs += 1
         tracked.seq += 1
+        self.metrics.handoff(self.name, model, len(suffix))
         self.handoff_log.append(
             HandoffRecord(
                 tracked.rid,

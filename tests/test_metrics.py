@@ -1,0 +1,195 @@
+"""Metrics: a LocalRuntime run with bernoulli routing, recorded by the prometheus-client
+backend into a fresh registry, counts exactly what happened; the Ray backend defines the
+same names, labels and buckets (checked without starting Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engine.conftest import make_engine
+from tests.routing.conftest import save_chain_model
+from tokenrouter_ray.metrics import (
+    DEFINITIONS,
+    RAY_PREFIX,
+    Metrics,
+    PrometheusBackend,
+    RayBackend,
+    exported_names,
+    ray_instrument_specs,
+)
+from tokenrouter_ray.protocol import SamplingSpec
+from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.runtime.local import LocalRuntime
+
+TWO = ["small", "large"]
+NUM_PROMPTS, MAX_TOKENS = 8, 24
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("metrics_pair")
+    return {
+        name: save_chain_model(root / name, layers, seed)
+        for name, layers, seed in (("small", 1, 11), ("large", 2, 12))
+    }
+
+
+@pytest.fixture(scope="module")
+def run(pair_dirs: dict[str, str]) -> dict:
+    """One bernoulli run; the large model defers launches until 2-4 requests are runnable."""
+    registry = CollectorRegistry()
+    policy = build_policy("bernoulli", {"p": 0.35}, TWO)
+    engines = [
+        ("small", make_engine(pair_dirs["small"])),
+        ("large", make_engine(pair_dirs["large"], batch_thresholds=[1, 2, 4], max_defer_s=0.003)),
+    ]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 20))] for _ in range(NUM_PROMPTS)]
+    metrics = Metrics(PrometheusBackend(registry), policy="bernoulli")
+
+    async def go() -> dict:
+        async with LocalRuntime(engines, policy, metrics=metrics) as runtime:
+            spec = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=7)
+            completions = await asyncio.wait_for(runtime.complete_all(prompts, spec), 60)
+            await runtime.wait_idle()
+            return {
+                "registry": registry,
+                "completions": completions,
+                "handoffs": runtime.handoffs,
+                "num_blocks": {s.name: s.engine.kv.pool.num_blocks for s in runtime.subservers},
+            }
+
+    return asyncio.run(go())
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def test_counters_match_what_happened(run: dict) -> None:
+    reg, completions, handoffs = run["registry"], run["completions"], run["handoffs"]
+    assert all(c.error is None for c in completions)
+    pairs = Counter((h.src, h.dst) for h in handoffs)
+    assert sum(pairs.values()) >= 20  # routing really happened, both ways
+    assert set(pairs) == {("small", "large"), ("large", "small")}
+    for (src, dst), n in pairs.items():
+        labels = {"src_model": src, "dst_model": dst}
+        assert value(reg, "tokenrouter_handoffs_total", **labels, policy="bernoulli") == n
+        assert value(reg, "tokenrouter_handoff_tokens_count", **labels) == n
+        tokens = sum(h.num_tokens for h in handoffs if (h.src, h.dst) == (src, dst))
+        assert value(reg, "tokenrouter_handoff_tokens_sum", **labels) == tokens
+
+    for model in TWO:
+        want = sum(c.counts.get(model, 0) for c in completions)
+        assert want > 0
+        got = value(reg, "tokenrouter_committed_tokens_total", model=model, policy="bernoulli")
+        assert got == want
+
+    outputs = sum(len(c.token_ids) for c in completions)
+    assert value(reg, "tokenrouter_requests_total", finish_reason="length") == NUM_PROMPTS
+    assert value(reg, "tokenrouter_request_output_tokens_sum") == outputs
+    assert value(reg, "tokenrouter_request_handoffs_sum") == len(handoffs)
+    assert value(reg, "tokenrouter_request_handoffs_sum") == sum(c.handoffs for c in completions)
+    assert not [s for s in _samples(reg) if s.name.startswith("tokenrouter_errors")]
+
+
+def test_histograms_and_gauges_have_observations(run: dict) -> None:
+    reg = run["registry"]
+    for model in TWO:
+        assert value(reg, "tokenrouter_batch_size_count", model=model) > 0
+        assert value(reg, "tokenrouter_step_seconds_count", model=model) > 0
+        labels = {"model": model, "policy": "bernoulli"}
+        assert value(reg, "tokenrouter_route_seconds_count", **labels) > 0
+        assert value(reg, "tokenrouter_peer_latency_seconds_count", model=model) > 0
+        # after the run every model is idle and its KV free
+        assert value(reg, "tokenrouter_kv_blocks_total", model=model) == run["num_blocks"][model]
+        for gauge in ("kv_blocks_used", "requests_waiting", "requests_running"):
+            assert value(reg, f"tokenrouter_{gauge}", model=model) == 0
+    assert value(reg, "tokenrouter_peer_latency_seconds_count", model="ingress") > 0
+    # the large model's threshold held launches back
+    assert value(reg, "tokenrouter_deferred_wait_seconds_count", model="large") > 0
+    assert reg.get_sample_value("tokenrouter_batch_threshold", {"model": "large"}) is not None
+    n = NUM_PROMPTS
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "time_per_output_token_seconds",
+        "request_prompt_tokens",
+    ):
+        assert value(reg, f"tokenrouter_{name}_count") == n
+    assert value(reg, "tokenrouter_inter_token_latency_seconds_count") > 0
+    assert value(reg, "tokenrouter_ingress_active_requests") == 0
+
+
+def _samples(registry: CollectorRegistry) -> list:
+    return [s for family in registry.collect() for s in family.samples]
+
+
+def test_scrape_names_are_the_definitions(run: dict) -> None:
+    """Every series a prometheus-client scrape shows is an exported name (plus the
+    `_created` timestamps prometheus-client adds)."""
+    text = generate_latest(run["registry"]).decode()
+    names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    names = {n for n in names if not n.endswith("_created")}
+    assert names <= exported_names(prefix="")
+    assert "tokenrouter_handoffs_total" in names  # `_total` exactly once
+
+
+def test_ray_backend_defines_the_same_metrics() -> None:
+    """Built without ray.init: ray.util.metrics instruments only record once Ray runs."""
+    backend = RayBackend()
+    reg = CollectorRegistry()
+    PrometheusBackend(reg)
+    prom_types = {f.name: f.type for f in reg.collect()}
+    specs = ray_instrument_specs()
+    assert [s["name"] for s in specs] == [d.name for d in DEFINITIONS]
+    for spec, d in zip(specs, DEFINITIONS, strict=True):
+        info = backend.instruments[d.name].info
+        assert info["name"] == d.name and tuple(info["tag_keys"]) == d.labels
+        if d.kind == "histogram":
+            assert info["boundaries"] == list(d.buckets) == spec["boundaries"]
+        # prometheus-client names a counter family without `_total`
+        family = d.name.removesuffix("_total") if d.kind == "counter" else d.name
+        assert prom_types[family] == d.kind
+        assert set(d.labels) <= {
+            "model",
+            "src_model",
+            "dst_model",
+            "policy",
+            "type",
+            "finish_reason",
+        }
+
+
+def test_ray_agent_keeps_total_once() -> None:
+    """Ray's agent exports a counter as a CounterMetricFamily named ray_<name>: a name that
+    already ends in `_total` keeps exactly one `_total` on the scrape."""
+
+    class Agent:
+        def collect(self):  # what Ray's metrics agent hands prometheus-client
+            family = CounterMetricFamily(RAY_PREFIX + "tokenrouter_handoffs_total", "", labels=[])
+            family.add_metric([], 3)
+            yield family
+
+    reg = CollectorRegistry()
+    reg.register(Agent())
+    assert reg.get_sample_value("ray_tokenrouter_handoffs_total") == 3
+    assert "ray_tokenrouter_handoffs_total" in exported_names()
+
+
+def test_noop_metrics_accept_every_call() -> None:
+    m = Metrics.noop()
+    m.handoff("a", "b", 3)
+    m.committed("a", 2)
+    m.step("a", 4, 0.01, None)
+    m.deferred_wait("a", 0.001)
+    m.peer_message("a", 0)
+    m.error("a", "step_failed")
+    m.request_done("stop", 1.0, 3, 4, 1, 0.1)

@@ -1,0 +1,278 @@
+"""The three Grafana dashboards: overview (traffic, latency, errors), routing (who hands off
+to whom, routing fractions, handoff sizes) and scheduler (batches, queues, deferred launch,
+KV). Each ``build(prefix)`` returns the dashboard JSON as a dict; ``prefix`` is the metric
+name prefix of the exporter (``ray_`` for the Ray Serve deployments).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenrouter_ray.dashboards.panels import (
+    Promql,
+    dashboard,
+    label_variable,
+    matrix,
+    quantiles,
+    row,
+    stat,
+    target,
+    timeseries,
+)
+
+PAIR = ("src_model", "dst_model")
+PAIR_LEGEND = "{{src_model}} → {{dst_model}}"
+
+
+def overview(prefix: str) -> dict[str, Any]:
+    q = Promql(prefix)
+    reqs, toks = "tokenrouter_requests_total", "tokenrouter_committed_tokens_total"
+    errors = "tokenrouter_errors_total"
+    return dashboard(
+        "tokenrouter-overview",
+        "tokenrouter-ray / Overview",
+        "Request rate, token throughput, latency (TTFT, TPOT, ITL, end to end) and errors.",
+        [
+            row("Traffic"),
+            stat("Requests / s", q.rate(reqs), "reqps", "Requests (choices) ending per second."),
+            stat("Output tokens / s", q.rate(toks), "short", "Committed tokens, all models."),
+            stat("Active requests", q.value("tokenrouter_ingress_active_requests"), "short"),
+            stat("Errors / s", q.rate(errors), "short", "Errors anywhere (models, ingress)."),
+            timeseries(
+                "Requests by finish reason",
+                [target(q.rate(reqs, ["finish_reason"]), "{{finish_reason}}")],
+                "reqps",
+                stack=True,
+            ),
+            timeseries(
+                "Output tokens / s by model",
+                [target(q.rate(toks, ["model"]), "{{model}}")],
+                "short",
+                "Committed tokens per second, by the model that produced them.",
+                stack=True,
+            ),
+            row("Latency"),
+            timeseries(
+                "Time to first token",
+                quantiles(q, "tokenrouter_time_to_first_token_seconds"),
+                "s",
+                "Submit to the first committed token, at the ingress.",
+            ),
+            timeseries(
+                "Time per output token",
+                quantiles(q, "tokenrouter_time_per_output_token_seconds"),
+                "s",
+                "Per request: (last token - first token) / (tokens - 1).",
+            ),
+            timeseries(
+                "Inter-token latency",
+                quantiles(q, "tokenrouter_inter_token_latency_seconds"),
+                "s",
+                "Gap between consecutive commits at the ingress, per token.",
+            ),
+            timeseries(
+                "End-to-end latency",
+                quantiles(q, "tokenrouter_e2e_request_latency_seconds"),
+                "s",
+            ),
+            timeseries(
+                "Tokens per request",
+                [
+                    target(q.mean("tokenrouter_request_output_tokens"), "output (mean)"),
+                    target(q.mean("tokenrouter_request_prompt_tokens"), "prompt (mean)"),
+                    *quantiles(q, "tokenrouter_request_output_tokens", legend="output"),
+                ],
+                "short",
+            ),
+            timeseries(
+                "Errors / s by type",
+                [target(q.rate(errors, ["model", "type"]), "{{model}}: {{type}}")],
+                "short",
+                "Model errors (step_failed, bad_message) and ingress errors "
+                "(<OpenAI type>_<HTTP status>, request_failed, protocol_error).",
+            ),
+        ],
+    )
+
+
+def routing(prefix: str) -> dict[str, Any]:
+    q = Promql(prefix)
+    handoffs, toks = "tokenrouter_handoffs_total", "tokenrouter_committed_tokens_total"
+    per_model_commits = q.rate(toks, ["model"])
+    as_src = f'label_replace({per_model_commits}, "src_model", "$1", "model", "(.*)")'
+    return dashboard(
+        "tokenrouter-routing",
+        "tokenrouter-ray / Routing",
+        "Token-level routing: handoffs between models, routing fractions, handoff sizes.",
+        [
+            row("Handoffs"),
+            matrix(
+                "Handoff rate matrix (src → dst), over the time range",
+                q.rate(handoffs, PAIR, window="$__range"),
+                "src_model",
+                "dst_model",
+                "short",
+                "Handoffs per second from the row's model to the column's model.",
+            ),
+            timeseries(
+                "Handoffs / s",
+                [target(q.rate(handoffs, PAIR), PAIR_LEGEND)],
+                "short",
+            ),
+            timeseries(
+                "Handoff probability per committed token (≈ p_ij)",
+                [
+                    target(
+                        f"{q.rate(handoffs, PAIR)} / on (src_model) group_left {as_src}",
+                        PAIR_LEGEND,
+                    )
+                ],
+                "percentunit",
+                "Handoffs i → j divided by tokens committed on i: the p_ij of the "
+                "throughput model (DESIGN.md §4).",
+            ),
+            timeseries(
+                "Routing fraction ρ by model",
+                [
+                    target(
+                        f"{per_model_commits} / ignoring (model) group_left {q.rate(toks)}",
+                        "{{model}}",
+                    )
+                ],
+                "percentunit",
+                "Share of committed tokens each model produced.",
+                stack=True,
+                max_value=1,
+            ),
+            row("Handoff sizes"),
+            timeseries(
+                "Tokens per handoff",
+                [
+                    target(q.mean("tokenrouter_handoff_tokens", PAIR), f"mean {PAIR_LEGEND}"),
+                    *quantiles(q, "tokenrouter_handoff_tokens", PAIR, PAIR_LEGEND),
+                ],
+                "short",
+                "Suffix tokens a handoff carried (what the receiver had not seen).",
+            ),
+            timeseries(
+                "Handoffs per request",
+                [
+                    target(q.mean("tokenrouter_request_handoffs"), "mean"),
+                    *quantiles(q, "tokenrouter_request_handoffs"),
+                ],
+                "short",
+            ),
+            row("Routing overhead"),
+            timeseries(
+                "Routing decision time per step",
+                quantiles(q, "tokenrouter_route_seconds", ["model"], "{{model}}"),
+                "s",
+                "Time in the policy's route() for one step's batch.",
+            ),
+            timeseries(
+                "PeerReq one-way latency",
+                quantiles(q, "tokenrouter_peer_latency_seconds", ["model"], "{{model}}"),
+                "s",
+                "Receiver's clock minus the sender's sent_at (cross-node: includes skew).",
+            ),
+        ],
+    )
+
+
+def scheduler(prefix: str) -> dict[str, Any]:
+    q = Promql(prefix, selector='model=~"$model"')
+    model = ["model"]
+    by_model = "{{model}}"
+    return dashboard(
+        "tokenrouter-scheduler",
+        "tokenrouter-ray / Scheduler",
+        "Per-model batching: batch sizes, queues, deferred launch, thresholds and KV cache.",
+        [
+            row("Batches"),
+            timeseries(
+                "Batch size",
+                [
+                    target(q.mean("tokenrouter_batch_size", model), f"mean {by_model}"),
+                    *quantiles(q, "tokenrouter_batch_size", model, by_model),
+                ],
+                "short",
+                "Requests per forward step.",
+            ),
+            timeseries(
+                "Step time",
+                quantiles(q, "tokenrouter_step_seconds", model, by_model),
+                "s",
+                "Host time of a step (schedule, prepare, forward, sample).",
+            ),
+            timeseries(
+                "Steps / s",
+                [target(q.rate("tokenrouter_batch_size", model, "_count"), by_model)],
+                "short",
+            ),
+            timeseries(
+                "Queue depth",
+                [
+                    target(q.value("tokenrouter_requests_waiting", model), f"waiting {by_model}"),
+                    target(q.value("tokenrouter_requests_running", model), f"running {by_model}"),
+                    target(q.value("tokenrouter_requests_pending", model), f"pending {by_model}"),
+                ],
+                "short",
+                "Waiting: queued for a step; running: in the batch; pending: handed to "
+                "another model with KV kept here.",
+            ),
+            row("Deferred launch"),
+            timeseries(
+                "Deferred-launch wait",
+                [
+                    target(q.mean("tokenrouter_deferred_wait_seconds", model), f"mean {by_model}"),
+                    *quantiles(q, "tokenrouter_deferred_wait_seconds", model, by_model),
+                ],
+                "s",
+                "How long a step was held back by the threshold before it launched.",
+            ),
+            timeseries(
+                "Threshold B vs active requests N",
+                [
+                    target(q.value("tokenrouter_batch_threshold", model, "max"), f"B {by_model}"),
+                    target(q.value("tokenrouter_active_requests", model, "max"), f"N {by_model}"),
+                ],
+                "short",
+                "B = batch_thresholds[min(N, len - 1)]; no deadlock while sum(B_i - 1) < N.",
+            ),
+            row("KV cache"),
+            timeseries(
+                "KV usage",
+                [
+                    target(
+                        f"{q.value('tokenrouter_kv_blocks_used', model)} / "
+                        f"{q.value('tokenrouter_kv_blocks_total', model)}",
+                        by_model,
+                    )
+                ],
+                "percentunit",
+                max_value=1,
+            ),
+            timeseries(
+                "KV blocks",
+                [
+                    target(q.value("tokenrouter_kv_blocks_used", model), f"used {by_model}"),
+                    target(q.value("tokenrouter_kv_blocks_total", model), f"total {by_model}"),
+                ],
+                "short",
+            ),
+            timeseries(
+                "Preemptions / s",
+                [target(q.rate("tokenrouter_preemptions_total", model), by_model)],
+                "short",
+                "Requests whose KV was freed to make room (recomputed later).",
+            ),
+        ],
+        variables=[
+            label_variable(
+                "model", "model", Promql(prefix).name("tokenrouter_batch_size", "_count")
+            )
+        ],
+    )
+
+
+BOARDS = {"overview": overview, "routing": routing, "scheduler": scheduler}

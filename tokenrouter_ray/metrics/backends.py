@@ -1,0 +1,141 @@
+"""Where metric values go: three interchangeable backends behind one tiny interface.
+
+A backend is built from ``DEFINITIONS`` and takes ``inc`` / ``set`` / ``observe`` with a
+``MetricDef`` and its label values (in the definition's label order):
+
+- ``PrometheusBackend``: prometheus-client instruments in a ``CollectorRegistry`` (the
+  global one by default; tests inject a fresh one). The default outside Ray.
+- ``RayBackend``: ``ray.util.metrics`` instruments, exported by Ray's per-node metrics agent
+  (names gain Ray's ``ray_`` prefix there). Ray is imported here only, when one is built.
+- ``NoopBackend``: drops everything.
+
+Both real backends name counters with their ``_total`` suffix: prometheus-client strips it
+and puts it back, and Ray's agent exports a counter named ``x_total`` as ``ray_x_total``
+(without the deprecated duplicate gauge it emits for counters not ending in ``_total``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Protocol
+
+from tokenrouter_ray.metrics.definitions import DEFINITIONS, MetricDef
+
+Labels = tuple[str, ...]
+
+
+class Backend(Protocol):
+    def inc(self, metric: MetricDef, value: float, labels: Labels) -> None: ...
+
+    def set(self, metric: MetricDef, value: float, labels: Labels) -> None: ...
+
+    def observe(self, metric: MetricDef, value: float, labels: Labels) -> None: ...
+
+
+class NoopBackend:
+    def inc(self, metric: MetricDef, value: float, labels: Labels) -> None:
+        pass
+
+    def set(self, metric: MetricDef, value: float, labels: Labels) -> None:
+        pass
+
+    def observe(self, metric: MetricDef, value: float, labels: Labels) -> None:
+        pass
+
+
+class PrometheusBackend:
+    """prometheus-client instruments, registered once in ``registry``."""
+
+    def __init__(self, registry: Any = None) -> None:
+        import prometheus_client as pc
+
+        self.registry = pc.REGISTRY if registry is None else registry
+        self.instruments: dict[str, Any] = {}
+        for d in DEFINITIONS:
+            kw: dict[str, Any] = {"labelnames": d.labels, "registry": self.registry}
+            if d.kind == "counter":
+                inst = pc.Counter(d.name, d.help, **kw)
+            elif d.kind == "gauge":
+                inst = pc.Gauge(d.name, d.help, **kw)
+            else:
+                inst = pc.Histogram(d.name, d.help, buckets=d.buckets, **kw)
+            self.instruments[d.name] = inst
+        self._children: dict[tuple[str, Labels], Any] = {}
+
+    def _child(self, metric: MetricDef, labels: Labels) -> Any:
+        key = (metric.name, labels)
+        child = self._children.get(key)
+        if child is None:
+            inst = self.instruments[metric.name]
+            child = self._children[key] = inst.labels(*labels) if labels else inst
+        return child
+
+    def inc(self, metric: MetricDef, value: float, labels: Labels) -> None:
+        self._child(metric, labels).inc(value)
+
+    def set(self, metric: MetricDef, value: float, labels: Labels) -> None:
+        self._child(metric, labels).set(value)
+
+    def observe(self, metric: MetricDef, value: float, labels: Labels) -> None:
+        self._child(metric, labels).observe(value)
+
+
+def ray_instrument_specs() -> list[dict[str, Any]]:
+    """What ``RayBackend`` builds, as plain data (name, kind, tag keys, boundaries)."""
+    return [
+        {
+            "name": d.name,
+            "kind": d.kind,
+            "description": d.help,
+            "tag_keys": d.labels,
+            "boundaries": list(d.buckets) if d.kind == "histogram" else None,
+        }
+        for d in DEFINITIONS
+    ]
+
+
+class RayBackend:
+    """``ray.util.metrics`` instruments. They work in any process of a Ray job (values are
+    dropped while Ray is not initialised); in a Serve replica they reach Prometheus through
+    the node's metrics agent."""
+
+    def __init__(self) -> None:
+        from ray.util import metrics as rm
+
+        self.instruments: dict[str, Any] = {}
+        for spec in ray_instrument_specs():
+            name, desc, keys = spec["name"], spec["description"], spec["tag_keys"]
+            if spec["kind"] == "counter":
+                inst = rm.Counter(name, desc, tag_keys=keys)
+            elif spec["kind"] == "gauge":
+                inst = rm.Gauge(name, desc, tag_keys=keys)
+            else:
+                inst = rm.Histogram(name, desc, boundaries=spec["boundaries"], tag_keys=keys)
+            self.instruments[name] = inst
+
+    def inc(self, metric: MetricDef, value: float, labels: Labels) -> None:
+        if value > 0:  # Ray refuses non-positive increments
+            self.instruments[metric.name].inc(
+                value, tags=dict(zip(metric.labels, labels, strict=True))
+            )
+
+    def set(self, metric: MetricDef, value: float, labels: Labels) -> None:
+        self.instruments[metric.name].set(value, tags=dict(zip(metric.labels, labels, strict=True)))
+
+    def observe(self, metric: MetricDef, value: float, labels: Labels) -> None:
+        self.instruments[metric.name].observe(
+            value, tags=dict(zip(metric.labels, labels, strict=True))
+        )
+
+
+@functools.cache
+def default_backend() -> PrometheusBackend:
+    """The process-wide prometheus-client backend on the global registry (built once:
+    registering the same names twice in one registry is an error)."""
+    return PrometheusBackend()
+
+
+@functools.cache
+def ray_backend() -> RayBackend:
+    """The process-wide Ray backend."""
+    return RayBackend()
