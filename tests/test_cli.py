@@ -10,7 +10,8 @@ def test_prepare_demo_is_idempotent(capsys) -> None:
     path = demo.prepare_demo(quiet=True)  # built once per machine, then cached
     stamp = (path / "config.json").stat().st_mtime
     assert main(["prepare-demo", "--quiet"]) == 0
-    assert capsys.readouterr().out.strip() == str(path)
+    printed = capsys.readouterr().out.split()
+    assert printed[0] == str(path) and len(printed) == 3  # large, small, router: all cached
     assert (path / "config.json").stat().st_mtime == stamp  # found, not rebuilt
 
 

@@ -133,10 +133,10 @@ def _demo_path(which: str) -> str:
 
         return str(prepare_small_model(demo.prepare_demo(quiet=True), quiet=True))
     if which == "router":
-        from tokenrouter_ray.demo_pair import prepare_demo_router
-
-        return str(prepare_demo_router(quiet=True))
-    raise ValueError(f"unknown demo artifact {which!r}: large, small or router")
+        return str(demo.prepare_demo_router(quiet=True))
+    if which == "router_threshold":
+        return str(demo.demo_router_threshold())
+    raise ValueError(f"unknown demo artifact {which!r}: large, small, router, router_threshold")
 
 
 def compose_config(

@@ -5,11 +5,14 @@
 of it, dequantizes it once with transformers and saves a safetensors directory under the
 cache (``$TOKENROUTER_CACHE``, else ``$XDG_CACHE_HOME/tokenrouter-ray``, else
 ``~/.cache/tokenrouter-ray``). Running it again finds the directory and does nothing.
+The same command then builds the demo's small model (``demo_pair``) and trains the R2R
+router for the pair (``prepare_demo_router``), each cached the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -116,9 +119,45 @@ def _dequantize(gguf: Path) -> tuple[object, object]:
     return model, tokenizer
 
 
+ROUTER_TARGET_RATE = 0.3  # share of positions the demo's R2R router sends to the large model
+
+
+def demo_router_path() -> Path:
+    return cache_dir() / f"{DEMO_NAME}-r2r-router.pt"
+
+
+def prepare_demo_router(force: bool = False, quiet: bool = False) -> Path:
+    """Train (once) the demo pair's R2R router; its metrics go to a JSON file beside it."""
+    target = demo_router_path()
+    if target.is_file() and target.with_suffix(".json").is_file() and not force:
+        return target
+    from tokenrouter_ray.demo_pair import prepare_small_model
+    from tokenrouter_ray.routing.training import train_router
+
+    large = prepare_demo(quiet=quiet)
+    small = prepare_small_model(large, quiet=quiet)
+    staging = target.with_suffix(".tmp.pt")
+    metrics = train_router("r2r", str(small), str(large), str(staging), progress=not quiet,
+                           target_rate=ROUTER_TARGET_RATE)
+    target.with_suffix(".json").write_text(json.dumps(metrics, indent=2, default=str))
+    staging.rename(target)
+    return target
+
+
+def demo_router_threshold() -> float:
+    """The threshold that routed ROUTER_TARGET_RATE of held-out positions in training."""
+    metrics = json.loads(prepare_demo_router(quiet=True).with_suffix(".json").read_text())
+    return float(metrics["threshold_for_rate"])
+
+
 def _cmd_prepare_demo(args: argparse.Namespace) -> int:
-    path = prepare_demo(force=args.force, quiet=args.quiet)
-    print(path)
+    large = prepare_demo(force=args.force, quiet=args.quiet)
+    print(large)
+    if not args.large_only:
+        from tokenrouter_ray.demo_pair import prepare_small_model
+
+        print(prepare_small_model(large, force=args.force, quiet=args.quiet))
+        print(prepare_demo_router(force=args.force, quiet=args.quiet))
     return 0
 
 
@@ -170,4 +209,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--large-only", action="store_true",
+                   help="only the large model (SmolLM2-135M-Instruct), not the pair and router")
     p.set_defaults(func=_cmd_prepare_demo)
