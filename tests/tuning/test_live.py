@@ -1,0 +1,86 @@
+"""Live statistics -> profile -> thresholds, with hysteresis, bounded moves, the SLO."""
+
+from __future__ import annotations
+
+import random
+
+from tokenrouter_ray.tuning.live import ThresholdTuner, WindowStats, build_profile
+from tokenrouter_ray.tuning.markov import is_admissible
+
+MODELS = ["small", "large"]
+
+
+def observed(p_large: float, n: int = 4000, seed: int = 0) -> dict[str, list[dict]]:
+    """What the replicas of an R2R pair record: small escalates with p_large (its token is
+    dropped), large always returns committing one token; steps 6 ms / 28 ms."""
+    rng = random.Random(seed)
+    small, large = WindowStats(), WindowStats()
+    for _ in range(n):
+        if rng.random() < p_large:
+            small.record_move("small", "large", 0, now=0)
+            large.record_move("large", "small", 1, now=0)
+        else:
+            small.record_move("small", "small", 1, now=0)
+    for b in (1, 2, 4, 8):
+        small.record_step(b, 0.006 + 0.0002 * b, now=0)
+        large.record_step(b, 0.028 + 0.0005 * b, now=0)
+    return {"small": [small.snapshot(now=1)], "large": [large.snapshot(now=1)]}
+
+
+def test_window_forgets_old_observations() -> None:
+    stats = WindowStats(window_s=10)
+    stats.record_move("small", "large", 0, now=0)
+    stats.record_move("small", "small", 1, now=8)
+    snap = stats.snapshot(now=12)
+    assert snap["moves"] == {"small->small": [1, 1]}
+
+
+def test_profile_matches_what_was_observed() -> None:
+    profile = build_profile(observed(0.35), MODELS, grain_ms=0.5)
+    p = profile.route_prob
+    assert abs(p[0][1] - 0.35) < 0.03 and p[1][0] == 1.0
+    assert profile.commit[0][1] == 0 and profile.commit[0][0] == 1 and profile.commit[1][0] == 1
+    assert build_profile({"small": [], "large": []}, MODELS, 0.5) is None
+
+
+def test_tuner_moves_to_the_new_optimum_when_routing_changes() -> None:
+    tuner = ThresholdTuner(MODELS, concurrencies=[8], fixed={"small": 1}, max_step=8, grain_ms=0.5)
+    first = tuner.decide(build_profile(observed(0.35), MODELS, 0.5))
+    b_before = first.thresholds["large"][8]
+    assert first.changed and b_before > 1  # batching the large model pays at N = 8
+    same = tuner.decide(build_profile(observed(0.35, seed=1), MODELS, 0.5))
+    assert not same.changed and "drift" in same.reason  # noise does not move thresholds
+    after = tuner.decide(build_profile(observed(0.15), MODELS, 0.5))
+    scores = after.predicted[8]
+    best = max(scores, key=scores.get)
+    assert after.thresholds["large"][8] == int(best.split("large=")[1])
+    assert after.thresholds["large"][8] != b_before
+    for n in range(1, 9):  # every published set is deadlock-free
+        assert is_admissible(n, [after.thresholds[m][n] for m in MODELS])
+
+
+def test_threshold_moves_are_bounded() -> None:
+    tuner = ThresholdTuner(MODELS, concurrencies=[16], fixed={"small": 1}, max_step=2, grain_ms=0.5)
+    decision = tuner.decide(build_profile(observed(0.35), MODELS, 0.5))
+    assert decision.thresholds["large"][16] <= 1 + 2
+
+
+def test_slo_caps_concurrency_at_the_speed_it_can_keep() -> None:
+    profile = build_profile(observed(0.35), MODELS, 0.5)
+    tuned = [1, 2, 4, 8, 16]
+    free = ThresholdTuner(
+        MODELS, concurrencies=tuned, fixed={"small": 1}, max_step=16, grain_ms=0.5
+    ).decide(profile)
+    speed = {n: max(free.predicted[n].values()) / n for n in tuned}
+    assert speed[1] > speed[16]  # sharing the models slows each request down
+    bar = (speed[4] + speed[8]) / 2  # N = 4 keeps it, N = 8 does not
+    slo = ThresholdTuner(
+        MODELS,
+        concurrencies=tuned,
+        fixed={"small": 1},
+        max_step=16,
+        grain_ms=0.5,
+        min_tokens_per_s=bar,
+    ).decide(profile)
+    assert slo.max_concurrency == max(n for n in tuned if speed[n] >= bar)
+    assert free.max_concurrency is None

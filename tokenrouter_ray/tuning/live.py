@@ -1,0 +1,212 @@
+"""Live statistics and the threshold autoscaler.
+
+Each model replica keeps a ``WindowStats``: over a sliding window, every request leaving a
+step on model i is a move i -> j (j = i when it stays) with the tokens it committed, and
+every step adds (batch size, seconds). Snapshots (plain dicts, cheap to ship) go to the
+``ThresholdTuner``, which merges them into a ``RoutingProfile``, re-solves the Markov model
+when the statistics drift (or every ``period_s``), and publishes per-model threshold lists
+indexed by the active-request count, with hysteresis (a new set must promise a real gain),
+a bound on how fast a threshold may move, and only deadlock-free sets.
+
+SLO mode: in a closed system a request's mean speed at N active requests is T(B, N) / N, so
+at a given N the throughput-optimal B is also the speed-optimal one; what an SLO (minimum
+tokens per second per request) decides is how many requests may be active. The decision
+then carries ``max_concurrency``: the largest tuned N whose best B still meets the SLO, for
+the ingress to admit up to.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenrouter_ray.tuning.markov import is_admissible, throughput
+from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
+
+
+class WindowStats:
+    """One replica's routing and step-time statistics over the last ``window_s`` seconds."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self._moves: deque[tuple[float, str, str, int]] = deque()
+        self._steps: deque[tuple[float, int, float]] = deque()
+
+    def record_move(self, src: str, dst: str, committed: int, now: float | None = None) -> None:
+        self._moves.append((time.monotonic() if now is None else now, src, dst, committed))
+
+    def record_step(self, batch_size: int, seconds: float, now: float | None = None) -> None:
+        self._steps.append((time.monotonic() if now is None else now, batch_size, seconds))
+
+    def snapshot(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        for q in (self._moves, self._steps):
+            while q and q[0][0] < now - self.window_s:
+                q.popleft()
+        moves: dict[str, list[float]] = {}
+        for _, src, dst, committed in self._moves:
+            entry = moves.setdefault(f"{src}->{dst}", [0, 0])
+            entry[0] += 1
+            entry[1] += committed
+        steps: dict[str, list[float]] = {}
+        for _, batch, seconds in self._steps:
+            entry = steps.setdefault(str(batch), [0, 0.0])
+            entry[0] += 1
+            entry[1] += seconds
+        return {"moves": moves, "steps": steps}
+
+
+def merge_snapshots(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {"moves": {}, "steps": {}}
+    for snap in snapshots:
+        for part in ("moves", "steps"):
+            for key, (n, total) in snap[part].items():
+                entry = merged[part].setdefault(key, [0, 0])
+                entry[0] += n
+                entry[1] += total
+    return merged
+
+
+def build_profile(
+    per_model: Mapping[str, Sequence[Mapping[str, Any]]],
+    models: Sequence[str],
+    grain_ms: float,
+    min_moves: int = 50,
+) -> RoutingProfile | None:
+    """A profile from each model's replica snapshots; None while any model has fewer than
+    ``min_moves`` observed moves or no step times yet."""
+    merged = {m: merge_snapshots(per_model.get(m, ())) for m in models}
+    p, c, profiles = [], [], []
+    for src in models:
+        moves = merged[src]["moves"]
+        counts = [moves.get(f"{src}->{dst}", [0, 0]) for dst in models]
+        total = sum(n for n, _ in counts)
+        points = sorted((int(b), 1e3 * s / n) for b, (n, s) in merged[src]["steps"].items() if n)
+        if total < min_moves or not points:
+            return None
+        p.append(tuple(n / total for n, _ in counts))
+        c.append(tuple(tok / n if n else 0.0 for n, tok in counts))
+        profiles.append(ModelProfile(src, tuple(points)))
+    return RoutingProfile(tuple(profiles), tuple(p), tuple(c), grain_ms)
+
+
+@dataclass
+class Decision:
+    thresholds: dict[str, list[int]]  # per model, indexed by active-request count
+    changed: bool
+    reason: str
+    predicted: dict[int, dict[str, float]] = field(default_factory=dict)  # N -> {B label: tok/s}
+    max_concurrency: int | None = None  # SLO mode: admit at most this many requests
+    at: float = field(default_factory=time.time)
+
+
+class ThresholdTuner:
+    def __init__(
+        self,
+        models: Sequence[str],
+        concurrencies: Sequence[int] = (1, 2, 4, 8, 16),
+        grain_ms: float = 0.5,
+        fixed: Mapping[str, int] | None = None,
+        min_gain: float = 0.02,
+        max_step: int = 4,
+        drift: float = 0.05,
+        min_tokens_per_s: float | None = None,
+    ) -> None:
+        self.models = list(models)
+        self.concurrencies = sorted(concurrencies)
+        self.grain_ms = grain_ms
+        self.fixed = dict(fixed or {})
+        self.min_gain = min_gain  # hysteresis: adopt only if predicted throughput gains this
+        self.max_step = max_step  # a threshold moves by at most this much per decision
+        self.drift = drift  # re-solve when a routing probability moved by this much
+        self.min_tokens_per_s = min_tokens_per_s  # SLO: per-request generation speed
+        top = max(self.concurrencies)
+        self.thresholds = {m: [1] * (top + 1) for m in self.models}
+        self.last_profile: RoutingProfile | None = None
+        self.last = Decision(self.thresholds, False, "no statistics yet")
+
+    def drifted(self, profile: RoutingProfile) -> bool:
+        if self.last_profile is None:
+            return True
+        old, new = self.last_profile, profile
+        moved_p = max(
+            abs(a - b)
+            for ra, rb in zip(old.route_prob, new.route_prob, strict=True)
+            for a, b in zip(ra, rb, strict=True)
+        )
+        steps = [
+            abs(a.step_time_ms(1) - b.step_time_ms(1)) / a.step_time_ms(1)
+            for a, b in zip(old.models, new.models, strict=True)
+        ]
+        return moved_p > self.drift or max(steps) > 0.2
+
+    def decide(self, profile: RoutingProfile | None, force: bool = False) -> Decision:
+        if profile is None:
+            self.last = Decision(self.thresholds, False, "too few observations")
+            return self.last
+        if not force and not self.drifted(profile):
+            self.last = Decision(self.thresholds, False, "statistics within the drift bound")
+            return self.last
+        self.last_profile = profile
+        new = {m: list(v) for m, v in self.thresholds.items()}
+        predicted: dict[int, dict[str, float]] = {}
+        reasons = []
+        for n in self.concurrencies:
+            current = tuple(self.thresholds[m][n] for m in self.models)
+            best, scores = self._best(profile, n, current)
+            predicted[n] = scores
+            cur = scores.get(_label(self.models, current), 0.0)
+            if best != current and scores[_label(self.models, best)] >= cur * (1 + self.min_gain):
+                for m, value in zip(self.models, best, strict=True):
+                    new[m][n] = value
+                reasons.append(
+                    f"N={n}: {_label(self.models, current)} -> {_label(self.models, best)}"
+                )
+        for n in range(1, len(new[self.models[0]])):  # fill between tuned N, keep admissible
+            if n not in self.concurrencies:
+                below = max((c for c in self.concurrencies if c <= n), default=None)
+                for m in self.models:
+                    new[m][n] = 1 if below is None else new[m][below]
+        changed = new != self.thresholds
+        self.thresholds = new
+        cap = None
+        if self.min_tokens_per_s is not None:
+            meets = [
+                n
+                for n in self.concurrencies
+                if max(predicted[n].values()) / n >= self.min_tokens_per_s
+            ]
+            cap = max(meets, default=min(self.concurrencies))
+        self.last = Decision(
+            new, changed, "; ".join(reasons) or "current thresholds best", predicted, cap
+        )
+        return self.last
+
+    def _best(
+        self, profile: RoutingProfile, n: int, current: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], dict[str, float]]:
+        """Best admissible B within ``max_step`` of the current one, under the SLO."""
+        grids = []
+        for m, cur in zip(self.models, current, strict=True):
+            if m in self.fixed:
+                grids.append([self.fixed[m]])
+            else:
+                grids.append(range(max(1, cur - self.max_step), min(n, cur + self.max_step) + 1))
+        scores: dict[str, float] = {}
+        best, best_value = current, -1.0
+        for combo in itertools.product(*grids):
+            if not is_admissible(n, combo):
+                continue
+            value = throughput(profile, n, combo).throughput
+            scores[_label(self.models, combo)] = value
+            if value > best_value:
+                best, best_value = tuple(combo), value
+        return best, scores
+
+
+def _label(models: Sequence[str], combo: Sequence[int]) -> str:
+    return ",".join(f"{m}={b}" for m, b in zip(models, combo, strict=True))
