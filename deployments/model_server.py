@@ -84,6 +84,7 @@ class ModelServer:
             "steps": self.server.num_steps,
             "kv_blocks_free": self.engine.kv.pool.num_free_blocks,
             "kv_blocks_total": self.engine.kv.pool.num_blocks,
+            "routing_stats": self.server.stats.snapshot(),
         }
 
     async def check_health(self) -> None:

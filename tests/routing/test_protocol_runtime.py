@@ -139,3 +139,24 @@ def test_out_of_vocabulary_prompt_is_refused_without_harm(chain_dirs) -> None:
             assert all_free(rt)
 
     asyncio.run(go())
+
+
+def test_replicas_record_the_statistics_the_tuner_needs(chain_dirs) -> None:
+    from tokenrouter_ray.tuning.live import build_profile
+
+    policy = build_policy("bernoulli", {"p": 0.35}, TWO)
+
+    async def go() -> dict:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            done = await asyncio.wait_for(rt.complete_all([[1, 2], [3, 4, 5]], SPEC), 60)
+            snaps = {s.name: [s.stats.snapshot()] for s in rt.subservers}
+            return snaps, done
+
+    snaps, done = asyncio.run(go())
+    moves = snaps["small"][0]["moves"]
+    escalations = moves["small->large"][0]
+    assert moves["small->large"][1] == 0  # the escalated token was dropped
+    assert snaps["large"][0]["moves"] == {"large->small": [escalations, escalations]}
+    assert moves["small->small"][1] == sum(d.counts["small"] for d in done)
+    profile = build_profile(snaps, TWO, grain_ms=1.0, min_moves=10)
+    assert 0.15 < profile.route_prob[0][1] < 0.55  # bernoulli(0.35), 120 draws

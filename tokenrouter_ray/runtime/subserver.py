@@ -31,6 +31,7 @@ from tokenrouter_ray.protocol import MsgKind, PeerReq, RequestLedger
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch
 from tokenrouter_ray.runtime.tracking import Tracked, engine_sampling
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
+from tokenrouter_ray.tuning.live import WindowStats
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class SubServer:
         self.tracked: dict[str, Tracked] = {}
         self.inbox: deque[PeerReq] = deque()
         self.handoff_log: deque[HandoffRecord] = deque(maxlen=100_000)
+        self.stats = WindowStats()  # for the threshold tuner
         self.active_requests = 0
         self.num_steps = 0
         self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
@@ -254,6 +256,10 @@ class SubServer:
                 drop.add(rid)
             leaving[rid] = (dst, send.extras)
         positions = dict(zip(result.request_ids, result.positions, strict=True))
+        now = time.monotonic()
+        self.stats.record_step(result.batch_size, result.timings.total, now)
+        for rid, dst in zip(result.request_ids, destinations, strict=True):
+            self.stats.record_move(self.name, self.models[dst], int(rid not in drop), now)
         out: list[PeerReq] = []
         committed = 0
         for o in self.engine.commit(result, drop=drop, pause=leaving.keys()):
