@@ -91,7 +91,10 @@ def bind_app(cfg: AppConfig) -> Application:
         name: ModelServer.options(**model_options(name, spec)).bind(name, data, directory)
         for name, spec in cfg.models.items()
     }
-    return Ingress.options(num_replicas=cfg.ingress.num_replicas).bind(data, directory, models)
+    return Ingress.options(
+        num_replicas=cfg.ingress.num_replicas,
+        ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
+    ).bind(data, directory, models)
 
 
 __all__ = ["AppArgs", "bind_app", "build_app", "serve"]

@@ -73,6 +73,9 @@ class TransportSpec(_Strict):
 
 class IngressSpec(_Strict):
     num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(
+        0, ge=0, description="CPUs reserved per ingress replica (I/O bound: 0 by default)."
+    )
     max_active_requests: int = Field(
         256, ge=1, description="Requests in flight per ingress replica before 503."
     )
