@@ -1,0 +1,444 @@
+"""A simulated model backend: the real engine, scheduler, sub-servers and protocol, no network.
+
+``SimRunner`` stands in for ``ModelRunner``: ``execute`` sleeps for the profiled step time of
+the batch it was given (``ModelProfile.step_time_ms(batch size)`` times ``time_scale``) and
+returns a ``StepResult`` with one token (id ``token_id``) per request that samples. Everything
+else is the production code path: ``Engine`` + ``Scheduler`` (deferred launch with the
+thresholds under test), ``SubServer`` decode loops (``execute`` in a worker thread, the
+routing policy, ``commit``, handoffs over in-process channels) and the ingress, all wired by
+``LocalRuntime``. Routing follows the profile's ``p(small->large)`` through the
+``bernoulli`` policy, so the measured throughput includes every real overhead of the runtime
+(event-loop wake-ups, thread hand-offs, message encoding) on top of the simulated compute.
+
+Only two-model escalate-once routing is supported (R2R's shape, the ``bernoulli`` policy):
+``p = ((1 - q, q), (1, 0))`` and commits ``c = ((1, 0), (1, 0))`` -- the small model commits
+its token unless the position escalates, the large model then writes that one token and
+hands back. ``check_supported`` rejects anything else.
+
+``measure_closed_loop`` runs a closed system like the Markov model's: ``N`` client loops,
+each keeping one request in flight (a finished request is replaced at once), and counts
+committed tokens per second over a window after a warm-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.outputs import StepResult, StepTimings
+from tokenrouter_ray.engine.scheduler import SchedulerConfig, SchedulerOutput
+from tokenrouter_ray.metrics import definitions as m
+from tokenrouter_ray.metrics.recorder import Metrics
+from tokenrouter_ray.protocol import SamplingSpec
+from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.runtime.local import LocalRuntime
+from tokenrouter_ray.tuning.markov import check_admissible
+from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
+
+SIM_VOCAB_SIZE = 32
+SIM_HIDDEN_SIZE = 8
+PROB_TOLERANCE = 1e-9
+
+
+# --------------------------------------------------------------------------- the runner
+class _SimEmbeddings:
+    def __init__(self, num_embeddings: int) -> None:
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = SIM_HIDDEN_SIZE
+
+
+class _SimModel:
+    """Just the attributes ``Engine`` and ``SubServer`` read from a model."""
+
+    def __init__(self, vocab_size: int, max_position_embeddings: int) -> None:
+        self.config = SimpleNamespace(
+            max_position_embeddings=max_position_embeddings,
+            eos_token_id=None,
+            vocab_size=vocab_size,
+            hidden_size=SIM_HIDDEN_SIZE,
+        )
+        self.generation_config = SimpleNamespace(eos_token_id=None)
+        self._embeddings = _SimEmbeddings(vocab_size)
+
+    def get_input_embeddings(self) -> _SimEmbeddings:
+        return self._embeddings
+
+
+@dataclass
+class SimStats:
+    """What a ``SimRunner`` did: steps, batch sizes, simulated busy time, idle gaps."""
+
+    steps: int = 0
+    batch_sum: int = 0
+    busy_s: float = 0.0  # wall time spent inside execute (the simulated compute)
+    gaps_s: list[float] = field(default_factory=list)  # previous step end -> this step start
+    oversleep_s: float = 0.0  # sum of (actual - requested) step time
+
+    @property
+    def mean_batch(self) -> float:
+        return self.batch_sum / self.steps if self.steps else 0.0
+
+
+class SimRunner:
+    """A ``ModelRunner`` that computes nothing: it sleeps for the profiled step time.
+
+    ``step_seconds(batch)`` gives the step duration for a batch of that many requests (all
+    scheduled requests count, sampling or not). The sleep runs in the sub-server's worker
+    thread (``asyncio.to_thread``), so the event loop keeps serving the other models.
+    The OS timer oversleeps (timer slack, wake-up latency: ~0.1-0.3 ms on a busy machine),
+    so every sleep is shortened by ``sleep_bias_s``, which adapts after each step (an
+    exponential average of the error) so that on average a step lasts its profiled time;
+    ``stats`` records what actually happened. ``adaptive=False`` keeps the bias fixed.
+    """
+
+    def __init__(
+        self,
+        step_seconds: Callable[[int], float],
+        vocab_size: int = SIM_VOCAB_SIZE,
+        max_position_embeddings: int = 1 << 20,
+        token_id: int = 1,
+        sleep_bias_s: float = 0.0,
+        keep_logits: bool = False,
+        keep_hidden: bool = False,
+        record_gaps: bool = True,
+        adaptive: bool = True,
+    ) -> None:
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"token_id {token_id} outside the vocabulary 0..{vocab_size - 1}")
+        self.step_seconds = step_seconds
+        self.model = _SimModel(vocab_size, max_position_embeddings)
+        self.token_id = token_id
+        self.sleep_bias_s = sleep_bias_s
+        self.keep_logits = keep_logits
+        self.keep_hidden = keep_hidden
+        self.record_gaps = record_gaps
+        self.adaptive = adaptive
+        self.stats = SimStats()
+        self._last_end: float | None = None
+
+    def reset_stats(self) -> None:
+        self.stats = SimStats()
+        self._last_end = None
+
+    def execute(self, out: SchedulerOutput, timings: StepTimings) -> StepResult:
+        t0 = time.perf_counter()
+        sampling = [c.request for c in out.chunks if c.samples]
+        batch = len(out.chunks)
+        duration = self.step_seconds(batch)
+        remaining = duration - self.sleep_bias_s
+        if remaining > 0:
+            time.sleep(remaining)
+        t1 = time.perf_counter()
+        if self.adaptive:
+            error = (t1 - t0) - duration
+            self.sleep_bias_s = min(max(0.0, self.sleep_bias_s + 0.2 * error), duration / 2)
+        n = len(sampling)
+        tokens = [self.token_id] * n
+        logits = torch.zeros((n, self.model.config.vocab_size)) if self.keep_logits else None
+        hidden = torch.zeros((n, SIM_HIDDEN_SIZE)) if self.keep_hidden else None
+        stats = self.stats
+        if self.record_gaps and self._last_end is not None:
+            stats.gaps_s.append(t0 - self._last_end)
+        self._last_end = t1
+        stats.steps += 1
+        stats.batch_sum += batch
+        stats.busy_s += t1 - t0
+        stats.oversleep_s += (t1 - t0) - duration
+        timings.forward = t1 - t0
+        return StepResult(
+            request_ids=[r.request_id for r in sampling],
+            sampled=torch.tensor(tokens, dtype=torch.long),
+            token_ids=tokens,
+            positions=[r.num_tokens for r in sampling],
+            logits=logits,
+            hidden=hidden,
+            num_scheduled_tokens=out.num_tokens,
+            batch_size=batch,
+            timings=timings,
+        )
+
+
+def profile_step_seconds(model: ModelProfile, time_scale: float = 1.0) -> Callable[[int], float]:
+    """``batch -> seconds`` from a model's profiled table (``ModelProfile.step_time_ms``)."""
+    if not time_scale > 0:
+        raise ValueError(f"time_scale must be positive, got {time_scale}")
+    cache: dict[int, float] = {}
+
+    def step_seconds(batch: int) -> float:
+        if batch not in cache:
+            cache[batch] = model.step_time_ms(max(1, batch)) * time_scale / 1000.0
+        return cache[batch]
+
+    return step_seconds
+
+
+def calibrate_sleep_bias(target_s: float = 0.002, samples: int = 30) -> float:
+    """Median oversleep of ``time.sleep(target_s)`` on this machine (seconds, >= 0)."""
+    over = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        time.sleep(target_s)
+        over.append(time.perf_counter() - t0 - target_s)
+    return max(0.0, statistics.median(over))
+
+
+def sim_engine(
+    step_seconds: Callable[[int], float],
+    batch_thresholds: Sequence[int] = (1,),
+    max_defer_s: float = 1.0,
+    max_num_seqs: int = 256,
+    num_blocks: int = 4096,
+    block_size: int = 16,
+    sleep_bias_s: float = 0.0,
+) -> Engine:
+    """An ``Engine`` over a ``SimRunner`` with the given deferred-launch settings."""
+    runner = SimRunner(step_seconds, sleep_bias_s=sleep_bias_s)
+    config = EngineConfig(
+        model="sim",
+        block_size=block_size,
+        num_blocks=num_blocks,
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=1 << 20,
+            batch_thresholds=list(batch_thresholds),
+            max_defer_s=max_defer_s,
+        ),
+    )
+    return Engine(runner, config, num_blocks)
+
+
+# ---------------------------------------------------------------------- profile shape
+def escalation_probability(profile: RoutingProfile) -> float:
+    """``p(small->large)`` of a profile the simulation can run, else ``ValueError``.
+
+    Supported: two models, the first (entry) escalating with probability q, the second
+    always handing straight back; commits c(small->small) = 1, c(small->large) = 0,
+    c(large->small) = 1 (what the ``bernoulli`` policy does).
+    """
+    if profile.num_models != 2:
+        raise ValueError(
+            f"the simulation backend supports two models (small -> large escalation), "
+            f"the profile has {profile.num_models}"
+        )
+    (_, p01), (p10, p11) = profile.route_prob
+    if abs(p10 - 1.0) > PROB_TOLERANCE or abs(p11) > PROB_TOLERANCE:
+        raise ValueError(
+            "the simulation backend routes with the bernoulli policy: the second model must "
+            f"hand every request back (p(large->small) = 1), got p = {profile.route_prob}"
+        )
+    expected = ((1.0, 0.0), (1.0, 0.0))
+    for i in range(2):
+        for j in range(2):
+            if profile.route_prob[i][j] > 0 and abs(profile.commit[i][j] - expected[i][j]) > 1e-9:
+                raise ValueError(
+                    "the simulation backend commits like R2R: c(small->small) = 1, "
+                    f"c(small->large) = 0, c(large->small) = 1; got c = {profile.commit}"
+                )
+    return float(p01)
+
+
+# ----------------------------------------------------------------------- measurement
+class CountingBackend:
+    """A metrics backend that only counts committed tokens, steps, batch rows and handoffs."""
+
+    def __init__(self) -> None:
+        self.committed: dict[str, float] = {}
+        self.steps: dict[str, int] = {}
+        self.batch_rows: dict[str, float] = {}  # sum of batch sizes per model
+        self.handoffs: dict[tuple[str, str], int] = {}  # (src, dst) -> count
+
+    def inc(self, metric: Any, value: float, labels: tuple[str, ...]) -> None:
+        if metric is m.COMMITTED_TOKENS:
+            self.committed[labels[0]] = self.committed.get(labels[0], 0.0) + value
+        elif metric is m.HANDOFFS:
+            key = (labels[0], labels[1])
+            self.handoffs[key] = self.handoffs.get(key, 0) + int(value)
+
+    def set(self, metric: Any, value: float, labels: tuple[str, ...]) -> None:
+        pass
+
+    def observe(self, metric: Any, value: float, labels: tuple[str, ...]) -> None:
+        if metric is m.BATCH_SIZE:
+            self.steps[labels[0]] = self.steps.get(labels[0], 0) + 1
+            self.batch_rows[labels[0]] = self.batch_rows.get(labels[0], 0.0) + value
+
+    @property
+    def total_committed(self) -> float:
+        return sum(self.committed.values())
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "committed": self.total_committed,
+            "steps": dict(self.steps),
+            "batch_rows": dict(self.batch_rows),
+            "handoffs": dict(self.handoffs),
+        }
+
+
+@dataclass(frozen=True)
+class SimMeasurement:
+    """One closed-loop run of the simulated runtime (throughput in the profile's time base)."""
+
+    n_requests: int
+    thresholds: tuple[int, ...]
+    throughput: float  # committed tokens/s, multiplied back by time_scale
+    tokens: float  # committed in the window
+    window_s: float  # wall seconds of the window
+    time_scale: float
+    steps: tuple[int, ...]  # per model, in the window
+    mean_batch: tuple[float, ...]  # per model, in the window
+    busy_fraction: tuple[float, ...]  # simulated compute / window, per model
+    median_gap_ms: tuple[float, ...]  # per model: previous step end -> next step start
+    oversleep_ms: tuple[float, ...]  # per model: mean (slept - requested) per step
+    handoffs: int
+    finished_requests: int
+    escalation_rate: float  # realized p(small->large): escalations / small-model rows
+
+    def realized_profile(self, profile: RoutingProfile) -> RoutingProfile:
+        """``profile`` with the routing probability this run actually drew."""
+        q = self.escalation_rate
+        return RoutingProfile(profile.models, ((1 - q, q), (1.0, 0.0)), profile.commit,
+                              profile.grain_ms)  # fmt: skip
+
+    @property
+    def raw_throughput(self) -> float:
+        """Tokens per wall-clock second (not rescaled)."""
+        return self.tokens / self.window_s
+
+
+def thresholds_table(n_requests: int, value: int) -> list[int]:
+    """A scheduler ``batch_thresholds`` list with ``value`` at index N (1 below it)."""
+    return [1] * n_requests + [value]
+
+
+async def measure_closed_loop_async(
+    profile: RoutingProfile,
+    n_requests: int,
+    thresholds: Sequence[int],
+    window_s: float = 5.0,
+    warmup_s: float = 1.0,
+    time_scale: float = 1.0,
+    seed: int = 0,
+    max_defer_s: float = 1.0,
+    max_tokens: int | None = None,
+    sleep_bias_s: float | None = None,
+    prompt_len: int = 4,
+) -> SimMeasurement:
+    """Run N requests in a closed loop on the simulated runtime; measure committed tok/s."""
+    q = escalation_probability(profile)
+    thresholds = tuple(int(b) for b in thresholds)
+    if len(thresholds) != 2:
+        raise ValueError(f"need one threshold per model (2), got {thresholds}")
+    check_admissible(n_requests, thresholds)
+    if sleep_bias_s is None:
+        sleep_bias_s = calibrate_sleep_bias()
+    if max_tokens is None:
+        # Enough that a request rarely finishes inside the run: >= 4x the tokens one request
+        # commits at the single-request rate (an upper bound on its share of throughput).
+        single = 1.0 / (
+            profile.models[0].step_time_ms(1) + q * profile.models[1].step_time_ms(1)
+        )  # tokens per ms for one request alone
+        duration_ms = (window_s + warmup_s) * 1000.0 / time_scale
+        max_tokens = max(64, int(4 * single * duration_ms) + 16)
+    block_size = 16
+    per_request_blocks = math.ceil((prompt_len + max_tokens + 2) / block_size) + 1
+    num_blocks = n_requests * per_request_blocks + 8
+    engines = []
+    for i, model in enumerate(profile.models):
+        max_seqs = model.max_batch or max(n_requests, 1)
+        engine = sim_engine(
+            profile_step_seconds(model, time_scale),
+            thresholds_table(n_requests, thresholds[i]),
+            max_defer_s=max_defer_s,
+            max_num_seqs=max_seqs,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            sleep_bias_s=sleep_bias_s,
+        )
+        engines.append((model.name, engine))
+    names = [name for name, _ in engines]
+    policy = build_policy("bernoulli", {"p": q}, names)
+    backend = CountingBackend()
+    runtime = LocalRuntime(engines, policy, metrics=Metrics(backend, policy="bernoulli"))
+    rng = random.Random(seed)
+    prompt = [1] * prompt_len
+    finished = 0
+    stop = asyncio.Event()
+
+    async def client(k: int) -> None:
+        nonlocal finished
+        serial = 0
+        while not stop.is_set():
+            spec = SamplingSpec(
+                temperature=0.0,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                seed=rng.getrandbits(62),
+            )
+            await runtime.complete(prompt, spec, request_id=f"sim-{k}-{serial}")
+            serial += 1
+            finished += 1
+
+    runners = [engine.runner for _, engine in engines]
+    async with runtime:
+        tasks = [asyncio.create_task(client(k)) for k in range(n_requests)]
+        try:
+            await asyncio.sleep(warmup_s)
+            for runner in runners:
+                runner.reset_stats()
+            before, fin0 = backend.snapshot(), finished
+            t0 = time.perf_counter()
+            await asyncio.sleep(window_s)
+            t1 = time.perf_counter()
+            after, fin = backend.snapshot(), finished - fin0
+            stats = [r.stats for r in runners]
+        finally:
+            stop.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    elapsed = t1 - t0
+
+    def delta(key: str, name: Any) -> float:
+        return after[key].get(name, 0) - before[key].get(name, 0)
+
+    tokens = after["committed"] - before["committed"]
+    steps = tuple(int(delta("steps", n)) for n in names)
+    handoffs = int(sum(after["handoffs"].values()) - sum(before["handoffs"].values()))
+    small_rows = delta("batch_rows", names[0])
+    escalations = delta("handoffs", (names[0], names[1]))
+    return SimMeasurement(
+        n_requests=n_requests,
+        thresholds=thresholds,
+        throughput=tokens / elapsed * time_scale,
+        tokens=tokens,
+        window_s=elapsed,
+        time_scale=time_scale,
+        steps=steps,
+        mean_batch=tuple(s.mean_batch for s in stats),
+        busy_fraction=tuple(s.busy_s / elapsed for s in stats),
+        median_gap_ms=tuple(
+            1000.0 * statistics.median(s.gaps_s) if s.gaps_s else float("nan") for s in stats
+        ),
+        oversleep_ms=tuple(1000.0 * s.oversleep_s / s.steps if s.steps else 0.0 for s in stats),
+        handoffs=handoffs,
+        finished_requests=fin,
+        escalation_rate=escalations / small_rows if small_rows else float("nan"),
+    )
+
+
+def measure_closed_loop(
+    profile: RoutingProfile, n_requests: int, thresholds: Sequence[int], **kwargs: Any
+) -> SimMeasurement:
+    """Synchronous ``measure_closed_loop_async`` (its own event loop)."""
+    return asyncio.run(measure_closed_loop_async(profile, n_requests, thresholds, **kwargs))
