@@ -147,17 +147,33 @@ async def test_unknown_kinds_of_frames_are_dropped_not_fatal() -> None:
 
 @pytest.mark.asyncio
 async def test_zmq_tcp_binds_configured_port_and_host() -> None:
+    import socket
+
+    import zmq
+
     directory = InMemoryDirectory()
-    probe = ZmqChannel("probe", "0", directory, ZmqConfig(transport="tcp"))
-    await probe.start()
-    port = int(probe.address.rsplit(":", 1)[1])
-    await probe.close()  # free the port, then ask for it explicitly
-    config = ZmqConfig(transport="tcp", bind_host="0.0.0.0", advertise_host="127.0.0.1", port=port)
-    async with ZmqChannel("large", "0", directory, config) as large:
+    for _ in range(10):  # a port found free can be taken by another process before we bind
+        with socket.socket() as probe:
+            probe.bind(("0.0.0.0", 0))
+            port = probe.getsockname()[1]
+        config = ZmqConfig(transport="tcp", bind_host="0.0.0.0", advertise_host="127.0.0.1",
+                           port=port)
+        large = ZmqChannel("large", "0", directory, config)
+        try:
+            await large.start()
+        except zmq.ZMQError:
+            await large.close()
+            continue
+        break
+    else:
+        pytest.fail("no free TCP port found in 10 tries")
+    try:
         assert large.address == f"tcp://127.0.0.1:{port}"
         async with ZmqChannel("small", "0", directory, ZmqConfig(transport="tcp")) as small:
             await small.send("large/0", [handoff(3)])
             assert (await recv_n(large, 1))[0][0].handoff_seq == 3
+    finally:
+        await large.close()
 
 
 @pytest.mark.asyncio
