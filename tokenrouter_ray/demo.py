@@ -12,6 +12,7 @@ router for the pair (``prepare_demo_router``), each cached the same way.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -128,18 +129,24 @@ def demo_router_path() -> Path:
 
 def prepare_demo_router(force: bool = False, quiet: bool = False) -> Path:
     """Train (once) the demo pair's R2R router; its metrics go to a JSON file beside it."""
-    target = demo_router_path()
-    if target.is_file() and target.with_suffix(".json").is_file() and not force:
-        return target
-    from tokenrouter_ray.demo_pair import prepare_small_model
-    from tokenrouter_ray.routing.training import train_router
+    from tokenrouter_ray.demo_pair import BUILD_FILE, prepare_small_model
 
     large = prepare_demo(quiet=quiet)
     small = prepare_small_model(large, quiet=quiet)
+    # The router belongs to one build of the small model: retrain when that build changes.
+    fingerprint = hashlib.sha256((small / BUILD_FILE).read_bytes()).hexdigest()
+    target = demo_router_path()
+    info = target.with_suffix(".json")
+    fresh = target.is_file() and info.is_file() and not force
+    if fresh and json.loads(info.read_text()).get("small_build_sha256") == fingerprint:
+        return target
+    from tokenrouter_ray.routing.training import train_router
+
     staging = target.with_suffix(".tmp.pt")
     metrics = train_router("r2r", str(small), str(large), str(staging), progress=not quiet,
                            target_rate=ROUTER_TARGET_RATE)
-    target.with_suffix(".json").write_text(json.dumps(metrics, indent=2, default=str))
+    metrics["small_build_sha256"] = fingerprint
+    info.write_text(json.dumps(metrics, indent=2, default=str))
     staging.rename(target)
     return target
 

@@ -1,0 +1,204 @@
+"""The demo's small model: construction on a tiny random Llama, the prompt split, and the
+cached build of the real pair (loadable, same tokenizer, fewer layers, honest evaluation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import filecmp
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from tokenrouter_ray.demo_pair import (
+    TEMPLATES,
+    TOPICS,
+    Recipe,
+    Sample,
+    chat_prompts,
+    distill,
+    make_small_model,
+    read_build_info,
+    split_topics,
+    teacher_samples,
+)
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_large() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.float64).eval()
+
+
+def _layer_outputs(model: LlamaForCausalLM, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The residual stream after each decoder layer (before the final norm)."""
+    outputs: list[torch.Tensor] = []
+    hooks = [
+        layer.register_forward_hook(lambda mod, args, out: outputs.append(out))
+        for layer in model.model.layers
+    ]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    return outputs
+
+
+def test_small_model_copies_the_first_layers_exactly(tiny_large, tmp_path: Path) -> None:
+    k = 3
+    small = make_small_model(tiny_large, k)
+    small.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    assert loaded.config.num_hidden_layers == k and type(loaded) is LlamaForCausalLM
+    ids = torch.randint(0, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(1))
+    ours, theirs = _layer_outputs(loaded, ids), _layer_outputs(tiny_large, ids)
+    assert len(ours) == k
+    for i in range(k):
+        assert torch.equal(ours[i], theirs[i]), f"layer {i} differs"
+    assert torch.equal(loaded.lm_head.weight, tiny_large.lm_head.weight)
+
+
+def test_teacher_samples_tap_the_exit_states(tiny_large, tmp_path: Path) -> None:
+    from tokenrouter_ray.engine.engine import Engine, EngineConfig
+
+    tiny_large.save_pretrained(tmp_path)
+    engine = Engine.from_config(
+        EngineConfig(model=str(tmp_path), dtype="float64", keep_logits=True, num_blocks=64,
+                     block_size=4)
+    )  # fmt: skip
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [3, 4, 5]]
+    samples = teacher_samples(engine, prompts, max_tokens=6, top_k=8, exit_layer=2)
+    assert not engine.has_unfinished and "execute" not in vars(engine.runner)  # tap removed
+    for prompt, sample in zip(prompts, samples, strict=True):
+        assert sample.prompt_ids == prompt and len(sample.output_ids) == 6
+        assert sample.top_ids.shape == sample.top_logprobs.shape == (6, 8)
+        assert sample.top_ids[:, 0].tolist() == sample.output_ids  # greedy = teacher's top-1
+        assert bool((sample.top_logprobs <= 0).all())
+        expected = _layer_outputs(tiny_large, torch.tensor([sample.input_ids]))[1][0]
+        assert sample.exit_states.shape == expected.shape
+        torch.testing.assert_close(sample.exit_states.double(), expected, atol=3e-2, rtol=2e-2)
+
+
+def test_distill_trains_only_the_top_layers(tiny_large) -> None:
+    k, m = 2, 2
+    small = make_small_model(tiny_large, k + m).float()
+    gen = torch.Generator().manual_seed(2)
+    samples = []
+    for _ in range(6):
+        prompt = torch.randint(0, 128, (6,), generator=gen).tolist()
+        output = torch.randint(0, 128, (5,), generator=gen).tolist()
+        top = torch.randn(5, 128, generator=gen).log_softmax(-1).topk(8, dim=-1)
+        sample = Sample(prompt, output, top.indices, top.values)
+        states = _layer_outputs(small, torch.tensor([sample.input_ids]))[k - 1][0]
+        sample.exit_states = states.to(torch.bfloat16)
+        samples.append(sample)
+    before = {n: p.detach().clone() for n, p in small.named_parameters()}
+    recipe = Recipe(exit_layer=k, extra_layers=m, epochs=2, batch_seqs=2, top_k=8, negatives=16)
+    losses = distill(small, samples, recipe)
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    for name, p in small.named_parameters():
+        layer = int(name.split(".")[2]) if ".layers." in name else None
+        trained = (layer is not None and layer >= k) or name.startswith("model.norm")
+        assert torch.equal(p, before[name]) != trained, name
+        assert not p.requires_grad
+
+
+def test_heldout_prompts_are_disjoint_from_training_prompts() -> None:
+    train_topics, heldout_topics = split_topics(TOPICS, every=5)
+    assert set(train_topics).isdisjoint(heldout_topics)
+    assert sorted(train_topics + heldout_topics) == sorted(TOPICS)
+    assert len(heldout_topics) == len(TOPICS[::5])
+    train = chat_prompts(train_topics, 10_000, seed=0)
+    heldout = chat_prompts(heldout_topics, 10_000, seed=1)
+    assert len(set(train)) == len(train) and set(train).isdisjoint(heldout)
+    from_heldout = {tpl.format(t=t) for tpl in TEMPLATES for t in heldout_topics}
+    from_train = {tpl.format(t=t) for tpl in TEMPLATES for t in train_topics}
+    assert from_heldout.isdisjoint(from_train)
+    assert set(heldout) == from_heldout and set(train) == from_train
+    assert chat_prompts(train_topics, 5, seed=0) == train[:5]  # seeded, prefix-stable
+
+
+# --------------------------------------------------------------------- the real pair
+
+
+@pytest.fixture(scope="module")
+def demo_pair() -> tuple[Path, Path]:
+    """(large, small) directories; builds the small model once if it is not cached."""
+    from tokenrouter_ray.demo import prepare_demo
+    from tokenrouter_ray.demo_pair import prepare_small_model
+
+    large = prepare_demo(quiet=True)
+    return large, prepare_small_model(large, quiet=True)
+
+
+@pytest.mark.demo
+def test_demo_small_model_loads_and_shares_the_tokenizer(demo_pair) -> None:
+    large_dir, small_dir = demo_pair
+    small = AutoModelForCausalLM.from_pretrained(small_dir)
+    large_cfg = AutoConfig.from_pretrained(large_dir)
+    assert type(small) is LlamaForCausalLM
+    assert small.config.num_hidden_layers < large_cfg.num_hidden_layers
+    assert small.config.vocab_size == large_cfg.vocab_size
+    assert filecmp.cmp(small_dir / "tokenizer.json", large_dir / "tokenizer.json", shallow=False)
+    tok_small = AutoTokenizer.from_pretrained(small_dir)
+    tok_large = AutoTokenizer.from_pretrained(large_dir)
+    assert tok_small.get_vocab() == tok_large.get_vocab()
+    text = "Explain gravity to a ten-year-old."
+    assert tok_small(text)["input_ids"] == tok_large(text)["input_ids"]
+
+
+@pytest.mark.demo
+def test_demo_small_model_recorded_agreement_is_heldout(demo_pair) -> None:
+    _, small_dir = demo_pair
+    info = read_build_info(small_dir)
+    assert info is not None
+    recipe = Recipe(**info["recipe"])
+    assert info["recipe"] == dataclasses.asdict(recipe)
+    train_topics, heldout_topics = split_topics(TOPICS, recipe.heldout_every)
+    assert info["train_topics"] == train_topics and info["heldout_topics"] == heldout_topics
+    assert set(info["train_prompts"]).isdisjoint(info["heldout_prompts"])
+    assert len(info["heldout_prompts"]) == recipe.eval_prompts
+    from_heldout = {tpl.format(t=t) for tpl in TEMPLATES for t in heldout_topics}
+    assert set(info["heldout_prompts"]) <= from_heldout
+    assert info["heldout"]["tokens"] > 1000
+    assert 0.0 < info["heldout"]["agreement"] <= 1.0
+
+
+@pytest.mark.demo
+def test_demo_small_model_runs_in_the_engine(demo_pair) -> None:
+    from tokenrouter_ray.engine.engine import Engine, EngineConfig
+    from tokenrouter_ray.engine.request import SamplingParams
+
+    _, small_dir = demo_pair
+    engine = Engine.from_config(EngineConfig(model=str(small_dir), memory_budget_bytes=2**30))
+    tokenizer = AutoTokenizer.from_pretrained(small_dir)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    [tokens] = engine.generate([prompt], SamplingParams(max_tokens=8))
+    assert 1 <= len(tokens) <= 8
