@@ -49,7 +49,9 @@ def test_tuner_moves_to_the_new_optimum_when_routing_changes() -> None:
     b_before = first.thresholds["large"][8]
     assert first.changed and b_before > 1  # batching the large model pays at N = 8
     same = tuner.decide(build_profile(observed(0.35, seed=1), MODELS, 0.5))
-    assert not same.changed and "drift" in same.reason  # noise does not move thresholds
+    assert same.solved and not same.changed  # after a move it checks that it arrived
+    again = tuner.decide(build_profile(observed(0.35, seed=2), MODELS, 0.5))
+    assert not again.solved and "drift" in again.reason  # noise does not move thresholds
     after = tuner.decide(build_profile(observed(0.15), MODELS, 0.5))
     scores = after.predicted[8]
     best = max(scores, key=scores.get)

@@ -167,6 +167,13 @@ class Engine:
         """The global number of active requests, for deferred-launch thresholds."""
         self.scheduler.active_requests = n
 
+    def set_batch_thresholds(self, thresholds: Sequence[int]) -> None:
+        """New deferred-launch thresholds (index = active requests), e.g. from the tuner."""
+        values = [int(b) for b in thresholds]
+        if not values or min(values) < 1:
+            raise ValueError(f"batch thresholds must be non-empty and >= 1, got {values}")
+        self.scheduler.config.batch_thresholds = values
+
     def _check_ids(self, token_ids: Sequence[int]) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:

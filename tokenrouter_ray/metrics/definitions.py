@@ -202,6 +202,34 @@ REQUEST_HANDOFFS = _histogram(
     (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
 )
 
+# -------------------------------------------------------------------------- tuner
+TUNER_THRESHOLD = _gauge(
+    "tokenrouter_tuner_threshold",
+    "Threshold B the tuner publishes for a model at a tuned active-request count N.",
+    "model",
+    "active_requests",
+)
+TUNER_PREDICTED = _gauge(
+    "tokenrouter_tuner_predicted_tokens_per_second",
+    "Throughput the Markov model predicts for the published thresholds at N.",
+    "active_requests",
+)
+TUNER_ROUTE_PROB = _gauge(
+    "tokenrouter_tuner_route_probability",
+    "p(src -> dst) the tuner last solved with (window estimate).",
+    "src_model",
+    "dst_model",
+)
+TUNER_DECISIONS = _counter(
+    "tokenrouter_tuner_decisions_total",
+    "Tuner periods by outcome: moved, kept (solved, no gain), steady (no drift), waiting.",
+    "outcome",
+)
+TUNER_MAX_CONCURRENCY = _gauge(
+    "tokenrouter_tuner_max_concurrency",
+    "SLO mode: active requests the tuner admits (0 without an SLO).",
+)
+
 DEFINITIONS: tuple[MetricDef, ...] = (
     HANDOFFS,
     COMMITTED_TOKENS,
@@ -229,6 +257,11 @@ DEFINITIONS: tuple[MetricDef, ...] = (
     OUTPUT_TOKENS,
     PROMPT_TOKENS,
     REQUEST_HANDOFFS,
+    TUNER_THRESHOLD,
+    TUNER_PREDICTED,
+    TUNER_ROUTE_PROB,
+    TUNER_DECISIONS,
+    TUNER_MAX_CONCURRENCY,
 )
 BY_NAME: dict[str, MetricDef] = {d.name: d for d in DEFINITIONS}
 assert len(BY_NAME) == len(DEFINITIONS), "duplicate metric name"

@@ -22,6 +22,8 @@ from tokenrouter_ray.metrics.backends import Backend, NoopBackend, default_backe
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import Engine
+    from tokenrouter_ray.tuning.live import Decision
+    from tokenrouter_ray.tuning.profile import RoutingProfile
 
 INGRESS = "ingress"  # the `model` label of errors and peer latency seen at the ingress
 
@@ -112,3 +114,29 @@ class Metrics:
         self.backend.observe(m.REQUEST_HANDOFFS, handoffs, ())
         if tpot_seconds is not None:
             self.backend.observe(m.TPOT_SECONDS, tpot_seconds, ())
+
+    # -------------------------------------------------------------------- tuner
+    def tuner_decision(
+        self, decision: Decision, profile: RoutingProfile | None, tuned: list[int]
+    ) -> None:
+        """One tuner period: its outcome, published thresholds, predictions, estimates."""
+        if decision.changed:
+            outcome = "moved"
+        elif decision.solved:
+            outcome = "kept"
+        else:
+            outcome = "steady" if profile is not None else "waiting"
+        self.backend.inc(m.TUNER_DECISIONS, 1, (outcome,))
+        for model, table in decision.thresholds.items():
+            for n in tuned:
+                self.backend.set(m.TUNER_THRESHOLD, table[n], (model, str(n)))
+        if decision.solved:
+            for n, scores in decision.predicted.items():
+                label = ",".join(f"{k}={decision.thresholds[k][n]}" for k in decision.thresholds)
+                if label in scores:
+                    self.backend.set(m.TUNER_PREDICTED, scores[label], (str(n),))
+        self.backend.set(m.TUNER_MAX_CONCURRENCY, decision.max_concurrency or 0, ())
+        if profile is not None:
+            for i, src in enumerate(profile.names):
+                for j, dst in enumerate(profile.names):
+                    self.backend.set(m.TUNER_ROUTE_PROB, profile.route_prob[i][j], (src, dst))

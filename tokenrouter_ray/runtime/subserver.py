@@ -105,6 +105,12 @@ class SubServer:
             with contextlib.suppress(asyncio.CancelledError, ChannelClosed):
                 await task
 
+    def set_batch_thresholds(self, thresholds: list[int]) -> None:
+        """Adopt the tuner's thresholds; a sleeping decode loop re-checks at once."""
+        if list(thresholds) != self.engine.scheduler.config.batch_thresholds:
+            self.engine.set_batch_thresholds(thresholds)
+            self._wake.set()
+
     def deliver(self, msgs: list[PeerReq]) -> None:
         """Queue messages for the decode loop (also used by transports that push)."""
         self.inbox.extend(msgs)

@@ -71,21 +71,30 @@ def merge_snapshots(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def step_means_ms(snapshot: Mapping[str, Any]) -> dict[int, float]:
+    """Mean step time (ms) per batch size in a (merged) snapshot."""
+    return {int(b): 1e3 * s / n for b, (n, s) in snapshot["steps"].items() if n}
+
+
 def build_profile(
     per_model: Mapping[str, Sequence[Mapping[str, Any]]],
     models: Sequence[str],
     grain_ms: float,
     min_moves: int = 50,
+    step_ms: Mapping[str, Mapping[int, float]] | None = None,
 ) -> RoutingProfile | None:
     """A profile from each model's replica snapshots; None while any model has fewer than
-    ``min_moves`` observed moves or no step times yet."""
+    ``min_moves`` observed moves or no step times yet. ``step_ms`` (model -> batch -> ms)
+    replaces the snapshots' step times when given: step times are a property of the
+    hardware, so a caller may remember batch sizes the current window has not seen."""
     merged = {m: merge_snapshots(per_model.get(m, ())) for m in models}
     p, c, profiles = [], [], []
     for src in models:
         moves = merged[src]["moves"]
         counts = [moves.get(f"{src}->{dst}", [0, 0]) for dst in models]
         total = sum(n for n, _ in counts)
-        points = sorted((int(b), 1e3 * s / n) for b, (n, s) in merged[src]["steps"].items() if n)
+        table = step_ms[src] if step_ms is not None else step_means_ms(merged[src])
+        points = sorted((int(b), float(ms)) for b, ms in table.items())
         if total < min_moves or not points:
             return None
         p.append(tuple(n / total for n, _ in counts))
@@ -101,6 +110,7 @@ class Decision:
     reason: str
     predicted: dict[int, dict[str, float]] = field(default_factory=dict)  # N -> {B label: tok/s}
     max_concurrency: int | None = None  # SLO mode: admit at most this many requests
+    solved: bool = False  # the Markov model was solved for this decision
     at: float = field(default_factory=time.time)
 
 
@@ -115,6 +125,7 @@ class ThresholdTuner:
         max_step: int = 4,
         drift: float = 0.05,
         min_tokens_per_s: float | None = None,
+        initial: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         self.models = list(models)
         self.concurrencies = sorted(concurrencies)
@@ -125,8 +136,9 @@ class ThresholdTuner:
         self.drift = drift  # re-solve when a routing probability moved by this much
         self.min_tokens_per_s = min_tokens_per_s  # SLO: per-request generation speed
         top = max(self.concurrencies)
-        self.thresholds = {m: [1] * (top + 1) for m in self.models}
+        self.thresholds = {m: _table(initial.get(m) if initial else None, top) for m in self.models}
         self.last_profile: RoutingProfile | None = None
+        self.converging = False  # the last move was bounded by max_step: keep solving
         self.last = Decision(self.thresholds, False, "no statistics yet")
 
     def drifted(self, profile: RoutingProfile) -> bool:
@@ -148,7 +160,7 @@ class ThresholdTuner:
         if profile is None:
             self.last = Decision(self.thresholds, False, "too few observations")
             return self.last
-        if not force and not self.drifted(profile):
+        if not force and not self.converging and not self.drifted(profile):
             self.last = Decision(self.thresholds, False, "statistics within the drift bound")
             return self.last
         self.last_profile = profile
@@ -172,6 +184,7 @@ class ThresholdTuner:
                 for m in self.models:
                     new[m][n] = 1 if below is None else new[m][below]
         changed = new != self.thresholds
+        self.converging = changed  # a bounded move may not have reached the optimum yet
         self.thresholds = new
         cap = None
         if self.min_tokens_per_s is not None:
@@ -182,7 +195,7 @@ class ThresholdTuner:
             ]
             cap = max(meets, default=min(self.concurrencies))
         self.last = Decision(
-            new, changed, "; ".join(reasons) or "current thresholds best", predicted, cap
+            new, changed, "; ".join(reasons) or "current thresholds best", predicted, cap, True
         )
         return self.last
 
@@ -206,6 +219,12 @@ class ThresholdTuner:
             if value > best_value:
                 best, best_value = tuple(combo), value
         return best, scores
+
+
+def _table(values: Sequence[int] | None, top: int) -> list[int]:
+    """A threshold list for N = 0..top from a configured one (last value repeats)."""
+    values = list(values or [1])
+    return [int(values[min(n, len(values) - 1)]) for n in range(top + 1)]
 
 
 def _label(models: Sequence[str], combo: Sequence[int]) -> str:

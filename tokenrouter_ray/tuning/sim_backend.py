@@ -321,6 +321,137 @@ def thresholds_table(n_requests: int, value: int) -> list[int]:
     return [1] * n_requests + [value]
 
 
+class ClosedLoop:
+    """``N`` client loops, each keeping one request in flight, over a ``LocalRuntime`` of
+    simulated engines (``async with``). ``measure(window_s)`` counts what the runtime
+    committed in a window; ``servers`` and ``policy`` stay reachable, so a caller can attach
+    the autoscaler or change the routing probability mid-run (``set_escalation``).
+
+    ``thresholds`` per model is one B (``thresholds_table``: B at index N, 1 below) or a
+    full scheduler ``batch_thresholds`` list.
+    """
+
+    def __init__(
+        self,
+        profile: RoutingProfile,
+        n_requests: int,
+        thresholds: Sequence[int | Sequence[int]],
+        time_scale: float = 1.0,
+        seed: int = 0,
+        max_defer_s: float = 1.0,
+        max_tokens: int = 1 << 14,
+        sleep_bias_s: float = 0.0,
+        prompt_len: int = 4,
+    ) -> None:
+        q = escalation_probability(profile)
+        if len(thresholds) != 2:
+            raise ValueError(f"need one threshold per model (2), got {thresholds}")
+        tables = [
+            thresholds_table(n_requests, b) if isinstance(b, int) else [int(x) for x in b]
+            for b in thresholds
+        ]
+        self.time_scale = time_scale
+        block_size = 16
+        per_request_blocks = math.ceil((prompt_len + max_tokens + 2) / block_size) + 1
+        num_blocks = n_requests * per_request_blocks + 8
+        engines = []
+        for model, table in zip(profile.models, tables, strict=True):
+            engine = sim_engine(
+                profile_step_seconds(model, time_scale),
+                table,
+                max_defer_s=max_defer_s,
+                max_num_seqs=model.max_batch or max(n_requests, 1),
+                num_blocks=num_blocks,
+                block_size=block_size,
+                sleep_bias_s=sleep_bias_s,
+            )
+            engines.append((model.name, engine))
+        self.names = [name for name, _ in engines]
+        self.runners = [engine.runner for _, engine in engines]
+        self.policy = build_policy("bernoulli", {"p": q}, self.names)
+        self.backend = CountingBackend()
+        self.runtime = LocalRuntime(
+            engines, self.policy, metrics=Metrics(self.backend, policy="bernoulli")
+        )
+        self.n_requests = n_requests
+        self.finished = 0
+        self._rng = random.Random(seed)
+        self._prompt = [1] * prompt_len
+        self._max_tokens = max_tokens
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def servers(self) -> list[Any]:
+        return self.runtime.subservers
+
+    def set_escalation(self, q: float) -> None:
+        """Change p(small->large) of the running policy (a shift in the traffic)."""
+        self.policy.config = self.policy.config.model_copy(update={"p": float(q)})
+
+    async def __aenter__(self) -> ClosedLoop:
+        await self.runtime.start()
+        self._tasks = [asyncio.create_task(self._client(k)) for k in range(self.n_requests)]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.runtime.stop()
+
+    async def _client(self, k: int) -> None:
+        serial = 0
+        while not self._stop.is_set():
+            spec = SamplingSpec(
+                temperature=0.0,
+                max_tokens=self._max_tokens,
+                ignore_eos=True,
+                seed=self._rng.getrandbits(62),
+            )
+            await self.runtime.complete(self._prompt, spec, request_id=f"sim-{k}-{serial}")
+            serial += 1
+            self.finished += 1
+
+    async def measure(self, window_s: float, thresholds: tuple[int, ...] = ()) -> SimMeasurement:
+        """Committed tokens/s (profile time base) and runner statistics over one window."""
+        for runner in self.runners:
+            runner.reset_stats()
+        before, fin0 = self.backend.snapshot(), self.finished
+        t0 = time.perf_counter()
+        await asyncio.sleep(window_s)
+        elapsed = time.perf_counter() - t0
+        after, fin = self.backend.snapshot(), self.finished - fin0
+        stats = [r.stats for r in self.runners]
+
+        def delta(key: str, name: Any) -> float:
+            return after[key].get(name, 0) - before[key].get(name, 0)
+
+        tokens = after["committed"] - before["committed"]
+        small_rows = delta("batch_rows", self.names[0])
+        escalations = delta("handoffs", (self.names[0], self.names[1]))
+        handoffs = sum(after["handoffs"].values()) - sum(before["handoffs"].values())
+        return SimMeasurement(
+            n_requests=self.n_requests,
+            thresholds=thresholds,
+            throughput=tokens / elapsed * self.time_scale,
+            tokens=tokens,
+            window_s=elapsed,
+            time_scale=self.time_scale,
+            steps=tuple(int(delta("steps", n)) for n in self.names),
+            mean_batch=tuple(s.mean_batch for s in stats),
+            busy_fraction=tuple(s.busy_s / elapsed for s in stats),
+            median_gap_ms=tuple(
+                1000.0 * statistics.median(s.gaps_s) if s.gaps_s else float("nan") for s in stats
+            ),
+            oversleep_ms=tuple(1000.0 * s.oversleep_s / s.steps if s.steps else 0.0 for s in stats),
+            handoffs=int(handoffs),
+            finished_requests=fin,
+            escalation_rate=escalations / small_rows if small_rows else float("nan"),
+        )
+
+
 async def measure_closed_loop_async(
     profile: RoutingProfile,
     n_requests: int,
@@ -350,91 +481,20 @@ async def measure_closed_loop_async(
         )  # tokens per ms for one request alone
         duration_ms = (window_s + warmup_s) * 1000.0 / time_scale
         max_tokens = max(64, int(4 * single * duration_ms) + 16)
-    block_size = 16
-    per_request_blocks = math.ceil((prompt_len + max_tokens + 2) / block_size) + 1
-    num_blocks = n_requests * per_request_blocks + 8
-    engines = []
-    for i, model in enumerate(profile.models):
-        max_seqs = model.max_batch or max(n_requests, 1)
-        engine = sim_engine(
-            profile_step_seconds(model, time_scale),
-            thresholds_table(n_requests, thresholds[i]),
-            max_defer_s=max_defer_s,
-            max_num_seqs=max_seqs,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            sleep_bias_s=sleep_bias_s,
-        )
-        engines.append((model.name, engine))
-    names = [name for name, _ in engines]
-    policy = build_policy("bernoulli", {"p": q}, names)
-    backend = CountingBackend()
-    runtime = LocalRuntime(engines, policy, metrics=Metrics(backend, policy="bernoulli"))
-    rng = random.Random(seed)
-    prompt = [1] * prompt_len
-    finished = 0
-    stop = asyncio.Event()
-
-    async def client(k: int) -> None:
-        nonlocal finished
-        serial = 0
-        while not stop.is_set():
-            spec = SamplingSpec(
-                temperature=0.0,
-                max_tokens=max_tokens,
-                ignore_eos=True,
-                seed=rng.getrandbits(62),
-            )
-            await runtime.complete(prompt, spec, request_id=f"sim-{k}-{serial}")
-            serial += 1
-            finished += 1
-
-    runners = [engine.runner for _, engine in engines]
-    async with runtime:
-        tasks = [asyncio.create_task(client(k)) for k in range(n_requests)]
-        try:
-            await asyncio.sleep(warmup_s)
-            for runner in runners:
-                runner.reset_stats()
-            before, fin0 = backend.snapshot(), finished
-            t0 = time.perf_counter()
-            await asyncio.sleep(window_s)
-            t1 = time.perf_counter()
-            after, fin = backend.snapshot(), finished - fin0
-            stats = [r.stats for r in runners]
-        finally:
-            stop.set()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    elapsed = t1 - t0
-
-    def delta(key: str, name: Any) -> float:
-        return after[key].get(name, 0) - before[key].get(name, 0)
-
-    tokens = after["committed"] - before["committed"]
-    steps = tuple(int(delta("steps", n)) for n in names)
-    handoffs = int(sum(after["handoffs"].values()) - sum(before["handoffs"].values()))
-    small_rows = delta("batch_rows", names[0])
-    escalations = delta("handoffs", (names[0], names[1]))
-    return SimMeasurement(
-        n_requests=n_requests,
-        thresholds=thresholds,
-        throughput=tokens / elapsed * time_scale,
-        tokens=tokens,
-        window_s=elapsed,
+    loop = ClosedLoop(
+        profile,
+        n_requests,
+        thresholds,
         time_scale=time_scale,
-        steps=steps,
-        mean_batch=tuple(s.mean_batch for s in stats),
-        busy_fraction=tuple(s.busy_s / elapsed for s in stats),
-        median_gap_ms=tuple(
-            1000.0 * statistics.median(s.gaps_s) if s.gaps_s else float("nan") for s in stats
-        ),
-        oversleep_ms=tuple(1000.0 * s.oversleep_s / s.steps if s.steps else 0.0 for s in stats),
-        handoffs=handoffs,
-        finished_requests=fin,
-        escalation_rate=escalations / small_rows if small_rows else float("nan"),
+        seed=seed,
+        max_defer_s=max_defer_s,
+        max_tokens=max_tokens,
+        sleep_bias_s=sleep_bias_s,
+        prompt_len=prompt_len,
     )
+    async with loop:
+        await asyncio.sleep(warmup_s)
+        return await loop.measure(window_s, thresholds)
 
 
 def measure_closed_loop(

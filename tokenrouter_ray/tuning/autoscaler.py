@@ -1,0 +1,245 @@
+"""The live threshold autoscaler: statistics in, threshold lists out.
+
+``Autoscaler`` is the runtime-agnostic core of the tuner deployment (``deployments/tuner.py``)
+and of ``drive_local`` (the same loop over a ``LocalRuntime``'s sub-servers). Every model
+replica reports its ``WindowStats`` snapshot each ``period_s`` and gets back the threshold
+list it should run with (replicas pull; the tuner never needs to reach a replica). Each
+period the autoscaler merges the fresh reports into a ``RoutingProfile`` and hands it to
+``ThresholdTuner``, which re-solves when the statistics drift (or every ``resolve_every_s``)
+and moves thresholds with hysteresis, a bounded step, and only deadlock-free sets.
+
+Routing probabilities and commits come from the current window only (they follow the
+traffic); step times are remembered per batch size across windows (they follow the
+hardware), so a threshold that stopped producing small batches does not erase what a small
+batch costs. Batch sizes never observed are filled from a straight line fitted to the
+observed ones (a decode step is a fixed cost plus a per-sequence cost), not held flat: a
+flat extrapolation below the smallest observed batch would make small thresholds look as
+slow as large ones and the tuner could never lower a threshold it had raised. A profile
+file (``tokenrouter-ray profile``) seeds the table before traffic arrives. Everything it
+decided, and why, is in ``status()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tokenrouter_ray.tuning.live import (
+    Decision,
+    ThresholdTuner,
+    build_profile,
+    merge_snapshots,
+    step_means_ms,
+)
+from tokenrouter_ray.tuning.profile import RoutingProfile, models_from_mapping, read_profile_file
+
+
+class TunerSpec(BaseModel):
+    """The ``tuner`` section of an app config (Hydra group ``conf/tuner/``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Run the tuner deployment and follow it.")
+    period_s: float = Field(10.0, gt=0, description="Replicas report and the tuner decides.")
+    window_s: float = Field(60.0, gt=0, description="Statistics window on every replica.")
+    resolve_every_s: float = Field(300.0, gt=0, description="Re-solve even without drift.")
+    concurrencies: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16], description="Active-request counts N tuned."
+    )
+    grain_ms: float = Field(0.5, gt=0, description="Markov time grain (coarser = faster).")
+    fixed: dict[str, int] = Field(default_factory=dict, description="Thresholds held fixed.")
+    min_gain: float = Field(0.02, ge=0, description="Adopt a new B only for this gain.")
+    max_step: int = Field(4, ge=1, description="Largest threshold move per decision.")
+    drift: float = Field(0.05, gt=0, description="Re-solve when a p_ij moves this much.")
+    min_moves: int = Field(50, ge=1, description="Observations per model before tuning.")
+    min_tokens_per_s: float | None = Field(
+        None, gt=0, description="SLO: per-request speed; caps admitted concurrency."
+    )
+    profile: str | None = Field(
+        None, description="Step-time profile (JSON/YAML, `tokenrouter-ray profile`) to start from."
+    )
+
+    @field_validator("concurrencies")
+    @classmethod
+    def _positive(cls, value: list[int]) -> list[int]:
+        if not value or min(value) < 1:
+            raise ValueError("concurrencies must be a non-empty list of positive integers")
+        return sorted(set(value))
+
+
+class _Reporter(Protocol):  # what drive_local needs from a sub-server
+    name: str
+    stats: Any
+
+    def set_batch_thresholds(self, thresholds: Sequence[int]) -> None: ...
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        models: Sequence[str],
+        spec: TunerSpec,
+        initial: Mapping[str, Sequence[int]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.models = list(models)
+        self.spec = spec
+        self.clock = clock
+        self.tuner = ThresholdTuner(
+            self.models,
+            concurrencies=spec.concurrencies,
+            grain_ms=spec.grain_ms,
+            fixed=spec.fixed,
+            min_gain=spec.min_gain,
+            max_step=spec.max_step,
+            drift=spec.drift,
+            min_tokens_per_s=spec.min_tokens_per_s,
+            initial=initial,
+        )
+        self.reports: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {
+            m: {} for m in self.models
+        }
+        self.step_ms: dict[str, dict[int, float]] = {m: {} for m in self.models}
+        if spec.profile:
+            for model in models_from_mapping(read_profile_file(spec.profile)):
+                if model.name in self.step_ms:
+                    self.step_ms[model.name].update(dict(model.step_ms))
+        self.history: deque[dict[str, Any]] = deque(maxlen=50)  # decisions that changed B
+        self.decisions = 0
+        self.profile: RoutingProfile | None = None
+        self._last_solve = clock()
+
+    @property
+    def thresholds(self) -> dict[str, list[int]]:
+        return self.tuner.thresholds
+
+    @property
+    def last(self) -> Decision:
+        return self.tuner.last
+
+    def report(self, model: str, replica: str, snapshot: dict[str, Any]) -> list[int]:
+        """Store one replica's window; answer with the thresholds that model should use."""
+        if model not in self.reports:
+            raise ValueError(f"unknown model {model!r}; tuned models are {self.models}")
+        self.reports[model][replica] = (self.clock(), snapshot)
+        return list(self.tuner.thresholds[model])
+
+    def collect(self) -> RoutingProfile | None:
+        """The profile of the fresh reports (older than 3 periods: a replica that went away)."""
+        now = self.clock()
+        stale = now - 3 * self.spec.period_s
+        per_model: dict[str, list[dict[str, Any]]] = {}
+        for model, replicas in self.reports.items():
+            for replica in [r for r, (at, _) in replicas.items() if at < stale]:
+                del replicas[replica]
+            per_model[model] = [snap for _, snap in replicas.values()]
+            self.step_ms[model].update(step_means_ms(merge_snapshots(per_model[model])))
+        top = max(self.spec.concurrencies)
+        filled = {m: fill_step_times(self.step_ms[m], top) for m in self.models}
+        return build_profile(
+            per_model, self.models, self.spec.grain_ms, self.spec.min_moves, filled
+        )
+
+    def step(self) -> Decision:
+        """One tuning period: collect, maybe re-solve, maybe move the thresholds."""
+        return self.decide(self.collect())
+
+    def decide(self, profile: RoutingProfile | None) -> Decision:
+        """Maybe re-solve and move. Touches no report, so it may run in a worker thread
+        while ``report`` keeps answering on the event loop (``collect`` may not)."""
+        now = self.clock()
+        force = now - self._last_solve >= self.spec.resolve_every_s
+        decision = self.tuner.decide(profile, force=force)
+        if decision.solved:
+            self._last_solve = now
+        self.decisions += 1
+        if profile is not None:
+            self.profile = profile
+        if decision.changed:
+            self.history.append(_decision_json(decision, profile))
+        return decision
+
+    def status(self) -> dict[str, Any]:
+        """What the tuner decided and why, and the statistics it decided from (JSON)."""
+        profile = self.profile
+        return {
+            "thresholds": self.tuner.thresholds,
+            "last": _decision_json(self.tuner.last, profile),
+            "history": list(self.history),
+            "decisions": self.decisions,
+            "replicas": {m: sorted(r) for m, r in self.reports.items()},
+            "step_ms": {
+                m: {str(b): round(t, 3) for b, t in sorted(v.items())}
+                for m, v in self.step_ms.items()
+            },
+            "spec": self.spec.model_dump(),
+        }
+
+
+def fill_step_times(table: Mapping[int, float], top: int) -> dict[int, float]:
+    """Observed step times (batch -> ms) plus every batch 1..top that was not observed, from
+    a least-squares line through the observed points (slope >= 0, time > 0)."""
+    out = {int(b): float(t) for b, t in table.items()}
+    if len(out) < 2:
+        return out  # one point: a constant (ModelProfile holds it flat)
+    xs, ys = np.array(list(out), dtype=float), np.array(list(out.values()))
+    slope, intercept = np.polyfit(xs, ys, 1)
+    slope = max(float(slope), 0.0)
+    if slope == 0.0:
+        intercept = float(ys.mean())
+    floor = 0.25 * float(ys.min())
+    for b in range(1, top + 1):
+        if b not in out:
+            out[b] = max(floor, float(intercept) + slope * b)
+    return out
+
+
+def _decision_json(decision: Decision, profile: RoutingProfile | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "changed": decision.changed,
+        "reason": decision.reason,
+        "at": decision.at,
+        "thresholds": decision.thresholds,
+        "predicted_tokens_per_s": {
+            str(n): {label: round(v, 3) for label, v in scores.items()}
+            for n, scores in decision.predicted.items()
+        },
+        "max_concurrency": decision.max_concurrency,
+    }
+    if profile is not None:
+        out["route_prob"] = {
+            f"{a}->{b}": round(profile.route_prob[i][j], 4)
+            for i, a in enumerate(profile.names)
+            for j, b in enumerate(profile.names)
+            if profile.route_prob[i][j] > 0
+        }
+    return out
+
+
+async def drive_local(
+    autoscaler: Autoscaler,
+    servers: Iterable[_Reporter],
+    stop: asyncio.Event,
+    on_decision: Callable[[Decision], None] | None = None,
+) -> None:
+    """The tuner loop over in-process sub-servers (a ``LocalRuntime``'s ``servers``)."""
+    servers = list(servers)
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), autoscaler.spec.period_s)
+        if stop.is_set():
+            return
+        for k, server in enumerate(servers):
+            autoscaler.report(server.name, f"local-{k}", server.stats.snapshot())
+        decision = await asyncio.to_thread(autoscaler.decide, autoscaler.collect())
+        for server in servers:
+            server.set_batch_thresholds(autoscaler.thresholds[server.name])
+        if on_decision is not None:
+            on_decision(decision)
