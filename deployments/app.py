@@ -3,7 +3,8 @@
 ``build_app(args)`` takes the Serve YAML's ``args`` (typed below), composes the full config
 with Hydra from ``conf/`` plus ``args.overrides``, validates it (known policy and options,
 sane thresholds, shared tokenizer when the models are local), and binds the endpoint
-directory, one deployment per model (named after the model) and the OpenAI ingress.
+directory, one deployment per model (named after the model), the threshold tuner when
+``tuner.enabled``, and the OpenAI ingress.
 Any config problem is raised as one ``ConfigError`` with a message to act on.
 """
 
@@ -19,6 +20,7 @@ from ray.serve import Application
 from deployments.directory import EndpointDirectory
 from deployments.ingress import Ingress
 from deployments.model_server import ModelServer, load_tokenizer
+from deployments.tuner import Tuner
 from tokenrouter_ray.config import AppConfig, ConfigError, ModelSpec, compose_config
 from tokenrouter_ray.protocol import check_shared_tokenizer
 from tokenrouter_ray.routing.policy import build_policy
@@ -87,14 +89,15 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 def bind_app(cfg: AppConfig) -> Application:
     data = cfg.model_dump(mode="json")
     directory = EndpointDirectory.bind()
+    tuner = Tuner.bind(data) if cfg.tuner.enabled else None
     models = {
-        name: ModelServer.options(**model_options(name, spec)).bind(name, data, directory)
+        name: ModelServer.options(**model_options(name, spec)).bind(name, data, directory, tuner)
         for name, spec in cfg.models.items()
     }
     return Ingress.options(
         num_replicas=cfg.ingress.num_replicas,
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
-    ).bind(data, directory, models)
+    ).bind(data, directory, models, tuner)
 
 
 __all__ = ["AppArgs", "bind_app", "build_app", "serve"]

@@ -33,6 +33,7 @@ from tokenrouter_ray.metrics import INGRESS, Metrics
 from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
 from tokenrouter_ray.openai.errors import (
     InvalidRequestError,
+    NotFoundError,
     OverloadedError,
     as_openai_error,
     error_response,
@@ -71,10 +72,16 @@ async def _openai_errors(_: Request, exc: Exception) -> JSONResponse:
 @serve.ingress(app)
 class Ingress:
     async def __init__(
-        self, app_config: dict, directory: DeploymentHandle, models: dict[str, DeploymentHandle]
+        self,
+        app_config: dict,
+        directory: DeploymentHandle,
+        models: dict[str, DeploymentHandle],
+        tuner: DeploymentHandle | None = None,
     ) -> None:
         cfg = AppConfig.model_validate(app_config)
         self.cfg = cfg
+        self.tuner = tuner
+        self.slo_cap: int | None = None  # the tuner's SLO-mode concurrency, per replica
         entry = cfg.model_names[0]
         self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.models[entry].path)
         infos = [await models[name].info.remote() for name in cfg.model_names]
@@ -93,6 +100,7 @@ class Ingress:
         self.entry_load: dict[str, int] = {}
         self.entry_total: dict[str, int] = {}
         self._ids = itertools.count()
+        self._slo = asyncio.create_task(self._follow_slo()) if cfg.tuner.min_tokens_per_s else None
 
     # ------------------------------------------------------------------ routes
     @app.get("/v1/models")
@@ -132,6 +140,21 @@ class Ingress:
         prepared = await asyncio.to_thread(prepare_chat, parsed, self.tokenizer, self.limits)
         return await self._respond(prepared, chat=True)
 
+    @app.get("/v1/tokenrouter/tuner")
+    async def tuner_status(self) -> dict[str, Any]:
+        if self.tuner is None:
+            raise NotFoundError("The threshold tuner is not enabled (set `tuner=live`).")
+        return await self.tuner.status.remote()
+
+    async def _follow_slo(self) -> None:
+        """SLO mode: admit no more than the tuner's cap, split over the ingress replicas."""
+        while True:
+            await asyncio.sleep(self.cfg.tuner.period_s)
+            with contextlib.suppress(Exception):  # keep the last cap while the tuner restarts
+                cap = (await self.tuner.status.remote())["last"]["max_concurrency"]
+                replicas = self.cfg.ingress.num_replicas
+                self.slo_cap = None if cap is None else max(1, -(-cap // replicas))
+
     # ---------------------------------------------------------------- serving
     def _entry(self) -> str:
         options = self.peers.by_model[self.cfg.model_names[0]]
@@ -144,7 +167,8 @@ class Ingress:
                 "min_p and repetition_penalty are not supported yet.",
                 param="min_p" if sampling.min_p else "repetition_penalty",
             )
-        if self.core.num_active + sampling.n > self.cfg.ingress.max_active_requests:
+        limit = min(self.cfg.ingress.max_active_requests, self.slo_cap or 1 << 30)
+        if self.core.num_active + sampling.n > limit:
             raise OverloadedError("Too many requests in flight; retry shortly.")
         base = f"req-{time.time_ns():x}-{next(self._ids)}"
         submitted = []
@@ -257,6 +281,8 @@ class Ingress:
                     await task
 
     async def __del__(self) -> None:
+        if self._slo is not None:
+            self._slo.cancel()
         await self.core.stop()
         await self.peers.stop()
         await self.channel.close()

@@ -1,10 +1,13 @@
 """One Serve deployment per model: a replica hosts one model sub-server (engine + policy +
 peer channel). Requests reach it as PeerReqs over the channel, not as handle calls; the
-handle serves only ``info`` and health checks."""
+handle serves only ``info`` and health checks. With the tuner enabled, each replica reports
+its statistics window to the tuner every period and adopts the thresholds it answers."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from typing import Any
 
 from ray import serve
@@ -17,6 +20,8 @@ from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.runtime.subserver import SubServer
+
+logger = logging.getLogger("ray.serve")
 
 
 def engine_config(cfg: AppConfig, name: str) -> EngineConfig:
@@ -41,7 +46,13 @@ def load_tokenizer(path: str) -> Any:
 
 @serve.deployment(health_check_period_s=5, graceful_shutdown_timeout_s=5)
 class ModelServer:
-    async def __init__(self, model: str, app_config: dict, directory: DeploymentHandle) -> None:
+    async def __init__(
+        self,
+        model: str,
+        app_config: dict,
+        directory: DeploymentHandle,
+        tuner: DeploymentHandle | None = None,
+    ) -> None:
         cfg = AppConfig.model_validate(app_config)
         self.model = model
         index = cfg.model_names.index(model)
@@ -64,7 +75,26 @@ class ModelServer:
             pick_endpoint=self._pick,
             metrics=Metrics.ray(policy=cfg.policy.name),  # exported by Ray's metrics agent
         )
+        self.server.stats.window_s = cfg.tuner.window_s
         await self.server.start()
+        self.replica = replica
+        self._tuning = (
+            asyncio.create_task(self._follow_tuner(tuner, cfg.tuner.period_s), name="tuner")
+            if tuner is not None
+            else None
+        )
+
+    async def _follow_tuner(self, tuner: DeploymentHandle, period_s: float) -> None:
+        """Report this replica's window; adopt the thresholds the tuner answers."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                snapshot = self.server.stats.snapshot()
+                thresholds = await tuner.report.remote(self.model, self.replica, snapshot)
+            except Exception as exc:  # the tuner restarting must not stop serving
+                logger.warning("%s: tuner report failed: %s", self.model, exc)
+                continue
+            self.server.set_batch_thresholds(thresholds)
 
     def _pick(self, model: str, rid: str) -> str:
         if not self.peers.by_model.get(model):
@@ -85,6 +115,7 @@ class ModelServer:
             "kv_blocks_free": self.engine.kv.pool.num_free_blocks,
             "kv_blocks_total": self.engine.kv.pool.num_blocks,
             "routing_stats": self.server.stats.snapshot(),
+            "batch_thresholds": list(self.engine.scheduler.config.batch_thresholds),
         }
 
     async def check_health(self) -> None:
@@ -96,6 +127,10 @@ class ModelServer:
                 )
 
     async def __del__(self) -> None:
+        if self._tuning is not None:
+            self._tuning.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tuning
         await self.server.stop()
         await self.peers.stop()
         await self.channel.close()

@@ -1,7 +1,7 @@
 """The application config: composed by Hydra from ``conf/`` groups, validated by pydantic.
 
 ``compose_config(overrides)`` runs Hydra's compose API over ``conf/`` (groups: models,
-policy, transport, placement, scheduler; primary config ``conf/base.yaml``) plus the
+policy, transport, placement, scheduler, tuner; primary config ``conf/base.yaml``) plus the
 overrides a Serve YAML lists under ``args.overrides``, resolves ``${demo:large}``-style
 paths to the cached demo models, and returns an ``AppConfig``. Every problem surfaces as one
 ``ConfigError`` whose message says what to fix.
@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 from tokenrouter_ray.errors import UserFacingError
+from tokenrouter_ray.tuning.autoscaler import TunerSpec
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -88,6 +89,7 @@ class AppConfig(_Strict):
     transport: TransportSpec = Field(default_factory=TransportSpec)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     ingress: IngressSpec = Field(default_factory=IngressSpec)
+    tuner: TunerSpec = Field(default_factory=TunerSpec)
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:
@@ -96,6 +98,9 @@ class AppConfig(_Strict):
         for name in self.models:
             self.scheduler_for(name)  # each merged scheduler config must validate
         self._check_deadlock_free()
+        unknown = set(self.tuner.fixed) - set(self.models)
+        if unknown:
+            raise ValueError(f"tuner.fixed names unknown models {sorted(unknown)}")
         return self
 
     def scheduler_for(self, name: str) -> SchedulerConfig:

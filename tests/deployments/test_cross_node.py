@@ -150,3 +150,10 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(
         json={"model": "tokenrouter", "prompt": "w1", "max_tokens": 2},
     )
     assert ok.status_code == 200
+
+
+def test_tuner_status_without_a_tuner_is_a_404(cross_node_app) -> None:
+    response = httpx.get(f"{cross_node_app}/tokenrouter/tuner", timeout=10)
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "tuner=live" in error["message"]

@@ -24,13 +24,22 @@ BASE = "http://127.0.0.1:8000"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_ADDRESS": "local"}  # a fresh Ray instance, not the test session's cluster
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ADDRESS": "local",
+    }  # a fresh Ray instance, not the test session's cluster
     serve_bin = Path(sys.executable).with_name("serve")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(serve_bin), "run", str(CONF_DIR / "local.yaml")],
-                                stdout=out, stderr=subprocess.STDOUT, env=env,
-                                cwd=CONF_DIR.parent, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(serve_bin), "run", str(CONF_DIR / "local.yaml")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=CONF_DIR.parent,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 300
     while True:
         try:
@@ -50,28 +59,34 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Pope
 def test_models_endpoint(served) -> None:
     models = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none").models.list()
     assert [m.id for m in models.data] == ["tokenrouter"]
+    tuner = httpx.get(f"{BASE}/v1/tokenrouter/tuner", timeout=30).json()  # on by default
+    assert sorted(tuner["thresholds"]) == ["large", "small"] and tuner["spec"]["enabled"]
 
 
 def test_chat_and_completions_streaming_and_not(served) -> None:
     client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=120)
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    chat = client.chat.completions.create(model="tokenrouter", messages=question,
-                                          max_tokens=24, temperature=0)
+    chat = client.chat.completions.create(
+        model="tokenrouter", messages=question, max_tokens=24, temperature=0
+    )
     answer = chat.choices[0].message.content
     assert answer.strip() and chat.choices[0].finish_reason in ("stop", "length")
     routing = chat.model_extra["routing"]
     assert sum(routing["tokens_per_model"].values()) == chat.usage.completion_tokens
     streamed = "".join(
         c.choices[0].delta.content or ""
-        for c in client.chat.completions.create(model="tokenrouter", messages=question,
-                                                max_tokens=24, temperature=0, stream=True)
+        for c in client.chat.completions.create(
+            model="tokenrouter", messages=question, max_tokens=24, temperature=0, stream=True
+        )
         if c.choices
     )
     assert streamed == answer
-    completion = client.completions.create(model="tokenrouter", prompt="The sky is",
-                                           max_tokens=8, temperature=0)
-    pieces = client.completions.create(model="tokenrouter", prompt="The sky is", max_tokens=8,
-                                       temperature=0, stream=True)
+    completion = client.completions.create(
+        model="tokenrouter", prompt="The sky is", max_tokens=8, temperature=0
+    )
+    pieces = client.completions.create(
+        model="tokenrouter", prompt="The sky is", max_tokens=8, temperature=0, stream=True
+    )
     assert "".join(p.choices[0].text for p in pieces if p.choices) == completion.choices[0].text
     assert completion.usage.completion_tokens == 8
 

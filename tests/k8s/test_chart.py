@@ -144,7 +144,7 @@ def test_transport_ray_opens_no_peer_port(render_values: Callable[..., Objects])
 
 def test_values_variant(render_values: Callable[..., Objects]) -> None:
     values = manifests.default_values()
-    values["serve"]["extraOverrides"] = ["transport.port=6000", "tuning.interval_s=5"]
+    values["serve"]["extraOverrides"] = ["transport.port=6000", "tuner.period_s=5"]
     values["transport"]["port"] = 6000
     values["ingress"].update(
         className="nginx",
@@ -160,7 +160,7 @@ def test_values_variant(render_values: Callable[..., Objects]) -> None:
 
     assert kinds(objects) == ["Ingress", "RayService"]
     overrides = serve_config(objects)["applications"][0]["args"]["overrides"]
-    assert overrides[4:] == ["transport.port=6000", "tuning.interval_s=5"]
+    assert overrides[5:] == ["transport.port=6000", "tuner.period_s=5"]
     groups = only(objects, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert [g["groupName"] for g in groups] == ["small", "medium", "large"]
     assert ports(groups[1]["template"])["peer-zmq"] == 6000

@@ -181,6 +181,7 @@ def routing(prefix: str) -> dict[str, Any]:
 
 def scheduler(prefix: str) -> dict[str, Any]:
     q = Promql(prefix, selector='model=~"$model"')
+    t = Promql(prefix)  # tuner series without a model label
     model = ["model"]
     by_model = "{{model}}"
     return dashboard(
@@ -238,6 +239,61 @@ def scheduler(prefix: str) -> dict[str, Any]:
                 ],
                 "short",
                 "B = batch_thresholds[min(N, len - 1)]; no deadlock while sum(B_i - 1) < N.",
+            ),
+            row("Threshold tuner"),
+            timeseries(
+                "Published thresholds",
+                [
+                    target(
+                        q.value("tokenrouter_tuner_threshold", ["model", "active_requests"], "max"),
+                        "B {{model}} at N={{active_requests}}",
+                    )
+                ],
+                "short",
+                "What the tuner deployment pushes to the replicas, per tuned N.",
+            ),
+            timeseries(
+                "Predicted vs committed tokens / s",
+                [
+                    target(
+                        t.value(
+                            "tokenrouter_tuner_predicted_tokens_per_second",
+                            ["active_requests"],
+                            "max",
+                        ),
+                        "predicted at N={{active_requests}}",
+                    ),
+                    target(t.rate("tokenrouter_committed_tokens_total"), "committed"),
+                ],
+                "short",
+                "The Markov model's throughput for the published B; compare at the current N.",
+            ),
+            timeseries(
+                "Routing probabilities solved with",
+                [
+                    target(
+                        t.value(
+                            "tokenrouter_tuner_route_probability", ["src_model", "dst_model"], "max"
+                        ),
+                        "{{src_model}} -> {{dst_model}}",
+                    )
+                ],
+                "percentunit",
+                "p(src -> dst) over the tuner's statistics window.",
+                max_value=1,
+            ),
+            timeseries(
+                "Tuner decisions / s",
+                [target(t.rate("tokenrouter_tuner_decisions_total", ["outcome"]), "{{outcome}}")],
+                "short",
+                "moved: thresholds changed; kept: re-solved, no gain; steady: no drift; "
+                "waiting: too few observations.",
+            ),
+            stat(
+                "SLO concurrency cap",
+                t.value("tokenrouter_tuner_max_concurrency", (), "max"),
+                "short",
+                "Active requests the SLO admits (0: no SLO configured).",
             ),
             row("KV cache"),
             timeseries(

@@ -76,6 +76,14 @@ class ModelNotFoundError(OpenAIError):
         )
 
 
+class NotFoundError(OpenAIError):
+    """404: the path names something this deployment does not run (e.g. no tuner)."""
+
+    status_code = 404
+    error_type = INVALID_REQUEST
+    default_code = "not_found"
+
+
 class OverloadedError(OpenAIError):
     """503: admission refused (queue full); the client should retry after a while."""
 

@@ -51,6 +51,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - policy={{ .Values.policy }}
 - transport={{ .Values.transport.name }}
 - placement={{ .Values.placement }}
+- tuner={{ .Values.tuner }}
 {{- range .Values.serve.extraOverrides }}
 - {{ . | toJson }}
 {{- end }}

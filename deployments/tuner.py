@@ -1,0 +1,62 @@
+"""The threshold tuner as a one-replica Serve deployment (DESIGN.md §4, live re-solve).
+
+Model replicas call ``report(model, replica, snapshot)`` every ``tuner.period_s`` with their
+sliding-window statistics and adopt the threshold list it returns (replicas pull, so the
+tuner never has to find a replica, and a new replica converges on its first report). Every
+period the tuner merges the fresh reports, re-solves the Markov model when the statistics
+drifted (in a worker thread: the event loop keeps answering reports), and exports what it
+decided as metrics. ``status()`` (served at ``GET /v1/tokenrouter/tuner`` by the ingress)
+says what it decided and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+
+from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.metrics import Metrics
+from tokenrouter_ray.tuning.autoscaler import Autoscaler
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+class Tuner:
+    async def __init__(self, app_config: dict) -> None:
+        cfg = AppConfig.model_validate(app_config)
+        initial = {m: cfg.scheduler_for(m).batch_thresholds for m in cfg.model_names}
+        self.autoscaler = Autoscaler(cfg.model_names, cfg.tuner, initial)
+        self.metrics = Metrics.ray(policy=cfg.policy.name)
+        self._task = asyncio.create_task(self._loop(), name="tuner")
+
+    async def report(self, model: str, replica: str, snapshot: dict[str, Any]) -> list[int]:
+        return self.autoscaler.report(model, replica, snapshot)
+
+    async def status(self) -> dict[str, Any]:
+        return self.autoscaler.status()
+
+    async def _loop(self) -> None:
+        auto = self.autoscaler
+        while True:
+            await asyncio.sleep(auto.spec.period_s)
+            try:
+                profile = auto.collect()
+                decision = await asyncio.to_thread(auto.decide, profile)
+            except Exception:  # a bad window must not stop the tuner
+                logger.exception("tuner: re-solve failed; keeping the current thresholds")
+                continue
+            if decision.changed:
+                logger.info("tuner: %s", decision.reason)
+            self.metrics.tuner_decision(decision, profile, auto.spec.concurrencies)
+
+    async def check_health(self) -> None:
+        if self._task.done():
+            why = "cancelled" if self._task.cancelled() else self._task.exception()
+            raise RuntimeError(f"tuner loop stopped: {why}")
+
+    async def __del__(self) -> None:
+        self._task.cancel()

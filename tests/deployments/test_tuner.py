@@ -1,0 +1,93 @@
+"""The tuner deployment in a served app: model replicas report their statistics windows,
+the tuner solves, publishes thresholds that the replicas adopt, and explains itself at
+``GET /v1/tokenrouter/tuner`` (an app without a tuner answers 404 there: test_cross_node)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import openai
+
+from tests.deployments.conftest import tiny_overrides
+from tests.deployments.test_serve_app import prompts
+from tokenrouter_ray.tuning.markov import is_admissible
+
+TWO = ["small", "large"]
+TUNER = [
+    "tuner=live",
+    "tuner.period_s=0.5",
+    "tuner.min_moves=10",
+    "tuner.concurrencies=[1,2,4,8]",
+    "tuner.grain_ms=0.2",
+    "policy.options.threshold=0.45",
+    "tuner.min_tokens_per_s=1e9",  # an SLO nothing meets: admit the smallest tuned N (1)
+]
+
+
+def wait_for(check, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.25)
+
+
+def test_replicas_follow_the_tuner(serve_app, served_chain_dirs) -> None:
+    from ray import serve
+
+    overrides = tiny_overrides(served_chain_dirs, TWO, "entropy", "zmq_ipc", TUNER)
+    with serve_app(overrides, "tuned") as base:
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+
+        def call(prompt: list[int]) -> openai.types.Completion:
+            return client.completions.create(
+                model="tokenrouter", prompt=prompt, max_tokens=24, temperature=0
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # statistics to tune from
+            list(pool.map(call, prompts() * 2))
+
+        def solved() -> dict | None:
+            status = httpx.get(f"{base}/tokenrouter/tuner", timeout=10).json()
+            return status if status["last"]["predicted_tokens_per_s"] else None
+
+        status = wait_for(solved)
+        assert status["replicas"] == {"small": [status["replicas"]["small"][0]],
+                                      "large": [status["replicas"]["large"][0]]}  # fmt: skip
+        assert set(status["last"]["predicted_tokens_per_s"]) == {"1", "2", "4", "8"}
+        assert 0 < status["last"]["route_prob"]["small->large"] < 1
+        assert status["step_ms"]["small"] and status["step_ms"]["large"]
+        thresholds = status["thresholds"]
+        for n in range(1, len(thresholds["small"])):
+            assert is_admissible(n, [thresholds[m][n] for m in TWO])
+
+        def adopted() -> bool:  # replicas pull what the tuner published
+            now = httpx.get(f"{base}/tokenrouter/tuner", timeout=10).json()["thresholds"]
+            infos = {m: serve.get_deployment_handle(m, "tuned").info.remote().result() for m in TWO}
+            return all(infos[m]["batch_thresholds"] == now[m] for m in TWO)
+
+        wait_for(adopted, 10.0)
+        ok = call(prompts()[0])  # still serving under the tuned thresholds
+        assert ok.usage.completion_tokens == 24
+
+        # SLO mode: the ingress admits what the tuner's cap allows and 503s the rest.
+        assert status["last"]["max_concurrency"] == 1
+
+        def burst() -> list[int]:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                return list(pool.map(lambda p: post(base, p), prompts()[:4]))
+
+        codes = wait_for(lambda: (c := burst()) and 503 in c and c, 15.0)
+        assert 200 in codes  # one at a time still gets through
+
+
+def post(base: str, prompt: list[int]) -> int:
+    body = {"model": "tokenrouter", "prompt": prompt, "max_tokens": 48, "temperature": 0}
+    response = httpx.post(f"{base}/completions", json=body, timeout=60)
+    if response.status_code == 503:
+        assert response.json()["error"]["code"] == "overloaded"
+    return response.status_code
