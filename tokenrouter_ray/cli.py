@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "tokenrouter_ray.demo_pair",
     "tokenrouter_ray.routing.training.commands",
     "tokenrouter_ray.tuning.commands",
+    "tokenrouter_ray.tuning.profiler",
 )
 
 

@@ -26,12 +26,15 @@ from typing import Any
 
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig
-from tokenrouter_ray.tuning.profile import RoutingProfile, load_profile, profile_from_mapping
+from tokenrouter_ray.tuning.profile import RoutingProfile, profile_from_mapping, read_profile_file
 from tokenrouter_ray.tuning.search import METHODS, SweepResult, threshold_lists, tune
 
 
 def _add_statistics(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_argument_group("statistics (inline, or --profile)")
+    source = parser.add_argument_group(
+        "statistics (inline, or --profile; --route-prob/--commit may complete a profile file "
+        "that holds only step times, as `tokenrouter-ray profile` writes it)"
+    )
     source.add_argument("--profile", type=Path, help="JSON or YAML profile file")
     source.add_argument("--step-ms", help="step time per model, e.g. small=6.0,large=27.9")
     source.add_argument(
@@ -124,9 +127,15 @@ def _inline_profile(args: argparse.Namespace) -> RoutingProfile:
 def build_profile(args: argparse.Namespace) -> RoutingProfile:
     """The profile the arguments describe (file or inline), with --grain-ms applied."""
     if args.profile is not None:
-        if args.step_ms or args.route_prob or args.commit:
-            raise UserFacingError("--profile replaces --step-ms/--route-prob/--commit")
-        profile = load_profile(args.profile)
+        if args.step_ms:
+            raise UserFacingError("--profile replaces --step-ms")
+        data = read_profile_file(args.profile)
+        if args.route_prob:  # step times from the file (`profile`), routing given here
+            data["route_prob"] = _pairs(args.route_prob, "--route-prob")
+            data["commit"] = _pairs(args.commit, "--commit")
+        elif args.commit:
+            raise UserFacingError("--commit with --profile needs --route-prob too")
+        profile = profile_from_mapping(data)
     else:
         profile = _inline_profile(args)
     if not any(any(row) for row in profile.commit):

@@ -185,8 +185,8 @@ def _pair_matrix(
     return tuple(tuple(row) for row in out)
 
 
-def profile_from_mapping(data: Mapping[str, Any]) -> RoutingProfile:
-    """Build a profile from the documented file layout (see docs/tuning.md)."""
+def models_from_mapping(data: Mapping[str, Any]) -> list[ModelProfile]:
+    """The ``models`` section (step times per model) of the documented file layout."""
     if not isinstance(data, Mapping) or "models" not in data:
         raise UserFacingError("profile must be a mapping with a 'models' section")
     models_section = data["models"]
@@ -208,6 +208,12 @@ def profile_from_mapping(data: Mapping[str, Any]) -> RoutingProfile:
             models.append(ModelProfile(str(name), table, entry.get("max_batch")))
         except (TypeError, ValueError) as exc:
             raise UserFacingError(f"model {name!r}: bad step_ms: {exc}") from None
+    return models
+
+
+def profile_from_mapping(data: Mapping[str, Any]) -> RoutingProfile:
+    """Build a profile from the documented file layout (see docs/tuning.md)."""
+    models = models_from_mapping(data)
     names = [m.name for m in models]
     try:
         return RoutingProfile(
@@ -222,6 +228,11 @@ def profile_from_mapping(data: Mapping[str, Any]) -> RoutingProfile:
 
 def load_profile(path: str | Path) -> RoutingProfile:
     """Read a profile from a ``.json`` or ``.yaml``/``.yml`` file."""
+    return profile_from_mapping(read_profile_file(path))
+
+
+def read_profile_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping of a ``.json`` or ``.yaml``/``.yml`` profile file."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -241,4 +252,6 @@ def load_profile(path: str | Path) -> RoutingProfile:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise UserFacingError(f"profile {path} is not valid JSON: {exc}") from None
-    return profile_from_mapping(data)
+    if not isinstance(data, dict):
+        raise UserFacingError(f"profile {path} must hold a mapping, not {type(data).__name__}")
+    return data
