@@ -61,6 +61,7 @@ def test_replicas_follow_the_tuner(serve_app, served_chain_dirs) -> None:
         assert set(status["last"]["predicted_tokens_per_s"]) == {"1", "2", "4", "8"}
         assert 0 < status["last"]["route_prob"]["small->large"] < 1
         assert status["step_ms"]["small"] and status["step_ms"]["large"]
+        assert sum(status["active_requests"].values()) > 0  # steps seen per active count N
         thresholds = status["thresholds"]
         for n in range(1, len(thresholds["small"])):
             assert is_admissible(n, [thresholds[m][n] for m in TWO])

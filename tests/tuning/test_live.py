@@ -35,6 +35,15 @@ def test_window_forgets_old_observations() -> None:
     assert snap["moves"] == {"small->small": [1, 1]}
 
 
+def test_window_counts_steps_per_active_request_count() -> None:
+    stats = WindowStats(window_s=10)
+    stats.record_step(2, 0.01, now=0, active=4)
+    stats.record_step(3, 0.01, now=1, active=4)
+    stats.record_step(1, 0.01, now=2, active=1)
+    stats.record_step(1, 0.01, now=3)  # N unknown: not counted
+    assert stats.snapshot(now=5)["active"] == {"4": [2, 5], "1": [1, 1]}
+
+
 def test_profile_matches_what_was_observed() -> None:
     profile = build_profile(observed(0.35), MODELS, grain_ms=0.5)
     p = profile.route_prob

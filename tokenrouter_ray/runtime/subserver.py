@@ -263,7 +263,8 @@ class SubServer:
             leaving[rid] = (dst, send.extras)
         positions = dict(zip(result.request_ids, result.positions, strict=True))
         now = time.monotonic()
-        self.stats.record_step(result.batch_size, result.timings.total, now)
+        active = self.active_requests or self.engine.scheduler.num_active
+        self.stats.record_step(result.batch_size, result.timings.total, now, active)
         for rid, dst in zip(result.request_ids, destinations, strict=True):
             self.stats.record_move(self.name, self.models[dst], int(rid not in drop), now)
         out: list[PeerReq] = []

@@ -166,6 +166,12 @@ class Autoscaler:
             self.history.append(_decision_json(decision, profile))
         return decision
 
+    def _active_histogram(self) -> dict[str, int]:
+        """Steps run under each active-request count N, all replicas' windows together."""
+        snaps = [snap for replicas in self.reports.values() for _, snap in replicas.values()]
+        merged = merge_snapshots(snaps)["active"]
+        return {n: int(merged[n][0]) for n in sorted(merged, key=int)}
+
     def status(self) -> dict[str, Any]:
         """What the tuner decided and why, and the statistics it decided from (JSON)."""
         profile = self.profile
@@ -175,6 +181,7 @@ class Autoscaler:
             "history": list(self.history),
             "decisions": self.decisions,
             "replicas": {m: sorted(r) for m, r in self.reports.items()},
+            "active_requests": self._active_histogram(),  # steps per N in the windows
             "step_ms": {
                 m: {str(b): round(t, 3) for b, t in sorted(v.items())}
                 for m, v in self.step_ms.items()

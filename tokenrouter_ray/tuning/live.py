@@ -34,13 +34,21 @@ class WindowStats:
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = window_s
         self._moves: deque[tuple[float, str, str, int]] = deque()
-        self._steps: deque[tuple[float, int, float]] = deque()
+        self._steps: deque[tuple[float, int, float, int | None]] = deque()
 
     def record_move(self, src: str, dst: str, committed: int, now: float | None = None) -> None:
         self._moves.append((time.monotonic() if now is None else now, src, dst, committed))
 
-    def record_step(self, batch_size: int, seconds: float, now: float | None = None) -> None:
-        self._steps.append((time.monotonic() if now is None else now, batch_size, seconds))
+    def record_step(
+        self,
+        batch_size: int,
+        seconds: float,
+        now: float | None = None,
+        active: int | None = None,
+    ) -> None:
+        """One step; ``active`` is the global active-request count N it ran under."""
+        when = time.monotonic() if now is None else now
+        self._steps.append((when, batch_size, seconds, active))
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
@@ -53,18 +61,23 @@ class WindowStats:
             entry[0] += 1
             entry[1] += committed
         steps: dict[str, list[float]] = {}
-        for _, batch, seconds in self._steps:
+        active: dict[str, list[float]] = {}  # N -> [steps, batch rows] run under it
+        for _, batch, seconds, n in self._steps:
             entry = steps.setdefault(str(batch), [0, 0.0])
             entry[0] += 1
             entry[1] += seconds
-        return {"moves": moves, "steps": steps}
+            if n is not None:
+                at = active.setdefault(str(n), [0, 0])
+                at[0] += 1
+                at[1] += batch
+        return {"moves": moves, "steps": steps, "active": active}
 
 
 def merge_snapshots(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    merged: dict[str, Any] = {"moves": {}, "steps": {}}
+    merged: dict[str, Any] = {"moves": {}, "steps": {}, "active": {}}
     for snap in snapshots:
-        for part in ("moves", "steps"):
-            for key, (n, total) in snap[part].items():
+        for part in ("moves", "steps", "active"):
+            for key, (n, total) in snap.get(part, {}).items():
                 entry = merged[part].setdefault(key, [0, 0])
                 entry[0] += n
                 entry[1] += total
