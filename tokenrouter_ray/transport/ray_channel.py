@@ -25,6 +25,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,31 +87,37 @@ class RayHost:
         return cls(name=name, namespace=namespace or ctx.namespace, method=method)
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=4)
 class PeerInbox:
-    """A replica's mailbox actor (inbox mode): frames in by `deliver`, out by `take`."""
+    """A replica's mailbox actor (inbox mode): frames in by `deliver`, out by `take`.
+
+    A threaded actor (methods run in a small thread pool; a condition variable wakes the
+    waiting `take`), not an async one: it measured ~15 % lower one-way latency on this
+    hop (p50 1.33-1.53 ms vs 1.59-1.80 ms through the inbox, `loadtest.handoff_bench`).
+    """
 
     def __init__(self) -> None:
         self._order = InOrder()
         self._frames: collections.deque[bytes] = collections.deque()
-        self._arrived = asyncio.Event()
+        self._cv = threading.Condition()
 
-    async def ready(self) -> bool:
+    def ready(self) -> bool:
         return True
 
-    async def deliver(self, sender: str, n: int, frame: bytes) -> None:
-        ready = self._order.push(sender, n, frame)
-        if ready:
-            self._frames.extend(ready)
-            self._arrived.set()
+    def deliver(self, sender: str, n: int, frame: bytes) -> None:
+        with self._cv:
+            ready = self._order.push(sender, n, frame)
+            if ready:
+                self._frames.extend(ready)
+                self._cv.notify_all()
 
-    async def take(self) -> list[bytes]:
+    def take(self) -> list[bytes]:
         """Every frame waiting, in order; waits for at least one."""
-        while not self._frames:
-            self._arrived.clear()
-            await self._arrived.wait()
-        frames = list(self._frames)
-        self._frames.clear()
+        with self._cv:
+            while not self._frames:
+                self._cv.wait()
+            frames = list(self._frames)
+            self._frames.clear()
         return frames
 
 
