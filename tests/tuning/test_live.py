@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tokenrouter_ray.tuning.live import ThresholdTuner, WindowStats, build_profile
 from tokenrouter_ray.tuning.markov import is_admissible
 
@@ -95,3 +97,21 @@ def test_slo_caps_concurrency_at_the_speed_it_can_keep() -> None:
     ).decide(profile)
     assert slo.max_concurrency == max(n for n in tuned if speed[n] >= bar)
     assert free.max_concurrency is None
+
+
+def test_three_models_past_the_exact_range_use_monte_carlo() -> None:
+    from tokenrouter_ray.tuning.examples import escalation_chain
+    from tokenrouter_ray.tuning.markov import throughput
+    from tokenrouter_ray.tuning.search import AUTO_EXACT_MAX_N
+
+    n = AUTO_EXACT_MAX_N + 1  # past it the tuner estimates; exact is still computable here
+    profile = escalation_chain().with_grain(1.0)
+    names = list(profile.names)
+    decision = ThresholdTuner(names, concurrencies=[n], max_step=2, grain_ms=1.0).decide(profile)
+    scores = decision.predicted[n]
+    assert decision.solved and len(scores) == 27  # every admissible B within 2 of (1, 1, 1)
+    best = max(scores, key=scores.get)
+    for label in {"small=1,mid=1,large=1", best}:
+        combo = tuple(int(part.split("=")[1]) for part in label.split(","))
+        exact = throughput(profile, n, combo).throughput
+        assert scores[label] == pytest.approx(exact, rel=0.05)  # the bound

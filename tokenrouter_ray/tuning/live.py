@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenrouter_ray.tuning.markov import is_admissible, throughput
+from tokenrouter_ray.tuning.montecarlo import monte_carlo
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
+from tokenrouter_ray.tuning.search import resolve_method
 
 
 class WindowStats:
@@ -215,23 +217,23 @@ class ThresholdTuner:
     def _best(
         self, profile: RoutingProfile, n: int, current: tuple[int, ...]
     ) -> tuple[tuple[int, ...], dict[str, float]]:
-        """Best admissible B within ``max_step`` of the current one, under the SLO."""
+        """Best admissible B within ``max_step`` of the current one. Exact for two models
+        (or small N); Monte Carlo on the same chain where exact chains explode (three or
+        more models past ``AUTO_EXACT_MAX_N``), as ``tune --method auto`` does."""
         grids = []
         for m, cur in zip(self.models, current, strict=True):
             if m in self.fixed:
                 grids.append([self.fixed[m]])
             else:
                 grids.append(range(max(1, cur - self.max_step), min(n, cur + self.max_step) + 1))
-        scores: dict[str, float] = {}
-        best, best_value = current, -1.0
-        for combo in itertools.product(*grids):
-            if not is_admissible(n, combo):
-                continue
-            value = throughput(profile, n, combo).throughput
-            scores[_label(self.models, combo)] = value
-            if value > best_value:
-                best, best_value = tuple(combo), value
-        return best, scores
+        combos = [c for c in itertools.product(*grids) if is_admissible(n, c)]
+        if resolve_method(profile, n, "auto") == "exact":
+            points = [throughput(profile, n, combo) for combo in combos]
+        else:
+            points = monte_carlo(profile, n, combos)
+        scores = {_label(self.models, p.thresholds): p.throughput for p in points}
+        best = max(points, key=lambda p: p.throughput, default=None)
+        return (current if best is None else tuple(best.thresholds)), scores
 
 
 def _table(values: Sequence[int] | None, top: int) -> list[int]:
