@@ -14,6 +14,11 @@ writes the new K/V into its blocks, then attends:
   causal mask offset by the tokens already in cache.
 - CUDA with flash-attn: one ``flash_attn_varlen_func`` call over the whole batch reading
   K/V straight from the block table (requires block_size % 256 == 0).
+- Static (bucketed) batches, the CUDA-graph path (``static_forward.py``): every sequence
+  has exactly ``L`` query rows, real tokens last (front padding), and fixed-shape metadata
+  (``StaticMeta``); flash-attn's ``flash_attn_with_kvcache`` reads the block table, or SDPA
+  over the gathered blocks with a precomputed mask. No shape depends on the data, so the
+  forward can be captured once per (batch, L) bucket and replayed.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ from tokenrouter_ray.engine.kv_cache import PagedKVCache
 ATTN_IMPLEMENTATION = "tokenrouter_paged"
 
 try:  # optional GPU extra
-    from flash_attn import flash_attn_varlen_func
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 except ImportError:  # pragma: no cover - depends on the install
-    flash_attn_varlen_func = None
+    flash_attn_varlen_func = flash_attn_with_kvcache = None
 
 
 def flash_attn_available(device: torch.device) -> bool:
@@ -52,6 +57,17 @@ class SeqSpan:
 
 
 @dataclass
+class StaticMeta:
+    """Fixed-shape metadata of a bucketed batch: ``batch`` sequences x ``q_len`` rows."""
+
+    batch: int
+    q_len: int
+    block_table: torch.Tensor  # (batch, max_blocks) int32
+    ctx_lens: torch.Tensor  # (batch,) int32: tokens in cache after this step
+    mask: torch.Tensor | None  # (batch, 1, q_len, max_blocks * block_size) bool; SDPA only
+
+
+@dataclass
 class PagedBatch:
     kv: PagedKVCache
     slot_mapping: torch.Tensor  # (num_tokens,) cache slot of every new token
@@ -60,6 +76,7 @@ class PagedBatch:
     decode_blocks: torch.Tensor | None  # (num_decode, max_blocks)
     decode_mask: torch.Tensor | None  # (num_decode, 1, 1, max_blocks * block_size)
     varlen: dict[str, torch.Tensor | int] | None = None  # flash-attn metadata
+    static: StaticMeta | None = None  # bucketed batch (static_forward.py)
 
     @classmethod
     def build(
@@ -158,7 +175,9 @@ def paged_attention_forward(
     layer = module.layer_idx
     q = query[0].transpose(0, 1)  # (num_tokens, num_heads, head_dim)
     paged.kv.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), paged.slot_mapping)
-    if paged.varlen is not None:
+    if paged.static is not None:
+        out = _static_attention(paged, layer, q, scaling)
+    elif paged.varlen is not None:
         out = _flash_attention(paged, layer, q, scaling)
     else:
         out = _sdpa_attention(paged, layer, q, scaling)
@@ -214,6 +233,35 @@ def _flash_attention(
         causal=True,  # bottom-right aligned: extends see their whole prefix
         block_table=meta["block_table"],
     )
+
+
+def _static_attention(
+    paged: PagedBatch, layer: int, q: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    meta = paged.static
+    b, n = meta.batch, meta.q_len
+    q = q.view(b, n, q.shape[1], q.shape[2])  # (batch, q_len, num_heads, head_dim)
+    if meta.mask is None:  # pragma: no cover - needs CUDA and flash-attn
+        out = flash_attn_with_kvcache(
+            q,
+            paged.kv.keys[layer],
+            paged.kv.values[layer],
+            cache_seqlens=meta.ctx_lens,
+            block_table=meta.block_table,
+            softmax_scale=scaling,
+            causal=True,  # bottom-right aligned: the real (last) rows see their prefix
+        )  # (batch, q_len, num_heads, head_dim)
+    else:
+        k, v = paged.kv.gather(layer, meta.block_table)  # (batch, W*bs, kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=meta.mask,
+            scale=scaling,
+            enable_gqa=True,
+        ).transpose(1, 2)  # (batch, q_len, num_heads, head_dim)
+    return out.reshape(b * n, out.shape[2], out.shape[3])
 
 
 def register_attention() -> str:

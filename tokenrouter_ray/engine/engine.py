@@ -50,6 +50,12 @@ class EngineConfig(BaseModel):
     )
     keep_logits: bool = Field(False, description="Keep next-token logits for the policy.")
     keep_hidden: bool = Field(False, description="Keep last hidden states for the policy.")
+    cuda_graphs: bool = Field(
+        True, description="On CUDA, capture decode/small-extend steps as CUDA graphs per bucket."
+    )
+    static_batches: bool = Field(
+        False, description="Run the bucketed fixed-shape path eagerly off CUDA (for checks)."
+    )
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
 
@@ -80,7 +86,14 @@ class Engine:
             config.memory_budget_bytes, model_footprint(model), config.block_size
         )
         runner = ModelRunner(
-            model, num_blocks, config.block_size, config.keep_logits, config.keep_hidden
+            model,
+            num_blocks,
+            config.block_size,
+            config.keep_logits,
+            config.keep_hidden,
+            static_batches=config.static_batches,
+            cuda_graphs=config.cuda_graphs,
+            max_model_len=config.max_model_len,
         )
         return cls(runner, config, num_blocks)
 

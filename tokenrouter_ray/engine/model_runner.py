@@ -3,6 +3,10 @@
 Input: a ``SchedulerOutput`` (which tokens of which requests). Output: a ``StepResult``
 with one sampled token per request whose chunk reached its last token, plus the logits and
 last hidden states of those rows when asked. Only those rows go through ``lm_head``.
+
+Steps whose every chunk samples and is short (decodes, handoff extends) can take the
+bucketed fixed-shape path (``static_forward.py``): captured as CUDA graphs on CUDA, or run
+eagerly when ``static_batches`` asks for it (the CPU tests do, to check it token for token).
 """
 
 from __future__ import annotations
@@ -18,6 +22,13 @@ from tokenrouter_ray.engine.kv_cache import PagedKVCache
 from tokenrouter_ray.engine.outputs import StepResult, StepTimings
 from tokenrouter_ray.engine.sampler import sample
 from tokenrouter_ray.engine.scheduler import SchedulerOutput
+from tokenrouter_ray.engine.static_forward import (
+    DEFAULT_BATCH_BUCKETS,
+    DEFAULT_QUERY_BUCKETS,
+    StaticForward,
+    bucket,
+    build_host_batch,
+)
 
 
 def model_footprint(model: PreTrainedModel) -> ModelFootprint:
@@ -42,6 +53,11 @@ class ModelRunner:
         block_size: int,
         keep_logits: bool = False,
         keep_hidden: bool = False,
+        static_batches: bool = False,
+        cuda_graphs: bool = True,
+        max_model_len: int | None = None,
+        batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
+        query_buckets: tuple[int, ...] = DEFAULT_QUERY_BUCKETS,
     ) -> None:
         self.model = model
         self.decoder = model.get_decoder()
@@ -52,7 +68,7 @@ class ModelRunner:
         self.use_flash = flash_attn_available(self.device) and block_size % 256 == 0
         self.kv = PagedKVCache(
             num_layers=cfg.num_hidden_layers,
-            num_blocks=num_blocks,
+            num_blocks=num_blocks + 1,  # + a scratch block for padded rows, never pooled
             block_size=block_size,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
@@ -62,9 +78,52 @@ class ModelRunner:
         self.keep_logits = keep_logits
         self.keep_hidden = keep_hidden
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        # Bucketed fixed-shape steps: CUDA graphs on CUDA, eager when asked (tests).
+        # Captured only with flash-attn: the SDPA fallback of a static batch gathers every
+        # sequence's blocks to the full model length, fine on small CPU checks, not on a GPU.
+        self.capture = cuda_graphs and self.device.type == "cuda" and self.use_flash
+        self.static_enabled = static_batches or self.capture
+        self.scratch_block = num_blocks
+        limit = max_model_len or getattr(cfg, "max_position_embeddings", None) or 4096
+        self.max_blocks = -(-min(limit, num_blocks * block_size) // block_size)
+        self.batch_buckets, self.query_buckets = batch_buckets, query_buckets
+        self.static: dict[tuple[int, int], StaticForward] = {}
+        self.static_steps = 0  # steps that took the bucketed path
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def _static_bucket(self, out: SchedulerOutput) -> tuple[int, int] | None:
+        if not self.static_enabled or not out.chunks:
+            return None
+        if not all(c.samples for c in out.chunks):
+            return None
+        b = bucket(len(out.chunks), self.batch_buckets)
+        q = bucket(max(c.num_tokens for c in out.chunks), self.query_buckets)
+        return None if b is None or q is None else (b, q)
+
+    def _static_forward(self, shape: tuple[int, int]) -> StaticForward:
+        """The bucket's forward, built (and on CUDA captured) on first use."""
+        fwd = self.static.get(shape)
+        if fwd is None:
+            batch, q_len = shape
+            fwd = StaticForward(
+                self.decoder,
+                self.lm_head,
+                self.kv,
+                batch,
+                q_len,
+                self.max_blocks,
+                use_flash=self.use_flash,
+                capture=self.capture,
+                pool=self._graph_pool,
+            )
+            self.static[shape] = fwd
+        return fwd
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, timings: StepTimings) -> StepResult:
+        shape = self._static_bucket(out)
+        if shape is not None:
+            return self._execute_static(out, shape, timings)
         t0 = time.perf_counter()
         ids: list[int] = []
         positions: list[int] = []
@@ -93,7 +152,47 @@ class ModelRunner:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         t2 = time.perf_counter()
+        return self._sample(out, sampling_requests, logits, last, len(ids), timings, t0, t1, t2)
 
+    def _execute_static(
+        self, out: SchedulerOutput, shape: tuple[int, int], timings: StepTimings
+    ) -> StepResult:
+        t0 = time.perf_counter()
+        fwd = self._static_forward(shape)
+        seqs = [
+            (c.start, c.request.token_ids[c.start : c.start + c.num_tokens], c.request.block_ids)
+            for c in out.chunks
+        ]
+        host = build_host_batch(
+            seqs,
+            *shape,
+            self.max_blocks,
+            self.kv.block_size,
+            self.scratch_block,
+            with_mask=not self.use_flash,
+        )
+        t1 = time.perf_counter()
+        logits, last = fwd.run(host)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        t2 = time.perf_counter()
+        self.static_steps += 1
+        sampling_requests = [c.request for c in out.chunks]
+        num_tokens = sum(c.num_tokens for c in out.chunks)
+        return self._sample(out, sampling_requests, logits, last, num_tokens, timings, t0, t1, t2)
+
+    def _sample(
+        self,
+        out: SchedulerOutput,
+        sampling_requests: list,
+        logits: torch.Tensor,
+        last: torch.Tensor,
+        num_tokens: int,
+        timings: StepTimings,
+        t0: float,
+        t1: float,
+        t2: float,
+    ) -> StepResult:
         sample_positions = [r.num_tokens for r in sampling_requests]
         tokens = sample(
             logits,
@@ -111,7 +210,7 @@ class ModelRunner:
             positions=sample_positions,
             logits=logits if self.keep_logits else None,
             hidden=last if self.keep_hidden else None,
-            num_scheduled_tokens=len(ids),
+            num_scheduled_tokens=num_tokens,
             batch_size=len(out.chunks),
             timings=timings,
         )
