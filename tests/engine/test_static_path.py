@@ -68,7 +68,8 @@ def test_static_path_equals_generate_with_decodes_and_extends(
     remaining = 10 - (len(context) - len(prompts[0]))
     assert produced["r0"][before:] == greedy_reference(ref, context, remaining)
     runner = engine.runner
-    assert runner.static_steps >= 8 and (8, 4) in runner.static
+    assert runner.static_steps >= 8 and any(k[:2] == (8, 4) for k in runner.static)
+    assert len({width for _, _, width in runner.static}) >= 2  # KV width buckets grew
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 

@@ -79,39 +79,48 @@ class ModelRunner:
         self.keep_hidden = keep_hidden
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         # Bucketed fixed-shape steps: CUDA graphs on CUDA, eager when asked (tests).
-        # Captured only with flash-attn: the SDPA fallback of a static batch gathers every
-        # sequence's blocks to the full model length, fine on small CPU checks, not on a GPU.
-        self.capture = cuda_graphs and self.device.type == "cuda" and self.use_flash
+        self.capture = cuda_graphs and self.device.type == "cuda"
         self.static_enabled = static_batches or self.capture
         self.scratch_block = num_blocks
         limit = max_model_len or getattr(cfg, "max_position_embeddings", None) or 4096
         self.max_blocks = -(-min(limit, num_blocks * block_size) // block_size)
         self.batch_buckets, self.query_buckets = batch_buckets, query_buckets
-        self.static: dict[tuple[int, int], StaticForward] = {}
+        # KV width (blocks per sequence) is bucketed too, by powers of two: SDPA gathers
+        # only up to the batch's longest context (at most 2x it), flash-attn reads less.
+        widths, w = [], 1
+        while w < self.max_blocks:
+            widths.append(w)
+            w *= 2
+        self.width_buckets = (*widths, self.max_blocks)
+        self.static: dict[tuple[int, int, int], StaticForward] = {}
         self.static_steps = 0  # steps that took the bucketed path
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
 
-    def _static_bucket(self, out: SchedulerOutput) -> tuple[int, int] | None:
+    def _static_bucket(self, out: SchedulerOutput) -> tuple[int, int, int] | None:
+        """(batch, query rows, KV blocks) bucket of a step, or None: dynamic path."""
         if not self.static_enabled or not out.chunks:
             return None
         if not all(c.samples for c in out.chunks):
             return None
+        bs = self.kv.block_size
         b = bucket(len(out.chunks), self.batch_buckets)
         q = bucket(max(c.num_tokens for c in out.chunks), self.query_buckets)
-        return None if b is None or q is None else (b, q)
+        ctx = max(c.start + c.num_tokens for c in out.chunks)
+        w = bucket(-(-ctx // bs), self.width_buckets)
+        return None if b is None or q is None or w is None else (b, q, w)
 
-    def _static_forward(self, shape: tuple[int, int]) -> StaticForward:
+    def _static_forward(self, shape: tuple[int, int, int]) -> StaticForward:
         """The bucket's forward, built (and on CUDA captured) on first use."""
         fwd = self.static.get(shape)
         if fwd is None:
-            batch, q_len = shape
+            batch, q_len, width = shape
             fwd = StaticForward(
                 self.decoder,
                 self.lm_head,
                 self.kv,
                 batch,
                 q_len,
-                self.max_blocks,
+                width,
                 use_flash=self.use_flash,
                 capture=self.capture,
                 pool=self._graph_pool,
@@ -155,7 +164,7 @@ class ModelRunner:
         return self._sample(out, sampling_requests, logits, last, len(ids), timings, t0, t1, t2)
 
     def _execute_static(
-        self, out: SchedulerOutput, shape: tuple[int, int], timings: StepTimings
+        self, out: SchedulerOutput, shape: tuple[int, int, int], timings: StepTimings
     ) -> StepResult:
         t0 = time.perf_counter()
         fwd = self._static_forward(shape)
@@ -166,7 +175,6 @@ class ModelRunner:
         host = build_host_batch(
             seqs,
             *shape,
-            self.max_blocks,
             self.kv.block_size,
             self.scratch_block,
             with_mask=not self.use_flash,

@@ -13,6 +13,10 @@ All metadata is built on the host and copied into preallocated device buffers, t
 forward runs on those buffers. On CUDA each bucket's forward is captured once as a CUDA
 graph (``capture=True``) and replayed; elsewhere the same code runs eagerly, which is how
 the CPU tests check the path token for token against the dynamic one.
+
+Buckets: batch size, query rows per sequence, and KV width in blocks (powers of two up to
+the model length), so the SDPA fallback gathers at most twice the longest context and a
+captured graph exists only for shapes that were used (built on first use).
 """
 
 from __future__ import annotations
