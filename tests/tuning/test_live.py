@@ -43,7 +43,10 @@ def test_window_counts_steps_per_active_request_count() -> None:
     stats.record_step(3, 0.01, now=1, active=4)
     stats.record_step(1, 0.01, now=2, active=1)
     stats.record_step(1, 0.01, now=3)  # N unknown: not counted
-    assert stats.snapshot(now=5)["active"] == {"4": [2, 5], "1": [1, 1]}
+    stats.record_step(2, 0.9, now=4, active=4, num_tokens=60)  # a prefill: N yes, time no
+    snap = stats.snapshot(now=5)
+    assert snap["active"] == {"4": [3, 7], "1": [1, 1]}
+    assert snap["steps"] == {"2": [1, 0.01], "3": [1, 0.01], "1": [2, 0.02]}
 
 
 def test_profile_matches_what_was_observed() -> None:

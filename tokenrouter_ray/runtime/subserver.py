@@ -264,7 +264,9 @@ class SubServer:
         positions = dict(zip(result.request_ids, result.positions, strict=True))
         now = time.monotonic()
         active = self.active_requests or self.engine.scheduler.num_active
-        self.stats.record_step(result.batch_size, result.timings.total, now, active)
+        self.stats.record_step(
+            result.batch_size, result.timings.total, now, active, result.num_scheduled_tokens
+        )
         for rid, dst in zip(result.request_ids, destinations, strict=True):
             self.stats.record_move(self.name, self.models[dst], int(rid not in drop), now)
         out: list[PeerReq] = []

@@ -36,7 +36,7 @@ class WindowStats:
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = window_s
         self._moves: deque[tuple[float, str, str, int]] = deque()
-        self._steps: deque[tuple[float, int, float, int | None]] = deque()
+        self._steps: deque[tuple[float, int, float | None, int | None]] = deque()
 
     def record_move(self, src: str, dst: str, committed: int, now: float | None = None) -> None:
         self._moves.append((time.monotonic() if now is None else now, src, dst, committed))
@@ -47,10 +47,15 @@ class WindowStats:
         seconds: float,
         now: float | None = None,
         active: int | None = None,
+        num_tokens: int | None = None,
     ) -> None:
-        """One step; ``active`` is the global active-request count N it ran under."""
+        """One step; ``active`` is the global active-request count N it ran under. A step
+        that computed more than two tokens per request (prefill chunks) counts towards N
+        but not towards the step-time table: the throughput model's steps are decodes and
+        short extends, and a prefill's cost would read as a slow batch size."""
         when = time.monotonic() if now is None else now
-        self._steps.append((when, batch_size, seconds, active))
+        timed = num_tokens is None or num_tokens <= 2 * batch_size
+        self._steps.append((when, batch_size, seconds if timed else None, active))
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
@@ -65,9 +70,10 @@ class WindowStats:
         steps: dict[str, list[float]] = {}
         active: dict[str, list[float]] = {}  # N -> [steps, batch rows] run under it
         for _, batch, seconds, n in self._steps:
-            entry = steps.setdefault(str(batch), [0, 0.0])
-            entry[0] += 1
-            entry[1] += seconds
+            if seconds is not None:
+                entry = steps.setdefault(str(batch), [0, 0.0])
+                entry[0] += 1
+                entry[1] += seconds
             if n is not None:
                 at = active.setdefault(str(n), [0, 0])
                 at[0] += 1
