@@ -40,13 +40,18 @@ from tokenrouter_ray.openai.errors import (
 )
 from tokenrouter_ray.openai.responses import (
     ChoiceResult,
-    RoutingInfo,
     build_chat_completion,
     build_completion,
     finish_reason,
 )
 from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
-from tokenrouter_ray.openai.sse import SSE_HEADERS, SSE_MEDIA_TYPE, ChatStream, CompletionStream
+from tokenrouter_ray.openai.sse import (
+    SSE_HEADERS,
+    SSE_MEDIA_TYPE,
+    ChatStream,
+    CompletionStream,
+    merge_choice_streams,
+)
 from tokenrouter_ray.openai.validation import (
     PreparedRequest,
     RequestLimits,
@@ -250,35 +255,10 @@ class Ingress:
             asyncio.ensure_future(self._choice(i, rid, entry, prepared, pieces))
             for i, (rid, entry) in enumerate(submitted)
         ]
-        try:
-            yield stream.start()
-            pending = set(tasks)
-            while pending or not pieces.empty():
-                getter = asyncio.ensure_future(pieces.get())
-                done, _ = await asyncio.wait(
-                    {getter, *pending}, return_when=asyncio.FIRST_COMPLETED
-                )
-                if getter in done:
-                    index, text = getter.result()
-                    yield stream.delta(index, text)
-                else:
-                    getter.cancel()
-                for task in done - {getter}:
-                    pending.discard(task)
-                    while not pieces.empty():
-                        index, text = pieces.get_nowait()
-                        yield stream.delta(index, text)
-                    choice: ChoiceResult = task.result()
-                    yield stream.finish(choice.index, choice.finish_reason, choice.routing)
-            results = [t.result() for t in tasks]
-            total = sum(c.num_tokens for c in results)
-            yield stream.end(prompt_len, total, RoutingInfo.merge(c.routing for c in results))
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        frames = merge_choice_streams(stream, tasks, pieces, prompt_len)
+        async with contextlib.aclosing(frames):  # a disconnect aborts the choices now
+            async for frame in frames:
+                yield frame
 
     async def __del__(self) -> None:
         if self._slo is not None:

@@ -194,3 +194,48 @@ def test_streaming_chat_n2_end_to_end(demo_tokenizer: Any) -> None:
     assert detoks[0].stop_reason == "STOP" and not detoks[1].stopped
     assert chunks[-1].usage.completion_tokens == completion_tokens
     assert chunks[-1].usage.prompt_tokens == len(prepared.prompt_token_ids)
+
+
+def test_merged_choice_streams_order_and_early_close() -> None:
+    """Two choices producing pieces concurrently: every piece of a choice comes before its
+    finish chunk, usage sums both, [DONE] last; closing the stream early cancels them."""
+    import asyncio
+
+    from tokenrouter_ray.openai.responses import ChoiceResult
+    from tokenrouter_ray.openai.sse import merge_choice_streams
+
+    async def choice(index: int, words: list[str], pieces: asyncio.Queue) -> ChoiceResult:
+        for w in words:
+            await asyncio.sleep(0.001 * (index + 1))
+            pieces.put_nowait((index, w))
+        routing = ChoiceResult.routing_of({"small": len(words)}, handoffs=index)
+        return ChoiceResult(index, "".join(words), "stop", len(words), routing)
+
+    async def collect() -> list[Any]:
+        pieces: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.ensure_future(choice(i, w, pieces))
+                 for i, w in enumerate([["a", "b", "c"], ["x", "y"]])]  # fmt: skip
+        stream = CompletionStream("tiny", n=2, include_usage=True)
+        return [f async for f in merge_choice_streams(stream, tasks, pieces, prompt_len=4)]
+
+    frames = events(b"".join(asyncio.run(collect())))
+    assert frames[-1] == "[DONE]"
+    usage = frames[-2]
+    assert usage["usage"]["completion_tokens"] == 5 and usage["usage"]["prompt_tokens"] == 4
+    assert usage["routing"] == {"tokens_per_model": {"small": 5}, "handoffs": 1}
+    for index, words in ((0, "abc"), (1, "xy")):
+        mine = [f["choices"][0] for f in frames[:-2] if f["choices"] and
+                f["choices"][0]["index"] == index]  # fmt: skip
+        text = "".join(c["text"] for c in mine)
+        assert text == words and mine[-1]["finish_reason"] == "stop"
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+
+    async def close_early() -> list[bool]:
+        pieces: asyncio.Queue = asyncio.Queue()
+        never = asyncio.ensure_future(asyncio.sleep(3600))
+        frames = merge_choice_streams(CompletionStream("tiny"), [never], pieces, prompt_len=1)
+        await frames.__anext__()  # the first chunk, then the client goes away
+        await frames.aclose()
+        return [never.cancelled()]
+
+    assert asyncio.run(close_early()) == [True]

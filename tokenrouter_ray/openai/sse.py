@@ -17,15 +17,18 @@ encoded with `json.dumps` (no pydantic on the per-token path).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
 from tokenrouter_ray.openai.errors import as_openai_error
 from tokenrouter_ray.openai.responses import (
+    ChoiceResult,
     FinishReason,
     RoutingInfo,
     Usage,
@@ -163,3 +166,42 @@ class CompletionStream(_Stream):
         """The last chunk of choice ``index``: ``finish_reason``, its routing, and ``text``
         (default ``""``; e.g. the detokenizer's `finish` output)."""
         return sse_event(self._chunk([self._choice(index, text, reason)], routing))
+
+
+async def merge_choice_streams(
+    stream: ChatStream | CompletionStream,
+    tasks: Sequence[asyncio.Future[ChoiceResult]],
+    pieces: asyncio.Queue,
+    prompt_len: int,
+) -> AsyncIterator[bytes]:
+    """The SSE frames of one request whose ``n`` choices run as ``tasks``: text pieces
+    ``(index, text)`` from ``pieces`` as they come, each choice's finish chunk as its task
+    ends (after its last pieces), then usage and ``[DONE]``. Closing the generator early (a
+    client disconnect) cancels every choice's task."""
+    try:
+        yield stream.start()
+        pending = set(tasks)
+        while pending or not pieces.empty():
+            getter = asyncio.ensure_future(pieces.get())
+            done, _ = await asyncio.wait({getter, *pending}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                index, text = getter.result()
+                yield stream.delta(index, text)
+            else:
+                getter.cancel()
+            for task in done - {getter}:
+                pending.discard(task)
+                while not pieces.empty():
+                    index, text = pieces.get_nowait()
+                    yield stream.delta(index, text)
+                choice = task.result()
+                yield stream.finish(choice.index, choice.finish_reason, choice.routing)
+        results = [t.result() for t in tasks]
+        total = sum(c.num_tokens for c in results)
+        yield stream.end(prompt_len, total, RoutingInfo.merge(c.routing for c in results))
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
