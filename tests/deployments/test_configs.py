@@ -48,6 +48,11 @@ def test_cross_node_pins_each_model_to_its_node_resource() -> None:
         (["models=qwen3_r2r", "policy=rstitch", "policy.options.tau=7"], "tau"),
         (["models=qwen3_r2r", "policy=rstitch", "scheduler.batch_thresholds=[1,4,4]"],
          "deadlock"),
+        (["models=qwen3_r2r", "policy=rstitch", "tuner=live", "tuner.fixed={medium: 1}"],
+         "tuner.fixed names unknown models"),
+        (["models=qwen3_r2r", "policy=rstitch", "tuner=live", "tuner.concurrencies=[0,4]"],
+         "concurrencies"),
+        (["models=qwen3_r2r", "policy=rstitch", "tuner=sometimes"], "Could not find 'tuner/"),
     ],
 )
 def test_config_errors_are_one_clear_message(overrides, message) -> None:
