@@ -45,7 +45,8 @@ class Tuner:
             await asyncio.sleep(auto.spec.period_s)
             try:
                 profile = auto.collect()
-                decision = await asyncio.to_thread(auto.decide, profile)
+                decision = await asyncio.to_thread(auto.solve, profile)
+                auto.record(decision, profile)
             except Exception:  # a bad window must not stop the tuner
                 logger.exception("tuner: re-solve failed; keeping the current thresholds")
                 continue

@@ -152,19 +152,26 @@ class Autoscaler:
         return self.decide(self.collect())
 
     def decide(self, profile: RoutingProfile | None) -> Decision:
-        """Maybe re-solve and move. Touches no report, so it may run in a worker thread
-        while ``report`` keeps answering on the event loop (``collect`` may not)."""
-        now = self.clock()
-        force = now - self._last_solve >= self.spec.resolve_every_s
-        decision = self.tuner.decide(profile, force=force)
+        """Maybe re-solve and move, and record the outcome."""
+        decision = self.solve(profile)
+        self.record(decision, profile)
+        return decision
+
+    def solve(self, profile: RoutingProfile | None) -> Decision:
+        """The tuner's decision. Touches neither reports nor history, so it may run in a
+        worker thread while ``report`` and ``status`` keep answering on the event loop."""
+        force = self.clock() - self._last_solve >= self.spec.resolve_every_s
+        return self.tuner.decide(profile, force=force)
+
+    def record(self, decision: Decision, profile: RoutingProfile | None) -> None:
+        """Book-keeping of one period (on the event loop, next to ``status``)."""
         if decision.solved:
-            self._last_solve = now
+            self._last_solve = self.clock()
         self.decisions += 1
         if profile is not None:
             self.profile = profile
         if decision.changed:
             self.history.append(_decision_json(decision, profile))
-        return decision
 
     def _active_histogram(self) -> dict[str, int]:
         """Steps run under each active-request count N, all replicas' windows together."""
@@ -245,7 +252,9 @@ async def drive_local(
             return
         for k, server in enumerate(servers):
             autoscaler.report(server.name, f"local-{k}", server.stats.snapshot())
-        decision = await asyncio.to_thread(autoscaler.decide, autoscaler.collect())
+        profile = autoscaler.collect()
+        decision = await asyncio.to_thread(autoscaler.solve, profile)
+        autoscaler.record(decision, profile)
         for server in servers:
             server.set_batch_thresholds(autoscaler.thresholds[server.name])
         if on_decision is not None:
