@@ -83,3 +83,32 @@ def test_long_chunks_take_the_dynamic_path(tiny_llama_dir, reference_model) -> N
     drain(engine, produced)
     assert engine.runner.static_steps == 5  # every decode after it
     assert produced["a"] == greedy_reference(reference_model(tiny_llama_dir), prompt, 6)
+
+
+def test_static_forward_never_reads_device_data_on_the_host(tiny_model_dir) -> None:
+    """Every bucket's forward runs with the model, the KV cache and all metadata on the
+    ``meta`` device, which has shapes but no data: any ``.item()``, ``int(tensor)``,
+    ``.tolist()``, data-dependent shape (``nonzero``) or tensor built from Python data in
+    the forward would raise. Such an op would also break CUDA-graph capture."""
+    from tokenrouter_ray.engine.kv_cache import PagedKVCache
+    from tokenrouter_ray.engine.static_forward import StaticForward
+
+    engine = make_engine(tiny_model_dir)
+    model = engine.runner.model.to("meta")
+    cfg = model.config
+    kv = PagedKVCache(
+        num_layers=cfg.num_hidden_layers,
+        num_blocks=9,
+        block_size=4,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=engine.runner.kv.head_dim,
+        dtype=torch.float64,
+        device="meta",
+    )
+    for batch, q_len, width in [(1, 1, 1), (4, 1, 2), (8, 4, 8)]:
+        fwd = StaticForward(model.get_decoder(), model.get_output_embeddings(), kv, batch,
+                            q_len, width, use_flash=False, capture=False)  # fmt: skip
+        with torch.inference_mode():
+            fwd._forward()
+        assert fwd.logits.device.type == "meta"
+        assert fwd.logits.shape == (batch, cfg.vocab_size)
