@@ -6,6 +6,7 @@ from tokenrouter_ray.engine.block_pool import (
     BlockPool,
     KVCacheManager,
     ModelFootprint,
+    device_budget,
     kv_bytes_per_token,
     plan_joint,
     plan_num_blocks,
@@ -58,3 +59,11 @@ def test_joint_plan_fits_the_budget_with_equal_context() -> None:
     assert blocks[0] == blocks[1]
     tokens = blocks[0] * 8
     assert 1_000 + 5_000 + tokens * 50 <= budget < 1_000 + 5_000 + (tokens + 8) * 50
+
+
+def test_device_budget_never_exceeds_what_the_device_has_free() -> None:
+    gib = 2**30
+    # A 150 GiB budget on a card with 14 GiB free after 64 GiB of weights: capped.
+    assert device_budget(150 * gib, 64 * gib, 14 * gib) == 64 * gib + int(0.9 * 14 * gib)
+    assert device_budget(70 * gib, 64 * gib, 60 * gib) == 70 * gib  # the ask fits: kept
+    assert device_budget(70 * gib, 64 * gib, None) == 70 * gib  # CPU: no device figure

@@ -117,6 +117,14 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
+def device_budget(budget_bytes: int, weight_bytes: int, free_bytes: int | None) -> int:
+    """The budget a device can honour: with its free memory known (after the weights were
+    loaded), weights plus at most 90 % of what is free, never more than asked for."""
+    if free_bytes is None:
+        return budget_bytes
+    return min(budget_bytes, weight_bytes + int(0.9 * free_bytes))
+
+
 def plan_num_blocks(budget_bytes: int, model: ModelFootprint, block_size: int) -> int:
     """Blocks that fit in ``budget_bytes`` after the weights; a clear error if none do."""
     return plan_joint(budget_bytes, [model], block_size)[0]

@@ -16,9 +16,10 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterable, Sequence
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenrouter_ray.engine.block_pool import KVCacheManager, plan_num_blocks
+from tokenrouter_ray.engine.block_pool import KVCacheManager, device_budget, plan_num_blocks
 from tokenrouter_ray.engine.loader import load_causal_lm
 from tokenrouter_ray.engine.model_runner import ModelRunner, model_footprint
 from tokenrouter_ray.engine.outputs import RequestOutput, StepResult, StepTimings
@@ -82,9 +83,11 @@ class Engine:
         model = load_causal_lm(
             config.model, config.dtype, config.device, config.gguf_file, config.num_hidden_layers
         )
-        num_blocks = config.num_blocks or plan_num_blocks(
-            config.memory_budget_bytes, model_footprint(model), config.block_size
-        )
+        footprint = model_footprint(model)
+        device = next(model.parameters()).device
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        budget = device_budget(config.memory_budget_bytes, footprint.weight_bytes, free)
+        num_blocks = config.num_blocks or plan_num_blocks(budget, footprint, config.block_size)
         runner = ModelRunner(
             model,
             num_blocks,
