@@ -7,42 +7,16 @@ other up; ``ServeDirectory`` adapts its handle to the transport layer's ``Direct
 from __future__ import annotations
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle
 
-from tokenrouter_ray.transport.base import Directory, Endpoint
+from tokenrouter_ray.transport.base import InMemoryDirectory
+from tokenrouter_ray.transport.ray_channel import RayDirectory
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
-class EndpointDirectory:
-    def __init__(self) -> None:
-        self.endpoints: dict[str, Endpoint] = {}
-
-    async def register(self, endpoint: Endpoint) -> None:
-        self.endpoints[endpoint.name] = endpoint
-
-    async def unregister(self, name: str) -> None:
-        self.endpoints.pop(name, None)
-
-    async def get(self, name: str) -> Endpoint | None:
-        return self.endpoints.get(name)
-
-    async def list(self, model: str | None) -> list[Endpoint]:
-        found = [e for e in self.endpoints.values() if model is None or e.model == model]
-        return sorted(found, key=lambda e: e.name)
+class EndpointDirectory(InMemoryDirectory):
+    """The in-memory directory, hosted as the app's one-replica deployment."""
 
 
-class ServeDirectory(Directory):
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self.handle = handle
-
-    async def register(self, endpoint: Endpoint) -> None:
-        await self.handle.register.remote(endpoint)
-
-    async def unregister(self, name: str) -> None:
-        await self.handle.unregister.remote(name)
-
-    async def get(self, name: str) -> Endpoint | None:
-        return await self.handle.get.remote(name)
-
-    async def endpoints(self, model: str | None = None) -> list[Endpoint]:
-        return await self.handle.list.remote(model)
+class ServeDirectory(RayDirectory):
+    """The deployment's handle as a ``Directory``: a Serve handle's methods are called and
+    awaited like a Ray actor's, so the Ray directory client serves as it is."""

@@ -41,6 +41,7 @@ from tokenrouter_ray.transport.base import (
     Directory,
     Endpoint,
     FrameQueue,
+    InMemoryDirectory,
     InOrder,
     PeerChannel,
     PeerUnreachableError,
@@ -244,23 +245,8 @@ class RayChannel(PeerChannel):
             self._queue.close()
 
 
-@ray.remote(num_cpus=0)
-class _DirectoryActor:
-    def __init__(self) -> None:
-        self._endpoints: dict[str, Endpoint] = {}
-
-    async def register(self, endpoint: Endpoint) -> None:
-        self._endpoints[endpoint.name] = endpoint
-
-    async def unregister(self, name: str) -> None:
-        self._endpoints.pop(name, None)
-
-    async def get(self, name: str) -> Endpoint | None:
-        return self._endpoints.get(name)
-
-    async def endpoints(self, model: str | None) -> list[Endpoint]:
-        found = [e for e in self._endpoints.values() if model is None or e.model == model]
-        return sorted(found, key=lambda e: e.name)
+# The directory actor is the in-memory directory, hosted by Ray.
+_DirectoryActor = ray.remote(num_cpus=0)(InMemoryDirectory)
 
 
 class RayDirectory(Directory):
