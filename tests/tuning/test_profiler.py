@@ -24,7 +24,7 @@ def test_each_batch_size_runs_as_asked_and_frees_its_kv(tiny_dirs) -> None:
     engine = make_engine(tiny_dirs["small"], num_blocks=128)
     seen: list[int] = []
     table = measure_step_times(
-        engine, [1, 3, 5], prompt_len=6, steps=3, warmup=1, progress=lambda _, b, ms: seen.append(b)
+        engine, [1, 3, 5], prompt_len=6, steps=3, warmup=1, progress=lambda b, ms: seen.append(b)
     )
     assert sorted(table) == seen == [1, 3, 5]
     assert all(ms > 0 for ms in table.values())

@@ -22,23 +22,25 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenrouter_ray.errors import UserFacingError
 
-ProgressFn = Callable[[str, int, float], None]
+if TYPE_CHECKING:
+    from tokenrouter_ray.engine.engine import Engine
 
 
 def measure_step_times(
-    engine: Any,
+    engine: Engine,
     batch_sizes: Sequence[int],
     prompt_len: int = 64,
     steps: int = 10,
     warmup: int = 2,
     seed: int = 0,
-    progress: ProgressFn | None = None,
+    progress: Callable[[int, float], None] | None = None,
 ) -> dict[int, float]:
-    """Median decode-step milliseconds of ``engine`` (an ``Engine``) per batch size."""
+    """Median decode-step milliseconds of ``engine`` per batch size; ``progress(b, ms)``
+    after each."""
     from tokenrouter_ray.engine.request import SamplingParams
 
     rng = random.Random(seed)
@@ -70,7 +72,7 @@ def measure_step_times(
                 engine.abort(rid)
         out[b] = 1000.0 * statistics.median(times)
         if progress is not None:
-            progress("", b, out[b])
+            progress(b, out[b])
     return out
 
 
@@ -100,8 +102,13 @@ def run_profile(args: argparse.Namespace) -> int:
     batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
     if args.steps < 1 or args.warmup < 0 or args.prompt_len < 1:
         raise UserFacingError("--steps and --prompt-len must be >= 1, --warmup >= 0")
+    models = _model_args(args)
     data: dict[str, Any] = {"models": {}}
-    for name, path in _model_args(args).items():
+    if args.route_prob:  # refuse a bad routing spec before measuring anything
+        data["route_prob"] = _pairs(args.route_prob, "--route-prob")
+        data["commit"] = _pairs(args.commit, "--commit")
+        profile_from_mapping({**data, "models": {name: 1.0 for name in models}})
+    for name, path in models.items():
         if not Path(path).is_dir() and "/" not in path:
             raise UserFacingError(f"model {name!r}: {path} is not a model directory")
         config = EngineConfig(
@@ -119,7 +126,7 @@ def run_profile(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             raise UserFacingError(f"model {name!r}: cannot load {path}: {exc}") from None
 
-        def report(_: str, b: int, ms: float, name: str = name) -> None:
+        def report(b: int, ms: float, name: str = name) -> None:
             print(f"{name:>12}  batch {b:>4}  {ms:9.2f} ms/step", file=sys.stderr, flush=True)
 
         table = measure_step_times(
@@ -127,10 +134,6 @@ def run_profile(args: argparse.Namespace) -> int:
         )
         data["models"][name] = {"step_ms": {str(b): round(ms, 3) for b, ms in table.items()}}
         del engine
-    if args.route_prob:
-        data["route_prob"] = _pairs(args.route_prob, "--route-prob")
-        data["commit"] = _pairs(args.commit, "--commit")
-        profile_from_mapping(data)  # refuse a bad routing spec before writing anything
     if args.grain_ms is not None:
         data["grain_ms"] = args.grain_ms
     text = json.dumps(data, indent=2) + "\n"
