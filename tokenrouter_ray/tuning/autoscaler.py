@@ -135,17 +135,16 @@ class Autoscaler:
         """The profile of the fresh reports (older than 3 periods: a replica that went away)."""
         now = self.clock()
         stale = now - 3 * self.spec.period_s
-        per_model: dict[str, list[dict[str, Any]]] = {}
+        merged: dict[str, list[dict[str, Any]]] = {}  # model -> [all replicas' window]
         for model, replicas in self.reports.items():
             for replica in [r for r, (at, _) in replicas.items() if at < stale]:
                 del replicas[replica]
-            per_model[model] = [snap for _, snap in replicas.values()]
-            self.step_ms[model].update(step_means_ms(merge_snapshots(per_model[model])))
+            window = merge_snapshots([snap for _, snap in replicas.values()])
+            self.step_ms[model].update(step_means_ms(window))
+            merged[model] = [window]
         top = max(self.spec.concurrencies)
         filled = {m: fill_step_times(self.step_ms[m], top) for m in self.models}
-        return build_profile(
-            per_model, self.models, self.spec.grain_ms, self.spec.min_moves, filled
-        )
+        return build_profile(merged, self.models, self.spec.grain_ms, self.spec.min_moves, filled)
 
     def step(self) -> Decision:
         """One tuning period: collect, maybe re-solve, maybe move the thresholds."""
