@@ -156,7 +156,7 @@ class Ingress:
         while True:
             await asyncio.sleep(self.cfg.tuner.period_s)
             with contextlib.suppress(Exception):  # keep the last cap while the tuner restarts
-                cap = (await self.tuner.status.remote())["last"]["max_concurrency"]
+                cap = await self.tuner.admission_cap.remote()
                 replicas = self.cfg.ingress.num_replicas
                 self.slo_cap = None if cap is None else max(1, -(-cap // replicas))
 

@@ -39,6 +39,10 @@ class Tuner:
     async def status(self) -> dict[str, Any]:
         return self.autoscaler.status()
 
+    async def admission_cap(self) -> int | None:
+        """SLO mode: how many requests may be active (None: no cap)."""
+        return self.autoscaler.last.max_concurrency
+
     async def _loop(self) -> None:
         auto = self.autoscaler
         while True:
