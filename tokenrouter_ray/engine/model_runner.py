@@ -158,10 +158,9 @@ class ModelRunner:
         ).last_hidden_state[0]  # (num_tokens, hidden_size)
         last = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]  # (num_rows, hidden)
         logits = self.lm_head(last).float()  # (num_rows, vocab)
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
         t2 = time.perf_counter()
-        return self._sample(out, sampling_requests, logits, last, len(ids), timings, t0, t1, t2)
+        timings.prepare, timings.forward = t1 - t0, t2 - t1
+        return self._sample(out, sampling_requests, logits, last, len(ids), timings)
 
     def _execute_static(
         self, out: SchedulerOutput, shape: tuple[int, int, int], timings: StepTimings
@@ -181,13 +180,12 @@ class ModelRunner:
         )
         t1 = time.perf_counter()
         logits, last = fwd.run(host)
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
         t2 = time.perf_counter()
+        timings.prepare, timings.forward = t1 - t0, t2 - t1
         self.static_steps += 1
         sampling_requests = [c.request for c in out.chunks]
         num_tokens = sum(c.num_tokens for c in out.chunks)
-        return self._sample(out, sampling_requests, logits, last, num_tokens, timings, t0, t1, t2)
+        return self._sample(out, sampling_requests, logits, last, num_tokens, timings)
 
     def _sample(
         self,
@@ -197,10 +195,11 @@ class ModelRunner:
         last: torch.Tensor,
         num_tokens: int,
         timings: StepTimings,
-        t0: float,
-        t1: float,
-        t2: float,
     ) -> StepResult:
+        """Sample one token per row; ``timings`` has prepare and forward filled in."""
+        t2 = time.perf_counter()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         sample_positions = [r.num_tokens for r in sampling_requests]
         tokens = sample(
             logits,
@@ -210,7 +209,7 @@ class ModelRunner:
         )
         token_list = tokens.tolist()
         t3 = time.perf_counter()
-        timings.prepare, timings.forward, timings.sample = t1 - t0, t2 - t1, t3 - t2
+        timings.sample = t3 - t2
         return StepResult(
             request_ids=[r.request_id for r in sampling_requests],
             sampled=tokens,
