@@ -34,8 +34,9 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tokenrouter_ray.tuning.markov import is_admissible, throughput
+from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
+from tokenrouter_ray.tuning.search import candidates
 from tokenrouter_ray.tuning.sim_backend import SimMeasurement, measure_closed_loop
 
 DEFAULT_WINDOWS_S = {1: 6.0, 2: 4.0, 4: 4.0, 8: 5.0, 16: 6.0}
@@ -126,19 +127,6 @@ def with_overhead(profile: RoutingProfile, overhead_ms: float) -> RoutingProfile
     return RoutingProfile(models, profile.route_prob, profile.commit, profile.grain_ms)
 
 
-def sweep_points(
-    n_requests: int, num_models: int, fixed: dict[int, int], free: int
-) -> list[tuple[int, ...]]:
-    """Admissible B with ``fixed`` pinned and model ``free`` over 1..N."""
-    out = []
-    for b in range(1, n_requests + 1):
-        thresholds = [fixed.get(i, 1) for i in range(num_models)]
-        thresholds[free] = b
-        if is_admissible(n_requests, thresholds):
-            out.append(tuple(thresholds))
-    return out
-
-
 def validate(
     profile: RoutingProfile,
     concurrencies: Sequence[int],
@@ -158,7 +146,8 @@ def validate(
     for n in concurrencies:
         window = windows_s.get(n) or max(windows_s.values())
         row = ValidationRow(n, free, best_tolerance=best_tolerance)
-        for thresholds in sweep_points(n, profile.num_models, fixed, free):
+        pinned = {name: fixed.get(i, 1) for i, name in enumerate(profile.names) if i != free}
+        for thresholds in candidates(profile, n, pinned):  # model `free` over 1..N
             meas = measure_closed_loop(
                 profile,
                 n,
