@@ -31,15 +31,37 @@ from tokenrouter_ray.tuning.search import resolve_method
 
 
 class WindowStats:
-    """One replica's routing and step-time statistics over the last ``window_s`` seconds."""
+    """One replica's routing and step-time statistics over the last ``window_s`` seconds.
+
+    Recording is on the decode loop's hot path (one move per request per step), so counts
+    are added into one-second buckets as they happen: a snapshot merges at most
+    ``window_s`` small buckets instead of walking every event of the window.
+    """
+
+    BUCKET_S = 1.0
 
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = window_s
-        self._moves: deque[tuple[float, str, str, int]] = deque()
-        self._steps: deque[tuple[float, int, float | None, int | None]] = deque()
+        self._buckets: deque[tuple[float, dict[str, Any]]] = deque()  # (start, counts)
+
+    def _bucket(self, now: float | None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        start = now - now % self.BUCKET_S
+        if not self._buckets or self._buckets[-1][0] != start:
+            self._buckets.append((start, {"moves": {}, "steps": {}, "active": {}}))
+        return self._buckets[-1][1]
+
+    @staticmethod
+    def _add(part: dict[str, list[float]], key: str, total: float) -> None:
+        entry = part.get(key)
+        if entry is None:
+            part[key] = [1, total]
+        else:
+            entry[0] += 1
+            entry[1] += total
 
     def record_move(self, src: str, dst: str, committed: int, now: float | None = None) -> None:
-        self._moves.append((time.monotonic() if now is None else now, src, dst, committed))
+        self._add(self._bucket(now)["moves"], f"{src}->{dst}", committed)
 
     def record_step(
         self,
@@ -53,32 +75,17 @@ class WindowStats:
         that computed more than two tokens per request (prefill chunks) counts towards N
         but not towards the step-time table: the throughput model's steps are decodes and
         short extends, and a prefill's cost would read as a slow batch size."""
-        when = time.monotonic() if now is None else now
-        timed = num_tokens is None or num_tokens <= 2 * batch_size
-        self._steps.append((when, batch_size, seconds if timed else None, active))
+        bucket = self._bucket(now)
+        if num_tokens is None or num_tokens <= 2 * batch_size:
+            self._add(bucket["steps"], str(batch_size), seconds)
+        if active is not None:  # N -> [steps, batch rows] run under it
+            self._add(bucket["active"], str(active), batch_size)
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
-        for q in (self._moves, self._steps):
-            while q and q[0][0] < now - self.window_s:
-                q.popleft()
-        moves: dict[str, list[float]] = {}
-        for _, src, dst, committed in self._moves:
-            entry = moves.setdefault(f"{src}->{dst}", [0, 0])
-            entry[0] += 1
-            entry[1] += committed
-        steps: dict[str, list[float]] = {}
-        active: dict[str, list[float]] = {}  # N -> [steps, batch rows] run under it
-        for _, batch, seconds, n in self._steps:
-            if seconds is not None:
-                entry = steps.setdefault(str(batch), [0, 0.0])
-                entry[0] += 1
-                entry[1] += seconds
-            if n is not None:
-                at = active.setdefault(str(n), [0, 0])
-                at[0] += 1
-                at[1] += batch
-        return {"moves": moves, "steps": steps, "active": active}
+        while self._buckets and self._buckets[0][0] + self.BUCKET_S <= now - self.window_s:
+            self._buckets.popleft()
+        return merge_snapshots([counts for _, counts in self._buckets])
 
 
 def merge_snapshots(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
