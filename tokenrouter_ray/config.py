@@ -12,13 +12,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.tuning.autoscaler import TunerSpec
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# The Hydra configs: package data (in a checkout, tokenrouter_ray/conf links to ../conf).
+CONF_DIR = (Path(__file__).resolve().parent / "conf").resolve()
 
 
 class ConfigError(UserFacingError):
@@ -38,8 +46,8 @@ class ModelSpec(_Strict):
     tensor_parallel: int = Field(
         1,
         ge=1,
-        description="GPUs the model spans; reserved as one placement-group bundle each "
-        "(layers are split across them with accelerate's device_map).",
+        description="GPUs one replica spans. Only 1 today: the engine runs a model on one "
+        "device, so a larger value is refused rather than silently ignored (issue 11).",
     )
     num_replicas: int = Field(1, ge=1, description="Data-parallel replicas.")
     resources: dict[str, float] = Field(
@@ -51,6 +59,17 @@ class ModelSpec(_Strict):
     scheduler: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the shared scheduler settings."
     )
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _one_device_only(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                f"tensor_parallel={value}: tensor parallelism is not implemented yet "
+                "(issue 11), and the engine would load the whole model onto one GPU; set "
+                "tensor_parallel: 1 and give the model one card that holds its weights + KV"
+            )
+        return value
 
 
 class PolicySpec(_Strict):
