@@ -4,8 +4,10 @@ Messages enter as `ChatMessage` models (already validated) or plain dicts with `
 ``content`` (a string, a list of text parts, or null); they leave as one list of token ids
 ending with the template's generation prompt (``add_generation_prompt=True``). The template
 is the only place that knows the model's turn markers, so nothing here builds a prompt by
-hand. A model without a template, or a template that rejects the conversation (e.g. roles
-that do not alternate), is a 400 for the client, not a 500.
+hand. A request's ``chat_template_kwargs`` become extra template variables (Qwen3:
+``enable_thinking=False`` renders an empty think block, so the model answers directly). A
+model without a template, or a template that rejects the conversation (e.g. roles that do
+not alternate), is a 400 for the client, not a 500.
 """
 
 from __future__ import annotations
@@ -41,8 +43,13 @@ def template_messages(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> li
     return out
 
 
-def render_chat(tokenizer: Any, messages: Sequence[ChatMessage | Mapping[str, Any]]) -> list[int]:
-    """Token ids of ``messages`` rendered by the tokenizer's chat template, ready to generate."""
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage | Mapping[str, Any]],
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template, ready to generate;
+    ``template_kwargs`` are extra variables the template sees (``enable_thinking``, ...)."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "This model has no chat template, so /v1/chat/completions cannot be used with it; "
@@ -54,7 +61,10 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage | Mapping[str, An
 
     try:
         rendered = tokenizer.apply_chat_template(
-            template_messages(messages), add_generation_prompt=True, tokenize=True
+            template_messages(messages),
+            add_generation_prompt=True,
+            tokenize=True,
+            **dict(template_kwargs or {}),
         )
     except TemplateError as exc:
         raise InvalidRequestError(

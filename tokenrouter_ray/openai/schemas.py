@@ -9,22 +9,40 @@ the served model (context length, vocabulary, ``n`` cap) are checked by `validat
 Policy on fields:
 
 - Unknown fields are ignored (``extra="ignore"``), as OpenAI's API does for forward
-  compatibility; clients that send e.g. ``parallel_tool_calls`` keep working.
+  compatibility, but never silently: the first request that sends one logs a warning naming
+  it (once per field name and request part, as vLLM does, so a busy server's log is not
+  flooded). Fields known to be harmless (``user``, ``store``, ``metadata``, ...) are declared
+  and accepted without a warning.
 - Known fields are strict on type: ``"16"`` is not an integer, ``1`` is not a boolean.
 - OpenAI fields this server does not implement (``echo``, ``logprobs``, ``tools``, penalties,
   ...) are declared, accepted at their neutral value (null / false / 0 / empty), and
   rejected with a 400 naming the field (code ``unsupported_value``) otherwise, so a client
   never silently gets something other than what it asked for.
+  That includes vLLM extensions that change the output (``guided_json``, ``min_tokens``,
+  ``use_beam_search``, ``chat_template``, ...).
+- ``chat_template_kwargs`` (vLLM's extension) reaches the model's chat template, e.g.
+  ``{"enable_thinking": false}`` for Qwen3; keys the renderer itself owns are a 400.
 - Optional OpenAI parameters accept ``null``, meaning "the default".
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
+
+logger = logging.getLogger(__name__)
 
 MAX_STOP_SEQUENCES = 4
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -116,27 +134,66 @@ StopList = Annotated[list[str], BeforeValidator(_stop)]
 Content = Annotated[str | None, BeforeValidator(flatten_content)]
 
 _STRICT_LENIENT = ConfigDict(extra="ignore", strict=True)
+_warned_unknown: set[str] = set()  # "<part>.<field>" already logged
 
 
-class StreamOptions(BaseModel):
-    """``stream_options``: only ``include_usage`` has an effect."""
+class _Lenient(BaseModel):
+    """Strict on known fields; unknown ones are dropped, each name logged once (warning)."""
 
     model_config = _STRICT_LENIENT
+    PART: ClassVar[str] = "request"  # where the field sits, for the log line
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data.keys() - cls.model_fields.keys():
+                key = f"{cls.PART}.{name}"
+                if key not in _warned_unknown:
+                    _warned_unknown.add(key)
+                    logger.warning(
+                        "Ignoring the unknown field %r in a %s (not implemented by this "
+                        "server; logged once per field name)",
+                        str(name),
+                        cls.PART,
+                    )
+        return data
+
+
+class StreamOptions(_Lenient):
+    """``stream_options``: only ``include_usage`` has an effect."""
+
+    PART: ClassVar[str] = "stream_options"
 
     include_usage: bool | None = Field(
         None, description="Send a last chunk with empty `choices` and the request's usage."
     )
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_Lenient):
     """Fields shared by both endpoints: model, sampling, streaming, stop, extensions."""
 
-    model_config = _STRICT_LENIENT
-    # field -> value(s) it may take although the feature is not implemented (besides null)
+    # field -> value(s) it may take although the feature is not implemented (besides null
+    # and false)
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         "presence_penalty": (0, 0.0),
         "frequency_penalty": (0, 0.0),
         "logit_bias": ({},),
+        # vLLM extensions that would change the output
+        "min_tokens": (0,),
+        "use_beam_search": (),
+        "length_penalty": (1, 1.0),
+        "include_stop_str_in_output": (),
+        "allowed_token_ids": ([],),
+        "bad_words": ([],),
+        "prompt_logprobs": (),
+        "truncate_prompt_tokens": (),
+        "logits_processors": ([],),
+        "guided_json": (),
+        "guided_regex": (),
+        "guided_choice": (),
+        "guided_grammar": (),
+        "structured_outputs": (),
     }
 
     model: str = Field(min_length=1, description="Served model name (see GET /v1/models).")
@@ -150,6 +207,11 @@ class _SamplingRequest(BaseModel):
     )
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="Sampling seed.")
     user: str | None = Field(None, description="End-user id; accepted and ignored.")
+    store: bool | None = Field(None, description="Accepted and ignored (nothing is stored).")
+    metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
+    service_tier: str | None = Field(None, description="Accepted and ignored.")
+    safety_identifier: str | None = Field(None, description="Accepted and ignored.")
+    prompt_cache_key: str | None = Field(None, description="Accepted and ignored.")
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 supported.")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 supported.")
     logit_bias: dict[str, float] | None = Field(None, description="Only empty supported.")
@@ -161,6 +223,21 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="Extension: token ids that end the output (besides EOS)."
     )
+    # vLLM extensions this server does not implement: only their neutral values pass
+    min_tokens: int | None = Field(None, ge=0, description="Extension: only 0 supported.")
+    use_beam_search: bool | None = Field(None, description="Extension: only false supported.")
+    length_penalty: float | None = Field(None, description="Extension: only 1 supported.")
+    include_stop_str_in_output: bool | None = Field(None, description="Only false supported.")
+    allowed_token_ids: list[int] | None = Field(None, description="Only empty supported.")
+    bad_words: list[str] | None = Field(None, description="Only empty supported.")
+    prompt_logprobs: int | None = Field(None, description="Only null supported.")
+    truncate_prompt_tokens: int | None = Field(None, description="Only null supported.")
+    logits_processors: list[Any] | None = Field(None, description="Only empty supported.")
+    guided_json: Any = Field(None, description="Only null supported (no guided decoding).")
+    guided_regex: str | None = Field(None, description="Only null supported.")
+    guided_choice: list[str] | None = Field(None, description="Only null supported.")
+    guided_grammar: str | None = Field(None, description="Only null supported.")
+    structured_outputs: dict[str, Any] | None = Field(None, description="Only null supported.")
 
     @field_validator("stream_options")
     @classmethod
@@ -172,7 +249,12 @@ class _SamplingRequest(BaseModel):
             )
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty", "logit_bias")
+    @field_validator(
+        "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "use_beam_search",
+        "length_penalty", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+        "prompt_logprobs", "truncate_prompt_tokens", "logits_processors", "guided_json",
+        "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    )  # fmt: skip
     @classmethod
     def _neutral_only(cls, value: Any, info: ValidationInfo) -> Any:
         return cls.check_neutral(value, info)
@@ -220,17 +302,30 @@ class CompletionRequest(_SamplingRequest):
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Lenient):
     """One message. Content parts are flattened to text; only ``assistant`` may have null
     content (it is rendered as empty)."""
 
-    model_config = _STRICT_LENIENT
+    PART: ClassVar[str] = "message"
 
     role: Role = Field(description="`developer` is rendered as `system`.")
     content: Content = Field(
         None, validate_default=True, description="A string or a list of text parts."
     )
     name: str | None = Field(None, description="Accepted; not passed to the template.")
+    tool_call_id: str | None = Field(None, description="Accepted; not passed to the template.")
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="Only empty supported (no tool calling)."
+    )
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise _unsupported(
+                "'tool_calls' in messages are not supported by this server (no tool calling)"
+            )
+        return value
 
     @field_validator("content")
     @classmethod
@@ -257,7 +352,25 @@ class ChatCompletionRequest(_SamplingRequest):
         "functions": ([],),
         "tool_choice": ("none", "auto"),
         "response_format": ({"type": "text"},),
+        "echo": (),
+        "continue_final_message": (),
+        "chat_template": (),
+        "documents": ([],),
+        "reasoning_effort": (),
+        "prediction": (),
+        "modalities": (["text"],),
+        "audio": (),
+        "web_search_options": (),
     }
+    # apply_chat_template arguments the renderer sets itself
+    RESERVED_TEMPLATE_KWARGS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "conversation", "messages", "tools", "documents", "chat_template",
+            "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+            "truncation", "max_length", "return_tensors", "return_dict",
+            "return_assistant_tokens_mask", "tokenizer_kwargs",
+        }
+    )  # fmt: skip
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
     max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of the next.")
@@ -268,13 +381,55 @@ class ChatCompletionRequest(_SamplingRequest):
     functions: list[dict[str, Any]] | None = Field(None, description="Only empty supported.")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only none/auto.")
     response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
+    parallel_tool_calls: bool | None = Field(None, description="Accepted (no tools anyway).")
+    echo: bool | None = Field(None, description="Extension: only false supported.")
+    add_generation_prompt: bool | None = Field(None, description="Extension: only true.")
+    continue_final_message: bool | None = Field(None, description="Extension: only false.")
+    chat_template: str | None = Field(None, description="Extension: only null (the model's).")
+    documents: list[dict[str, Any]] | None = Field(None, description="Only empty supported.")
+    reasoning_effort: str | None = Field(
+        None, description="Only null; for Qwen3 use chat_template_kwargs.enable_thinking."
+    )
+    prediction: dict[str, Any] | None = Field(None, description="Only null supported.")
+    modalities: list[str] | None = Field(None, description='Only ["text"] supported.')
+    audio: dict[str, Any] | None = Field(None, description="Only null supported.")
+    web_search_options: dict[str, Any] | None = Field(None, description="Only null supported.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="Extension: extra variables for the model's chat template, e.g. "
+        '{"enable_thinking": false} for Qwen3.',
+    )
 
     @field_validator(
-        "logprobs", "top_logprobs", "tools", "functions", "tool_choice", "response_format"
-    )
+        "logprobs", "top_logprobs", "tools", "functions", "tool_choice", "response_format",
+        "echo", "continue_final_message", "chat_template", "documents", "reasoning_effort",
+        "prediction", "modalities", "audio", "web_search_options",
+    )  # fmt: skip
     @classmethod
     def _chat_neutral_only(cls, value: Any, info: ValidationInfo) -> Any:
         return cls.check_neutral(value, info)
+
+    @field_validator("add_generation_prompt")
+    @classmethod
+    def _generation_prompt(cls, value: bool | None) -> bool | None:
+        if value is False:
+            raise _unsupported(
+                "'add_generation_prompt' = false is not supported by this server; leave it "
+                "unset, null or true"
+            )
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or ()) & cls.RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise PydanticCustomError(
+                "invalid_value",
+                "chat_template_kwargs may not set {keys}: the server sets those itself",
+                {"keys": ", ".join(repr(k) for k in reserved)},
+            )
+        return value
 
     @property
     def completion_budget(self) -> tuple[int | None, str]:

@@ -135,9 +135,10 @@ def prepare_completion(
 def prepare_chat(
     request: ChatCompletionRequest, tokenizer: Any, limits: RequestLimits
 ) -> PreparedRequest:
-    """Render ``messages`` with the chat template and resolve sampling."""
+    """Render ``messages`` (with ``chat_template_kwargs``) through the chat template and
+    resolve sampling."""
     _check_cheap_limits(request, limits)
-    prompt_ids = render_chat(tokenizer, request.messages)
+    prompt_ids = render_chat(tokenizer, request.messages, request.chat_template_kwargs)
     budget, field = request.completion_budget
     max_tokens = _max_tokens(budget, field, len(prompt_ids), "messages", limits)
     return PreparedRequest(request.model, prompt_ids, _sampling(request, max_tokens))
