@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "tokenrouter_ray.dashboards.commands",
     "tokenrouter_ray.demo",
     "tokenrouter_ray.demo_pair",
+    "tokenrouter_ray.routing.importing",
     "tokenrouter_ray.routing.training.commands",
     "tokenrouter_ray.tuning.commands",
     "tokenrouter_ray.tuning.profiler",

@@ -1,4 +1,9 @@
-"""Shared by the policies with a trained router: config fields and lazy loading."""
+"""Shared by the policies with a trained router: config fields and lazy loading.
+
+The checkpoint named in the config is checked (exists, our format, right kind) when the
+policy is built, which the app builder does at ``serve run`` time; its weights are read on
+the first step that needs them.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,15 @@ from pydantic import Field
 from torch import nn
 
 from tokenrouter_ray.routing.policy import PolicyConfig
-from tokenrouter_ray.routing.routers import load_router, random_router
+from tokenrouter_ray.routing.routers import inspect_router, load_router, random_router
 
 
 class NeuralConfig(PolicyConfig):
     checkpoint: str | None = Field(
         None,
-        description="Router checkpoint from `tokenrouter-ray train-router`. None: an untrained "
-        "router with seeded random weights (tests and wiring experiments only).",
+        description="Router checkpoint (safetensors) from `tokenrouter-ray train-router` or "
+        "`tokenrouter-ray import-router`. None: an untrained router with seeded random "
+        "weights (tests and wiring experiments only).",
     )
     threshold: float = Field(0.5, ge=0, le=1, description="Decision threshold on the score.")
     seed: int = Field(0, description="Seed of the untrained router when no checkpoint is set.")
@@ -25,15 +31,18 @@ class NeuralConfig(PolicyConfig):
 
 class RouterHolder:
     """Loads the router once and scores features with it, in float32 (float64 when the
-    model runs in float64): a bf16 sigmoid cannot resolve thresholds near 0 or 1."""
+    model runs in float64): a bf16 sigmoid cannot resolve thresholds near 0 or 1.
+    Integer features (token ids) pass through unchanged."""
 
     def __init__(self, config: NeuralConfig, kind: str, **arch: object) -> None:
         self.config = config
         self.kind = kind
         self.arch = arch
         self.module: nn.Module | None = None
+        if config.checkpoint:
+            inspect_router(config.checkpoint, kind)  # a bad path fails now, not mid-request
 
-    def score(self, *features: torch.Tensor) -> torch.Tensor:
+    def score(self, *features: torch.Tensor | None) -> torch.Tensor:
         """sigmoid(router(*features)), (B,), on the features' device."""
         like = features[0]
         dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
@@ -48,4 +57,5 @@ class RouterHolder:
         param = next(self.module.parameters())
         if param.dtype != dtype or param.device != like.device:
             self.module = self.module.to(device=like.device, dtype=dtype)
-        return torch.sigmoid(self.module(*(f.to(dtype) for f in features)))
+        cast = [f.to(dtype) if f is not None and f.is_floating_point() else f for f in features]
+        return torch.sigmoid(self.module(*cast))

@@ -42,5 +42,6 @@ class R2R(EscalateOnce):
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
         step = batch.step
-        score = self.router.score(step.hidden, batch.embed(step.sampled), step.logits)
+        # (B,) each: the sampled ids too, for a router that owns its embedding table
+        score = self.router.score(step.hidden, batch.embed(step.sampled), step.logits, step.sampled)
         return score >= self.config.threshold
