@@ -76,15 +76,27 @@ class ReferenceBackbone(nn.Module):
 class R2RReference(nn.Module):
     """R2R's router: (hidden state, token id, top-k logits) -> one logit, shape (B, 1)."""
 
-    def __init__(self, dims: list[int], expansion: int, normalize: bool) -> None:
+    def __init__(
+        self, hidden: int, vocab: int, top_k: int, dims: list[int], expansion: int, normalize: bool
+    ) -> None:
         super().__init__()
+        self.init_args = {  # only what was passed, as R2R's capture_init_args records
+            "hidden_states_size": hidden,
+            "logits_size": top_k,
+            "hidden_dims": dims,
+            "expansion_factor": expansion,
+            "dropout_rate": 0.3,
+            "pretrained_model_name": "Qwen/Qwen3-0.6B",
+            "normalize_input": normalize,
+        }
+        self.top_k = top_k
         self.normalize_input = normalize
         if normalize:
-            self.layer_norm_hidden_states = nn.LayerNorm(HIDDEN)
-            self.layer_norm_token = nn.LayerNorm(HIDDEN)
-        self.token_embeddings = nn.Embedding(VOCAB, HIDDEN)
-        self.logits_projection = nn.Linear(TOP_K, HIDDEN)
-        self.combined_projection = nn.Linear(3 * HIDDEN, dims[0])
+            self.layer_norm_hidden_states = nn.LayerNorm(hidden)
+            self.layer_norm_token = nn.LayerNorm(hidden)
+        self.token_embeddings = nn.Embedding(vocab, hidden)
+        self.logits_projection = nn.Linear(top_k, hidden)
+        self.combined_projection = nn.Linear(3 * hidden, dims[0])
         self.backbone = ReferenceBackbone(dims[0], dims, expansion)
 
     def forward(
@@ -99,10 +111,13 @@ class R2RReference(nn.Module):
         return self.backbone(self.combined_projection(features))
 
 
-def reference_router(dims: list[int], normalize: bool, seed: int = 0) -> R2RReference:
+def reference_router(
+    dims: list[int], normalize: bool, seed: int = 0, hidden: int = HIDDEN, vocab: int = VOCAB,
+    top_k: int = TOP_K,
+) -> R2RReference:  # fmt: skip
     """Every parameter random (LayerNorms too), so a mis-mapped one changes the score."""
     torch.manual_seed(seed)
-    ref = R2RReference(dims, expansion=2, normalize=normalize).double().eval()
+    ref = R2RReference(hidden, vocab, top_k, dims, 2, normalize).double().eval()
     with torch.no_grad():
         for p in ref.parameters():
             p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
@@ -111,11 +126,13 @@ def reference_router(dims: list[int], normalize: bool, seed: int = 0) -> R2RRefe
 
 def reference_score(ref: R2RReference, hidden, tokens, logits) -> torch.Tensor:
     """R2R's inference: top-k of the raw logits (sorted), sigmoid of the (B, 1) output."""
-    top = torch.topk(logits, k=TOP_K, dim=-1).values
+    top = torch.topk(logits, k=ref.top_k, dim=-1).values
     return torch.sigmoid(ref(hidden_states=hidden, token=tokens, logits=top)).squeeze(-1)
 
 
-def save_r2r_checkpoint(path: Path, ref: R2RReference, dims: list[int], with_table: bool) -> Path:
+def save_r2r_checkpoint(
+    path: Path, ref: R2RReference, with_table: bool, threshold: float = 0.4375
+) -> Path:
     """The dict R2R's ``save_model`` writes (its slim file drops the embedding table)."""
     state = ref.state_dict()
     if not with_table:
@@ -123,16 +140,8 @@ def save_r2r_checkpoint(path: Path, ref: R2RReference, dims: list[int], with_tab
     torch.save(
         {
             "model_type": "HiddenStatesTokenLMHeadLogitsClassifier",
-            "init_args": {  # only what was passed, as R2R's capture_init_args records
-                "hidden_states_size": HIDDEN,
-                "logits_size": TOP_K,
-                "hidden_dims": dims,
-                "expansion_factor": 2,
-                "dropout_rate": 0.3,
-                "pretrained_model_name": "Qwen/Qwen3-0.6B",
-                "normalize_input": ref.normalize_input,
-            },
-            "common_args": {"threshold": 0.4375, "input_type": INPUTS},
+            "init_args": ref.init_args,
+            "common_args": {"threshold": threshold, "input_type": INPUTS},
             "model_specific_args": {"best_recall": np.float64(0.93), "epochs": np.int64(8)},
             "state_dict": state,
         },
@@ -158,7 +167,7 @@ def test_imported_router_scores_equal_r2r_reference(
     tmp_path: Path, dims: list[int], normalize: bool, with_table: bool
 ) -> None:
     ref = reference_router(dims, normalize)
-    src = save_r2r_checkpoint(tmp_path / "router.pt", ref, dims, with_table)
+    src = save_r2r_checkpoint(tmp_path / "router.pt", ref, with_table)
     out = tmp_path / "r2r.safetensors"
     done = import_router("r2r", src, out)
     assert done["metrics"]["threshold"] == 0.4375
@@ -181,7 +190,7 @@ def test_imported_router_scores_equal_r2r_reference(
 
 def test_cli_imports_and_the_policy_uses_it(tmp_path: Path, capsys) -> None:
     dims = [32, 48, 32]
-    src = save_r2r_checkpoint(tmp_path / "router.pt", reference_router(dims, False), dims, False)
+    src = save_r2r_checkpoint(tmp_path / "router.pt", reference_router(dims, False), False)
     out = tmp_path / "routers" / "r2r.safetensors"
     out.parent.mkdir()
     assert main(["import-router", "--format", "r2r", str(src), "--out", str(out)]) == 0
@@ -190,14 +199,19 @@ def test_cli_imports_and_the_policy_uses_it(tmp_path: Path, capsys) -> None:
     header = inspect_router(out, "r2r")
     assert header["source"]["model_type"] == "HiddenStatesTokenLMHeadLogitsClassifier"
     assert header["source"]["init_args"]["pretrained_model_name"] == "Qwen/Qwen3-0.6B"
-    policy = build_policy("r2r", {"checkpoint": str(out), "threshold": 0.4375}, ["s", "l"])
+    policy = build_policy("r2r", {"checkpoint": str(out), "threshold": None}, ["s", "l"])
+    assert policy.router.threshold == 0.4375  # None: the threshold R2R recorded
     assert policy.router.module is None  # checked at build, weights read on first use
+    policy = build_policy("r2r", {"checkpoint": str(out), "threshold": 0.25}, ["s", "l"])
+    assert policy.router.threshold == 0.25
+    with pytest.raises(ValueError, match="needs a checkpoint"):
+        build_policy("r2r", {"threshold": None}, ["s", "l"])
     assert not list(tmp_path.glob("routers/.*tmp"))  # staged file renamed away
 
 
 def test_serving_never_unpickles_and_says_how_to_convert(tmp_path: Path) -> None:
     dims = [32]
-    src = save_r2r_checkpoint(tmp_path / "router.pt", reference_router(dims, False), dims, False)
+    src = save_r2r_checkpoint(tmp_path / "router.pt", reference_router(dims, False), False)
     with pytest.raises(RouterCheckpointError, match="import-router --format r2r"):
         build_policy("r2r", {"checkpoint": str(src)}, ["s", "l"])
     with pytest.raises(RouterCheckpointError, match=r"does not exist.*import-router.*train-router"):
@@ -226,7 +240,7 @@ def test_pickles_with_code_are_refused_unless_trusted(tmp_path: Path, capsys) ->
 def test_unsupported_r2r_variants_are_clear_errors(tmp_path: Path) -> None:
     dims = [32]
     ref = reference_router(dims, False)
-    path = save_r2r_checkpoint(tmp_path / "router.pt", ref, dims, False)
+    path = save_r2r_checkpoint(tmp_path / "router.pt", ref, False)
     blob = torch.load(path, weights_only=False)
     blob["model_type"] = "LogitsClassifier"
     torch.save(blob, path)

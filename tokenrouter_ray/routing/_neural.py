@@ -12,7 +12,12 @@ from pydantic import Field
 from torch import nn
 
 from tokenrouter_ray.routing.policy import PolicyConfig
-from tokenrouter_ray.routing.routers import inspect_router, load_router, random_router
+from tokenrouter_ray.routing.routers import (
+    RouterCheckpointError,
+    inspect_router,
+    load_router,
+    random_router,
+)
 
 
 class NeuralConfig(PolicyConfig):
@@ -22,7 +27,13 @@ class NeuralConfig(PolicyConfig):
         "`tokenrouter-ray import-router`. None: an untrained router with seeded random "
         "weights (tests and wiring experiments only).",
     )
-    threshold: float = Field(0.5, ge=0, le=1, description="Decision threshold on the score.")
+    threshold: float | None = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Decision threshold on the score. None: the threshold the checkpoint "
+        "recommends (an imported R2R router's own, or train-router's threshold_for_rate).",
+    )
     seed: int = Field(0, description="Seed of the untrained router when no checkpoint is set.")
     hidden_size: int | None = Field(
         None, description="Hidden size for an untrained router (a checkpoint records its own)."
@@ -39,8 +50,18 @@ class RouterHolder:
         self.kind = kind
         self.arch = arch
         self.module: nn.Module | None = None
-        if config.checkpoint:
-            inspect_router(config.checkpoint, kind)  # a bad path fails now, not mid-request
+        self.threshold = config.threshold
+        if config.checkpoint:  # a bad path fails now, at build time, not mid-request
+            metrics = inspect_router(config.checkpoint, kind)["metrics"]
+            recorded = metrics.get("threshold", metrics.get("threshold_for_rate"))
+            if self.threshold is None and recorded is None:
+                raise RouterCheckpointError(
+                    f"{config.checkpoint} records no threshold: set the policy's threshold"
+                )
+            self.threshold = recorded if self.threshold is None else self.threshold
+        elif self.threshold is None:
+            raise ValueError("threshold: None (the checkpoint's own) needs a checkpoint")
+        self.threshold = float(self.threshold)
 
     def score(self, *features: torch.Tensor | None) -> torch.Tensor:
         """sigmoid(router(*features)), (B,), on the features' device."""

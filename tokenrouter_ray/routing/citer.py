@@ -38,4 +38,4 @@ class Citer(EscalateOnce):
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
         hidden = batch.step.hidden
-        return self.router.score(hidden) < self.config.threshold
+        return self.router.score(hidden) < self.router.threshold

@@ -34,4 +34,4 @@ class CoLLM(EscalateOnce):
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
         hidden = batch.step.hidden
-        return self.router.score(hidden) > self.config.threshold
+        return self.router.score(hidden) > self.router.threshold

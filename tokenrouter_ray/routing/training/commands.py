@@ -33,7 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", required=True, choices=POLICIES)
     p.add_argument("--small", required=True, help="small model directory")
     p.add_argument("--large", required=True, help="large model directory (same tokenizer)")
-    p.add_argument("--out", required=True, help="checkpoint file to write (e.g. r2r.pt)")
+    p.add_argument(
+        "--out", required=True, help="checkpoint file to write (e.g. routers/r2r.safetensors)"
+    )
     data = p.add_argument_group("data")
     data.add_argument(
         "--prompts", type=int, dest="num_prompts",
