@@ -5,7 +5,16 @@ A request is validated and tokenized (``tokenrouter_ray.openai``), admitted (503
 replica of the entry model. Commits come back over this replica's peer channel from
 whichever model committed; ``IngressCore`` orders them and the incremental detokenizer turns
 them into text (stop strings cut the text and abort the request everywhere). A client
-disconnect or cancellation aborts every choice on every model.
+disconnect or cancellation aborts every choice on every model (the cleanup never awaits, so
+a cancelled handler cannot skip it).
+
+Reliability (docs/reliability.md): every request has a deadline (``ingress.request_timeout_s``,
+or the request's ``timeout`` extension, seconds); a choice that fails, times out or loses its
+model ends with an OpenAI error (non-streaming: the envelope, 503 with ``Retry-After`` when a
+retry should work; streaming: an error event, then ``[DONE]``). When a model replica
+disappears from the directory (its lease ran out: the process died), every unfinished
+request is re-created from its committed sequence on the replicas that remain or replace it.
+``/health`` is 503 while a model has no replica.
 """
 
 # No `from __future__ import annotations` here: FastAPI resolves the route methods'
@@ -15,6 +24,8 @@ disconnect or cancellation aborts every choice on every model.
 import asyncio
 import contextlib
 import itertools
+import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,9 +45,14 @@ from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
 from tokenrouter_ray.openai.errors import (
     InvalidRequestError,
     NotFoundError,
+    OpenAIError,
     OverloadedError,
+    RequestFailedError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
     as_openai_error,
     error_response,
+    from_json_error,
 )
 from tokenrouter_ray.openai.responses import (
     ChoiceResult,
@@ -46,11 +62,13 @@ from tokenrouter_ray.openai.responses import (
 )
 from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenrouter_ray.openai.sse import (
+    SSE_DONE,
     SSE_HEADERS,
     SSE_MEDIA_TYPE,
     ChatStream,
     CompletionStream,
     merge_choice_streams,
+    sse_error,
 )
 from tokenrouter_ray.openai.validation import (
     PreparedRequest,
@@ -60,15 +78,72 @@ from tokenrouter_ray.openai.validation import (
     prepare_chat,
     prepare_completion,
 )
-from tokenrouter_ray.runtime.ingress import IngressCore
+from tokenrouter_ray.runtime.ingress import DEFAULT_TIMEOUT_S, Completion, IngressCore
+
+logger = logging.getLogger("ray.serve")
+MAX_TIMEOUT_S = 24 * 3600.0
 
 app = FastAPI(title="tokenrouter-ray", docs_url=None, redoc_url=None)
+
+
+def _load_json(body: bytes) -> Any:
+    """The body as JSON; malformed or absurdly nested bodies are a 400, never a 500."""
+    try:
+        return json.loads(body)
+    except ValueError as exc:  # JSONDecodeError, and UnicodeDecodeError for bytes
+        raise from_json_error(exc) from None
+    except RecursionError:
+        raise InvalidRequestError(
+            "The JSON body is nested too deeply to parse.", code="invalid_json"
+        ) from None
+
+
+def _timeout_of(data: Any) -> float | None:
+    """The ``timeout`` extension (seconds until the request is ended with an error)."""
+    value = data.get("timeout") if isinstance(data, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError("'timeout' must be a number of seconds.", param="timeout")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise InvalidRequestError(
+            f"'timeout' must be in (0, {MAX_TIMEOUT_S:.0f}] seconds.", param="timeout"
+        )
+    return float(value)
+
+
+def _choice_error(done: Completion) -> OpenAIError:
+    """The OpenAI error a failed choice ends with."""
+    if done.error_kind == "timeout":
+        return RequestTimeoutError(f"The request timed out: {done.error}.")
+    if done.error_kind == "unavailable":
+        return ServiceUnavailableError(f"The request could not be completed: {done.error}.")
+    return RequestFailedError(f"The request failed: {done.error}.")
+
+
+class _ChoicesResponse(StreamingResponse):
+    """A stream whose choices are cancelled however the response ends (a client that
+    disconnects before the first byte never starts the body generator, so the body's own
+    cleanup would not run)."""
+
+    def __init__(self, tasks: list[asyncio.Future], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tasks = tasks
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for task in self.tasks:
+                task.cancel()
 
 
 @app.exception_handler(RequestValidationError)
 @app.exception_handler(Exception)
 async def _openai_errors(_: Request, exc: Exception) -> JSONResponse:
     status, body = error_response(exc)
+    if status >= 500 and not isinstance(exc, OpenAIError):
+        logger.error("ingress: unexpected error", exc_info=exc)
     Metrics.ray().error(INGRESS, f"{as_openai_error(exc).error_type}_{status}")  # bounded
     return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
@@ -98,9 +173,18 @@ class Ingress:
         serve_directory = ServeDirectory(directory)
         self.channel = make_channel(cfg.transport, "ingress", replica, serve_directory)
         await self.channel.start()
-        self.peers = PeerBook(serve_directory, cfg.model_names)
+        self.models = models
+        self.timeout_s = float(getattr(cfg.ingress, "request_timeout_s", DEFAULT_TIMEOUT_S))
+        self.core = IngressCore(
+            self.channel, self._entry, self.peers_all, Metrics.ray(), timeout_s=self.timeout_s
+        )
+        self.recoveries: list[dict[str, Any]] = []
+        self._lost: set[str] = set()
+        self._recovery: asyncio.Task | None = None
+        self.peers = PeerBook(
+            serve_directory, cfg.model_names, own=self.channel.endpoint, on_lost=self._on_lost
+        )
         await self.peers.start(wait_for_all=True)
-        self.core = IngressCore(self.channel, self._entry, self.peers.all, Metrics.ray())
         await self.core.start()
         self.entry_load: dict[str, int] = {}
         self.entry_total: dict[str, int] = {}
@@ -120,30 +204,45 @@ class Ingress:
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> Response:
+        missing = self.peers.missing()
+        if missing or not self.peers.refreshing:
+            body = {"status": "unavailable", "models_without_replica": missing}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/tokenrouter/stats")
     async def stats(self) -> dict[str, Any]:
+        """This ingress's counts, and what one replica of each model holds now."""
+        models: dict[str, Any] = {}
+        for name, handle in self.models.items():
+            try:
+                models[name] = await asyncio.wait_for(handle.status.remote(), timeout=5)
+            except Exception as exc:
+                models[name] = {"error": repr(exc)}
         return {
             "active_requests": self.core.num_active,
             "entry_requests": self.entry_total,
             "endpoints": self.peers.by_model,
+            "recoveries": self.recoveries[-20:],
+            "models": models,
         }
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        parsed = parse_request(CompletionRequest, await request.body())
+        data = _load_json(await request.body())
+        parsed = parse_request(CompletionRequest, data)
         check_model(parsed.model, [self.cfg.served_model_name])
         prepared = await asyncio.to_thread(prepare_completion, parsed, self.tokenizer, self.limits)
-        return await self._respond(prepared, chat=False)
+        return await self._respond(prepared, chat=False, timeout_s=_timeout_of(data))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        parsed = parse_request(ChatCompletionRequest, await request.body())
+        data = _load_json(await request.body())
+        parsed = parse_request(ChatCompletionRequest, data)
         check_model(parsed.model, [self.cfg.served_model_name])
         prepared = await asyncio.to_thread(prepare_chat, parsed, self.tokenizer, self.limits)
-        return await self._respond(prepared, chat=True)
+        return await self._respond(prepared, chat=True, timeout_s=_timeout_of(data))
 
     @app.get("/v1/tokenrouter/tuner")
     async def tuner_status(self) -> dict[str, Any]:
@@ -160,12 +259,50 @@ class Ingress:
                 replicas = self.cfg.ingress.num_replicas
                 self.slo_cap = None if cap is None else max(1, -(-cap // replicas))
 
+    # ---------------------------------------------------------------- recovery
+    def peers_all(self) -> list[str]:
+        return self.peers.all()
+
+    def _on_lost(self, lost: set[str]) -> None:
+        """Model endpoints whose lease ran out: their replicas died. Re-create every
+        unfinished request once each model has a replica again."""
+        for name in lost:
+            self.channel.forget_peer(name)
+        self._lost |= lost
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.create_task(self._recover(), name="ingress-recover")
+
+    async def _recover(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._lost:
+            lost, self._lost = sorted(self._lost), set()
+            started = loop.time()
+            while self.peers.missing() and loop.time() - started < self.timeout_s:
+                await asyncio.sleep(0.1)  # requests wait (bounded by their deadlines)
+            try:
+                n = await self.core.recreate(
+                    self._endpoints_for, reason=f"replica {', '.join(lost)} lost"
+                )
+            except Exception:
+                logger.exception("ingress: re-creating requests failed")
+                n = -1
+            self.recoveries.append(
+                {"lost": lost, "recreated": n, "waited_s": round(loop.time() - started, 3)}
+            )
+            logger.warning("ingress: lost %s, re-created %d requests", lost, n)
+
+    def _endpoints_for(self, rid: str) -> dict[str, str]:
+        """The replica of each non-entry model a request uses (sticky by request id)."""
+        return {m: self.peers.sticky(m, rid) for m in self.cfg.model_names[1:]}
+
     # ---------------------------------------------------------------- serving
     def _entry(self) -> str:
         options = self.peers.by_model[self.cfg.model_names[0]]
         return min(options, key=lambda e: self.entry_load.get(e, 0))
 
-    async def _submit(self, prepared: PreparedRequest) -> list[tuple[str, str]]:
+    async def _submit(
+        self, prepared: PreparedRequest, timeout_s: float | None
+    ) -> list[tuple[str, str]]:
         sampling = prepared.sampling
         if sampling.min_p or sampling.repetition_penalty != 1.0:
             raise InvalidRequestError(
@@ -174,15 +311,42 @@ class Ingress:
             )
         limit = min(self.cfg.ingress.max_active_requests, self.slo_cap or 1 << 30)
         if self.core.num_active + sampling.n > limit:
-            raise OverloadedError("Too many requests in flight; retry shortly.")
+            raise OverloadedError("Too many requests in flight; retry shortly.", retry_after_s=1)
+        missing = self.peers.missing()
+        if missing or (self._recovery is not None and not self._recovery.done()):
+            raise ServiceUnavailableError(
+                f"Model(s) {', '.join(missing) or 'being recovered'} have no healthy replica "
+                "right now; retry shortly.",
+                code="model_unavailable",
+            )
         base = f"req-{time.time_ns():x}-{next(self._ids)}"
         submitted = []
-        for i in range(sampling.n):
-            rid, entry = f"{base}-{i}", self._entry()
-            self.entry_load[entry] = self.entry_load.get(entry, 0) + 1
-            self.entry_total[entry] = self.entry_total.get(entry, 0) + 1
-            await self.core.submit(rid, prepared.prompt_token_ids, sampling.to_spec(i), entry)
-            submitted.append((rid, entry))
+        try:
+            for i in range(sampling.n):
+                rid, entry = f"{base}-{i}", self._entry()
+                await self.core.submit(
+                    rid,
+                    prepared.prompt_token_ids,
+                    sampling.to_spec(i),
+                    entry,
+                    timeout_s=timeout_s,
+                    extras={"endpoints": self._endpoints_for(rid)},
+                )
+                self.entry_load[entry] = self.entry_load.get(entry, 0) + 1
+                self.entry_total[entry] = self.entry_total.get(entry, 0) + 1
+                submitted.append((rid, entry))
+        except Exception as exc:
+            for rid, entry in submitted:
+                self.entry_load[entry] -= 1
+                self.core.abort_nowait(rid)
+                self.core.release(rid)
+            if isinstance(exc, OpenAIError):
+                raise
+            logger.warning("ingress: submitting failed: %r", exc)
+            raise ServiceUnavailableError(
+                "The entry model cannot take requests right now; retry shortly.",
+                code="model_unavailable",
+            ) from exc
         return submitted
 
     async def _choice(
@@ -202,15 +366,17 @@ class Ingress:
                 if text and pieces is not None:
                     pieces.put_nowait((index, text))
                 if detok.stopped:
-                    await self.core.abort(rid, reason="stop")
+                    self.core.abort_nowait(rid, reason="stop")
                     break
-            tail = detok.finish()
-            if tail and pieces is not None:
-                pieces.put_nowait((index, tail))
-        finally:
+        finally:  # no await here: a cancelled task (client gone) must still clean up
             self.entry_load[entry] -= 1
-            await self.core.abort(rid)  # no-op once complete; frees KV on disconnect
+            self.core.abort_nowait(rid)  # no-op once complete; frees KV on disconnect
             done = self.core.release(rid)
+        if done.error is not None:
+            raise _choice_error(done)
+        tail = detok.finish()
+        if tail and pieces is not None:
+            pieces.put_nowait((index, tail))
         reason = finish_reason(done.finish_reason, stopped_by_string=detok.stopped)
         return ChoiceResult(
             index,
@@ -220,8 +386,10 @@ class Ingress:
             ChoiceResult.routing_of(done.counts, done.handoffs),
         )
 
-    async def _respond(self, prepared: PreparedRequest, chat: bool) -> Response:
-        submitted = await self._submit(prepared)
+    async def _respond(
+        self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
+    ) -> Response:
+        submitted = await self._submit(prepared, timeout_s)
         prompt_len = len(prepared.prompt_token_ids)
         name = self.cfg.served_model_name
         if not prepared.sampling.stream:
@@ -240,29 +408,36 @@ class Ingress:
         stream = stream_cls(
             name, prepared.sampling.n, include_usage=prepared.sampling.include_usage
         )
-        body = self._sse(stream, submitted, prepared, prompt_len)
-        return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+        pieces: asyncio.Queue = asyncio.Queue()
+        tasks = [  # started now: the body may never be iterated if the client leaves first
+            asyncio.ensure_future(self._choice(i, rid, entry, prepared, pieces))
+            for i, (rid, entry) in enumerate(submitted)
+        ]
+        body = self._sse(stream, tasks, pieces, prompt_len)
+        return _ChoicesResponse(tasks, body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
 
     async def _sse(
         self,
         stream: Any,
-        submitted: list[tuple[str, str]],
-        prepared: PreparedRequest,
+        tasks: list[asyncio.Future],
+        pieces: asyncio.Queue,
         prompt_len: int,
     ) -> AsyncIterator[bytes]:
-        pieces: asyncio.Queue = asyncio.Queue()
-        tasks = [
-            asyncio.ensure_future(self._choice(i, rid, entry, prepared, pieces))
-            for i, (rid, entry) in enumerate(submitted)
-        ]
         frames = merge_choice_streams(stream, tasks, pieces, prompt_len)
-        async with contextlib.aclosing(frames):  # a disconnect aborts the choices now
-            async for frame in frames:
-                yield frame
+        try:
+            async with contextlib.aclosing(frames):  # a disconnect aborts the choices now
+                async for frame in frames:
+                    yield frame
+        except Exception as exc:  # never a cut connection: the error event, then [DONE]
+            logger.exception("ingress: stream failed")
+            yield sse_error(exc) + SSE_DONE
 
     async def __del__(self) -> None:
         if self._slo is not None:
             self._slo.cancel()
+        if self._recovery is not None:
+            self._recovery.cancel()
         await self.core.stop()
         await self.peers.stop()
         await self.channel.close()
+

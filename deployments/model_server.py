@@ -1,13 +1,17 @@
 """One Serve deployment per model: a replica hosts one model sub-server (engine + policy +
 peer channel). Requests reach it as PeerReqs over the channel, not as handle calls; the
-handle serves only ``info`` and health checks. With the tuner enabled, each replica reports
-its statistics window to the tuner every period and adopts the thresholds it answers."""
+handle serves only ``info``, ``status``, health checks and ``inject_fault`` (chaos tests).
+With the tuner enabled, each replica reports its statistics window to the tuner every period
+and adopts the thresholds it answers. Serve's ``check_health`` fails (and Serve restarts the
+replica) when the sub-server's receive or decode loop stopped, the channel closed, or the
+endpoint heartbeat stopped."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from ray import serve
@@ -63,8 +67,10 @@ class ModelServer:
         replica = serve.get_replica_context().replica_id.unique_id
         self.directory = ServeDirectory(directory)
         self.channel = make_channel(cfg.transport, model, replica, self.directory)
-        self.peers = PeerBook(self.directory, cfg.model_names)
         await self.channel.start()
+        self.peers = PeerBook(
+            self.directory, cfg.model_names, own=self.channel.endpoint, on_lost=self._on_lost
+        )
         await self.peers.start(wait_for_all=False)
         self.server = SubServer(
             cfg.model_names,
@@ -96,6 +102,10 @@ class ModelServer:
                 continue
             self.server.set_batch_thresholds(thresholds)
 
+    def _on_lost(self, lost: set[str]) -> None:
+        for name in lost:  # its replica died: close the socket, re-resolve if it returns
+            self.channel.forget_peer(name)
+
     def _pick(self, model: str, rid: str) -> str:
         if not self.peers.by_model.get(model):
             raise LookupError(f"no replica of {model!r} known yet")
@@ -118,13 +128,56 @@ class ModelServer:
             "batch_thresholds": list(self.engine.scheduler.config.batch_thresholds),
         }
 
+    async def status(self) -> dict[str, Any]:
+        """What this replica holds now (cheap: no statistics snapshot)."""
+        sched, pool = self.engine.scheduler, self.engine.kv.pool
+        return {
+            "model": self.model,
+            "endpoint": self.server.endpoint,
+            "requests": len(self.engine.requests),
+            "tracked": len(self.server.tracked),
+            "waiting": len(sched.waiting),
+            "running": len(sched.running),
+            "pending": len(sched.pending),
+            "kv_blocks_used": pool.num_used_blocks,
+            "kv_blocks_total": pool.num_blocks,
+            "alive": self.server.alive,
+            "sample": {
+                rid: r.status.name for rid, r in list(self.engine.requests.items())[:8]
+            },
+        }
+
     async def check_health(self) -> None:
-        for task in self.server._tasks:
-            if task.done():
-                raise RuntimeError(
-                    f"{self.model}: task {task.get_name()} stopped: "
-                    f"{task.exception() if not task.cancelled() else 'cancelled'}"
-                )
+        if not self.server.alive:
+            raise RuntimeError(f"{self.model}: sub-server stopped: {self.server.dead_tasks()}")
+        if not self.peers.refreshing:
+            raise RuntimeError(f"{self.model}: endpoint heartbeat stopped")
+
+    async def inject_fault(self, kind: str, count: int = 1, seconds: float = 0.0) -> None:
+        """Chaos hook: ``step`` makes the next ``count`` forward steps raise; ``stall``
+        makes the next ``count`` steps take ``seconds`` longer (a model that stops
+        answering); ``crash`` ends this replica's process at once (Serve restarts it)."""
+        if kind == "crash":
+            import os
+
+            os._exit(1)
+        if kind not in ("step", "stall"):
+            raise ValueError(f"unknown fault {kind!r} (step, stall, crash)")
+        runner = self.engine.runner
+        real = runner.execute
+        left = {"n": count}
+
+        def faulty(out: Any, timings: Any) -> Any:
+            if left["n"] <= 0:
+                runner.execute = real
+                return real(out, timings)
+            left["n"] -= 1
+            if kind == "step":
+                raise RuntimeError("injected step failure")
+            time.sleep(seconds)
+            return real(out, timings)
+
+        runner.execute = faulty
 
     async def __del__(self) -> None:
         if self._tuning is not None:

@@ -1,16 +1,23 @@
 """What a replica needs to reach its peers: a channel of the configured kind, and a cached
-view of every model's endpoints (refreshed in the background) for choosing replicas."""
+view of every model's endpoints (refreshed in the background) for choosing replicas.
+
+The refresh is also this replica's heartbeat: it re-registers its own endpoint (the
+directory's registrations are leases), and it reports model endpoints that disappeared
+(their replica died and its lease ran out) to ``on_lost``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 import zlib
+from collections.abc import Callable
 
 import ray
 
 from tokenrouter_ray.config import TransportSpec
-from tokenrouter_ray.transport.base import Directory, PeerChannel
+from tokenrouter_ray.transport.base import Directory, Endpoint, PeerChannel
 from tokenrouter_ray.transport.zmq_channel import ZmqChannel, ZmqConfig
 
 
@@ -38,14 +45,27 @@ def make_channel(
     )
 
 
-class PeerBook:
-    """model -> sorted endpoint names, refreshed every ``period_s``."""
+logger = logging.getLogger("ray.serve")
 
-    def __init__(self, directory: Directory, models: list[str], period_s: float = 1.0) -> None:
+
+class PeerBook:
+    """model -> sorted endpoint names, refreshed every ``period_s``; heartbeats ``own``."""
+
+    def __init__(
+        self,
+        directory: Directory,
+        models: list[str],
+        period_s: float = 0.5,
+        own: Endpoint | None = None,
+        on_lost: Callable[[set[str]], None] | None = None,
+    ) -> None:
         self.directory = directory
         self.models = models
         self.period_s = period_s
+        self.own = own
+        self.on_lost = on_lost
         self.by_model: dict[str, list[str]] = {m: [] for m in models}
+        self.last_refresh = time.monotonic()
         self._task: asyncio.Task | None = None
 
     async def start(self, wait_for_all: bool = True, timeout_s: float = 600) -> None:
@@ -66,18 +86,38 @@ class PeerBook:
                 await self._task
 
     async def refresh(self) -> None:
+        if self.own is not None:
+            await self.directory.register(self.own)  # the heartbeat
         endpoints = await self.directory.endpoints()
         by_model: dict[str, list[str]] = {m: [] for m in self.models}
         for e in endpoints:
             if e.model in by_model:
                 by_model[e.model].append(e.name)
+        lost = set(self.all()) - {n for names in by_model.values() for n in names}
         self.by_model = by_model
+        self.last_refresh = time.monotonic()
+        if lost and self.on_lost is not None:
+            self.on_lost(lost)
 
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.period_s)
-            with contextlib.suppress(Exception):
-                await self.refresh()
+            try:
+                await asyncio.wait_for(self.refresh(), timeout=max(2.0, 4 * self.period_s))
+            except Exception as exc:  # the directory restarting must not stop the loop
+                logger.warning("peer book refresh failed: %r", exc)
+
+    @property
+    def healthy(self) -> bool:
+        """Every model has a replica, and the view is recent."""
+        return all(self.by_model.values()) and self.refreshing
+
+    @property
+    def refreshing(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def missing(self) -> list[str]:
+        return [m for m, names in self.by_model.items() if not names]
 
     def all(self) -> list[str]:
         return [e for m in self.models for e in self.by_model[m]]

@@ -101,6 +101,32 @@ class OverloadedError(OpenAIError):
         super().__init__(message, headers=headers)
 
 
+class ServiceUnavailableError(OpenAIError):
+    """503: a model the request needs has no healthy replica now, or stopped answering;
+    retrying after ``Retry-After`` seconds should succeed once it is back."""
+
+    status_code = 503
+    error_type = SERVER_ERROR
+    default_code = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
+
+
+class RequestTimeoutError(ServiceUnavailableError):
+    """503: the request reached its deadline (``timeout``) before it finished."""
+
+    default_code = "timeout"
+
+
+class RequestFailedError(OpenAIError):
+    """500 whose message is shown: a model failed this request (the others are unharmed)."""
+
+    status_code = 500
+    error_type = SERVER_ERROR
+    default_code = "request_failed"
+
+
 class InternalServerError(OpenAIError):
     """500: a fault of the server. Never raised for bad input."""
 
@@ -137,6 +163,10 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, json.JSONDecodeError):
         return from_json_error(exc)
+    if isinstance(exc, RecursionError):  # json.loads of a body nested thousands deep
+        return InvalidRequestError(
+            "The JSON body is nested too deeply to parse.", code="invalid_json"
+        )
     if _is_request_validation_error(exc):
         return from_validation_error(exc)
     return InternalServerError()

@@ -176,8 +176,10 @@ async def merge_choice_streams(
 ) -> AsyncIterator[bytes]:
     """The SSE frames of one request whose ``n`` choices run as ``tasks``: text pieces
     ``(index, text)`` from ``pieces`` as they come, each choice's finish chunk as its task
-    ends (after its last pieces), then usage and ``[DONE]``. Closing the generator early (a
-    client disconnect) cancels every choice's task."""
+    ends (after its last pieces), then usage and ``[DONE]``. A choice that fails ends the
+    stream with its OpenAI error event and ``[DONE]`` (the other choices are cancelled),
+    never a cut connection. Closing the generator early (a client disconnect) cancels
+    every choice's task."""
     try:
         yield stream.start()
         pending = set(tasks)
@@ -194,7 +196,11 @@ async def merge_choice_streams(
                 while not pieces.empty():
                     index, text = pieces.get_nowait()
                     yield stream.delta(index, text)
-                choice = task.result()
+                try:
+                    choice = task.result()
+                except Exception as exc:
+                    yield sse_error(exc) + SSE_DONE
+                    return
                 yield stream.finish(choice.index, choice.finish_reason, choice.routing)
         results = [t.result() for t in tasks]
         total = sum(c.num_tokens for c in results)

@@ -1,26 +1,44 @@
-"""The ingress side of the protocol: submit requests, assemble commits, abort.
+"""The ingress side of the protocol: submit requests, assemble commits, abort, recover.
 
 ``IngressCore`` is the single holder of each request's committed output. It sends NEW to
 the entry model, orders COMMITs from whichever model committed (``CommitLog``), completes a
 request once FINISHED arrived *and* every committed token up to the final length is in, and
 broadcasts ABORT to every model endpoint (receivers that never held the request ignore it).
 The OpenAI server and ``LocalRuntime`` both drive it.
+
+Reliability rules (docs/reliability.md):
+- cleanup never awaits: ``abort_nowait`` and ``release`` change state at once and the ABORT
+  broadcast runs as a background task the core owns, so a cancelled caller (a client that
+  disconnected) cannot leave a request behind on any model or in the active count;
+- every request has a deadline: ``stream`` waits no longer than it, then ends the request
+  with ``error_kind="timeout"`` and aborts it everywhere;
+- ``recreate`` re-submits requests whose models were lost from the committed sequence held
+  here, under a new wire id (``<rid>~<k>``): the old incarnation is aborted everywhere, the
+  new one is a NEW to the entry model carrying prompt + committed tokens, the original
+  prompt length (so ``max_tokens`` and first-token logic keep their meaning) and the
+  replicas to use. Anchors and policy state start afresh.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 from tokenrouter_ray.metrics import INGRESS, Metrics
 from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, ProtocolError, SamplingSpec
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -32,22 +50,34 @@ class Completion:
     counts: dict[str, int] = field(default_factory=dict)  # committed tokens per model
     handoffs: int = 0
     error: str | None = None
+    error_kind: str | None = None  # "model" (a model failed it), "timeout", "unavailable"
+    recreated: int = 0  # times it was re-created after losing a model replica
 
 
 class _Live:
-    def __init__(self, rid: str, prompt_len: int) -> None:
-        self.log = CommitLog(prompt_len)
-        self.completion = Completion(rid, prompt_len)
+    def __init__(self, rid: str, prompt: list[int], sampling: SamplingSpec, timeout_s: float):
+        self.rid = rid
+        self.wire_rid = rid  # the id models know it by (changes when it is re-created)
+        self.prompt = prompt
+        self.sampling = sampling
+        self.log = CommitLog(len(prompt))
+        self.completion = Completion(rid, len(prompt))
         self.final_len: int | None = None
         self.aborted = False
+        self.counts: dict[str, int] = {}  # committed tokens per model, as seen here
         self.updates: asyncio.Queue[list[int] | None] = asyncio.Queue()
         self.submitted_at = time.monotonic()  # for TTFT / ITL / end-to-end metrics
+        self.deadline = self.submitted_at + timeout_s
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
 
     @property
     def complete(self) -> bool:
         return self.final_len is not None and self.log.end >= self.final_len
+
+    @property
+    def done(self) -> bool:
+        return self.complete or self.aborted
 
 
 class IngressCore:
@@ -57,82 +87,155 @@ class IngressCore:
         entry_endpoint: Callable[[], str],
         all_endpoints: Callable[[], list[str]],
         metrics: Metrics | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.channel = channel
         self.metrics = metrics if metrics is not None else Metrics()
         self.entry_endpoint = entry_endpoint
         self.all_endpoints = all_endpoints
-        self.live: dict[str, _Live] = {}
+        self.timeout_s = timeout_s
+        self.live: dict[str, _Live] = {}  # by client request id
+        self._wire: dict[str, _Live] = {}  # by the id models know (differs once re-created)
         self._task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._receive_loop(), name="ingress-recv")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ChannelClosed):
-                await self._task
+        tasks = [t for t in (self._task, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, ChannelClosed, Exception):
+                await task
 
     @property
     def num_active(self) -> int:
         return len(self.live)
 
     async def submit(
-        self, rid: str, prompt: list[int], sampling: SamplingSpec, entry: str | None = None
+        self,
+        rid: str,
+        prompt: list[int],
+        sampling: SamplingSpec,
+        entry: str | None = None,
+        timeout_s: float | None = None,
+        extras: dict[str, Any] | None = None,
     ) -> None:
-        """Send NEW to ``entry`` (default: ``entry_endpoint()``)."""
+        """Send NEW to ``entry`` (default: ``entry_endpoint()``); ``extras`` ride on it
+        (``endpoints``: model -> the replica to use). A failed send forgets the request
+        and raises (nothing was started)."""
         if rid in self.live:
             raise ValueError(f"request {rid!r} is already running")
         if sampling.seed is None:  # one seed for every model the request visits
             sampling = msgspec.structs.replace(sampling, seed=secrets.randbits(62))
-        self.live[rid] = _Live(rid, len(prompt))
+        live = _Live(rid, list(prompt), sampling, timeout_s or self.timeout_s)
+        self.live[rid] = self._wire[rid] = live
         self.metrics.ingress_active(self.num_active)
-        dst = entry or self.entry_endpoint()
-        msg = PeerReq(
-            rid=rid,
+        try:
+            dst = entry or self.entry_endpoint()
+            await self.channel.send(dst, [self._new_msg(live, dst, extras or {})])
+        except BaseException:
+            self.live.pop(rid, None)
+            self._wire.pop(rid, None)
+            self.metrics.ingress_active(self.num_active)
+            raise
+
+    def _new_msg(self, live: _Live, dst: str, extras: dict[str, Any]) -> PeerReq:
+        return PeerReq(
+            rid=live.wire_rid,
             src=self.channel.name,
             dst=dst,
             kind=MsgKind.NEW,
             handoff_seq=0,
-            tokens=list(prompt),
-            sampling=sampling,
+            tokens=live.prompt + live.log.tokens,
+            sampling=live.sampling,
+            extras=extras,
             active_requests=self.num_active,
         )
-        await self.channel.send(dst, [msg])
 
     async def stream(self, rid: str) -> AsyncIterator[list[int]]:
-        """Newly committed tokens as they become contiguous, until the request completes
-        or is aborted."""
+        """Newly committed tokens as they become contiguous, until the request completes,
+        is aborted, fails, or reaches its deadline (then it fails with ``timeout``)."""
         live = self.live[rid]
-        while (chunk := await live.updates.get()) is not None:
+        while True:
+            remaining = live.deadline - time.monotonic()
+            try:
+                chunk = await asyncio.wait_for(live.updates.get(), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                waited = time.monotonic() - live.submitted_at
+                self.fail(
+                    rid, f"no answer within the request's deadline ({waited:.0f} s)", "timeout"
+                )
+                return
+            if chunk is None:
+                return
             yield chunk
 
-    async def abort(self, rid: str, reason: str = "abort") -> None:
+    def abort_nowait(self, rid: str, reason: str = "abort") -> asyncio.Task | None:
         """Stop the request on every model (unless it already completed); ``reason`` is its
-        finish reason (``"stop"`` when the caller saw a stop string)."""
+        finish reason (``"stop"`` when the caller saw a stop string). Changes state at once;
+        the ABORT broadcast runs in the background (returned, to await if wanted)."""
         live = self.live.get(rid)
-        if live is None or live.complete or live.aborted:
-            return
+        if live is None or live.done:
+            return None
         live.aborted = True
         live.completion.finish_reason = reason
         live.updates.put_nowait(None)
+        return self._broadcast_abort(live.wire_rid)
+
+    async def abort(self, rid: str, reason: str = "abort") -> None:
+        task = self.abort_nowait(rid, reason)
+        if task is not None:
+            await asyncio.shield(task)
+
+    def fail(self, rid: str, error: str, kind: str = "model") -> None:
+        """End a request here with an error, and abort it on every model."""
+        live = self.live.get(rid)
+        if live is None or live.done:
+            return
+        live.completion.error, live.completion.error_kind = error, kind
+        self.metrics.error(INGRESS, kind)
+        self.abort_nowait(rid, reason="error")
+
+    def _broadcast_abort(self, wire_rid: str) -> asyncio.Task:
         msgs = [
             PeerReq(
-                rid=rid,
+                rid=wire_rid,
                 src=self.channel.name,
                 dst=dst,
                 kind=MsgKind.ABORT,
                 handoff_seq=0,
-                active_requests=self.num_active - 1,
+                active_requests=max(0, self.num_active - 1),
             )
             for dst in self.all_endpoints()
         ]
-        await self.channel.send_grouped(msgs)
+        return self._spawn(self._send_each(msgs))
+
+    async def _send_each(self, msgs: list[PeerReq]) -> None:
+        """One frame per destination; one unreachable destination does not stop the rest."""
+        for msg in msgs:
+            try:
+                await self.channel.send(msg.dst, [msg])
+            except ChannelClosed:
+                return
+            except Exception as exc:
+                logger.warning(
+                    "ingress: %s for %s to %s failed: %s", msg.kind.name, msg.rid, msg.dst, exc
+                )
+                self.metrics.error(INGRESS, "send_failed")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def release(self, rid: str) -> Completion:
-        """Forget a completed or aborted request; its final record."""
+        """Forget a completed, failed or aborted request; its final record. Never awaits."""
         live = self.live.pop(rid)
+        self._wire.pop(live.wire_rid, None)
         self._record_done(live)
         return live.completion
 
@@ -154,40 +257,106 @@ class IngressCore:
         self.metrics.ingress_active(self.num_active)
 
     async def result(self, rid: str) -> Completion:
-        async for _ in self.stream(rid):
-            pass
+        try:
+            async for _ in self.stream(rid):
+                pass
+        finally:
+            self.abort_nowait(rid)  # no-op once complete; frees the models if cancelled
         return self.release(rid)
 
+    # ----------------------------------------------------------------- recovery
+    async def recreate(
+        self,
+        endpoints: Callable[[str], Mapping[str, str]] | None = None,
+        entry: str | None = None,
+        reason: str = "a model replica was lost",
+    ) -> int:
+        """Re-create every unfinished request from its committed sequence (see the module
+        docstring); ``endpoints(rid)`` (model -> endpoint) are the replicas it must use.
+        Returns how many were re-created."""
+        frames: dict[str, list[PeerReq]] = {}
+        for live in list(self.live.values()):
+            if live.done:
+                continue
+            self._broadcast_abort(live.wire_rid)
+            self._wire.pop(live.wire_rid, None)
+            live.completion.recreated += 1
+            live.wire_rid = f"{live.rid}~{live.completion.recreated}"
+            self._wire[live.wire_rid] = live
+            committed = CommitLog(len(live.prompt))  # drop commits waiting on a gap
+            committed.add(len(live.prompt), live.log.tokens)
+            live.log = committed
+            extras = {
+                "prompt_len": len(live.prompt),
+                "counts": dict(live.counts),
+                "endpoints": dict(endpoints(live.rid)) if endpoints is not None else {},
+            }
+            dst = entry or self.entry_endpoint()
+            frames.setdefault(dst, []).append(self._new_msg(live, dst, extras))
+        for dst, msgs in frames.items():
+            logger.warning("ingress: re-creating %d requests on %s: %s", len(msgs), dst, reason)
+            self.metrics.error(INGRESS, "recreated")
+            try:
+                await self.channel.send(dst, msgs)
+            except Exception as exc:
+                for msg in msgs:
+                    live = self._wire.get(msg.rid)
+                    if live is not None:
+                        self.fail(
+                            live.rid, f"{reason}; re-creating it failed: {exc}", "unavailable"
+                        )
+        return sum(len(m) for m in frames.values())
+
+    # ------------------------------------------------------------------ receive
     async def _receive_loop(self) -> None:
-        async for batch in self.channel:
+        while True:
+            try:
+                batch = await self.channel.recv()
+            except ChannelClosed:
+                return
+            except Exception:  # a transport hiccup must not stop every request
+                logger.exception("ingress: receive failed")
+                self.metrics.error(INGRESS, "recv_failed")
+                await asyncio.sleep(0.05)
+                continue
             for msg in batch:
-                self.metrics.peer_message(INGRESS, msg.sent_at)
-                self._on_message(msg)
+                try:
+                    self.metrics.peer_message(INGRESS, msg.sent_at)
+                    self._on_message(msg)
+                except Exception as exc:
+                    logger.exception("ingress: message %s for %s failed", msg.kind.name, msg.rid)
+                    self.metrics.error(INGRESS, "bad_message")
+                    live = self._wire.get(msg.rid)
+                    if live is not None:
+                        self.fail(live.rid, f"bad {msg.kind.name} message: {exc}")
 
     def _on_message(self, msg: PeerReq) -> None:
-        live = self.live.get(msg.rid)
-        if live is None or live.aborted:
+        live = self._wire.get(msg.rid)
+        if live is None or live.done:
             return
         if msg.kind == MsgKind.COMMIT:
             try:
                 fresh = live.log.add(msg.anchor, msg.tokens)
             except ProtocolError as exc:
                 self.metrics.error(INGRESS, "protocol_error")
-                live.completion.error = str(exc)
-                live.final_len = live.log.end
-                fresh = []
+                self.fail(live.rid, str(exc))
+                return
             if fresh:
+                model = msg.src.split("/", 1)[0]
+                live.counts[model] = live.counts.get(model, 0) + len(fresh)
                 self._record_tokens(live, len(fresh))
                 live.completion.token_ids += fresh
                 live.updates.put_nowait(fresh)
         elif msg.kind == MsgKind.FINISHED:
+            error = msg.extras.get("error")
+            if error:
+                live.completion.counts = dict(msg.extras.get("counts", {}))
+                self.fail(live.rid, str(error), "model")
+                return
             live.final_len = msg.anchor
             live.completion.finish_reason = msg.finish_reason
             live.completion.counts = dict(msg.extras.get("counts", {}))
             live.completion.handoffs = int(msg.extras.get("handoffs", 0))
-            live.completion.error = msg.extras.get("error")
-            if live.completion.error:
-                live.final_len = live.log.end
         if live.complete:
             live.updates.put_nowait(None)
 

@@ -8,8 +8,11 @@ Two asyncio tasks that never wait for another model:
   elsewhere, and sends one frame per destination: HANDOFFs carrying only the suffix the
   receiver has not seen, COMMITs and FINISHEDs to the request's ingress.
 
-Only this task touches the engine, so no lock is needed. Bad messages are logged and
-dropped; a request that cannot be served here is finished with ``finish_reason="error"``.
+Only this task touches the engine, so no lock is needed. Neither loop dies on one request:
+an exception applying a message, building a handoff, routing or sending a frame is contained
+to the requests concerned, which end with ``finish_reason="error"`` (FINISHED with the error
+to the ingress and to every other holder, KV freed here), is counted in
+``tokenrouter_errors_total{type}``, and the loop goes on (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -116,9 +119,33 @@ class SubServer:
         self.inbox.extend(msgs)
         self._wake.set()
 
+    @property
+    def alive(self) -> bool:
+        """Both loops running and the channel open (what a health check asks)."""
+        return (
+            bool(self._tasks) and not any(t.done() for t in self._tasks) and not self.channel.closed
+        )
+
+    def dead_tasks(self) -> list[str]:
+        """Names of stopped loops, with why (for health-check messages)."""
+        return [
+            f"{t.get_name()}: {'cancelled' if t.cancelled() else t.exception()!r}"
+            for t in self._tasks
+            if t.done()
+        ]
+
     # ------------------------------------------------------------------- receive
     async def _receive_loop(self) -> None:
-        async for batch in self.channel:
+        while not self._closing:
+            try:
+                batch = await self.channel.recv()
+            except ChannelClosed:
+                return
+            except Exception:  # one bad receive must not stop the model
+                logger.exception("%s: receive failed", self.name)
+                self.metrics.error(self.name, "recv_failed")
+                await asyncio.sleep(0.05)
+                continue
             self.deliver(batch)
 
     def _apply_inbox(self, out: list[PeerReq]) -> None:
@@ -131,10 +158,13 @@ class SubServer:
                 self.active_requests = msg.active_requests
             try:
                 self._apply(msg, out)
-            except (ValueError, KeyError) as exc:
+            except Exception as exc:  # contained to this message's request
                 logger.warning("%s: dropping %s for %s: %s", self.name, msg.kind.name, msg.rid, exc)
                 self.metrics.error(self.name, "bad_message")
-                self._fail(msg, str(exc), out)
+                try:
+                    self._fail(msg, str(exc), out)
+                except Exception:
+                    logger.exception("%s: could not fail %s", self.name, msg.rid)
         self.engine.set_active_requests(self.active_requests or None)
         self.metrics.engine_state(self.name, self.engine)
 
@@ -145,12 +175,19 @@ class SubServer:
             self.tracked.pop(rid, None)
             return
         if msg.kind == MsgKind.NEW:
-            tracked = Tracked(rid, msg.src, len(msg.tokens), msg.sampling, seq=msg.handoff_seq)
+            if msg.sampling is None:
+                raise ValueError("NEW without sampling parameters")
+            # A re-created request (the ingress lost a replica) carries its committed output
+            # after the prompt, the prompt's length, its counts and the replicas to use.
+            prompt_len = int(msg.extras.get("prompt_len", len(msg.tokens)))
+            tracked = Tracked(rid, msg.src, prompt_len, msg.sampling, seq=msg.handoff_seq)
+            tracked.counts = {k: int(v) for k, v in msg.extras.get("counts", {}).items()}
+            tracked.endpoints.update(msg.extras.get("endpoints", {}))
             tracked.endpoints[self.name] = self.endpoint
-            self.tracked[rid] = tracked
             self.engine.add_request(
-                rid, msg.tokens, engine_sampling(msg.sampling), num_prompt_tokens=len(msg.tokens)
+                rid, msg.tokens, engine_sampling(msg.sampling), num_prompt_tokens=prompt_len
             )
+            self.tracked[rid] = tracked
             return
         if msg.kind != MsgKind.HANDOFF:
             return
@@ -180,30 +217,75 @@ class SubServer:
     # -------------------------------------------------------------------- decode
     async def _decode_loop(self) -> None:
         while not self._closing:
-            out: list[PeerReq] = []
-            self._apply_inbox(out)
-            if out:
-                await self.channel.send_grouped(out)
-            if not self.engine.has_runnable:
-                self._deferred_since = None
-                self._wake.clear()
-                if not self.inbox:
-                    await self._wake.wait()
-                continue
             try:
-                step = await asyncio.to_thread(self._forward_and_route)
-            except Exception as exc:  # a broken step must not take the model down
-                logger.exception("%s: step failed", self.name)
-                self.metrics.error(self.name, "step_failed")
-                await self.channel.send_grouped(self._fail_runnable(f"step failed: {exc}"))
-                continue
-            if step is None:  # deferred: wait for more work or the max-wait deadline
-                await self._sleep_until(self.engine.deferred_until)
-                continue
-            result, destinations = step
-            out = self._commit(result, destinations)
-            if out:
-                await self.channel.send_grouped(out)
+                await self._decode_once()
+            except (asyncio.CancelledError, ChannelClosed):
+                raise
+            except Exception:  # last line of defence: log, count, go on
+                logger.exception("%s: decode loop iteration failed", self.name)
+                self.metrics.error(self.name, "loop_error")
+                self.engine.discard_uncommitted()
+                await asyncio.sleep(0.01)
+
+    async def _decode_once(self) -> None:
+        out: list[PeerReq] = []
+        self._apply_inbox(out)
+        if out:
+            await self._send(out)
+        if not self.engine.has_runnable:
+            self._deferred_since = None
+            self._wake.clear()
+            if not self.inbox:
+                await self._wake.wait()
+            return
+        try:
+            step = await asyncio.to_thread(self._forward_and_route)
+        except Exception as exc:  # a broken step must not take the model down
+            logger.exception("%s: step failed", self.name)
+            self.metrics.error(self.name, "step_failed")
+            await self._send(self._fail_runnable(f"step failed: {exc}"))
+            return
+        if step is None:  # deferred: wait for more work or the max-wait deadline
+            await self._sleep_until(self.engine.deferred_until)
+            return
+        result, destinations = step
+        out = self._commit(result, destinations)
+        if out:
+            await self._send(out)
+
+    async def _send(self, out: list[PeerReq], notify: bool = True) -> None:
+        """One frame per destination. A destination that cannot take its frame (unknown,
+        unreachable) fails the requests it concerned: a HANDOFF's request ends with an error
+        (FINISHED to the ingress and the other holders, sent with ``notify=False``); for a
+        frame to the ingress, the requests are dropped here."""
+        groups: dict[str, list[PeerReq]] = {}
+        for msg in out:
+            groups.setdefault(msg.dst, []).append(msg)
+        follow_up: list[PeerReq] = []
+        for dst, msgs in groups.items():
+            try:
+                await self.channel.send(dst, msgs)
+            except ChannelClosed:
+                raise
+            except Exception as exc:
+                logger.warning("%s: send to %s failed: %s", self.name, dst, exc)
+                self.metrics.error(self.name, "send_failed")
+                self.channel.forget_peer(dst)
+                for msg in msgs:
+                    self._undeliverable(msg, f"peer {dst} unreachable: {exc}", follow_up)
+        if follow_up and notify:
+            await self._send(follow_up, notify=False)
+
+    def _undeliverable(self, msg: PeerReq, error: str, out: list[PeerReq]) -> None:
+        tracked = self.tracked.get(msg.rid)
+        if tracked is None or msg.kind.is_terminal:
+            return
+        if msg.dst == tracked.ingress:  # nobody to report to: free it here
+            self.tracked.pop(msg.rid, None)
+            self.ledger.finish(msg.rid)
+            self.engine.abort(msg.rid)
+            return
+        self._finished(tracked, "error", out, error=error)
 
     async def _sleep_until(self, deadline: float | None) -> None:
         self._wake.clear()
@@ -249,15 +331,20 @@ class SubServer:
     def _commit(self, result: StepResult, destinations: list[int]) -> list[PeerReq]:
         drop: set[str] = set()
         leaving: dict[str, tuple[int, dict]] = {}
+        failed: dict[str, str] = {}  # rid -> error: policy.send or the handoff raised
         for rid, position, dst in zip(
             result.request_ids, result.positions, destinations, strict=True
         ):
             if dst == self.index:
                 continue
-            tracked = self.tracked[rid]
-            send = self.policy.send(
-                RequestView(rid, self.index, position, tracked.policy_state), dst
-            )
+            try:
+                tracked = self.tracked[rid]
+                send = self.policy.send(
+                    RequestView(rid, self.index, position, tracked.policy_state), dst
+                )
+            except Exception as exc:
+                failed[rid] = f"routing to {self.models[dst]} failed: {exc!r}"
+                continue
             if send.drop_sampled:
                 drop.add(rid)
             leaving[rid] = (dst, send.extras)
@@ -272,21 +359,31 @@ class SubServer:
         out: list[PeerReq] = []
         committed = 0
         for o in self.engine.commit(result, drop=drop, pause=leaving.keys()):
-            tracked = self.tracked[o.request_id]
-            if o.new_token_ids:
-                self._count(tracked, len(o.new_token_ids))
-                committed += len(o.new_token_ids)
-                out.append(
-                    self._to_ingress(
-                        tracked, MsgKind.COMMIT, o.new_token_ids, anchor=positions[o.request_id]
+            rid = o.request_id
+            try:
+                tracked = self.tracked[rid]
+                if o.new_token_ids:
+                    self._count(tracked, len(o.new_token_ids))
+                    committed += len(o.new_token_ids)
+                    out.append(
+                        self._to_ingress(tracked, MsgKind.COMMIT, o.new_token_ids, positions[rid])
                     )
-                )
-            if o.finished:
-                self._finished(tracked, o.finish_reason, out)
-            elif o.request_id in leaving:
-                dst, extras = leaving[o.request_id]
-                sequence = self.engine.requests[o.request_id].token_ids
-                out.append(self._handoff(tracked, sequence, dst, extras))
+                if o.finished:
+                    self._finished(tracked, o.finish_reason, out)
+                elif rid in leaving:
+                    dst, extras = leaving[rid]
+                    sequence = self.engine.requests[rid].token_ids
+                    out.append(self._handoff(tracked, sequence, dst, extras))
+            except Exception as exc:  # e.g. no replica of the destination is known
+                failed[rid] = f"handing {rid} on failed: {exc!r}"
+        for rid, error in failed.items():
+            logger.warning("%s: %s", self.name, error)
+            self.metrics.error(self.name, "request_failed")
+            tracked = self.tracked.get(rid)
+            if tracked is not None:
+                self._finished(tracked, "error", out, error=error)
+            else:
+                self.engine.abort(rid)
         self.metrics.committed(self.name, committed)
         return out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,23 +87,43 @@ class Directory(ABC):
 
 
 class InMemoryDirectory(Directory):
-    """A directory for channels living in one process (tests, the local runtime)."""
+    """A directory for channels living in one process (tests, the local runtime), and the
+    state behind the Serve and Ray directories.
 
-    def __init__(self) -> None:
+    With ``ttl_s``, an endpoint is a lease: owners re-register (heartbeat) more often than
+    ``ttl_s``, and one not refreshed for ``ttl_s`` seconds (its process died without
+    unregistering) is dropped, so peers stop choosing it and notice it is gone.
+    """
+
+    def __init__(self, ttl_s: float | None = None) -> None:
+        self.ttl_s = ttl_s
         self._endpoints: dict[str, Endpoint] = {}
+        self._seen: dict[str, float] = {}
 
     async def register(self, endpoint: Endpoint) -> None:
         self._endpoints[endpoint.name] = endpoint
+        self._seen[endpoint.name] = time.monotonic()
 
     async def unregister(self, name: str) -> None:
         self._endpoints.pop(name, None)
+        self._seen.pop(name, None)
 
     async def get(self, name: str) -> Endpoint | None:
+        self._expire()
         return self._endpoints.get(name)
 
     async def endpoints(self, model: str | None = None) -> list[Endpoint]:
+        self._expire()
         found = [e for e in self._endpoints.values() if model is None or e.model == model]
         return sorted(found, key=lambda e: e.name)
+
+    def _expire(self) -> None:
+        if self.ttl_s is None:
+            return
+        oldest = time.monotonic() - self.ttl_s
+        for name in [n for n, seen in self._seen.items() if seen < oldest]:
+            logger.warning("directory: %s missed heartbeats for %.1f s", name, self.ttl_s)
+            del self._endpoints[name], self._seen[name]
 
 
 class PeerChannel(ABC):
