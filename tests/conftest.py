@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-SERVE_PORT = 18123
+SERVE_PORT = int(os.environ.get("TOKENROUTER_TEST_SERVE_PORT", "18123"))
 
 
 @pytest.fixture(scope="session")

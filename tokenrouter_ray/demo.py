@@ -129,32 +129,76 @@ def demo_router_path() -> Path:
 
 def prepare_demo_router(force: bool = False, quiet: bool = False) -> Path:
     """Train (once) the demo pair's R2R router; its metrics go to a JSON file beside it."""
-    from tokenrouter_ray.demo_pair import BUILD_FILE, prepare_small_model
+    from tokenrouter_ray.demo_pair import prepare_small_model
 
     large = prepare_demo(quiet=quiet)
     small = prepare_small_model(large, quiet=quiet)
-    # The router belongs to one build of the small model: retrain when that build changes.
-    fingerprint = hashlib.sha256((small / BUILD_FILE).read_bytes()).hexdigest()
     target = demo_router_path()
-    info = target.with_suffix(".json")
-    fresh = target.is_file() and info.is_file() and not force
-    if fresh and json.loads(info.read_text()).get("small_build_sha256") == fingerprint:
+    if not force and _router_is_current(small):
         return target
     from tokenrouter_ray.routing.training import train_router
 
     staging = target.with_suffix(".tmp.pt")
     metrics = train_router("r2r", str(small), str(large), str(staging), progress=not quiet,
                            target_rate=ROUTER_TARGET_RATE)
-    metrics["small_build_sha256"] = fingerprint
-    info.write_text(json.dumps(metrics, indent=2, default=str))
+    metrics["small_build_sha256"] = _build_fingerprint(small)
+    target.with_suffix(".json").write_text(json.dumps(metrics, indent=2, default=str))
     staging.rename(target)
     return target
+
+
+def _build_fingerprint(small: Path) -> str:
+    from tokenrouter_ray.demo_pair import BUILD_FILE
+
+    return hashlib.sha256((small / BUILD_FILE).read_bytes()).hexdigest()
+
+
+def _router_is_current(small: Path) -> bool:
+    """The router belongs to one build of the small model: stale when that build changed."""
+    target = demo_router_path()
+    info = target.with_suffix(".json")
+    if not (target.is_file() and info.is_file() and (small / "config.json").is_file()):
+        return False
+    return json.loads(info.read_text()).get("small_build_sha256") == _build_fingerprint(small)
 
 
 def demo_router_threshold() -> float:
     """The threshold that routed ROUTER_TARGET_RATE of held-out positions in training."""
     metrics = json.loads(prepare_demo_router(quiet=True).with_suffix(".json").read_text())
     return float(metrics["threshold_for_rate"])
+
+
+def built_artifact(which: str) -> str:
+    """The path (or, for ``router_threshold``, the value) of a demo artifact that
+    ``prepare-demo`` has built; a clear error naming that command when it has not.
+
+    Serve configs resolve ``${demo:...}`` through this. It never builds: inside ``serve
+    run`` a build would run in the Serve controller with no visible progress, for minutes.
+    """
+    from tokenrouter_ray.demo_pair import is_current, small_model_dir
+
+    large = demo_model_dir()
+    small = small_model_dir(large)
+    built = {
+        "large": is_prepared(large),
+        "small": is_prepared(large) and is_current(small),
+        "router": is_prepared(large) and is_current(small) and _router_is_current(small),
+    }
+    built["router_threshold"] = built["router"]
+    if which not in built:
+        raise ValueError(
+            f"unknown demo artifact {which!r}: large, small, router, router_threshold"
+        )
+    if not built[which]:
+        raise UserFacingError(
+            f"the demo models are not built yet (looked in {cache_dir()}): run "
+            "`tokenrouter-ray prepare-demo` first. It builds them once, with a progress bar "
+            "(a few minutes on 2 CPU cores; see docs/demo_pair.md), and caches them; set "
+            "TOKENROUTER_CACHE to use another cache directory."
+        )
+    if which == "router_threshold":
+        return str(demo_router_threshold())
+    return str({"large": large, "small": small, "router": demo_router_path()}[which])
 
 
 def _cmd_prepare_demo(args: argparse.Namespace) -> int:

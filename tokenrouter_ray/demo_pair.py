@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import random
 import shutil
 import tempfile
@@ -281,6 +282,29 @@ def teacher_samples(
     return samples
 
 
+# ------------------------------------------------------------------------ dtype
+def native_bf16() -> bool:
+    """Whether this CPU runs bf16 matrix products natively (AVX512-BF16 or AMX) and torch
+    dispatches to its AVX-512 kernels. Elsewhere (AVX2-only hosts) bf16 is emulated and a
+    distillation step under bf16 autocast is about 10x slower than in fp32."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
+        return False
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def train_dtype() -> torch.dtype:
+    """bf16 where the CPU computes it natively, else fp32 (``TOKENROUTER_TRAIN_DTYPE``
+    = ``bf16`` / ``fp32`` overrides the choice)."""
+    forced = os.environ.get("TOKENROUTER_TRAIN_DTYPE", "").lower()
+    if forced in ("bf16", "bfloat16"):
+        return torch.bfloat16
+    if forced in ("fp32", "float32"):
+        return torch.float32
+    if forced:
+        raise ValueError(f"TOKENROUTER_TRAIN_DTYPE={forced!r}: use bf16 or fp32")
+    return torch.bfloat16 if native_bf16() else torch.float32
+
+
 # ---------------------------------------------------------------------- small model
 def make_small_model(large: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """The large model cut to its first ``num_layers`` layers: same class, copied weights."""
@@ -327,7 +351,7 @@ def _top_hidden(small: PreTrainedModel, k: int, batch: Sequence[Sample]) -> torc
 
 def _distill_loss(
     hidden: torch.Tensor,  # (num_scored, hidden) normed, fp32
-    unembed: torch.Tensor,  # (vocab, hidden) bf16, frozen
+    unembed: torch.Tensor,  # (vocab, hidden) in the training dtype, frozen
     top_ids: torch.Tensor,  # (num_scored, top_k)
     top_logprobs: torch.Tensor,  # (num_scored, top_k)
     recipe: Recipe,
@@ -345,7 +369,7 @@ def _distill_loss(
     rest_ids = rest.nonzero()[:, 0]
     negatives = rest_ids[torch.randperm(len(rest_ids), generator=gen)[: recipe.negatives]]
     rows = torch.cat([candidates, negatives])
-    logits = (hidden.to(torch.bfloat16) @ unembed[rows].T).float()  # (num_scored, num_rows)
+    logits = (hidden.to(unembed.dtype) @ unembed[rows].T).float()  # (num_scored, num_rows)
     if len(negatives):
         logits[:, len(candidates) :] += math.log(len(rest_ids) / len(negatives))
     picked = logits.log_softmax(-1).gather(1, torch.searchsorted(candidates, top_ids))
@@ -369,7 +393,8 @@ def distill(
     params = [*decoder.layers[k:].parameters(), *decoder.norm.parameters()]
     for p in params:
         p.requires_grad_(True)
-    unembed = small.get_output_embeddings().weight.detach().to(torch.bfloat16)
+    dtype = train_dtype()
+    unembed = small.get_output_embeddings().weight.detach().to(dtype)
     batches = _length_batches([len(s.input_ids) for s in samples], recipe.batch_seqs)
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(
@@ -384,7 +409,7 @@ def distill(
         total = 0.0
         for idx in batches:
             batch = [samples[i] for i in idx]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
                 hidden = _top_hidden(small, k, batch)
             loss = _distill_loss(
                 hidden.float(),
@@ -455,19 +480,23 @@ def read_build_info(path: Path | str) -> dict | None:
         return None
 
 
+def is_current(target: Path, recipe: Recipe = Recipe()) -> bool:
+    """Whether ``target`` holds a finished build of ``recipe``."""
+    info = read_build_info(target)
+    return (
+        is_prepared(target)
+        and info is not None
+        and info.get("recipe") == dataclasses.asdict(recipe)
+    )
+
+
 def prepare_small_model(
     large_dir: Path | str, force: bool = False, quiet: bool = False, recipe: Recipe = Recipe()
 ) -> Path:
     """Build (once) and return the HF directory of the small model for ``large_dir``."""
     large_dir = Path(large_dir)
     target = small_model_dir(large_dir, recipe)
-    info = read_build_info(target)
-    if (
-        not force
-        and is_prepared(target)
-        and info is not None
-        and info.get("recipe") == dataclasses.asdict(recipe)
-    ):
+    if not force and is_current(target, recipe):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -564,6 +593,8 @@ def build_small_model(large_dir: Path, out: Path, recipe: Recipe, quiet: bool = 
         "build_seconds": round(time.perf_counter() - t0, 1),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "train_dtype": str(train_dtype()).removeprefix("torch."),
     }
     (out / BUILD_FILE).write_text(json.dumps(info, indent=1) + "\n")
     bar.close()
