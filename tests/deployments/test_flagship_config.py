@@ -96,13 +96,13 @@ def calibrated_r2r_router(small: torch.nn.Module, tokenizer_dir: Path, path: Pat
     median score over the small model's own greedy answer: some tokens go to each model."""
     from transformers import AutoTokenizer
 
-    ref = reference_router([32, 64, 32], normalize=True, hidden=64, vocab=small.vocab_size,
+    ref = reference_router([32, 64, 32], normalize=True, hidden=64, vocab=small.config.vocab_size,
                            top_k=100)  # fmt: skip
     with torch.no_grad():  # R2R fills the table from the small model; the slim file drops it
         ref.token_embeddings.weight.copy_(small.get_input_embeddings().weight)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
-    prompt = torch.tensor([list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)])
+    prompt = torch.tensor([list(prompt if isinstance(prompt, list) else prompt["input_ids"])])
     out = small.generate(
         prompt, max_new_tokens=24, do_sample=False, output_hidden_states=True,
         output_logits=True, return_dict_in_generate=True, pad_token_id=0,

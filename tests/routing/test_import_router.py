@@ -28,6 +28,7 @@ from tokenrouter_ray.routing.routers import (
     R2RRouter,
     RouterCheckpointError,
     inspect_router,
+    is_router_file,
     load_router,
 )
 
@@ -214,6 +215,10 @@ def test_serving_never_unpickles_and_says_how_to_convert(tmp_path: Path) -> None
     src = save_r2r_checkpoint(tmp_path / "router.pt", reference_router(dims, False), False)
     with pytest.raises(RouterCheckpointError, match="import-router --format r2r"):
         build_policy("r2r", {"checkpoint": str(src)}, ["s", "l"])
+    assert not is_router_file(src, "r2r")
+    import_router("r2r", src, tmp_path / "r2r.safetensors")
+    assert is_router_file(tmp_path / "r2r.safetensors", "r2r")
+    assert not is_router_file(tmp_path / "r2r.safetensors", "hidden_mlp")
     with pytest.raises(RouterCheckpointError, match=r"does not exist.*import-router.*train-router"):
         build_policy("r2r", {"checkpoint": str(tmp_path / "nope.safetensors")}, ["s", "l"])
     with pytest.raises(RouterCheckpointError, match="train-router") as info:

@@ -260,6 +260,15 @@ def inspect_router(path: str | Path, expect: str) -> dict[str, Any]:
     }
 
 
+def is_router_file(path: str | Path, kind: str) -> bool:
+    """Whether ``path`` is a checkpoint of ``kind`` in this format (no exception)."""
+    try:
+        inspect_router(path, kind)
+    except RouterCheckpointError:
+        return False
+    return True
+
+
 def how_to_get_router(kind: str) -> str:
     train = (
         "`tokenrouter-ray train-router --policy POLICY --small DIR --large DIR --out FILE` "
