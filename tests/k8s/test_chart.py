@@ -89,7 +89,7 @@ def test_head_group(default_render: Objects) -> None:
 def test_one_gpu_worker_group_per_model(default_render: Objects) -> None:
     cluster = only(default_render, "RayService")["spec"]["rayClusterConfig"]
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
-    expected = {"small": (1, "tokenrouter_small"), "large": (2, "tokenrouter_large")}
+    expected = {"small": (1, "tokenrouter_small"), "large": (1, "tokenrouter_large")}
     assert set(groups) == set(expected)
     for name, (gpus, node_resource) in expected.items():
         group = groups[name]
@@ -173,6 +173,79 @@ def test_values_variant(render_values: Callable[..., Objects]) -> None:
     assert ingress["tls"][0]["secretName"] == "tokenrouter-tls"
 
 
+def _ray_containers(objects: Objects) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """Group name -> (pod spec, Ray container)."""
+    return {
+        name: (template["spec"], template["spec"]["containers"][0])
+        for name, template in pod_templates(only(objects, "RayService")).items()
+    }
+
+
+def test_default_image_is_the_documented_build(default_render: Objects) -> None:
+    chart = yaml.safe_load((manifests.CHART / "Chart.yaml").read_text())
+    for name, (_, container) in _ray_containers(default_render).items():
+        assert container["image"] == f"tokenrouter-ray:{chart['appVersion']}", name
+
+
+def test_routers_default_to_an_empty_dir_named_by_the_env(default_render: Objects) -> None:
+    for name, (spec, container) in _ray_containers(default_render).items():
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["TOKENROUTER_ROUTER_DIR"] == "/routers", name
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["routers"]["mountPath"] == "/routers", name
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["routers"] == {"name": "routers", "emptyDir": {}}, name
+        assert "initContainers" not in spec, name
+
+
+def test_routers_from_an_existing_claim(render_values: Callable[..., Objects]) -> None:
+    values = manifests.default_values()
+    values["routers"].update(existingClaim="tokenrouter-routers", mountPath="/srv/routers")
+    for name, (spec, container) in _ray_containers(render_values(values)).items():
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["TOKENROUTER_ROUTER_DIR"] == "/srv/routers", name
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "routers")
+        assert mount == {"name": "routers", "mountPath": "/srv/routers", "readOnly": True}
+        volume = next(v for v in spec["volumes"] if v["name"] == "routers")
+        assert volume["persistentVolumeClaim"] == {
+            "claimName": "tokenrouter-routers",
+            "readOnly": True,
+        }
+        assert "initContainers" not in spec, name
+
+
+def test_routers_fetched_by_an_init_container(render_values: Callable[..., Objects]) -> None:
+    url = "https://models.example.com/routers/qwen3-r2r.safetensors"
+    values = manifests.default_values()
+    values["routers"]["fetch"]["files"] = [
+        {"name": "r2r.safetensors", "url": url},
+        {"name": "citer.safetensors", "url": url.replace("r2r", "citer")},
+    ]
+    for name, (spec, _) in _ray_containers(render_values(values)).items():
+        [init] = spec["initContainers"]
+        assert init["image"] == "curlimages/curl:8.11.1"
+        assert init["volumeMounts"] == [{"name": "routers", "mountPath": "/routers"}]
+        script = init["command"][-1].splitlines()
+        assert init["command"][:2] == ["sh", "-ec"], name
+        assert script == [
+            f"curl -fsSL --retry 5 -o '/routers/r2r.safetensors' '{url}'",
+            f"curl -fsSL --retry 5 -o '/routers/citer.safetensors' "
+            f"'{url.replace('r2r', 'citer')}'",
+        ]
+        assert next(v for v in spec["volumes"] if v["name"] == "routers")["emptyDir"] == {}
+
+    values["routers"]["fetch"] = {
+        "image": "amazon/aws-cli:2.22.0",
+        "command": ["aws", "s3", "cp", "--recursive", "s3://bucket/routers/", "/routers/"],
+        "env": [{"name": "AWS_REGION", "value": "us-east-1"}],
+    }
+    for spec, _ in _ray_containers(render_values(values)).values():
+        [init] = spec["initContainers"]
+        assert init["image"] == "amazon/aws-cli:2.22.0"
+        assert init["command"] == values["routers"]["fetch"]["command"]
+        assert init["env"] == [{"name": "AWS_REGION", "value": "us-east-1"}]
+
+
 def _bad_values(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     values = manifests.default_values()
     change(values)
@@ -184,12 +257,40 @@ def _bad_values(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     [
         (_bad_values(lambda v: v["transport"].update(name="grpc")), "transport/name"),
         (_bad_values(lambda v: v.update(colour="blue")), "colour"),
-        (_bad_values(lambda v: v["models"][1].update(gpus=3)), "multiple of tensorParallel"),
+        (
+            _bad_values(lambda v: v["models"][1].update(gpus=2, tensorParallel=2)),
+            r"tensorParallel 2: tensor parallelism is not implemented yet .*set tensorParallel: 1",
+        ),
+        (
+            _bad_values(
+                lambda v: v["routers"].update(
+                    existingClaim="routers", fetch={"command": ["sh", "-c", "echo"]}
+                )
+            ),
+            "either existingClaim or fetch",
+        ),
+        (
+            _bad_values(
+                lambda v: v["routers"]["fetch"].update(
+                    files=[{"name": "r2r.pt", "url": "https://x/a'; rm -rf /"}]
+                )
+            ),
+            "url",
+        ),
         (_bad_values(lambda v: v["models"][1].update(name="small")), "appears twice"),
         (_bad_values(lambda v: v["models"][0]["worker"].update(replicas=2)), "replicas must"),
         (_bad_values(lambda v: v["head"]["rayStartParams"].update({"num-gpus": 0})), "num-gpus"),
     ],
-    ids=["transport", "unknown-key", "gpus-vs-tp", "duplicate-model", "replicas", "param-type"],
+    ids=[
+        "transport",
+        "unknown-key",
+        "tensor-parallel",
+        "routers-pvc-and-fetch",
+        "router-url",
+        "duplicate-model",
+        "replicas",
+        "param-type",
+    ],
 )
 def test_invalid_values_are_rejected(
     render_values: Callable[..., Objects], values: dict[str, Any], message: str

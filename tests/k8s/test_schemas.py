@@ -52,6 +52,14 @@ def test_variant_render_is_valid(render_values: Callable[..., Objects]) -> None:
     )
     values["metrics"]["podMonitor"]["labels"] = {"release": "kube-prometheus-stack"}
     assert_valid(render_values(values))
+    values["routers"]["fetch"].update(
+        files=[{"name": "r2r.safetensors", "url": "https://example.com/r2r.safetensors"}],
+        env=[{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+        resources={"limits": {"cpu": "1", "memory": "512Mi"}},
+    )
+    assert_valid(render_values(values))  # with the init container
+    values["routers"] = {"mountPath": "/routers", "existingClaim": "routers"}
+    assert_valid(render_values(values))  # with the PVC
 
 
 def _mutated(obj: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:

@@ -85,6 +85,8 @@ e.g. "{\"tokenrouter_small\": 1}".
 {{- define "tokenrouter-ray.containerEnv" -}}
 - name: HF_HOME
   value: {{ .Values.modelCache.mountPath | quote }}
+- name: TOKENROUTER_ROUTER_DIR
+  value: {{ .Values.routers.mountPath | quote }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
@@ -98,5 +100,62 @@ e.g. "{\"tokenrouter_small\": 1}".
 {{- else }}
   emptyDir:
     sizeLimit: {{ .Values.modelCache.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{/* Router checkpoints: the PVC (read-only), else an emptyDir the init container fills. */}}
+{{- define "tokenrouter-ray.routersVolume" -}}
+- name: routers
+{{- if .Values.routers.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.routers.existingClaim }}
+    readOnly: true
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end }}
+
+{{- define "tokenrouter-ray.routersMount" -}}
+- name: routers
+  mountPath: {{ .Values.routers.mountPath }}
+{{- if .Values.routers.existingClaim }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/*
+The init container that fetches routers into the emptyDir before Ray starts (empty when
+routers.fetch has neither files nor a command): curl for each of `files`, else `command`.
+*/}}
+{{- define "tokenrouter-ray.routersFetch" -}}
+{{- $fetch := .Values.routers.fetch | default dict }}
+{{- if or $fetch.files $fetch.command }}
+{{- if .Values.routers.existingClaim }}
+{{- fail "routers: set either existingClaim or fetch (files or command), not both" }}
+{{- end }}
+- name: fetch-routers
+  image: {{ $fetch.image | default "curlimages/curl:8.11.1" }}
+  command:
+  {{- if $fetch.command }}
+    {{- toYaml $fetch.command | nindent 4 }}
+  {{- else }}
+    - sh
+    - -ec
+    - |
+      {{- range $fetch.files }}
+      curl -fsSL --retry 5 -o {{ printf "%s/%s" $.Values.routers.mountPath .name | squote }} {{ .url | squote }}
+      {{- end }}
+  {{- end }}
+  {{- with $fetch.env }}
+  env:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $fetch.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: routers
+      mountPath: {{ .Values.routers.mountPath }}
 {{- end }}
 {{- end }}
