@@ -262,7 +262,8 @@ class IngressCore:
                 pass
         finally:
             self.abort_nowait(rid)  # no-op once complete; frees the models if cancelled
-        return self.release(rid)
+            done = self.release(rid)
+        return done
 
     # ----------------------------------------------------------------- recovery
     async def recreate(

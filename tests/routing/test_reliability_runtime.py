@@ -1,0 +1,157 @@
+"""Reliability of the runtime itself (no Ray): cancellation at random points frees every
+model, a bad send or a failing route is contained to its request, deadlines end stalled
+requests, and re-creating requests from the ingress's committed sequence reproduces the
+undisturbed greedy output."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from tests.routing.conftest import chain_engines
+from tests.routing.test_protocol_runtime import all_free
+from tokenrouter_ray.protocol import SamplingSpec
+from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.runtime.local import LocalRuntime
+from tokenrouter_ray.transport.base import endpoint_name
+
+TWO = ["small", "large"]
+SPEC = SamplingSpec(temperature=0.0, max_tokens=40, seed=3, ignore_eos=True)
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(5 * i + j) % 120 + 1 for j in range(3 + i % 5)] for i in range(n)]
+
+
+def test_random_cancellations_free_every_model_and_leave_the_others_exact(chain_dirs) -> None:
+    policy = build_policy("bernoulli", {"p": 0.4}, TWO)
+    keep = prompts(4)
+    rng = random.Random(7)
+
+    async def go() -> None:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            want = [c.token_ids for c in await rt.complete_all(keep, SPEC)]
+            await rt.wait_idle()
+            kept = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in keep]
+            doomed = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in prompts(120)]
+            for task in rng.sample(doomed, len(doomed)):  # cancel in random order and moments
+                await asyncio.sleep(rng.random() * 0.01)
+                task.cancel()
+            got = await asyncio.wait_for(asyncio.gather(*kept), 120)
+            await asyncio.gather(*doomed, return_exceptions=True)
+            await rt.wait_idle()
+            assert all_free(rt)
+            assert rt.ingress.num_active == 0
+            assert [c.token_ids for c in got] == want
+
+    asyncio.run(go())
+
+
+def test_an_unreachable_or_unknown_peer_fails_only_its_request(chain_dirs) -> None:
+    policy = build_policy("bernoulli", {"p": 0.5}, TWO)
+
+    async def go() -> None:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            small = rt.subservers[0]
+            real = small.pick_endpoint
+
+            def ghost(model: str, rid: str) -> str:
+                if rid == "lost":
+                    return endpoint_name(model, "ghost")  # never registered
+                if rid == "nowhere":
+                    raise LookupError(f"no replica of {model!r} known")
+                return real(model, rid)
+
+            small.pick_endpoint = ghost
+            lost, nowhere, fine = await asyncio.wait_for(
+                asyncio.gather(
+                    rt.complete([1, 2, 3], SPEC, "lost"),
+                    rt.complete([1, 2, 3], SPEC, "nowhere"),
+                    rt.complete([1, 2, 3], SPEC, "fine"),
+                ),
+                60,
+            )
+            assert lost.finish_reason == "error" and "ghost" in lost.error
+            assert nowhere.finish_reason == "error" and "no replica" in nowhere.error
+            assert fine.finish_reason == "length" and len(fine.token_ids) == SPEC.max_tokens
+            await rt.wait_idle()
+            assert all_free(rt)
+            assert all(s.alive for s in rt.subservers)
+
+    asyncio.run(go())
+
+
+def test_a_failing_route_fails_its_batch_not_the_loop(chain_dirs) -> None:
+    policy = build_policy("bernoulli", {"p": 0.5}, TWO)
+
+    async def go() -> None:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            real = policy.send
+            calls = {"n": 0}
+
+            def flaky(view, dst):  # type: ignore[no-untyped-def]
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise RuntimeError("policy bug")
+                return real(view, dst)
+
+            policy.send = flaky
+            done = await asyncio.wait_for(rt.complete_all(prompts(3), SPEC), 60)
+            failed = [c for c in done if c.finish_reason == "error"]
+            assert len(failed) == 1 and "policy bug" in failed[0].error
+            await rt.wait_idle()
+            assert all_free(rt) and all(s.alive for s in rt.subservers)
+            again = await asyncio.wait_for(rt.complete([4, 5], SPEC), 60)
+            assert len(again.token_ids) == SPEC.max_tokens
+
+    asyncio.run(go())
+
+
+def test_a_stalled_model_ends_the_request_at_its_deadline(chain_dirs) -> None:
+    policy = build_policy("always", {}, TWO)
+
+    async def go() -> None:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            runner = rt.subservers[1].engine.runner
+            real = runner.execute
+
+            def stalled(out, timings):  # type: ignore[no-untyped-def]
+                time.sleep(1.5)
+                return real(out, timings)
+
+            runner.execute = stalled
+            rid = "slow"
+            await rt.ingress.submit(rid, [1, 2, 3], SPEC, timeout_s=0.5)
+            t0 = time.monotonic()
+            done = await asyncio.wait_for(rt.ingress.result(rid), 30)
+            assert time.monotonic() - t0 < 10
+            assert done.finish_reason == "error" and done.error_kind == "timeout"
+            runner.execute = real
+            await rt.wait_idle()
+            assert all_free(rt)
+
+    asyncio.run(go())
+
+
+def test_recreated_requests_reproduce_the_undisturbed_greedy_output(chain_dirs) -> None:
+    policy = build_policy("bernoulli", {"p": 0.4}, TWO)
+    batch = prompts(6)
+
+    async def go() -> None:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            want = await rt.complete_all(batch, SPEC)
+            await rt.wait_idle()
+            tasks = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in batch]
+            while sum(len(live.log.tokens) for live in rt.ingress.live.values()) < 60:
+                await asyncio.sleep(0.002)
+            recreated = await rt.ingress.recreate(reason="test")
+            assert recreated > 0
+            got = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            await rt.wait_idle()
+            assert all_free(rt)
+            assert [c.token_ids for c in got] == [c.token_ids for c in want]
+            assert [sum(c.counts.values()) for c in got] == [SPEC.max_tokens] * len(batch)
+            assert sum(c.recreated for c in got) == recreated
+
+    asyncio.run(go())
