@@ -17,13 +17,15 @@ ARG PYTHON_TAG=py311
 
 # Stage 1: build the wheel. The configs in conf/ go into it as package data, and loadtest/ and
 # tests/ stay out.
+# (COPY creates src/ owned by `ray`, so the in-tree build can write there; tokenrouter_ray/conf
+# stays a link to ../conf, and the wheel gets a real copy.)
 FROM rayproject/ray:${RAY_VERSION}-${PYTHON_TAG}-gpu AS wheel
-WORKDIR /home/ray/src
-COPY --chown=ray:users pyproject.toml README.md ./
-COPY --chown=ray:users conf ./conf
-COPY --chown=ray:users deployments ./deployments
-COPY --chown=ray:users tokenrouter_ray ./tokenrouter_ray
-RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /home/ray/wheels .
+WORKDIR /home/ray
+COPY --chown=ray:users pyproject.toml README.md src/
+COPY --chown=ray:users conf src/conf
+COPY --chown=ray:users deployments src/deployments
+COPY --chown=ray:users tokenrouter_ray src/tokenrouter_ray
+RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /home/ray/wheels ./src
 
 # Stage 2: the runtime image.
 FROM rayproject/ray:${RAY_VERSION}-${PYTHON_TAG}-gpu

@@ -200,3 +200,54 @@ def test_chart_default_image_is_what_the_documented_build_produces() -> None:
     assert f"docker build -t $REGISTRY/{tag} ." in docs
     assert f"docker push $REGISTRY/{tag}" in docs
     assert "--set image.repository=$REGISTRY/tokenrouter-ray" in docs
+
+
+def test_the_wheel_stage_builds_from_exactly_what_it_copies(tmp_path: Path) -> None:
+    """Stage 1 replayed without Docker: lay out what its COPY lines copy (through the
+    .dockerignore filter), build the wheel the same way, and look inside."""
+    import zipfile
+
+    tracked = subprocess.run(
+        ["git", "ls-files"], capture_output=True, text=True, cwd=REPO, check=True
+    ).stdout.split()
+    home = tmp_path / "home" / "ray"
+    home.mkdir(parents=True)
+    stage, build = [], None
+    for keyword, rest in _instructions():
+        if keyword == "FROM" and stage:
+            break
+        if keyword == "COPY":
+            *sources, dest = [a for a in rest.split() if not a.startswith("--")]
+            stage.append((sources, dest))
+        if keyword == "RUN":
+            build = rest
+    assert build and "pip wheel" in build and "--no-deps" in build, build
+    for sources, dest in stage:
+        for source in sources:
+            for path in (p for p in tracked if in_build_context(p)):
+                if path == source:  # a file: into the directory dest/, or as dest
+                    target = home / dest / Path(path).name if dest.endswith("/") else home / dest
+                elif path.startswith(source + "/"):  # a directory's content: into dest
+                    target = home / dest / Path(path).relative_to(source)
+                else:
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if (REPO / path).is_symlink():
+                    target.symlink_to((REPO / path).readlink())
+                else:
+                    shutil.copy(REPO / path, target)
+    wheels = tmp_path / "wheels"
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(wheels), "./src"],
+        capture_output=True, text=True, cwd=home,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    [wheel] = wheels.glob("tokenrouter_ray-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    conf = sorted(n for n in names if n.startswith("tokenrouter_ray/conf/"))
+    assert [n.removeprefix("tokenrouter_ray/") for n in conf] == sorted(
+        str(p.relative_to(REPO)) for p in (REPO / "conf").rglob("*.yaml")
+    )
+    assert "deployments/app.py" in names and "tokenrouter_ray/config.py" in names
+    assert not [n for n in names if n.startswith(("loadtest/", "tests/"))]
