@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -61,6 +62,7 @@ class ModelServer:
         self.model = model
         index = cfg.model_names.index(model)
         self.engine = await asyncio.to_thread(Engine.from_config, engine_config(cfg, model))
+        self._execute = self.engine.runner.execute  # restored by inject_fault("clear")
         needs_tokenizer = cfg.policy.name == "glimprouter"
         tokenizer = load_tokenizer(cfg.models[model].path) if needs_tokenizer else None
         policy = build_policy(cfg.policy.name, cfg.policy.options, cfg.model_names, tokenizer)
@@ -134,6 +136,7 @@ class ModelServer:
         return {
             "model": self.model,
             "endpoint": self.server.endpoint,
+            "pid": os.getpid(),
             "requests": len(self.engine.requests),
             "tracked": len(self.server.tracked),
             "waiting": len(sched.waiting),
@@ -156,15 +159,15 @@ class ModelServer:
     async def inject_fault(self, kind: str, count: int = 1, seconds: float = 0.0) -> None:
         """Chaos hook: ``step`` makes the next ``count`` forward steps raise; ``stall``
         makes the next ``count`` steps take ``seconds`` longer (a model that stops
-        answering); ``crash`` ends this replica's process at once (Serve restarts it)."""
-        if kind == "crash":
-            import os
-
-            os._exit(1)
-        if kind not in ("step", "stall"):
-            raise ValueError(f"unknown fault {kind!r} (step, stall, crash)")
+        answering); ``clear`` removes any fault. To kill a replica, kill its process
+        (``status()["pid"]``)."""
         runner = self.engine.runner
-        real = runner.execute
+        real = self._execute
+        runner.execute = real
+        if kind == "clear":
+            return
+        if kind not in ("step", "stall"):
+            raise ValueError(f"unknown fault {kind!r} (step, stall, clear)")
         left = {"n": count}
 
         def faulty(out: Any, timings: Any) -> Any:

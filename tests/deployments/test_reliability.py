@@ -1,0 +1,290 @@
+"""Reliability of the served app (real Ray Serve, ZeroMQ, HTTP, the official openai client):
+client cancellations free every model; a failing model, a stalled model and a killed model
+replica end requests with clear errors or re-create them; bad bodies and overload answer
+OpenAI envelopes with the right status and headers. Scenarios and figures:
+docs/reliability.md."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.deployments.conftest import local_outputs, tiny_overrides
+
+TWO = ["small", "large"]
+APP = "reliability"
+MAX_ACTIVE = 64
+OPTIONS = {"threshold": 0.45}  # entropy policy: deterministic routing
+EXTRA = ["policy.options.threshold=0.45", f"ingress.max_active_requests={MAX_ACTIVE}"]
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(11 * i + j) % 120 + 1 for j in range(3 + i % 4)] for i in range(n)]
+
+
+def ids_of(text: str) -> list[int]:
+    return [int(w[1:]) for w in text.split()]
+
+
+@pytest.fixture(scope="module")
+def app(serve_app, served_chain_dirs) -> Iterator[str]:
+    overrides = tiny_overrides(served_chain_dirs, TWO, "entropy", "zmq_ipc", EXTRA)
+    with serve_app(overrides, APP) as base:
+        wait_healthy(base, 120)
+        yield base
+
+
+def root_of(base: str) -> str:
+    return base.removesuffix("/v1")
+
+
+def wait_healthy(base: str, timeout_s: float) -> float:
+    """Seconds until /health answers 200 (fails the test past ``timeout_s``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if httpx.get(root_of(base) + "/health", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"/health not 200 within {timeout_s} s")
+
+
+def stats(base: str) -> dict[str, Any]:
+    return httpx.get(base + "/tokenrouter/stats", timeout=30).json()
+
+
+def wait_clean(base: str, timeout_s: float = 60) -> dict[str, Any]:
+    """Until the ingress and every model hold no request and no KV block."""
+    t0 = time.monotonic()
+    while True:
+        state = stats(base)
+        models = state["models"]
+        clean = state["active_requests"] == 0 and all(
+            m.get("requests") == 0 and m.get("tracked") == 0 and m.get("kv_blocks_used") == 0
+            for m in models.values()
+        )
+        if clean:
+            return state
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"state not clean after {timeout_s} s: {state}")
+        time.sleep(0.25)
+
+
+def client(base: str, timeout: float = 120) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=timeout)
+
+
+def model_handle(name: str) -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle(name, app_name=APP)
+
+
+def reaches_large(served_chain_dirs: dict[str, str], max_tokens: int) -> tuple[list[int], Any]:
+    """A prompt whose greedy run hands off to the large model, and its expected output."""
+    candidates = prompts(8)
+    outs = local_outputs(served_chain_dirs, TWO, "entropy", OPTIONS, candidates, max_tokens)
+    for prompt, out in zip(candidates, outs, strict=True):
+        if out.counts.get("large", 0) >= 2:
+            return prompt, out
+    raise AssertionError("no prompt reaches the large model")
+
+
+def sse_lines(base: str, body: dict[str, Any]) -> list[str]:
+    with httpx.stream("POST", base + "/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+
+# ----------------------------------------------------------------------------- P0
+def test_cancelled_requests_free_every_model_and_the_others_are_exact(
+    app: str, served_chain_dirs
+) -> None:
+    keep = prompts(4)
+    want = local_outputs(served_chain_dirs, TWO, "entropy", OPTIONS, keep, 24)
+    rng = random.Random(12)
+    api = client(app)
+    cut = {"stream": 0, "plain": 0}
+    lock = threading.Lock()
+
+    def doomed(i: int) -> None:
+        prompt = [(i * 7 + j) % 120 + 1 for j in range(4)]
+        args = dict(model="tokenrouter", prompt=prompt, max_tokens=200, temperature=0)
+        args["extra_body"] = {"ignore_eos": True}
+        for _ in range(100):  # a client honouring 503 + Retry-After (aborts land async)
+            try:
+                if i % 3:  # streaming, closed after a random number of chunks
+                    stream = api.completions.create(stream=True, **args)
+                    for n, _ in enumerate(stream):
+                        if n >= i % 23:
+                            break
+                    stream.close()
+                    kind = "stream"
+                else:  # non-streaming, the client gives up after a random moment
+                    with pytest.raises(openai.APITimeoutError):
+                        client(app, timeout=0.05 + (i % 10) / 20).completions.create(**args)
+                    kind = "plain"
+                break
+            except openai.APIStatusError as exc:
+                assert exc.status_code == 503
+                time.sleep(0.2)
+        with lock:
+            cut[kind] += 1
+
+    def kept(prompt: list[int]) -> list[int]:
+        r = api.completions.create(model="tokenrouter", prompt=prompt, max_tokens=24, temperature=0)
+        return ids_of(r.choices[0].text)
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        keepers = [pool.submit(kept, p) for p in keep]
+        for wave in range(2):  # 2 x 60 cancelled requests beside the 4 kept ones
+            order = list(range(wave * 60, wave * 60 + 60))
+            rng.shuffle(order)
+            for f in [pool.submit(doomed, i) for i in order]:
+                f.result(timeout=180)
+        got = [f.result(timeout=180) for f in keepers]
+    assert cut["stream"] + cut["plain"] == 120 and cut["plain"] >= 30
+    t0 = time.monotonic()
+    state = wait_clean(app)  # 0 requests, 0 KV blocks on every model; 0 active at the ingress
+    print(f"cancelled {cut}; clean {time.monotonic() - t0:.1f} s after the last cut")
+    assert all(m["alive"] for m in state["models"].values())
+    assert got == [w.token_ids for w in want]
+
+
+def test_overload_is_503_with_retry_after_and_frees_everything(app: str) -> None:
+    codes: list[tuple[int, str | None]] = []
+    lock = threading.Lock()
+
+    def call(i: int) -> None:
+        body = {"model": "tokenrouter", "prompt": [i % 100 + 1, 3], "max_tokens": 200}
+        body |= {"ignore_eos": True, "temperature": 0}
+        try:
+            r = httpx.post(app + "/completions", json=body, timeout=4)
+            code, retry = r.status_code, r.headers.get("retry-after")
+            if code == 503:
+                assert r.json()["error"]["code"] == "overloaded"
+        except httpx.TimeoutException:
+            code, retry = 0, None  # admitted, then cancelled by the client
+        with lock:
+            codes.append((code, retry))
+
+    small = model_handle("small")
+    small.inject_fault.remote("stall", 100_000, 0.05).result()  # requests stay active
+    try:
+        with concurrent.futures.ThreadPoolExecutor(80) as pool:
+            list(pool.map(call, range(80)))
+    finally:
+        small.inject_fault.remote("clear").result()
+    refused = [retry for code, retry in codes if code == 503]
+    assert refused and all(retry == "1" for retry in refused), codes
+    assert len(refused) <= 80 - MAX_ACTIVE
+    wait_clean(app)
+
+
+def test_bad_bodies_are_400_envelopes(app: str) -> None:
+    deep = b'{"model": "tokenrouter", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    r = httpx.post(app + "/completions", content=deep, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    body = {"model": "tokenrouter", "prompt": [1, 2], "max_tokens": 4, "timeout": -1}
+    r = httpx.post(app + "/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
+
+
+def test_a_failing_model_ends_requests_with_errors_and_keeps_serving(
+    app: str, served_chain_dirs
+) -> None:
+    prompt, want = reaches_large(served_chain_dirs, 24)
+    body = {"model": "tokenrouter", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    large = model_handle("large")
+
+    large.inject_fault.remote("step", 1).result()
+    lines = sse_lines(app, body | {"stream": True})
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "request_failed" and "injected step failure" in error["message"]
+
+    large.inject_fault.remote("step", 1).result()
+    r = httpx.post(app + "/completions", json=body, timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed"
+
+    wait_clean(app)
+    again = client(app).completions.create(**body)
+    assert ids_of(again.choices[0].text) == want.token_ids
+
+
+def test_a_stalled_model_ends_requests_at_their_deadline(app: str, served_chain_dirs) -> None:
+    prompt, _ = reaches_large(served_chain_dirs, 24)
+    body = {"model": "tokenrouter", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    large = model_handle("large")
+
+    large.inject_fault.remote("stall", 1, 4.0).result()
+    t0 = time.monotonic()
+    r = httpx.post(app + "/completions", json=body | {"timeout": 1.0}, timeout=60)
+    assert time.monotonic() - t0 < 4.0
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "timeout"
+    wait_clean(app)
+
+    large.inject_fault.remote("stall", 1, 4.0).result()
+    lines = sse_lines(app, body | {"stream": True, "timeout": 1.0})
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "timeout"
+    wait_clean(app)
+
+
+# ----------------------------------------------------------------------------- P1
+def test_killed_replica_requests_are_recreated_and_the_app_serves_on(
+    app: str, served_chain_dirs
+) -> None:
+    batch = prompts(8)
+    want = local_outputs(served_chain_dirs, TWO, "entropy", OPTIONS, batch, 64)
+    large = model_handle("large")
+    large.inject_fault.remote("stall", 10_000, 0.05).result()  # slow: the kill lands mid-way
+    before = len(stats(app)["recoveries"])
+    api = client(app, timeout=180)
+    first_chunk = threading.Barrier(len(batch) + 1, timeout=120)
+
+    def run(prompt: list[int]) -> list[int]:
+        stream = api.completions.create(
+            model="tokenrouter", prompt=prompt, max_tokens=64, temperature=0, stream=True
+        )
+        text = ""
+        for n, chunk in enumerate(stream):
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if n == 1:
+                first_chunk.wait()
+        return ids_of(text)
+
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        futures = [pool.submit(run, p) for p in batch]
+        first_chunk.wait()  # every request is generating
+        killed_at = time.monotonic()
+        os.kill(large.status.remote().result()["pid"], signal.SIGKILL)
+        got = [f.result(timeout=300) for f in futures]  # none hangs
+    recovered_s = time.monotonic() - killed_at
+    assert got == [w.token_ids for w in want]
+    recoveries = stats(app)["recoveries"][before:]
+    assert recoveries and sum(r["recreated"] for r in recoveries) >= 1
+    healthy_s = wait_healthy(app, 120)
+    fresh = api.completions.create(
+        model="tokenrouter", prompt=batch[0], max_tokens=64, temperature=0
+    )
+    assert ids_of(fresh.choices[0].text) == want[0].token_ids
+    state = wait_clean(app)
+    assert all(m["alive"] for m in state["models"].values())
+    print(f"kill -> all 8 done {recovered_s:.1f} s; recoveries {recoveries}; health {healthy_s}")
