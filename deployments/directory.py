@@ -9,6 +9,8 @@ disappears within the TTL, which is how the ingress learns to re-create its requ
 
 from __future__ import annotations
 
+import secrets
+
 from ray import serve
 
 from tokenrouter_ray.transport.base import InMemoryDirectory
@@ -24,8 +26,17 @@ class EndpointDirectory(InMemoryDirectory):
 
     def __init__(self, ttl_s: float = ENDPOINT_TTL_S) -> None:
         super().__init__(ttl_s)
+        self._peer_secret = secrets.token_bytes(32)  # per app, unless the env var is set
+
+    async def peer_secret(self) -> bytes:
+        """The app's generated peer-channel secret (used when TOKENROUTER_PEER_SECRET is
+        not set). Only code inside the Ray cluster can call this handle."""
+        return self._peer_secret
 
 
 class ServeDirectory(RayDirectory):
     """The deployment's handle as a ``Directory``: a Serve handle's methods are called and
     awaited like a Ray actor's, so the Ray directory client serves as it is."""
+
+    async def peer_secret(self) -> bytes:
+        return await self._handle.peer_secret.remote()

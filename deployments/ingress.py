@@ -38,7 +38,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.directory import ServeDirectory
 from deployments.model_server import load_tokenizer
-from deployments.peers import PeerBook, make_channel
+from deployments.peers import PeerBook, make_channel, peer_key
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.metrics import INGRESS, Metrics
 from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
@@ -171,7 +171,10 @@ class Ingress:
         )
         replica = serve.get_replica_context().replica_id.unique_id
         serve_directory = ServeDirectory(directory)
-        self.channel = make_channel(cfg.transport, "ingress", replica, serve_directory)
+        key = await peer_key(serve_directory)
+        self.channel = make_channel(
+            cfg.transport, "ingress", replica, serve_directory, key, Metrics.ray()
+        )
         await self.channel.start()
         self.models = models
         self.timeout_s = float(getattr(cfg.ingress, "request_timeout_s", DEFAULT_TIMEOUT_S))

@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.directory import ServeDirectory
-from deployments.peers import PeerBook, make_channel
+from deployments.peers import PeerBook, make_channel, peer_key
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.metrics import Metrics
@@ -68,7 +68,9 @@ class ModelServer:
         policy = build_policy(cfg.policy.name, cfg.policy.options, cfg.model_names, tokenizer)
         replica = serve.get_replica_context().replica_id.unique_id
         self.directory = ServeDirectory(directory)
-        self.channel = make_channel(cfg.transport, model, replica, self.directory)
+        key = await peer_key(self.directory)
+        metrics = Metrics.ray(policy=cfg.policy.name)  # exported by Ray's metrics agent
+        self.channel = make_channel(cfg.transport, model, replica, self.directory, key, metrics)
         await self.channel.start()
         self.peers = PeerBook(
             self.directory, cfg.model_names, own=self.channel.endpoint, on_lost=self._on_lost
@@ -81,7 +83,7 @@ class ModelServer:
             policy,
             self.channel,
             pick_endpoint=self._pick,
-            metrics=Metrics.ray(policy=cfg.policy.name),  # exported by Ray's metrics agent
+            metrics=metrics,
         )
         self.server.stats.window_s = cfg.tuner.window_s
         await self.server.start()

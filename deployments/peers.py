@@ -10,20 +10,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import zlib
 from collections.abc import Callable
 
 import ray
 
+from deployments.directory import ServeDirectory
 from tokenrouter_ray.config import TransportSpec
+from tokenrouter_ray.metrics import Metrics
+from tokenrouter_ray.transport.auth import SECRET_ENV, derive_key
 from tokenrouter_ray.transport.base import Directory, Endpoint, PeerChannel
 from tokenrouter_ray.transport.zmq_channel import ZmqChannel, ZmqConfig
 
 
+async def peer_key(directory: ServeDirectory) -> bytes:
+    """The HMAC key for peer frames: from ``TOKENROUTER_PEER_SECRET`` (the same on every
+    node), else from the app's generated secret held by the endpoint directory."""
+    secret = os.environ.get(SECRET_ENV) or await directory.peer_secret()
+    return derive_key(secret)
+
+
 def make_channel(
-    spec: TransportSpec, model: str, replica: str, directory: Directory
+    spec: TransportSpec,
+    model: str,
+    replica: str,
+    directory: Directory,
+    key: bytes | None = None,
+    metrics: Metrics | None = None,
 ) -> PeerChannel:
+    """A channel of the configured kind; ZeroMQ frames are signed with ``key``."""
     if spec.kind == "ray":
         from tokenrouter_ray.transport.ray_channel import RayChannel
 
@@ -32,6 +49,9 @@ def make_channel(
     advertise = z.advertise_host
     if z.transport == "tcp" and advertise is None and z.bind_host in ("0.0.0.0", "::"):
         advertise = ray.util.get_node_ip_address()
+    on_reject = None
+    if metrics is not None:
+        on_reject = lambda reason: metrics.peer_rejected(model, reason)  # noqa: E731
     return ZmqChannel(
         model,
         replica,
@@ -41,7 +61,9 @@ def make_channel(
             bind_host=z.bind_host,
             advertise_host=advertise,
             port=z.port,
+            key=key,
         ),
+        on_reject=on_reject,
     )
 
 

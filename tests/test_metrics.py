@@ -167,6 +167,7 @@ def test_ray_backend_defines_the_same_metrics() -> None:
             "finish_reason",
             "active_requests",  # the tuner's tuned N: a handful of configured values
             "outcome",  # tuner decision outcome: 4 values
+            "reason",  # peer frame rejections: malformed, bad_mac, replay, undecodable
         }
 
 

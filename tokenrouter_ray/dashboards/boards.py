@@ -86,10 +86,17 @@ def overview(prefix: str) -> dict[str, Any]:
             ),
             timeseries(
                 "Errors / s by type",
-                [target(q.rate(errors, ["model", "type"]), "{{model}}: {{type}}")],
+                [
+                    target(q.rate(errors, ["model", "type"]), "{{model}}: {{type}}"),
+                    target(
+                        q.rate("tokenrouter_peer_rejected_total", ["model", "reason"]),
+                        "{{model}}: peer frame rejected ({{reason}})",
+                    ),
+                ],
                 "short",
                 "Model errors (step_failed, bad_message) and ingress errors "
-                "(<OpenAI type>_<HTTP status>, request_failed, protocol_error).",
+                "(<OpenAI type>_<HTTP status>, request_failed, protocol_error); peer-channel "
+                "frames rejected by authentication.",
             ),
         ],
     )

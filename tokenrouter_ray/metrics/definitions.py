@@ -162,6 +162,13 @@ ERRORS = _counter(
     "model",
     "type",
 )
+PEER_REJECTED = _counter(
+    "tokenrouter_peer_rejected_total",
+    "Peer-channel frames dropped before decoding: malformed, bad_mac (forged or wrong "
+    "key), replay (duplicate or replayed counter).",
+    "model",
+    "reason",
+)
 
 # ------------------------------------------------------------------------ ingress
 REQUESTS = _counter(
@@ -248,6 +255,7 @@ DEFINITIONS: tuple[MetricDef, ...] = (
     KV_BLOCKS_TOTAL,
     PREEMPTIONS,
     ERRORS,
+    PEER_REJECTED,
     REQUESTS,
     INGRESS_ACTIVE_REQUESTS,
     TTFT_SECONDS,

@@ -88,6 +88,10 @@ class Metrics:
     def error(self, model: str, kind: str) -> None:
         self.backend.inc(m.ERRORS, 1, (model, kind))
 
+    def peer_rejected(self, model: str, reason: str) -> None:
+        """A peer-channel frame dropped unread (malformed, bad_mac, replay)."""
+        self.backend.inc(m.PEER_REJECTED, 1, (model, reason))
+
     # ------------------------------------------------------------------ ingress
     def ingress_active(self, num_active: int) -> None:
         self.backend.set(m.INGRESS_ACTIVE_REQUESTS, num_active, ())

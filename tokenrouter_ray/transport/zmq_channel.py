@@ -9,18 +9,27 @@ single-part message holding `encode_batch(msgs)`. ZeroMQ keeps per-connection FI
 Sockets are `zmq.asyncio` sockets owned by the event loop that called `start()`: use the
 channel from that loop only. Every socket has linger 0, so `close()` never blocks on
 undelivered frames (they are dropped; the protocol tolerates loss at shutdown).
+
+With `ZmqConfig.key` set (the deployments always set it), every frame is signed and checked
+(`transport.auth`: HMAC-SHA256 over sender, counter, receiver and payload); forged,
+replayed, duplicated and malformed frames are dropped unread and counted in `rejected`
+(and passed to `on_reject`, which the deployments export as
+``tokenrouter_peer_rejected_total{reason}``). ipc socket files are mode 0600 in a private
+(0700) directory; frames above `max_frame_bytes` are refused by ZeroMQ itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 import os
 import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +37,7 @@ import zmq
 import zmq.asyncio
 
 from tokenrouter_ray.protocol import PeerReq, encode_batch
+from tokenrouter_ray.transport.auth import FrameSigner, FrameVerifier
 from tokenrouter_ray.transport.base import (
     ChannelClosed,
     Directory,
@@ -35,6 +45,8 @@ from tokenrouter_ray.transport.base import (
     PeerChannel,
     decode_frame,
 )
+
+logger = logging.getLogger(__name__)
 
 _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, 104 on macOS
 
@@ -50,6 +62,8 @@ class ZmqConfig:
     ipc_dir: str | None = None  # ipc: directory for socket files; default: a fresh temp dir
     send_hwm: int = 100_000  # frames queued per peer before send waits
     recv_hwm: int = 100_000
+    key: bytes | None = None  # HMAC key (`auth.derive_key`); None: frames are not signed
+    max_frame_bytes: int = 64 << 20  # larger frames are dropped by ZeroMQ
 
 
 class ZmqChannel(PeerChannel):
@@ -60,10 +74,16 @@ class ZmqChannel(PeerChannel):
         directory: Directory,
         config: ZmqConfig | None = None,
         context: zmq.asyncio.Context | None = None,
+        on_reject: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(model, replica, directory)
         self.config = config or ZmqConfig()
         self._context = context
+        key = self.config.key
+        self._signer = FrameSigner(key) if key is not None else None
+        self._verifier = FrameVerifier(key, self.name) if key is not None else None
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.on_reject = on_reject
         self._pull: zmq.asyncio.Socket | None = None
         self._pushes: dict[str, zmq.asyncio.Socket] = {}
         self._connecting: dict[str, asyncio.Future[zmq.asyncio.Socket]] = {}
@@ -80,6 +100,7 @@ class ZmqChannel(PeerChannel):
         pull = self.context.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
+        pull.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
         try:
             address = self._bind(pull)
         except BaseException:
@@ -99,6 +120,7 @@ class ZmqChannel(PeerChannel):
             if len(path) > _IPC_PATH_MAX:
                 raise ValueError(f"ipc socket path too long ({len(path)} chars): {path}")
             pull.bind(f"ipc://{path}")
+            os.chmod(path, 0o600)  # only this user's processes may connect
             return f"ipc://{path}"
         if cfg.transport != "tcp":
             raise ValueError(f"unknown zmq transport {cfg.transport!r} (ipc or tcp)")
@@ -118,7 +140,10 @@ class ZmqChannel(PeerChannel):
 
     async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> None:
         push = self._pushes.get(dst.name) or await self._connect(dst)
-        await push.send(encode_batch(msgs), copy=True)
+        frame = encode_batch(msgs)
+        if self._signer is not None:
+            frame = self._signer.sign(dst.name, frame)
+        await push.send(frame, copy=True)
 
     async def _connect(self, dst: Endpoint) -> zmq.asyncio.Socket:
         pending = self._connecting.get(dst.name)
@@ -156,9 +181,22 @@ class ZmqChannel(PeerChannel):
                 frame = await self._pending_recv
             finally:
                 self._pending_recv = None
+            if self._verifier is not None:
+                frame, reason = self._verifier.open(frame)
+                if reason is not None:
+                    self._reject(reason)
+                    continue
             batch = decode_frame(frame, self.name)
             if batch is not None:
                 return batch
+            self._reject("undecodable")
+
+    def _reject(self, reason: str) -> None:
+        n = self.rejected[reason] = self.rejected[reason] + 1
+        if n in (1, 10, 100, 1000):
+            logger.warning("channel %s rejected %d frame(s): %s", self.name, n, reason)
+        if self.on_reject is not None:
+            self.on_reject(reason)
 
     async def _shut(self) -> None:
         pending = self._pending_recv

@@ -1,0 +1,96 @@
+"""Peer-channel authentication: HMAC-signed ZeroMQ frames. Forged, replayed, duplicated and
+malformed frames injected over the real socket are dropped and counted; honest traffic goes
+on; ipc socket files are private."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from tests.transport import handoff, recv_n
+from tokenrouter_ray.protocol import encode_batch
+from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport.auth import FrameSigner, FrameVerifier, derive_key
+
+KEY = derive_key(os.urandom(32))
+
+
+def test_signed_frames_verify_once_and_only_for_their_receiver() -> None:
+    signer = FrameSigner(KEY)
+    verifier = FrameVerifier(KEY, "large/0")
+    frame = signer.sign("large/0", b"payload")
+    assert verifier.open(frame) == (b"payload", None)
+    assert verifier.open(frame) == (None, "replay")  # duplicate
+    assert verifier.open(signer.sign("large/0", b"next")) == (b"next", None)
+    assert FrameVerifier(KEY, "large/1").open(signer.sign("large/0", b"x"))[1] == "bad_mac"
+    tampered = bytearray(signer.sign("large/0", b"tokens"))
+    tampered[-1] ^= 1
+    assert verifier.open(bytes(tampered)) == (None, "bad_mac")
+    other = FrameSigner(derive_key(b"another cluster")).sign("large/0", b"x")
+    assert verifier.open(other) == (None, "bad_mac")
+    assert verifier.open(b"short") == (None, "malformed")
+    assert verifier.open(b"XXXX" + frame[4:]) == (None, "malformed")
+    with pytest.raises(ValueError):
+        derive_key(b"")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+async def test_injected_frames_are_rejected_and_honest_traffic_flows(transport: str) -> None:
+    directory = InMemoryDirectory()
+    config = ZmqConfig(transport=transport, key=KEY)
+    rejected: list[str] = []
+    async with (
+        ZmqChannel("large", "0", directory, config, on_reject=rejected.append) as large,
+        ZmqChannel("small", "0", directory, config) as small,
+    ):
+        captured: list[bytes] = []
+        await small.send("large/0", [handoff(0)])
+        push = small._pushes["large/0"]
+        real_send = push.send
+
+        async def sniff(frame: bytes, copy: bool = True) -> None:  # what a wiretap sees
+            captured.append(frame)
+            await real_send(frame, copy=copy)
+
+        push.send = sniff
+        await small.send("large/0", [handoff(1)])
+        assert [b[0].handoff_seq for b in await recv_n(large, 2)] == [0, 1]
+
+        rogue = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(large.address)
+        valid_unsigned = encode_batch([handoff(7)])
+        forged = FrameSigner(derive_key(b"guessed secret")).sign("large/0", valid_unsigned)
+        for frame in (
+            valid_unsigned,  # a well-formed PeerReq batch without a signature
+            forged,  # signed with the wrong key
+            captured[0],  # replay of a frame already delivered
+            captured[0],  # and once more
+            b"\x00" * 3,  # garbage
+        ):
+            await rogue.send(frame)
+        receiving = asyncio.ensure_future(recv_n(large, 1))
+        for _ in range(500):  # the attack is read (and dropped) by the receive call
+            if len(rejected) == 5:
+                break
+            await asyncio.sleep(0.01)
+        await small.send("large/0", [handoff(2)])  # honest traffic after the attack
+        got = await receiving
+        rogue.close()
+    assert [m.handoff_seq for b in got for m in b] == [2]
+    assert sorted(rejected) == ["bad_mac", "malformed", "malformed", "replay", "replay"]
+    assert large.rejected == {"malformed": 2, "bad_mac": 1, "replay": 2}
+
+
+@pytest.mark.asyncio
+async def test_ipc_socket_files_are_private() -> None:
+    async with ZmqChannel("large", "0", InMemoryDirectory(), ZmqConfig(key=KEY)) as large:
+        path = large.address.removeprefix("ipc://")
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
