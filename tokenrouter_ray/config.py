@@ -99,6 +99,12 @@ class IngressSpec(_Strict):
     max_active_requests: int = Field(
         256, ge=1, description="Requests in flight per ingress replica before 503."
     )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Deadline of a request (its `timeout` extension may change it): past "
+        "it, the request ends with a 503 timeout error and is aborted on every model.",
+    )
 
 
 class AppConfig(_Strict):
