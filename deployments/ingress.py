@@ -78,7 +78,7 @@ from tokenrouter_ray.openai.validation import (
     prepare_chat,
     prepare_completion,
 )
-from tokenrouter_ray.runtime.ingress import DEFAULT_TIMEOUT_S, Completion, IngressCore
+from tokenrouter_ray.runtime.ingress import Completion, IngressCore
 
 logger = logging.getLogger("ray.serve")
 MAX_TIMEOUT_S = 24 * 3600.0
@@ -177,7 +177,7 @@ class Ingress:
         )
         await self.channel.start()
         self.models = models
-        self.timeout_s = float(getattr(cfg.ingress, "request_timeout_s", DEFAULT_TIMEOUT_S))
+        self.timeout_s = cfg.ingress.request_timeout_s
         self.core = IngressCore(
             self.channel, self._entry, self.peers_all, Metrics.ray(), timeout_s=self.timeout_s
         )

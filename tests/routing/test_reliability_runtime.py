@@ -155,3 +155,36 @@ def test_recreated_requests_reproduce_the_undisturbed_greedy_output(chain_dirs) 
             assert sum(c.recreated for c in got) == recreated
 
     asyncio.run(go())
+
+
+def test_models_free_requests_whose_ingress_is_gone_after_the_deadline(
+    chain_dirs, monkeypatch
+) -> None:
+    from tokenrouter_ray.runtime import subserver
+
+    monkeypatch.setattr(subserver, "EXPIRY_GRACE_S", 0.0)
+    policy = build_policy("bernoulli", {"p": 0.5}, TWO)
+    spec = SamplingSpec(temperature=0.0, max_tokens=200, seed=3, ignore_eos=True)
+
+    async def go() -> None:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            runner = rt.subservers[1].engine.runner
+            real = runner.execute
+
+            def slow(out, timings):  # type: ignore[no-untyped-def]
+                time.sleep(0.2)  # 200 tokens would take far longer than the test waits
+                return real(out, timings)
+
+            runner.execute = slow
+            for i in range(4):
+                await rt.ingress.submit(f"orphan{i}", [1, 2, 3 + i], spec, timeout_s=0.5)
+            await asyncio.sleep(0.3)
+            for i in range(4):  # the ingress dies: nobody will ever abort them
+                live = rt.ingress.live.pop(f"orphan{i}")
+                rt.ingress._wire.pop(live.wire_rid)
+            assert any(s.tracked for s in rt.subservers)
+            await rt.wait_idle(timeout=10)
+            assert all_free(rt)
+            runner.execute = real
+
+    asyncio.run(go())

@@ -68,6 +68,7 @@ class _Live:
         self.updates: asyncio.Queue[list[int] | None] = asyncio.Queue()
         self.submitted_at = time.monotonic()  # for TTFT / ITL / end-to-end metrics
         self.deadline = self.submitted_at + timeout_s
+        self.deadline_wall = time.time() + timeout_s  # travels to the models
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
 
@@ -151,7 +152,7 @@ class IngressCore:
             handoff_seq=0,
             tokens=live.prompt + live.log.tokens,
             sampling=live.sampling,
-            extras=extras,
+            extras={**extras, "deadline": live.deadline_wall},
             active_requests=self.num_active,
         )
 

@@ -38,6 +38,9 @@ from tokenrouter_ray.tuning.live import WindowStats
 
 logger = logging.getLogger(__name__)
 
+SWEEP_PERIOD_S = 1.0
+EXPIRY_GRACE_S = 10.0  # past a request's deadline, before a model frees it on its own
+
 
 @dataclass(frozen=True)
 class HandoffRecord:
@@ -80,6 +83,7 @@ class SubServer:
         self.num_steps = 0
         self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
         self._deferred_since: float | None = None  # when the launch threshold began holding
+        self._next_sweep = 0.0  # monotonic time of the next expired-request sweep
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
@@ -184,6 +188,7 @@ class SubServer:
             tracked.counts = {k: int(v) for k, v in msg.extras.get("counts", {}).items()}
             tracked.endpoints.update(msg.extras.get("endpoints", {}))
             tracked.endpoints[self.name] = self.endpoint
+            tracked.deadline = msg.extras.get("deadline")
             self.engine.add_request(
                 rid, msg.tokens, engine_sampling(msg.sampling), num_prompt_tokens=prompt_len
             )
@@ -230,13 +235,15 @@ class SubServer:
     async def _decode_once(self) -> None:
         out: list[PeerReq] = []
         self._apply_inbox(out)
+        if time.monotonic() >= self._next_sweep:
+            self._sweep_expired(out)
         if out:
             await self._send(out)
         if not self.engine.has_runnable:
             self._deferred_since = None
             self._wake.clear()
-            if not self.inbox:
-                await self._wake.wait()
+            if not self.inbox:  # wake for the next sweep while anything is held here
+                await self._sleep_until(self._next_sweep if self.tracked else None)
             return
         try:
             step = await asyncio.to_thread(self._forward_and_route)
@@ -286,6 +293,15 @@ class SubServer:
             self.engine.abort(msg.rid)
             return
         self._finished(tracked, "error", out, error=error)
+
+    def _sweep_expired(self, out: list[PeerReq]) -> None:
+        """End requests held past their deadline plus ``EXPIRY_GRACE_S`` (their ingress
+        normally aborts them at the deadline; this frees state whose ingress is gone)."""
+        self._next_sweep = time.monotonic() + SWEEP_PERIOD_S
+        cutoff = time.time() - EXPIRY_GRACE_S
+        for tracked in [t for t in self.tracked.values() if t.deadline and t.deadline < cutoff]:
+            self.metrics.error(self.name, "expired")
+            self._finished(tracked, "error", out, error="deadline passed")
 
     async def _sleep_until(self, deadline: float | None) -> None:
         self._wake.clear()

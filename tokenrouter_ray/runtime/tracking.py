@@ -27,6 +27,7 @@ class Tracked:
     counts: dict[str, int] = field(default_factory=dict)  # model -> committed output tokens
     handoffs: int = 0
     policy_state: dict[str, Any] = field(default_factory=dict)
+    deadline: float | None = None  # wall clock (time.time()) past which nobody waits for it
 
     def to_extras(self, policy_extras: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
@@ -36,6 +37,7 @@ class Tracked:
             "endpoints": dict(self.endpoints),
             "counts": dict(self.counts),
             "handoffs": self.handoffs,
+            "deadline": self.deadline,
             "policy": policy_extras or {},
         }
 
@@ -45,6 +47,7 @@ class Tracked:
         self.endpoints = dict(extras["endpoints"])
         self.counts = dict(extras["counts"])
         self.handoffs = int(extras["handoffs"])
+        self.deadline = extras.get("deadline")
 
     @classmethod
     def from_handoff(
