@@ -11,8 +11,8 @@ Policy on fields:
 - Unknown fields are ignored (``extra="ignore"``), as OpenAI's API does for forward
   compatibility, but never silently: like vLLM, the server logs a warning naming the field,
   here only for the first request that sends it (once per field name and request part, so a
-  busy server's log is not flooded). Fields known to be harmless (``user``, ``store``, ``metadata``, ...) are declared
-  and accepted without a warning.
+  busy server's log is not flooded). Fields known to be harmless (``user``, ``store``,
+  ``metadata``, ...) are declared and accepted without a warning.
 - Known fields are strict on type: ``"16"`` is not an integer, ``1`` is not a boolean.
 - OpenAI fields this server does not implement (``echo``, ``logprobs``, ``tools``, penalties,
   ...) are declared, accepted at their neutral value (null / false / 0 / empty), and
