@@ -147,9 +147,8 @@ class ModelServer:
             "kv_blocks_used": pool.num_used_blocks,
             "kv_blocks_total": pool.num_blocks,
             "alive": self.server.alive,
-            "sample": {
-                rid: r.status.name for rid, r in list(self.engine.requests.items())[:8]
-            },
+            "address": self.channel.address,
+            "peer_rejected": dict(getattr(self.channel, "rejected", {})),
         }
 
     async def check_health(self) -> None:
