@@ -275,11 +275,36 @@ def test_killed_replica_requests_are_recreated_and_the_app_serves_on(
         first_chunk.wait()  # every request is generating
         killed_at = time.monotonic()
         os.kill(large.status.remote().result()["pid"], signal.SIGKILL)
+        seen: dict[str, Any] = {}
+
+        def watch() -> None:  # /health while the large model has no replica
+            while time.monotonic() - killed_at < 120 and not futures_done():
+                r = httpx.get(root_of(app) + "/health", timeout=10)
+                if r.status_code == 503:
+                    seen["health"] = (r.headers.get("retry-after"), r.json())
+                    body = {"model": "tokenrouter", "prompt": [1, 2], "max_tokens": 2}
+                    refused = httpx.post(app + "/completions", json=body, timeout=30)
+                    if refused.status_code == 503:
+                        seen["request"] = refused.headers.get("retry-after")
+                        seen["code"] = refused.json()["error"]["code"]
+                        return
+                time.sleep(0.1)
+
+        def futures_done() -> bool:
+            return all(f.done() for f in futures)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         got = [f.result(timeout=300) for f in futures]  # none hangs
+        watcher.join(timeout=130)
     recovered_s = time.monotonic() - killed_at
     assert got == [w.token_ids for w in want]
     recoveries = stats(app)["recoveries"][before:]
     assert recoveries and sum(r["recreated"] for r in recoveries) >= 1
+    if recoveries[0]["waited_s"] > 1.0:  # the large model had no replica for a while
+        retry, health = seen["health"]
+        assert retry == "1" and health["models_without_replica"] == ["large"]
+        assert seen["request"] == "1" and seen["code"] == "model_unavailable"
     healthy_s = wait_healthy(app, 120)
     fresh = api.completions.create(
         model="tokenrouter", prompt=batch[0], max_tokens=64, temperature=0

@@ -71,6 +71,7 @@ class _Live:
         self.deadline_wall = time.time() + timeout_s  # travels to the models
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.timer: asyncio.TimerHandle | None = None  # fires at the deadline
 
     @property
     def complete(self) -> bool:
@@ -131,13 +132,16 @@ class IngressCore:
             raise ValueError(f"request {rid!r} is already running")
         if sampling.seed is None:  # one seed for every model the request visits
             sampling = msgspec.structs.replace(sampling, seed=secrets.randbits(62))
-        live = _Live(rid, list(prompt), sampling, timeout_s or self.timeout_s)
+        timeout_s = timeout_s or self.timeout_s
+        live = _Live(rid, list(prompt), sampling, timeout_s)
+        live.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, rid)
         self.live[rid] = self._wire[rid] = live
         self.metrics.ingress_active(self.num_active)
         try:
             dst = entry or self.entry_endpoint()
             await self.channel.send(dst, [self._new_msg(live, dst, extras or {})])
         except BaseException:
+            live.timer.cancel()  # set just above
             self.live.pop(rid, None)
             self._wire.pop(rid, None)
             self.metrics.ingress_active(self.num_active)
@@ -160,19 +164,15 @@ class IngressCore:
         """Newly committed tokens as they become contiguous, until the request completes,
         is aborted, fails, or reaches its deadline (then it fails with ``timeout``)."""
         live = self.live[rid]
-        while True:
-            remaining = live.deadline - time.monotonic()
-            try:
-                chunk = await asyncio.wait_for(live.updates.get(), max(remaining, 0.0))
-            except asyncio.TimeoutError:
-                waited = time.monotonic() - live.submitted_at
-                self.fail(
-                    rid, f"no answer within the request's deadline ({waited:.0f} s)", "timeout"
-                )
-                return
-            if chunk is None:
-                return
+        while (chunk := await live.updates.get()) is not None:
             yield chunk
+
+    def _expire(self, rid: str) -> None:
+        """The request's deadline timer fired."""
+        live = self.live.get(rid)
+        if live is not None and not live.done:
+            waited = time.monotonic() - live.submitted_at
+            self.fail(rid, f"no answer within the request's deadline ({waited:.0f} s)", "timeout")
 
     def abort_nowait(self, rid: str, reason: str = "abort") -> asyncio.Task | None:
         """Stop the request on every model (unless it already completed); ``reason`` is its
@@ -236,6 +236,8 @@ class IngressCore:
     def release(self, rid: str) -> Completion:
         """Forget a completed, failed or aborted request; its final record. Never awaits."""
         live = self.live.pop(rid)
+        if live.timer is not None:
+            live.timer.cancel()
         self._wire.pop(live.wire_rid, None)
         self._record_done(live)
         return live.completion
