@@ -1,0 +1,40 @@
+"""Directory registrations as leases: an endpoint that stops heartbeating disappears, the
+peer book reports it lost, and one that heartbeats stays."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.peers import PeerBook
+from tokenrouter_ray.transport import InMemoryDirectory
+from tokenrouter_ray.transport.base import Endpoint
+
+
+@pytest.mark.asyncio
+async def test_endpoints_expire_without_heartbeats() -> None:
+    directory = InMemoryDirectory(ttl_s=0.2)
+    await directory.register(Endpoint("large", "a", "ipc:///tmp/a"))
+    assert [e.name for e in await directory.endpoints()] == ["large/a"]
+    await asyncio.sleep(0.3)
+    assert await directory.endpoints() == [] and await directory.get("large/a") is None
+    await directory.register(Endpoint("large", "a", "ipc:///tmp/a"))  # it came back
+    assert await directory.get("large/a") is not None
+
+
+@pytest.mark.asyncio
+async def test_peer_book_heartbeats_its_own_endpoint_and_reports_lost_ones() -> None:
+    directory = InMemoryDirectory(ttl_s=0.3)
+    small, dead = Endpoint("small", "s", "ipc:///tmp/s"), Endpoint("large", "d", "ipc:///tmp/d")
+    await directory.register(small)
+    await directory.register(dead)
+    lost: list[set[str]] = []
+    book = PeerBook(directory, ["small", "large"], period_s=0.05, own=small, on_lost=lost.append)
+    await book.start(wait_for_all=True, timeout_s=5)
+    assert book.missing() == [] and book.refreshing
+    await asyncio.sleep(0.6)  # `dead` never heartbeats; `small` does, through the book
+    await book.stop()
+    assert lost == [{"large/d"}]
+    assert book.by_model == {"small": ["small/s"], "large": []}
+    assert book.missing() == ["large"]
