@@ -327,23 +327,27 @@ class Ingress:
         try:
             for i in range(sampling.n):
                 rid, entry = f"{base}-{i}", self._entry()
-                await self.core.submit(
-                    rid,
-                    prepared.prompt_token_ids,
-                    sampling.to_spec(i),
-                    entry,
-                    timeout_s=timeout_s,
-                    extras={"endpoints": self._endpoints_for(rid)},
-                )
-                self.entry_load[entry] = self.entry_load.get(entry, 0) + 1
+                self.entry_load[entry] = self.entry_load.get(entry, 0) + 1  # before the await
+                try:
+                    await self.core.submit(
+                        rid,
+                        prepared.prompt_token_ids,
+                        sampling.to_spec(i),
+                        entry,
+                        timeout_s=timeout_s,
+                        extras={"endpoints": self._endpoints_for(rid)},
+                    )
+                except BaseException:
+                    self.entry_load[entry] -= 1
+                    raise
                 self.entry_total[entry] = self.entry_total.get(entry, 0) + 1
                 submitted.append((rid, entry))
-        except Exception as exc:
+        except BaseException as exc:  # incl. cancellation: free the choices already sent
             for rid, entry in submitted:
                 self.entry_load[entry] -= 1
                 self.core.abort_nowait(rid)
                 self.core.release(rid)
-            if isinstance(exc, OpenAIError):
+            if isinstance(exc, OpenAIError) or not isinstance(exc, Exception):
                 raise
             logger.warning("ingress: submitting failed: %r", exc)
             raise ServiceUnavailableError(
