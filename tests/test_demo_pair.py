@@ -202,3 +202,30 @@ def test_demo_small_model_runs_in_the_engine(demo_pair) -> None:
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     [tokens] = engine.generate([prompt], SamplingParams(max_tokens=8))
     assert 1 <= len(tokens) <= 8
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"ATEN_CPU_CAPABILITY": "avx2"}, "torch.float32"),  # what an AVX2-only host reports
+        ({"TOKENROUTER_TRAIN_DTYPE": "fp32"}, "torch.float32"),
+        ({"TOKENROUTER_TRAIN_DTYPE": "bf16", "ATEN_CPU_CAPABILITY": "avx2"}, "torch.bfloat16"),
+    ],
+)
+def test_distillation_dtype_follows_the_cpu(env: dict, expected: str) -> None:
+    """bf16 autocast only where the CPU computes bf16 natively: on an AVX2-only host it is
+    emulated and a distillation step is ~10x slower than fp32 (the first run then ran past
+    an hour). ATEN_CPU_CAPABILITY makes torch dispatch as such a host does."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from tokenrouter_ray.demo_pair import train_dtype; print(train_dtype())"
+    clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY",)}
+    clean.pop("TOKENROUTER_TRAIN_DTYPE", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == expected
+

@@ -159,6 +159,10 @@ def _router_is_current(small: Path) -> bool:
     info = target.with_suffix(".json")
     if not (target.is_file() and info.is_file() and (small / "config.json").is_file()):
         return False
+    from tokenrouter_ray.routing.routers import is_router_file
+
+    if not is_router_file(target, "r2r"):  # e.g. a pickled router from an older release
+        return False
     return json.loads(info.read_text()).get("small_build_sha256") == _build_fingerprint(small)
 
 
