@@ -73,7 +73,11 @@ class ModelServer:
         self.channel = make_channel(cfg.transport, model, replica, self.directory, key, metrics)
         await self.channel.start()
         self.peers = PeerBook(
-            self.directory, cfg.model_names, own=self.channel.endpoint, on_lost=self._on_lost
+            self.directory,
+            cfg.model_names,
+            own=self.channel.endpoint,
+            on_lost=self._on_lost,
+            alive=lambda: not hasattr(self, "server") or self.server.alive,
         )
         await self.peers.start(wait_for_all=False)
         self.server = SubServer(

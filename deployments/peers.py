@@ -80,12 +80,14 @@ class PeerBook:
         period_s: float = 0.5,
         own: Endpoint | None = None,
         on_lost: Callable[[set[str]], None] | None = None,
+        alive: Callable[[], bool] | None = None,
     ) -> None:
         self.directory = directory
         self.models = models
         self.period_s = period_s
         self.own = own
         self.on_lost = on_lost
+        self.alive = alive  # heartbeat only while this is true (a broken replica lapses)
         self.by_model: dict[str, list[str]] = {m: [] for m in models}
         self.last_refresh = time.monotonic()
         self._task: asyncio.Task | None = None
@@ -108,7 +110,7 @@ class PeerBook:
                 await self._task
 
     async def refresh(self) -> None:
-        if self.own is not None:
+        if self.own is not None and (self.alive is None or self.alive()):
             await self.directory.register(self.own)  # the heartbeat
         endpoints = await self.directory.endpoints()
         by_model: dict[str, list[str]] = {m: [] for m in self.models}

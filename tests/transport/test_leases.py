@@ -38,3 +38,18 @@ async def test_peer_book_heartbeats_its_own_endpoint_and_reports_lost_ones() -> 
     assert lost == [{"large/d"}]
     assert book.by_model == {"small": ["small/s"], "large": []}
     assert book.missing() == ["large"]
+
+
+@pytest.mark.asyncio
+async def test_a_broken_replica_stops_heartbeating() -> None:
+    directory = InMemoryDirectory(ttl_s=0.3)
+    own = Endpoint("large", "b", "ipc:///tmp/b")
+    healthy = {"ok": True}
+    book = PeerBook(directory, ["large"], period_s=0.05, own=own, alive=lambda: healthy["ok"])
+    await book.start(wait_for_all=True, timeout_s=5)
+    await asyncio.sleep(0.5)
+    assert await directory.get("large/b") is not None
+    healthy["ok"] = False  # e.g. its decode loop died: its lease lapses, peers recover
+    await asyncio.sleep(0.5)
+    await book.stop()
+    assert await directory.get("large/b") is None
