@@ -9,8 +9,11 @@ import asyncio
 import random
 import time
 
+from prometheus_client import CollectorRegistry
+
 from tests.routing.conftest import chain_engines
 from tests.routing.test_protocol_runtime import all_free
+from tokenrouter_ray.metrics import Metrics, PrometheusBackend
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.runtime.local import LocalRuntime
@@ -50,9 +53,15 @@ def test_random_cancellations_free_every_model_and_leave_the_others_exact(chain_
 
 def test_an_unreachable_or_unknown_peer_fails_only_its_request(chain_dirs) -> None:
     policy = build_policy("bernoulli", {"p": 0.5}, TWO)
+    registry = CollectorRegistry()
+    metrics = Metrics(PrometheusBackend(registry), policy="bernoulli")
+
+    def errors(model: str, kind: str) -> float:
+        labels = {"model": model, "type": kind}
+        return registry.get_sample_value("tokenrouter_errors_total", labels) or 0.0
 
     async def go() -> None:
-        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy, metrics=metrics) as rt:
             small = rt.subservers[0]
             real = small.pick_endpoint
 
@@ -78,6 +87,9 @@ def test_an_unreachable_or_unknown_peer_fails_only_its_request(chain_dirs) -> No
             await rt.wait_idle()
             assert all_free(rt)
             assert all(s.alive for s in rt.subservers)
+            assert errors("small", "send_failed") >= 1  # the ghost
+            assert errors("small", "request_failed") >= 1  # no replica to hand to
+            assert errors("ingress", "model") == 2  # both ended with the model's error
 
     asyncio.run(go())
 
