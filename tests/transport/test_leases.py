@@ -17,10 +17,20 @@ async def test_endpoints_expire_without_heartbeats() -> None:
     directory = InMemoryDirectory(ttl_s=0.2)
     await directory.register(Endpoint("large", "a", "ipc:///tmp/a"))
     assert [e.name for e in await directory.endpoints()] == ["large/a"]
-    await asyncio.sleep(0.3)
+    for _ in range(8):  # other peers keep calling; "large/a" never heartbeats
+        await asyncio.sleep(0.05)
+        await directory.endpoints()
     assert await directory.endpoints() == [] and await directory.get("large/a") is None
     await directory.register(Endpoint("large", "a", "ipc:///tmp/a"))  # it came back
     assert await directory.get("large/a") is not None
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_directory_does_not_expire_everyone() -> None:
+    directory = InMemoryDirectory(ttl_s=0.2)
+    await directory.register(Endpoint("large", "a", "ipc:///tmp/a"))
+    await asyncio.sleep(0.3)  # nobody could reach the directory (its process stalled)
+    assert [e.name for e in await directory.endpoints()] == ["large/a"]
 
 
 @pytest.mark.asyncio

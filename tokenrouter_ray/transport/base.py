@@ -99,6 +99,7 @@ class InMemoryDirectory(Directory):
         self.ttl_s = ttl_s
         self._endpoints: dict[str, Endpoint] = {}
         self._seen: dict[str, float] = {}
+        self._last_call = time.monotonic()
 
     async def register(self, endpoint: Endpoint) -> None:
         self._endpoints[endpoint.name] = endpoint
@@ -120,7 +121,11 @@ class InMemoryDirectory(Directory):
     def _expire(self) -> None:
         if self.ttl_s is None:
             return
-        oldest = time.monotonic() - self.ttl_s
+        now = time.monotonic()
+        if now - self._last_call > self.ttl_s / 2:  # this process stalled, not its callers:
+            self._seen = dict.fromkeys(self._seen, now)  # heartbeats may be queued behind it
+        self._last_call = now
+        oldest = now - self.ttl_s
         for name in [n for n, seen in self._seen.items() if seen < oldest]:
             logger.warning("directory: %s missed heartbeats for %.1f s", name, self.ttl_s)
             del self._endpoints[name], self._seen[name]
