@@ -267,8 +267,8 @@ class Ingress:
         return self.peers.all()
 
     def _on_lost(self, lost: set[str]) -> None:
-        """Model endpoints whose lease ran out: their replicas died. Re-create every
-        unfinished request once each model has a replica again."""
+        """Model endpoints whose lease ran out: their replicas died. Re-create the
+        unfinished requests assigned to them once each model has a replica again."""
         for name in lost:
             self.channel.forget_peer(name)
         self._lost |= lost
@@ -284,7 +284,7 @@ class Ingress:
                 await asyncio.sleep(0.1)  # requests wait (bounded by their deadlines)
             try:
                 n = await self.core.recreate(
-                    self._endpoints_for, reason=f"replica {', '.join(lost)} lost"
+                    self._endpoints_for, reason=f"replica {', '.join(lost)} lost", lost=set(lost)
                 )
             except Exception:
                 logger.exception("ingress: re-creating requests failed")

@@ -200,3 +200,27 @@ def test_models_free_requests_whose_ingress_is_gone_after_the_deadline(
             runner.execute = real
 
     asyncio.run(go())
+
+
+def test_only_requests_assigned_to_a_lost_replica_are_recreated(chain_dirs) -> None:
+    policy = build_policy("bernoulli", {"p": 0.4}, TWO)
+    batch = prompts(4)
+
+    async def go() -> None:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            want = await rt.complete_all(batch, SPEC)
+            await rt.wait_idle()
+            assigned = {"endpoints": {"large": endpoint_name("large", "0")}}
+            for i, p in enumerate(batch):
+                await rt.ingress.submit(f"a{i}", p, SPEC, extras=assigned)
+            results = [asyncio.ensure_future(rt.ingress.result(f"a{i}")) for i in range(4)]
+            while sum(len(live.log.tokens) for live in rt.ingress.live.values()) < 30:
+                await asyncio.sleep(0.002)
+            assert await rt.ingress.recreate(lost={endpoint_name("large", "9")}) == 0
+            assert await rt.ingress.recreate(lost={endpoint_name("large", "0")}) > 0
+            got = await asyncio.wait_for(asyncio.gather(*results), 120)
+            await rt.wait_idle()
+            assert all_free(rt)
+            assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+    asyncio.run(go())

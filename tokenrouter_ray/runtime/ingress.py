@@ -72,6 +72,7 @@ class _Live:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.timer: asyncio.TimerHandle | None = None  # fires at the deadline
+        self.holders: set[str] | None = None  # endpoints it may be on (None: any)
 
     @property
     def complete(self) -> bool:
@@ -139,6 +140,7 @@ class IngressCore:
         self.metrics.ingress_active(self.num_active)
         try:
             dst = entry or self.entry_endpoint()
+            live.holders = _holders(dst, extras)
             await self.channel.send(dst, [self._new_msg(live, dst, extras or {})])
         except BaseException:
             live.timer.cancel()  # set just above
@@ -274,13 +276,17 @@ class IngressCore:
         endpoints: Callable[[str], Mapping[str, str]] | None = None,
         entry: str | None = None,
         reason: str = "a model replica was lost",
+        lost: set[str] | None = None,
     ) -> int:
-        """Re-create every unfinished request from its committed sequence (see the module
-        docstring); ``endpoints(rid)`` (model -> endpoint) are the replicas it must use.
-        Returns how many were re-created."""
+        """Re-create unfinished requests from their committed sequence (see the module
+        docstring): those that may be on an endpoint in ``lost`` (every one when None, or
+        when a request was not told its replicas); ``endpoints(rid)`` (model -> endpoint)
+        are the replicas it must use now. Returns how many were re-created."""
         frames: dict[str, list[PeerReq]] = {}
         for live in list(self.live.values()):
             if live.done:
+                continue
+            if lost is not None and live.holders is not None and not live.holders & lost:
                 continue
             self._broadcast_abort(live.wire_rid)
             self._wire.pop(live.wire_rid, None)
@@ -296,6 +302,7 @@ class IngressCore:
                 "endpoints": dict(endpoints(live.rid)) if endpoints is not None else {},
             }
             dst = entry or self.entry_endpoint()
+            live.holders = _holders(dst, extras)
             frames.setdefault(dst, []).append(self._new_msg(live, dst, extras))
         for dst, msgs in frames.items():
             logger.warning("ingress: re-creating %d requests on %s: %s", len(msgs), dst, reason)
@@ -372,3 +379,10 @@ class IngressCore:
         else:
             self.metrics.inter_token((now - live.last_token_at) / n)
         live.last_token_at = now
+
+
+def _holders(entry: str, extras: Mapping[str, Any] | None) -> set[str] | None:
+    """The endpoints a request can be on: its entry and the replicas it was told to use
+    (None when it was not told: a model may pick any replica then)."""
+    assigned = (extras or {}).get("endpoints")
+    return {entry, *assigned.values()} if assigned else None
