@@ -107,7 +107,7 @@ def test_static_forward_never_reads_device_data_on_the_host(tiny_model_dir) -> N
     )
     for batch, q_len, width in [(1, 1, 1), (4, 1, 2), (8, 4, 8)]:
         fwd = StaticForward(model.get_decoder(), model.get_output_embeddings(), kv, batch,
-                            q_len, width, use_flash=False, capture=False)  # fmt: skip
+                            q_len, width, use_flash=False, scratch_block=8)  # fmt: skip
         with torch.inference_mode():
             fwd._forward()
         assert fwd.logits.device.type == "meta"

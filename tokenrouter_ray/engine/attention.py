@@ -13,12 +13,24 @@ writes the new K/V into its blocks, then attends:
   their gathered blocks; prefill and extend rows go through one SDPA per sequence with a
   causal mask offset by the tokens already in cache.
 - CUDA with flash-attn: one ``flash_attn_varlen_func`` call over the whole batch reading
-  K/V straight from the block table (requires block_size % 256 == 0).
+  K/V straight from the block table. Chosen only where it can run
+  (``flash_attn_unusable``): fp16/bf16, head_dim a multiple of 8 up to 256, block_size a
+  multiple of 256, compute capability 8.0 or newer.
 - Static (bucketed) batches, the CUDA-graph path (``static_forward.py``): every sequence
   has exactly ``L`` query rows, real tokens last (front padding), and fixed-shape metadata
   (``StaticMeta``); flash-attn's ``flash_attn_with_kvcache`` reads the block table, or SDPA
   over the gathered blocks with a precomputed mask. No shape depends on the data, so the
   forward can be captured once per (batch, L) bucket and replayed.
+
+SDPA with grouped-query attention folds each KV head's query group into query rows
+(``_attend``) rather than passing ``enable_gqa``: on CUDA a masked GQA call falls back to
+SDPA's math kernel (flash rejects masks, mem-efficient rejects ``enable_gqa``), which
+materializes fp32 scores of batch x heads x width; the folded call is a plain masked
+attention the mem-efficient kernel takes. Attention variants the modelling code passes as
+kwargs are honoured on every path: ``sliding_window`` (a token sees itself and the
+``sliding_window - 1`` before it: Mistral, sliding-window Qwen2, Gemma 2) and ``softcap``
+(Gemma 2's ``tanh`` capping of the scores; SDPA has none, so those layers use the explicit
+softmax).
 """
 
 from __future__ import annotations
@@ -41,8 +53,42 @@ except ImportError:  # pragma: no cover - depends on the install
     flash_attn_varlen_func = flash_attn_with_kvcache = None
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def flash_attn_available(device: torch.device) -> bool:
     return flash_attn_varlen_func is not None and device.type == "cuda"
+
+
+def flash_attn_unusable(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    installed: bool | None = None,
+    capability: tuple[int, int] | None = None,
+) -> str | None:
+    """Why flash-attn's paged kernels cannot run this model here, or None when they can.
+
+    ``installed`` and ``capability`` default to this process's flash-attn import and the
+    device's compute capability; tests pass them to check the rules on CPU."""
+    if installed is None:
+        installed = flash_attn_varlen_func is not None
+    if not installed:
+        return "flash_attn is not installed"
+    if device.type != "cuda":
+        return f"flash-attn needs a CUDA device, not {device.type}"
+    if dtype not in FLASH_DTYPES:
+        return f"flash-attn runs float16/bfloat16 only, the model is {dtype}"
+    if head_dim % 8 or head_dim > 256:
+        return f"flash-attn needs head_dim a multiple of 8 up to 256, not {head_dim}"
+    if block_size % 256:
+        return f"flash-attn's paged kernels need block_size % 256 == 0, not {block_size}"
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 0):
+        return f"flash-attn 2 needs compute capability 8.0+, the device has {capability}"
+    return None
 
 
 @dataclass
@@ -165,60 +211,117 @@ def paged_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     paged: PagedBatch | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """Returns (1, num_tokens, num_heads, head_dim), as transformers' interface expects."""
     if paged is None:  # plain call (e.g. model.generate on the same model): ordinary SDPA
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            sliding_window=sliding_window, softcap=softcap, **kwargs,
+        )  # fmt: skip
     layer = module.layer_idx
+    variant = Variant(scaling, sliding_window or None, softcap or None)
     q = query[0].transpose(0, 1)  # (num_tokens, num_heads, head_dim)
     paged.kv.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), paged.slot_mapping)
     if paged.static is not None:
-        out = _static_attention(paged, layer, q, scaling)
+        out = _static_attention(paged, layer, q, variant)
     elif paged.varlen is not None:
-        out = _flash_attention(paged, layer, q, scaling)
+        out = _flash_attention(paged, layer, q, variant)
     else:
-        out = _sdpa_attention(paged, layer, q, scaling)
+        out = _sdpa_attention(paged, layer, q, variant)
     return out.unsqueeze(0), None
 
 
+@dataclass(frozen=True)
+class Variant:
+    """What one layer's attention is, beyond plain causal softmax attention."""
+
+    scale: float | None  # None: 1 / sqrt(head_dim)
+    window: int | None = None  # sliding window: keys within the last ``window`` positions
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
+
+    @property
+    def flash_kwargs(self) -> dict[str, object]:
+        left = -1 if self.window is None else self.window - 1
+        return {
+            "softmax_scale": self.scale,
+            "window_size": (left, 0 if self.window is not None else -1),
+            "softcap": self.softcap or 0.0,
+        }
+
+
+def _windowed(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """A causal-prefix mask (..., q, k) cut to a sliding window. Each row of such a mask
+    sees keys 0..p, so its query position p is its count of visible keys minus one; no
+    host read, so this runs inside a captured graph."""
+    q_pos = mask.sum(-1, keepdim=True) - 1  # (..., q, 1)
+    k_pos = torch.arange(mask.shape[-1], device=mask.device)  # (k,)
+    return mask & (k_pos > q_pos - window)
+
+
+def _attend(
+    q: torch.Tensor,  # (n, num_heads, q_len, head_dim)
+    k: torch.Tensor,  # (n, num_kv_heads, k_len, head_dim)
+    v: torch.Tensor,  # (n, num_kv_heads, k_len, head_dim)
+    mask: torch.Tensor | None,  # (n or 1, 1, q_len, k_len) bool; None: plain causal
+    variant: Variant,
+) -> torch.Tensor:
+    """Attention of every query row over its keys, (n, num_heads, q_len, head_dim).
+
+    Grouped-query attention folds the query heads that share a KV head into rows:
+    (n, kv_heads, group * q_len) against (n, kv_heads, k_len), the mask repeated per group.
+    Same arithmetic per row as repeating K/V, without ``enable_gqa`` (see the module doc)."""
+    n, heads, q_len, head_dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    plain = mask is None and variant.window is None and variant.softcap is None
+    if plain:  # fresh prefill: SDPA's own causal mask, flash-able with GQA on CUDA
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=variant.scale, enable_gqa=group > 1
+        )
+    if mask is None:  # plain causal (q_len == k_len), made explicit to add a window
+        mask = torch.ones((q_len, k_len), dtype=torch.bool, device=q.device).tril()[None, None]
+    if variant.window is not None:
+        mask = _windowed(mask, variant.window)
+    q = q.reshape(n, kv_heads, group * q_len, head_dim)  # heads h*group..: KV head h
+    if group > 1:
+        m = mask.shape[0]
+        mask = mask[:, :, None].expand(m, 1, group, q_len, k_len).reshape(m, 1, -1, k_len)
+    if variant.softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=variant.scale)
+    else:  # SDPA cannot cap scores: the explicit softmax (what Gemma 2's eager path does)
+        scale = variant.scale if variant.scale is not None else head_dim**-0.5
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (n, kv_heads, rows, k_len)
+        scores = torch.tanh(scores / variant.softcap) * variant.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        out = torch.matmul(probs, v)
+    return out.reshape(n, heads, q_len, head_dim)
+
+
 def _sdpa_attention(
-    paged: PagedBatch, layer: int, q: torch.Tensor, scaling: float | None
+    paged: PagedBatch, layer: int, q: torch.Tensor, variant: Variant
 ) -> torch.Tensor:
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
     if paged.decode_rows is not None:
         k, v = paged.kv.gather(layer, paged.decode_blocks)  # (nd, L, num_kv_heads, head_dim)
         q_dec = q.index_select(0, paged.decode_rows).unsqueeze(2)  # (nd, num_heads, 1, head_dim)
-        o = F.scaled_dot_product_attention(
-            q_dec,
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=paged.decode_mask,
-            scale=scaling,
-            enable_gqa=True,
-        )  # (nd, num_heads, 1, head_dim)
-        out.index_copy_(0, paged.decode_rows, o.squeeze(2))
+        o = _attend(q_dec, k.transpose(1, 2), v.transpose(1, 2), paged.decode_mask, variant)
+        out.index_copy_(0, paged.decode_rows, o.squeeze(2))  # o: (nd, num_heads, 1, head_dim)
     for span in paged.spans:
         k, v = paged.kv.gather(layer, span.block_table[None])  # (1, L, num_kv_heads, head_dim)
         k, v = k[:, : span.ctx_len].transpose(1, 2), v[:, : span.ctx_len].transpose(1, 2)
         q_seq = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(
-            q_seq,
-            k,
-            v,
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            scale=scaling,
-            enable_gqa=True,
-        )  # (1, num_heads, q_len, head_dim)
+        mask = None if span.mask is None else span.mask[None, None]
+        o = _attend(q_seq, k, v, mask, variant)  # (1, num_heads, q_len, head_dim)
         out[span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
     return out
 
 
 def _flash_attention(
-    paged: PagedBatch, layer: int, q: torch.Tensor, scaling: float | None
+    paged: PagedBatch, layer: int, q: torch.Tensor, variant: Variant
 ) -> torch.Tensor:  # pragma: no cover - needs CUDA and flash-attn
     meta = paged.varlen
     return flash_attn_varlen_func(
@@ -229,14 +332,14 @@ def _flash_attention(
         meta["cu_seqlens_k"],
         meta["max_seqlen_q"],
         meta["max_seqlen_k"],
-        softmax_scale=scaling,
         causal=True,  # bottom-right aligned: extends see their whole prefix
         block_table=meta["block_table"],
+        **variant.flash_kwargs,
     )
 
 
 def _static_attention(
-    paged: PagedBatch, layer: int, q: torch.Tensor, scaling: float | None
+    paged: PagedBatch, layer: int, q: torch.Tensor, variant: Variant
 ) -> torch.Tensor:
     meta = paged.static
     b, n = meta.batch, meta.q_len
@@ -248,18 +351,13 @@ def _static_attention(
             paged.kv.values[layer],
             cache_seqlens=meta.ctx_lens,
             block_table=meta.block_table,
-            softmax_scale=scaling,
             causal=True,  # bottom-right aligned: the real (last) rows see their prefix
+            **variant.flash_kwargs,
         )  # (batch, q_len, num_heads, head_dim)
     else:
         k, v = paged.kv.gather(layer, meta.block_table)  # (batch, W*bs, kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=meta.mask,
-            scale=scaling,
-            enable_gqa=True,
+        out = _attend(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), meta.mask, variant
         ).transpose(1, 2)  # (batch, q_len, num_heads, head_dim)
     return out.reshape(b * n, out.shape[2], out.shape[3])
 

@@ -1,4 +1,5 @@
-"""One engine = one model on one device: requests in, committed tokens out.
+"""One engine = one model (on one device, or over tensor-parallel ranks driven from here):
+requests in, committed tokens out.
 
 Requests enter with ``add_request`` (a prefill) or come back with ``resume`` (an extend of
 only the tokens this model has not seen). A step is three lines: the scheduler picks
@@ -15,16 +16,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenrouter_ray.engine.block_pool import KVCacheManager, device_budget, plan_num_blocks
 from tokenrouter_ray.engine.loader import load_causal_lm
+from tokenrouter_ray.engine.memory_reserve import forward_reserve_bytes
 from tokenrouter_ray.engine.model_runner import ModelRunner, model_footprint
 from tokenrouter_ray.engine.outputs import RequestOutput, StepResult, StepTimings
 from tokenrouter_ray.engine.request import Request, RequestStatus, SamplingParams
 from tokenrouter_ray.engine.scheduler import Scheduler, SchedulerConfig
+from tokenrouter_ray.engine.static_forward import DEFAULT_BATCH_BUCKETS, DEFAULT_QUERY_BUCKETS
+
+if TYPE_CHECKING:
+    from tokenrouter_ray.engine.tensor_parallel import WorkerLauncher
 
 
 class EngineConfig(BaseModel):
@@ -57,6 +64,15 @@ class EngineConfig(BaseModel):
     static_batches: bool = Field(
         False, description="Run the bucketed fixed-shape path eagerly off CUDA (for checks)."
     )
+    tensor_parallel: int = Field(
+        1, ge=1, description="Ranks the model is split over (tensor_parallel.py); 1: one device."
+    )
+    collective_timeout_s: float = Field(
+        120.0, gt=0, description="Tensor parallel: a collective or the start-up join fails after."
+    )
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="Tensor parallel: how long rank 0 waits for workers to connect."
+    )
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
 
@@ -79,13 +95,22 @@ class Engine:
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
+    def from_config(cls, config: EngineConfig, launcher: WorkerLauncher | None = None) -> Engine:
+        """Load the model; with ``tensor_parallel > 1`` start its workers too (``launcher``:
+        how, default local processes) and run rank 0 here."""
+        if config.tensor_parallel > 1:
+            from tokenrouter_ray.engine.tensor_parallel import build_tp_runner
+
+            runner, num_blocks = build_tp_runner(config, launcher)
+            return cls(runner, config, num_blocks)
         model = load_causal_lm(
             config.model, config.dtype, config.device, config.gguf_file, config.num_hidden_layers
         )
         footprint = model_footprint(model)
         device = next(model.parameters()).device
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        if free is not None:  # activations and CUDA graphs first, KV gets the rest
+            free = max(0, free - _forward_reserve(model, config))
         budget = device_budget(config.memory_budget_bytes, footprint.weight_bytes, free)
         num_blocks = config.num_blocks or plan_num_blocks(budget, footprint, config.block_size)
         runner = ModelRunner(
@@ -98,6 +123,8 @@ class Engine:
             cuda_graphs=config.cuda_graphs,
             max_model_len=config.max_model_len,
         )
+        if runner.capture:  # every bucket's graph now, before any request arrives
+            runner.capture_static()
         return cls(runner, config, num_blocks)
 
     # ------------------------------------------------------------------ lifecycle
@@ -268,6 +295,18 @@ class Engine:
         return None
 
     # ------------------------------------------------------------------ helpers
+    def check_health(self) -> None:
+        """Raise when the engine cannot step (a tensor-parallel worker is gone)."""
+        check = getattr(self.runner, "check_alive", None)
+        if check is not None:
+            check()
+
+    def close(self) -> None:
+        """Stop tensor-parallel workers, if any (a plain engine holds nothing to close)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -290,3 +329,18 @@ class Engine:
                 if out.request_id in produced:
                     produced[out.request_id].extend(out.new_token_ids)
         return [produced[rid] for rid in ids]
+
+
+def _forward_reserve(model: torch.nn.Module, config: EngineConfig) -> int:
+    """Device bytes kept free for activations and CUDA graphs (``memory_reserve.py``)."""
+    cfg = model.config
+    limit = getattr(cfg, "max_position_embeddings", None) or 4096
+    return forward_reserve_bytes(
+        cfg,
+        next(model.parameters()).element_size(),
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.max_num_seqs,
+        min(config.max_model_len or limit, limit),
+        static_rows=max(DEFAULT_BATCH_BUCKETS) * max(DEFAULT_QUERY_BUCKETS),
+        graphs=config.cuda_graphs,
+    )

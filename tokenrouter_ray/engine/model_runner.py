@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import PreTrainedModel
 
-from tokenrouter_ray.engine.attention import PagedBatch, flash_attn_available
+from tokenrouter_ray.engine.attention import PagedBatch, flash_attn_unusable
 from tokenrouter_ray.engine.block_pool import ModelFootprint, kv_bytes_per_token
 from tokenrouter_ray.engine.kv_cache import PagedKVCache
 from tokenrouter_ray.engine.outputs import StepResult, StepTimings
@@ -28,6 +28,9 @@ from tokenrouter_ray.engine.static_forward import (
     StaticForward,
     bucket,
     build_host_batch,
+    static_path_blocker,
+    static_shapes,
+    width_buckets,
 )
 
 
@@ -58,6 +61,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
         query_buckets: tuple[int, ...] = DEFAULT_QUERY_BUCKETS,
+        tp_size: int = 1,  # tensor parallel: the cache holds this rank's KV heads only
     ) -> None:
         self.model = model
         self.decoder = model.get_decoder()
@@ -65,12 +69,16 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         cfg = model.config
-        self.use_flash = flash_attn_available(self.device) and block_size % 256 == 0
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # Why flash-attn is not used (None: it is): fp16/bf16, head_dim, block_size, GPU.
+        self.flash_unusable = flash_attn_unusable(self.device, self.dtype, head_dim, block_size)
+        self.use_flash = self.flash_unusable is None
         self.kv = PagedKVCache(
             num_layers=cfg.num_hidden_layers,
             num_blocks=num_blocks + 1,  # + a scratch block for padded rows, never pooled
             block_size=block_size,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            num_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+            // tp_size,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             dtype=self.dtype,
             device=self.device,
@@ -79,22 +87,24 @@ class ModelRunner:
         self.keep_hidden = keep_hidden
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         # Bucketed fixed-shape steps: CUDA graphs on CUDA, eager when asked (tests).
-        self.capture = cuda_graphs and self.device.type == "cuda"
-        self.static_enabled = static_batches or self.capture
+        self.static_blocker = static_path_blocker(model)  # e.g. dynamic RoPE: eager only
+        self.capture = cuda_graphs and self.device.type == "cuda" and not self.static_blocker
+        self.static_enabled = (static_batches or self.capture) and not self.static_blocker
         self.scratch_block = num_blocks
         limit = max_model_len or getattr(cfg, "max_position_embeddings", None) or 4096
         self.max_blocks = -(-min(limit, num_blocks * block_size) // block_size)
         self.batch_buckets, self.query_buckets = batch_buckets, query_buckets
-        # KV width (blocks per sequence) is bucketed too, by powers of two: SDPA gathers
-        # only up to the batch's longest context (at most 2x it), flash-attn reads less.
-        widths, w = [], 1
-        while w < self.max_blocks:
-            widths.append(w)
-            w *= 2
-        self.width_buckets = (*widths, self.max_blocks)
+        # KV width (blocks per sequence) is bucketed too, by powers of two up to a cap:
+        # SDPA gathers at most 2x the batch's longest context; flash-attn reads in place.
+        self.width_buckets = width_buckets(self.max_blocks, block_size)
+        shapes = static_shapes(
+            batch_buckets, query_buckets, self.width_buckets, block_size, self.use_flash
+        )
+        self.static_shapes = set(shapes)
         self.static: dict[tuple[int, int, int], StaticForward] = {}
         self.static_steps = 0  # steps that took the bucketed path
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.capture_seconds = 0.0  # time capture_static took
 
     def _static_bucket(self, out: SchedulerOutput) -> tuple[int, int, int] | None:
         """(batch, query rows, KV blocks) bucket of a step, or None: dynamic path."""
@@ -107,26 +117,53 @@ class ModelRunner:
         q = bucket(max(c.num_tokens for c in out.chunks), self.query_buckets)
         ctx = max(c.start + c.num_tokens for c in out.chunks)
         w = bucket(-(-ctx // bs), self.width_buckets)
-        return None if b is None or q is None or w is None else (b, q, w)
+        if self.use_flash and w is not None:
+            w = self.width_buckets[-1]  # flash reads the table in place: one width
+        shape = None if b is None or q is None or w is None else (b, q, w)
+        if shape not in self.static_shapes:
+            return None
+        if self.capture and shape not in self.static:
+            return None  # graphs are captured at start-up only (capture_static)
+        return shape
+
+    def capture_static(self) -> int:
+        """Build every static bucket, largest first; on CUDA capture each as a graph into
+        the shared pool. Called once when the replica starts, before any request. Warm-up
+        and capture write only into the scratch block. Returns the number of buckets."""
+        if not self.static_enabled:
+            return 0
+        order = sorted(self.static_shapes, key=lambda s: (s[0] * s[1] * s[2], s), reverse=True)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for shape in order:
+                fwd = self._new_static_forward(shape)
+                if self.capture:  # pragma: no cover - needs CUDA
+                    fwd.capture(self._graph_pool)
+                else:
+                    fwd.warm_up(steps=1)
+                self.static[shape] = fwd
+        self.capture_seconds = time.perf_counter() - t0
+        return len(order)
 
     def _static_forward(self, shape: tuple[int, int, int]) -> StaticForward:
         """The bucket's forward, built (and on CUDA captured) on first use."""
         fwd = self.static.get(shape)
-        if fwd is None:
-            batch, q_len, width = shape
-            fwd = StaticForward(
-                self.decoder,
-                self.lm_head,
-                self.kv,
-                batch,
-                q_len,
-                width,
-                use_flash=self.use_flash,
-                capture=self.capture,
-                pool=self._graph_pool,
-            )
-            self.static[shape] = fwd
+        if fwd is None:  # eager static path (no capture): built on first use
+            fwd = self.static[shape] = self._new_static_forward(shape)
         return fwd
+
+    def _new_static_forward(self, shape: tuple[int, int, int]) -> StaticForward:
+        batch, q_len, width = shape
+        return StaticForward(
+            self.decoder,
+            self.lm_head,
+            self.kv,
+            batch,
+            q_len,
+            width,
+            use_flash=self.use_flash,
+            scratch_block=self.scratch_block,
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, timings: StepTimings) -> StepResult:

@@ -15,8 +15,17 @@ graph (``capture=True``) and replayed; elsewhere the same code runs eagerly, whi
 the CPU tests check the path token for token against the dynamic one.
 
 Buckets: batch size, query rows per sequence, and KV width in blocks (powers of two up to
-the model length), so the SDPA fallback gathers at most twice the longest context and a
-captured graph exists only for shapes that were used (built on first use).
+``MAX_STATIC_CONTEXT`` tokens; longer contexts take the dynamic path), so the SDPA fallback
+gathers at most twice the longest context. On CUDA every bucket is captured when the
+replica starts (``ModelRunner.capture_static``), largest first into one shared memory
+pool, never mid-serving: a step whose bucket has no graph takes the dynamic path.
+
+A bucket's buffers start as an all-padding batch (``padding_batch``: every slot and block
+in the scratch block), so warming up and capturing, which run the forward for real, write
+only into the scratch block and never into a block the pool hands to a request.
+
+Models whose RoPE reads positions back to the host as the cache grows (``dynamic`` NTK,
+``longrope``) cannot be captured: ``static_path_blocker`` names them and they run eagerly.
 """
 
 from __future__ import annotations
@@ -31,11 +40,66 @@ from tokenrouter_ray.engine.kv_cache import PagedKVCache
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_QUERY_BUCKETS = (1, 2, 4, 8)
+# Longest context a static bucket covers. Past it the dynamic path runs: the SDPA fallback
+# gathers batch x width tokens of K/V per layer, and every width is one more graph.
+MAX_STATIC_CONTEXT = 4096
+# SDPA fallback only: a bucket may gather at most this many tokens of K/V per layer
+# (batch x width x block_size); bigger (batch, width) pairs take the dynamic path.
+MAX_STATIC_GATHER_TOKENS = 64 * 1024
 
 
 def bucket(value: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket >= value, or None when the value is past the largest."""
     return next((b for b in buckets if b >= value), None)
+
+
+def width_buckets(
+    max_blocks: int, block_size: int, max_context: int = MAX_STATIC_CONTEXT
+) -> tuple[int, ...]:
+    """KV widths in blocks: powers of two, then the cap (the model length or
+    ``max_context`` tokens, whichever is smaller)."""
+    cap = max(1, min(max_blocks, -(-max_context // block_size)))
+    widths, w = [], 1
+    while w < cap:
+        widths.append(w)
+        w *= 2
+    return (*widths, cap)
+
+
+def static_shapes(
+    batch_buckets: Sequence[int],
+    query_buckets: Sequence[int],
+    widths: Sequence[int],
+    block_size: int,
+    use_flash: bool,
+    max_gather_tokens: int = MAX_STATIC_GATHER_TOKENS,
+) -> list[tuple[int, int, int]]:
+    """Every (batch, q_len, width) bucket the static path serves, largest first (the order
+    to capture them in: later, smaller graphs reuse the shared pool's memory). flash-attn
+    reads the block table in place, so it needs only the widest width; SDPA gathers, so it
+    gets every width within the gather budget."""
+    if use_flash:
+        widths = widths[-1:]
+    shapes = [
+        (b, q, w)
+        for b in batch_buckets
+        for q in query_buckets
+        for w in widths
+        if use_flash or b * w * block_size <= max_gather_tokens
+    ]
+    return sorted(shapes, key=lambda s: (s[0] * s[1] * s[2], s), reverse=True)
+
+
+def static_path_blocker(model: torch.nn.Module) -> str | None:
+    """Why this model cannot run the static path, or None. RoPE variants that grow their
+    cache from the positions seen (``dynamic``, ``longrope``) read them on the host."""
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+        for kind in kinds:
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+                return f"{kind} RoPE reads positions on the host (no CUDA graphs)"
+    return None
 
 
 @dataclass
@@ -91,6 +155,13 @@ def build_host_batch(
     return HostBatch(ids, pos, slots, table, ctx, mask, len(seqs))
 
 
+def padding_batch(
+    batch: int, q_len: int, max_blocks: int, block_size: int, scratch_block: int, with_mask: bool
+) -> HostBatch:
+    """A bucket with no real sequence: every row reads and writes the scratch block."""
+    return build_host_batch([], batch, q_len, max_blocks, block_size, scratch_block, with_mask)
+
+
 class StaticForward:
     """One (batch, q_len) bucket: device buffers, the forward on them, maybe a CUDA graph."""
 
@@ -103,11 +174,10 @@ class StaticForward:
         q_len: int,
         max_blocks: int,
         use_flash: bool,
-        capture: bool,
-        pool: object | None = None,
+        scratch_block: int,
     ) -> None:
         self.decoder, self.lm_head = decoder, lm_head
-        self.batch, self.q_len = batch, q_len
+        self.batch, self.q_len, self.max_blocks = batch, q_len, max_blocks
         device = kv.keys[0].device
         rows = batch * q_len
         width = max_blocks * kv.block_size
@@ -131,11 +201,13 @@ class StaticForward:
             decode_mask=None,
             static=self.meta,
         )
+        # Buffers start as padding, aimed at the scratch block (see the module doc).
+        self.padding = padding_batch(batch, q_len, max_blocks, kv.block_size, scratch_block,
+                                     with_mask=not use_flash)  # fmt: skip
+        self.load(self.padding)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None  # (batch, hidden) outputs of the last run
         self.logits: torch.Tensor | None = None  # (batch, vocab)
-        if capture:
-            self._capture(pool)
 
     def _forward(self) -> None:
         hidden = self.decoder(
@@ -147,18 +219,31 @@ class StaticForward:
         self.hidden = hidden.view(self.batch, self.q_len, -1)[:, -1]  # last row per sequence
         self.logits = self.lm_head(self.hidden).float()
 
-    def _capture(self, pool: object | None) -> None:  # pragma: no cover - needs CUDA
-        """Warm up on a side stream (allocator, autotuning), then record the forward. The
-        scratch block makes the all-padding buffers a valid batch to warm up on."""
-        stream = torch.cuda.Stream()
+    def warm_up(self, steps: int = 2) -> None:
+        """Run the all-padding batch ``steps`` times (allocator, kernel autotuning): reads
+        and writes only the scratch block. On CUDA on a side stream, as capture wants."""
+        self.load(self.padding)
+        if self.input_ids.device.type != "cuda":
+            for _ in range(steps):
+                self._forward()
+            return
+        stream = torch.cuda.Stream()  # pragma: no cover - needs CUDA
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
+            for _ in range(steps):
                 self._forward()
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+
+    def capture(self, pool: object | None) -> None:  # pragma: no cover - needs CUDA
+        """Warm up, then record the forward on the padding batch into ``pool``.
+        ``thread_local``: another thread's CUDA call (a serving thread, a Ray thread)
+        cannot invalidate this capture, and this capture cannot break theirs."""
+        self.warm_up()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             self._forward()
+        torch.cuda.current_stream().synchronize()
+        self.graph = graph
 
     def load(self, host: HostBatch) -> None:
         self.input_ids[0].copy_(host.input_ids, non_blocking=True)
