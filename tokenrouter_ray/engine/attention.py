@@ -296,7 +296,8 @@ def _attend(
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (n, kv_heads, rows, k_len)
         scores = torch.tanh(scores / variant.softcap) * variant.softcap
         scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        wide = torch.promote_types(scores.dtype, torch.float32)  # fp32 at least
+        probs = torch.softmax(scores, dim=-1, dtype=wide).to(v.dtype)
         out = torch.matmul(probs, v)
     return out.reshape(n, heads, q_len, head_dim)
 

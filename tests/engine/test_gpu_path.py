@@ -1,0 +1,245 @@
+"""What the CUDA path depends on, checked on CPU (issue 18): warm-up and capture touch only
+the scratch block, flash-attn is chosen only where it can run, the folded GQA attention
+equals SDPA's own, sliding-window and soft-capped attention match transformers' eager
+attention, dynamic RoPE keeps a model off the static path, buckets are capped and ordered
+for capture, and the activation reserve grows with what a step can hold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+from tests.engine.conftest import TINY, greedy_reference, make_engine
+from tests.engine.test_engine import drain, prompts_of
+from tokenrouter_ray.engine.attention import Variant, _attend, flash_attn_unusable
+from tokenrouter_ray.engine.memory_reserve import forward_reserve_bytes
+from tokenrouter_ray.engine.model_runner import ModelRunner
+from tokenrouter_ray.engine.request import SamplingParams
+from tokenrouter_ray.engine.static_forward import static_shapes, width_buckets
+
+# ---------------------------------------------------------------- 1. warm-up and capture
+
+
+def test_warm_up_of_every_bucket_writes_only_the_scratch_block(tiny_model_dir) -> None:
+    """Warm-up (what capture runs for real) on buffers that start as padding: every K/V
+    outside the scratch block is unchanged, the scratch block was written."""
+    model = make_engine(tiny_model_dir, num_blocks=8).runner.model
+    runner = ModelRunner(model, num_blocks=8, block_size=4, static_batches=True,
+                         cuda_graphs=False, max_model_len=32, batch_buckets=(1, 4),
+                         query_buckets=(1, 2))  # fmt: skip
+    kv = runner.kv
+    torch.manual_seed(0)
+    for t in (*kv.keys, *kv.values):
+        t.normal_()
+    before = [t[: runner.scratch_block].clone() for t in (*kv.keys, *kv.values)]
+    scratch = [t[runner.scratch_block].clone() for t in kv.keys]
+    built = runner.capture_static()
+    assert built == len(runner.static) == 2 * 2 * len(runner.width_buckets)
+    for fwd in runner.static.values():
+        assert (fwd.meta.block_table == runner.scratch_block).all()
+        assert (fwd.paged.slot_mapping // kv.block_size == runner.scratch_block).all()
+    for old, t in zip(before, (*kv.keys, *kv.values), strict=True):
+        assert torch.equal(old, t[: runner.scratch_block])
+    assert any(
+        not torch.equal(s, t[runner.scratch_block]) for s, t in zip(scratch, kv.keys, strict=True)
+    )
+
+
+def test_buckets_are_capped_and_ordered_largest_first() -> None:
+    assert width_buckets(max_blocks=1000, block_size=16, max_context=1024) == (
+        1, 2, 4, 8, 16, 32, 64,
+    )  # fmt: skip
+    assert width_buckets(max_blocks=5, block_size=16) == (1, 2, 4, 5)
+    shapes = static_shapes((1, 8, 64), (1, 4), (1, 16, 64), 16, use_flash=False,
+                           max_gather_tokens=8 * 64 * 16)  # fmt: skip
+    sizes = [b * q * w for b, q, w in shapes]
+    assert sizes == sorted(sizes, reverse=True)
+    assert all(b * w * 16 <= 8 * 64 * 16 for b, _, w in shapes)
+    assert (64, 4, 64) not in shapes and (8, 4, 64) in shapes
+    flash = static_shapes((1, 8), (1, 4), (1, 16, 64), 256, use_flash=True)
+    assert {w for _, _, w in flash} == {64}  # flash reads the table in place: one width
+
+
+def test_with_capture_on_an_uncaptured_bucket_takes_the_dynamic_path(tiny_llama_dir) -> None:
+    engine = make_engine(tiny_llama_dir, static_batches=True)
+    runner = engine.runner
+    runner.capture = True  # as on CUDA: only what capture_static built may run static
+    (prompt,) = prompts_of([5], seed=1)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=4))
+    produced = {"a": []}
+    drain(engine, produced)
+    assert runner.static_steps == 0 and not runner.static
+
+
+# ------------------------------------------------------------- 2. flash-attn selection
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "block_size", "capability", "usable"),
+    [
+        (torch.bfloat16, 128, 256, (9, 0), True),
+        (torch.float16, 64, 512, (8, 0), True),
+        (torch.float32, 128, 256, (9, 0), False),
+        (torch.float64, 128, 256, (9, 0), False),
+        (torch.bfloat16, 128, 16, (9, 0), False),
+        (torch.bfloat16, 260, 256, (9, 0), False),
+        (torch.bfloat16, 100, 256, (9, 0), False),
+        (torch.bfloat16, 128, 256, (7, 5), False),
+    ],
+)
+def test_flash_attn_is_chosen_only_where_it_can_run(
+    dtype: torch.dtype, head_dim: int, block_size: int, capability: tuple, usable: bool
+) -> None:
+    why = flash_attn_unusable(torch.device("cuda"), dtype, head_dim, block_size,
+                              installed=True, capability=capability)  # fmt: skip
+    assert (why is None) == usable, why
+    assert flash_attn_unusable(torch.device("cpu"), torch.bfloat16, 128, 256, installed=True)
+    assert "not installed" in flash_attn_unusable(torch.device("cuda"), dtype, 128, 256,
+                                                  installed=False)  # fmt: skip
+
+
+# ------------------------------------------------ 3. folded GQA equals SDPA's enable_gqa
+
+
+def _causal_prefix_mask(n: int, q_len: int, k_len: int) -> torch.Tensor:
+    """Rows of sequence i end at a random context length; each row sees keys <= its pos."""
+    ctx = torch.randint(q_len, k_len + 1, (n,))
+    q_pos = ctx[:, None] - q_len + torch.arange(q_len)[None]  # (n, q_len)
+    return (torch.arange(k_len)[None, None] <= q_pos[:, :, None])[:, None]  # (n,1,q,k)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "q_len"), [(8, 2, 1), (8, 2, 4), (4, 4, 3)])
+def test_folded_gqa_attention_equals_sdpa_enable_gqa(heads: int, kv_heads: int, q_len: int) -> None:
+    torch.manual_seed(heads + q_len)
+    n, k_len, d = 3, 24, 16
+    q = torch.randn(n, heads, q_len, d, dtype=torch.float64)
+    k = torch.randn(n, kv_heads, k_len, d, dtype=torch.float64)
+    v = torch.randn(n, kv_heads, k_len, d, dtype=torch.float64)
+    mask = _causal_prefix_mask(n, q_len, k_len)
+    got = _attend(q, k, v, mask, Variant(scale=0.3))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3,
+                                          enable_gqa=heads != kv_heads)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def _eager_reference(q, k, v, mask, scale, window, softcap) -> torch.Tensor:
+    """Repeat K/V per group, cap, window, softmax: transformers' eager attention."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos = mask.sum(-1, keepdim=True) - 1
+    if window is not None:
+        mask = mask & (torch.arange(mask.shape[-1]) > q_pos - window)
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(5, None), (None, 2.0), (4, 1.5)])
+def test_sliding_window_and_softcap_match_eager_attention(window, softcap) -> None:
+    torch.manual_seed(7)
+    n, heads, kv_heads, q_len, k_len, d = 2, 4, 2, 3, 20, 8
+    q = 3 * torch.randn(n, heads, q_len, d, dtype=torch.float64)
+    k = 3 * torch.randn(n, kv_heads, k_len, d, dtype=torch.float64)
+    v = torch.randn(n, kv_heads, k_len, d, dtype=torch.float64)
+    mask = _causal_prefix_mask(n, q_len, k_len)
+    got = _attend(q, k, v, mask, Variant(0.5, window, softcap))
+    want = _eager_reference(q, k, v, mask, 0.5, window, softcap)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    plain = _attend(q, k, v, mask, Variant(0.5))
+    assert not torch.allclose(got, plain)  # the variant changed the result
+    flash = Variant(0.5, window, softcap).flash_kwargs
+    assert flash["window_size"] == ((window - 1, 0) if window else (-1, -1))
+    assert flash["softcap"] == (softcap or 0.0)
+
+
+# ------------------------------------------- 5. attention variants in whole models
+
+
+def _save(path: Path, model: torch.nn.Module) -> str:
+    model.to(torch.float64).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def variant_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("variants")
+    torch.manual_seed(3)
+    mistral = MistralForCausalLM(MistralConfig(**TINY, sliding_window=6, head_dim=16))
+    torch.manual_seed(4)
+    gemma = Gemma2ForCausalLM(Gemma2Config(**TINY, head_dim=16, sliding_window=6,
+                                           query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
+                                           final_logit_softcapping=5.0))  # fmt: skip
+    with torch.no_grad():  # scores large enough for the cap to bend them
+        for layer in gemma.model.layers:
+            layer.self_attn.q_proj.weight.mul_(40)
+            layer.self_attn.k_proj.weight.mul_(40)
+    return {"mistral": _save(tmp / "mistral", mistral), "gemma2": _save(tmp / "gemma2", gemma)}
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+@pytest.mark.parametrize("static", [False, True])
+def test_sliding_window_and_softcap_models_equal_eager_generate(
+    variant_models: dict[str, str], arch: str, static: bool
+) -> None:
+    """Prompts longer than the window, decodes past it, a pause and a 2-token extend:
+    the engine's tokens equal transformers' own eager attention, token for token."""
+    path = variant_models[arch]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                               attn_implementation="eager").eval()  # fmt: skip
+    engine = make_engine(path, static_batches=static)
+    prompts = prompts_of([9, 4, 13], seed=11)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=8))
+    produced: dict[str, list[int]] = {}
+    for _ in range(2):
+        for out in engine.commit(engine.execute()):
+            produced.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.pause("r0")
+    held = list(engine.requests["r0"].token_ids)
+    engine.resume("r0", [7, 8], anchor=len(held) - 1)
+    context = [*held[:-1], 7, 8]
+    before = len(produced["r0"])
+    drain(engine, produced)
+    for i, p in enumerate(prompts[1:], start=1):
+        assert produced[f"r{i}"] == greedy_reference(ref, p, 8), f"{arch} r{i}"
+    remaining = 8 - (len(context) - len(prompts[0]))
+    assert produced["r0"][before:] == greedy_reference(ref, context, remaining)
+    assert (engine.runner.static_steps > 0) == static
+
+
+def test_dynamic_rope_keeps_the_model_off_the_static_path(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    cfg = LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    path = _save(tmp_path / "dyn", LlamaForCausalLM(cfg))
+    engine = make_engine(path, static_batches=True, cuda_graphs=True)
+    assert not engine.runner.static_enabled and not engine.runner.capture
+    assert "dynamic" in engine.runner.static_blocker
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+    drain(engine, {"a": []})
+    assert engine.runner.static_steps == 0
+
+
+# ------------------------------------------------------------- 3. the memory reserve
+
+
+def test_activation_reserve_grows_with_the_step_and_the_graphs() -> None:
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=32000)  # fmt: skip
+    small = forward_reserve_bytes(cfg, 2, 512, 64, 4096, static_rows=512, graphs=False)
+    big = forward_reserve_bytes(cfg, 2, 8192, 64, 4096, static_rows=512, graphs=False)
+    graphs = forward_reserve_bytes(cfg, 2, 512, 64, 4096, static_rows=512, graphs=True)
+    assert 1 << 30 < small < big and small < graphs
+    assert big - small >= (8192 - 512) * 3 * 11008 * 2  # at least the MLP activations
