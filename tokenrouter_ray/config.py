@@ -17,7 +17,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -46,8 +45,8 @@ class ModelSpec(_Strict):
     tensor_parallel: int = Field(
         1,
         ge=1,
-        description="GPUs one replica spans. Only 1 today: the engine runs a model on one "
-        "device, so a larger value is refused rather than silently ignored (issue 11).",
+        description="Ranks one replica spans (one GPU each with num_gpus > 0; CPU processes "
+        "otherwise), all on one node; must divide the model's attention and KV heads.",
     )
     num_replicas: int = Field(1, ge=1, description="Data-parallel replicas.")
     resources: dict[str, float] = Field(
@@ -60,16 +59,14 @@ class ModelSpec(_Strict):
         default_factory=dict, description="Overrides of the shared scheduler settings."
     )
 
-    @field_validator("tensor_parallel")
-    @classmethod
-    def _one_device_only(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(
-                f"tensor_parallel={value}: tensor parallelism is not implemented yet "
-                "(issue 11), and the engine would load the whole model onto one GPU; set "
-                "tensor_parallel: 1 and give the model one card that holds its weights + KV"
-            )
-        return value
+    @model_validator(mode="after")
+    def _heads_split(self) -> ModelSpec:
+        """A local checkpoint's heads must split evenly over the ranks (hub ids: at load)."""
+        if self.tensor_parallel > 1 and Path(self.path).is_dir():
+            from tokenrouter_ray.engine.tensor_parallel import check_local_model
+
+            check_local_model(self.path, self.tensor_parallel, self.gguf_file)
+        return self
 
 
 class PolicySpec(_Strict):

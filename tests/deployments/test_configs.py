@@ -36,7 +36,7 @@ def test_cross_node_pins_each_model_to_its_node_resource() -> None:
     cfg = compose_config(args.overrides)
     assert cfg.models["small"].resources == {"tokenrouter_small": 0.001}
     assert cfg.models["large"].resources == {"tokenrouter_large": 0.001}
-    assert cfg.models["large"].tensor_parallel == 1  # no tensor parallelism yet: one card
+    assert cfg.models["large"].tensor_parallel == 1  # one card; models=qwen3_r2r_tp2: two
     assert cfg.models["large"].num_gpus == 1
     assert cfg.transport.kind == "zmq" and cfg.transport.zmq.transport == "tcp"
 
@@ -54,9 +54,8 @@ def test_cross_node_pins_each_model_to_its_node_resource() -> None:
         (["models=qwen3_r2r", "policy=rstitch", "tuner=live", "tuner.concurrencies=[0,4]"],
          "concurrencies"),
         (["models=qwen3_r2r", "policy=rstitch", "tuner=sometimes"], "Could not find 'tuner/"),
-        (["models=qwen3_r2r", "policy=rstitch", "models.large.tensor_parallel=2"],
-         r"models.large.tensor_parallel: .*tensor parallelism is not implemented yet.*"
-         r"set tensor_parallel: 1"),
+        (["models=qwen3_r2r", "policy=rstitch", "models.large.tensor_parallel=0"],
+         r"models.large.tensor_parallel: Input should be greater than or equal to 1"),
     ],
 )
 def test_config_errors_are_one_clear_message(overrides, message) -> None:

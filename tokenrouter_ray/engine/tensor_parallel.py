@@ -381,9 +381,8 @@ def _build_rank(
         max_model_len=config.max_model_len,
         tp_size=world,
     )
-    capture = getattr(runner, "capture_static", None)
-    if runner.capture and capture is not None:  # every rank, same buckets, same order
-        capture()
+    if runner.capture:  # every rank captures the same buckets in the same order
+        runner.capture_static()
     return runner, int(agreed.item())
 
 
@@ -447,6 +446,11 @@ def build_tp_runner(
 ) -> tuple[TensorParallelRunner, int]:
     """Start the workers and rank 0; returns rank 0's runner and the agreed block count."""
     world = config.tensor_parallel
+    try:  # before any process starts: a clear error for heads that do not split
+        model_config = AutoConfig.from_pretrained(config.model, gguf_file=config.gguf_file)
+        check_tensor_parallel(model_config, world)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{config.model!r}: {exc}") from exc
     launcher = launcher or LocalProcessLauncher()
     timeout = datetime.timedelta(seconds=config.collective_timeout_s)
     store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -470,7 +474,11 @@ def build_tp_runner(
         while len(workers) < world - 1:
             sock, _ = listener.accept()
             sock.settimeout(config.startup_timeout_s)
-            rank = struct.unpack("<q", _recv_exact(sock, 8) or b"\0" * 8)[0]
+            hello = _recv_frame(sock)  # the worker's rank
+            if hello is None or len(hello) != 8:
+                sock.close()
+                continue
+            rank = struct.unpack("<q", hello)[0]
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             workers[rank] = sock
