@@ -258,7 +258,7 @@ class Ingress:
         while True:
             await asyncio.sleep(self.cfg.tuner.period_s)
             with contextlib.suppress(Exception):  # keep the last cap while the tuner restarts
-                cap = await self.tuner.admission_cap.remote()
+                cap = await asyncio.wait_for(self.tuner.admission_cap.remote(), timeout=10)
                 replicas = self.cfg.ingress.num_replicas
                 self.slo_cap = None if cap is None else max(1, -(-cap // replicas))
 

@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.directory import ServeDirectory
 from deployments.peers import PeerBook, make_channel, peer_key
+from deployments.tp_workers import RayWorkerLauncher
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.metrics import Metrics
@@ -39,6 +40,7 @@ def engine_config(cfg: AppConfig, name: str) -> EngineConfig:
         block_size=spec.block_size,
         memory_budget_bytes=int(spec.memory_budget_gb * 2**30),
         max_model_len=spec.max_model_len,
+        tensor_parallel=spec.tensor_parallel,  # issue 15
         scheduler=cfg.scheduler_for(name),
     )
 
@@ -61,7 +63,10 @@ class ModelServer:
         cfg = AppConfig.model_validate(app_config)
         self.model = model
         index = cfg.model_names.index(model)
-        self.engine = await asyncio.to_thread(Engine.from_config, engine_config(cfg, model))
+        # tensor parallel (issue 15): ranks 1..k-1 are actors in this replica's placement group
+        launcher = RayWorkerLauncher() if cfg.models[model].tensor_parallel > 1 else None
+        config = engine_config(cfg, model)
+        self.engine = await asyncio.to_thread(Engine.from_config, config, launcher)
         self._execute = self.engine.runner.execute  # restored by inject_fault("clear")
         needs_tokenizer = cfg.policy.name == "glimprouter"
         tokenizer = load_tokenizer(cfg.models[model].path) if needs_tokenizer else None
@@ -104,7 +109,8 @@ class ModelServer:
             await asyncio.sleep(period_s)
             try:
                 snapshot = self.server.stats.snapshot()
-                thresholds = await tuner.report.remote(self.model, self.replica, snapshot)
+                report = tuner.report.remote(self.model, self.replica, snapshot)
+                thresholds = await asyncio.wait_for(report, timeout=max(10.0, 2 * period_s))
             except Exception as exc:  # the tuner restarting must not stop serving
                 logger.warning("%s: tuner report failed: %s", self.model, exc)
                 continue
@@ -160,6 +166,7 @@ class ModelServer:
             raise RuntimeError(f"{self.model}: sub-server stopped: {self.server.dead_tasks()}")
         if not self.peers.refreshing:
             raise RuntimeError(f"{self.model}: endpoint heartbeat stopped")
+        self.engine.check_health()  # tensor parallel (issue 15): every worker rank is alive
 
     async def inject_fault(self, kind: str, count: int = 1, seconds: float = 0.0) -> None:
         """Chaos hook: ``step`` makes the next ``count`` forward steps raise; ``stall``
@@ -193,5 +200,6 @@ class ModelServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._tuning
         await self.server.stop()
+        self.engine.close()  # tensor parallel (issue 15): stop the worker ranks
         await self.peers.stop()
         await self.channel.close()

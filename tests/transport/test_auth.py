@@ -16,6 +16,7 @@ from tests.transport import handoff, recv_n
 from tokenrouter_ray.protocol import encode_batch
 from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
 from tokenrouter_ray.transport.auth import FrameSigner, FrameVerifier, derive_key
+from tokenrouter_ray.transport.base import Endpoint
 
 KEY = derive_key(os.urandom(32))
 
@@ -54,9 +55,9 @@ async def test_injected_frames_are_rejected_and_honest_traffic_flows(transport: 
         push = small._pushes["large/0"]
         real_send = push.send
 
-        async def sniff(frame: bytes, copy: bool = True) -> None:  # what a wiretap sees
+        async def sniff(frame: bytes, **kwargs: object) -> None:  # what a wiretap sees
             captured.append(frame)
-            await real_send(frame, copy=copy)
+            await real_send(frame, **kwargs)
 
         push.send = sniff
         await small.send("large/0", [handoff(1)])
@@ -94,3 +95,16 @@ async def test_ipc_socket_files_are_private() -> None:
         path = large.address.removeprefix("ipc://")
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_stopped_reading_fails_sends_instead_of_blocking() -> None:
+    from tokenrouter_ray.transport import PeerUnreachableError
+
+    directory = InMemoryDirectory()
+    tight = ZmqConfig(key=KEY, send_hwm=4)
+    await directory.register(Endpoint("large", "dead", "ipc:///nonexistent/dead.sock"))
+    async with ZmqChannel("small", "0", directory, tight) as small:
+        with pytest.raises(PeerUnreachableError, match="not reading"):
+            for seq in range(100):  # nobody reads: the queue fills, then sends fail fast
+                await asyncio.wait_for(small.send("large/dead", [handoff(seq)]), 5)

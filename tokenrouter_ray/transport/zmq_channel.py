@@ -43,6 +43,7 @@ from tokenrouter_ray.transport.base import (
     Directory,
     Endpoint,
     PeerChannel,
+    PeerUnreachableError,
     decode_frame,
 )
 
@@ -143,7 +144,12 @@ class ZmqChannel(PeerChannel):
         frame = encode_batch(msgs)
         if self._signer is not None:
             frame = self._signer.sign(dst.name, frame)
-        await push.send(frame, copy=True)
+        try:  # never wait: a peer that stopped reading must not stall the sender's loop
+            await push.send(frame, flags=zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            raise PeerUnreachableError(
+                f"{dst.name} is not reading: {self.config.send_hwm} frames already queued"
+            ) from None
 
     async def _connect(self, dst: Endpoint) -> zmq.asyncio.Socket:
         pending = self._connecting.get(dst.name)
