@@ -20,6 +20,7 @@ from ray.serve import Application
 from deployments.directory import EndpointDirectory
 from deployments.ingress import Ingress
 from deployments.model_server import ModelServer, load_tokenizer
+from deployments.tp_workers import worker_bundles
 from deployments.tuner import Tuner
 from tokenrouter_ray.config import AppConfig, ConfigError, ModelSpec, compose_config
 from tokenrouter_ray.protocol import check_shared_tokenizer
@@ -60,14 +61,12 @@ def model_options(name: str, spec: ModelSpec) -> dict[str, Any]:
         "num_replicas": spec.num_replicas,
         "max_ongoing_requests": 1000,
     }
-    if spec.tensor_parallel > 1:
-        gpu_each = spec.num_gpus / spec.tensor_parallel
-        first = {"CPU": spec.num_cpus, "GPU": gpu_each, **spec.resources}
-        options["placement_group_bundles"] = [first] + [
-            {"GPU": gpu_each} for _ in range(spec.tensor_parallel - 1)
-        ]
+    if spec.tensor_parallel > 1:  # one bundle per rank, one node (deployments/tp_workers.py)
+        options["placement_group_bundles"] = worker_bundles(
+            spec.tensor_parallel, spec.num_cpus, spec.num_gpus, spec.resources
+        )
         options["placement_group_strategy"] = "STRICT_PACK"
-        actor["num_gpus"] = gpu_each
+        actor["num_gpus"] = spec.num_gpus / spec.tensor_parallel
     else:
         actor["num_gpus"] = spec.num_gpus
     options["ray_actor_options"] = actor
