@@ -376,9 +376,8 @@ class Ingress:
                     self.core.abort_nowait(rid, reason="stop")
                     break
         finally:  # no await here: a cancelled task (client gone) must still clean up
-            self.entry_load[entry] -= 1
-            self.core.abort_nowait(rid)  # no-op once complete; frees KV on disconnect
-            done = self.core.release(rid)
+            done = self._close_choice(rid, entry)
+        assert done is not None  # only this finally or the task's done callback close it
         if done.error is not None:
             raise _choice_error(done)
         tail = detok.finish()
@@ -393,6 +392,29 @@ class Ingress:
             ChoiceResult.routing_of(done.counts, done.handoffs),
         )
 
+    def _start_choices(
+        self,
+        submitted: list[tuple[str, str]],
+        prepared: PreparedRequest,
+        pieces: asyncio.Queue | None,
+    ) -> list[asyncio.Task]:
+        """One task per choice. Each also closes its request when the task ends: a task
+        cancelled before it first ran never enters ``_choice``'s ``finally``."""
+        tasks = []
+        for i, (rid, entry) in enumerate(submitted):
+            task = asyncio.ensure_future(self._choice(i, rid, entry, prepared, pieces))
+            task.add_done_callback(lambda _, rid=rid, entry=entry: self._close_choice(rid, entry))
+            tasks.append(task)
+        return tasks
+
+    def _close_choice(self, rid: str, entry: str) -> Completion | None:
+        """Abort (a no-op once complete) and release a choice, once; None if already."""
+        if rid not in self.core.live:
+            return None
+        self.entry_load[entry] -= 1
+        self.core.abort_nowait(rid)
+        return self.core.release(rid)
+
     async def _respond(
         self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
     ) -> Response:
@@ -400,10 +422,7 @@ class Ingress:
         prompt_len = len(prepared.prompt_token_ids)
         name = self.cfg.served_model_name
         if not prepared.sampling.stream:
-            tasks = [
-                asyncio.ensure_future(self._choice(i, rid, entry, prepared, None))
-                for i, (rid, entry) in enumerate(submitted)
-            ]
+            tasks = self._start_choices(submitted, prepared, None)
             try:
                 choices = await asyncio.gather(*tasks)
             finally:
@@ -416,10 +435,8 @@ class Ingress:
             name, prepared.sampling.n, include_usage=prepared.sampling.include_usage
         )
         pieces: asyncio.Queue = asyncio.Queue()
-        tasks = [  # started now: the body may never be iterated if the client leaves first
-            asyncio.ensure_future(self._choice(i, rid, entry, prepared, pieces))
-            for i, (rid, entry) in enumerate(submitted)
-        ]
+        # Started now: the body may never be iterated if the client leaves first.
+        tasks = self._start_choices(submitted, prepared, pieces)
         body = self._sse(stream, tasks, pieces, prompt_len)
         return _ChoicesResponse(tasks, body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
 
