@@ -2,7 +2,8 @@
 
 Accepts a local directory, a hub id, or a directory/file holding a GGUF checkpoint
 (``gguf_file``). The model comes back in eval mode on the requested device and dtype, with
-our paged attention as its attention implementation.
+our paged attention as its attention implementation (a model whose modelling code does not
+take it is refused: its attention would silently bypass the paged cache).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from tokenrouter_ray.engine.attention import register_attention
+from tokenrouter_ray.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from tokenrouter_ray.errors import ModelLoadError
 
 DTYPES = {
@@ -70,4 +71,10 @@ def load_causal_lm(
         raise ModelLoadError(f"{model!r} cannot be loaded as a causal LM: {exc}") from exc
     except OSError as exc:
         raise ModelLoadError(f"cannot load weights of {model!r}: {exc}") from exc
+    if getattr(lm.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        # Its attention would ignore the paged cache: wrong tokens, no error. Refuse.
+        raise ModelLoadError(
+            f"{model!r} ({', '.join(archs) or config.model_type}) does not route attention "
+            "through transformers' AttentionInterface, which the engine's paged cache needs"
+        )
     return lm.to(dev).eval()
