@@ -243,3 +243,23 @@ def test_activation_reserve_grows_with_the_step_and_the_graphs() -> None:
     graphs = forward_reserve_bytes(cfg, 2, 512, 64, 4096, static_rows=512, graphs=True)
     assert 1 << 30 < small < big and small < graphs
     assert big - small >= (8192 - 512) * 3 * 11008 * 2  # at least the MLP activations
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_variant_models_static_forward_never_reads_device_data(
+    variant_models: dict[str, str], arch: str
+) -> None:
+    """As ``test_static_forward_never_reads_device_data_on_the_host`` for the sliding-window
+    and soft-capped models (their mask building and the window cut run in the forward)."""
+    from tokenrouter_ray.engine.kv_cache import PagedKVCache
+    from tokenrouter_ray.engine.static_forward import StaticForward
+
+    model = make_engine(variant_models[arch]).runner.model.to("meta")
+    cfg = model.config
+    kv = PagedKVCache(cfg.num_hidden_layers, 9, 4, cfg.num_key_value_heads, cfg.head_dim,
+                      torch.float64, "meta")  # fmt: skip
+    fwd = StaticForward(model.get_decoder(), model.get_output_embeddings(), kv, 4, 2, 4,
+                        use_flash=False, scratch_block=8)  # fmt: skip
+    with torch.inference_mode():
+        fwd._forward()
+    assert fwd.logits.shape == (4, cfg.vocab_size) and fwd.logits.device.type == "meta"
