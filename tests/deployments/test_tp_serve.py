@@ -11,20 +11,16 @@ import ray
 
 from deployments.app import model_options
 from tests.deployments.conftest import local_outputs, tiny_overrides
-from tokenrouter_ray.config import ModelSpec
+from tokenrouter_ray.config import ModelSpec, compose_config
 
 TWO = ["small", "large"]
 POLICY = ["policy.options.threshold=0.45"]  # entropy policy: deterministic routing
 
 
 def test_one_bundle_per_rank_packed_on_one_node() -> None:
-    spec = ModelSpec(
-        path="Qwen/Qwen3-32B",
-        num_gpus=2,
-        num_cpus=1,
-        tensor_parallel=2,
-        resources={"tokenrouter_large": 0.001},
-    )
+    cfg = compose_config(["models=qwen3_r2r_tp2", "policy=r2r", "placement=cross_node"])
+    spec = cfg.models["large"]
+    assert (spec.path, spec.tensor_parallel, spec.num_gpus) == ("Qwen/Qwen3-32B", 2, 2)
     options = model_options("large", spec)
     assert options["placement_group_bundles"] == [
         {"CPU": 1, "GPU": 1, "tokenrouter_large": 0.001},  # rank 0: the replica, pinned
