@@ -25,6 +25,7 @@ from tokenrouter_ray.engine.scheduler import SchedulerOutput
 from tokenrouter_ray.engine.static_forward import (
     DEFAULT_BATCH_BUCKETS,
     DEFAULT_QUERY_BUCKETS,
+    MAX_STATIC_CONTEXT,
     StaticForward,
     bucket,
     build_host_batch,
@@ -95,8 +96,10 @@ class ModelRunner:
         self.max_blocks = -(-min(limit, num_blocks * block_size) // block_size)
         self.batch_buckets, self.query_buckets = batch_buckets, query_buckets
         # KV width (blocks per sequence) is bucketed too, by powers of two up to a cap:
-        # SDPA gathers at most 2x the batch's longest context; flash-attn reads in place.
-        self.width_buckets = width_buckets(self.max_blocks, block_size)
+        # SDPA gathers at most 2x the batch's longest context; flash-attn reads in place
+        # (one width, the model length).
+        cap = None if self.use_flash else MAX_STATIC_CONTEXT
+        self.width_buckets = width_buckets(self.max_blocks, block_size, cap)
         shapes = static_shapes(
             batch_buckets, query_buckets, self.width_buckets, block_size, self.use_flash
         )

@@ -15,8 +15,9 @@ graph (``capture=True``) and replayed; elsewhere the same code runs eagerly, whi
 the CPU tests check the path token for token against the dynamic one.
 
 Buckets: batch size, query rows per sequence, and KV width in blocks (powers of two up to
-``MAX_STATIC_CONTEXT`` tokens; longer contexts take the dynamic path), so the SDPA fallback
-gathers at most twice the longest context. On CUDA every bucket is captured when the
+``MAX_STATIC_CONTEXT`` tokens for SDPA, whose longer contexts take the dynamic path), so the
+SDPA fallback gathers at most twice the longest context; flash-attn reads the block table
+in place and needs one width, the model length. On CUDA every bucket is captured when the
 replica starts (``ModelRunner.capture_static``), largest first into one shared memory
 pool, never mid-serving: a step whose bucket has no graph takes the dynamic path.
 
@@ -54,11 +55,12 @@ def bucket(value: int, buckets: Sequence[int]) -> int | None:
 
 
 def width_buckets(
-    max_blocks: int, block_size: int, max_context: int = MAX_STATIC_CONTEXT
+    max_blocks: int, block_size: int, max_context: int | None = MAX_STATIC_CONTEXT
 ) -> tuple[int, ...]:
     """KV widths in blocks: powers of two, then the cap (the model length or
-    ``max_context`` tokens, whichever is smaller)."""
-    cap = max(1, min(max_blocks, -(-max_context // block_size)))
+    ``max_context`` tokens, whichever is smaller; None: the model length)."""
+    cap = max_blocks if max_context is None else min(max_blocks, -(-max_context // block_size))
+    cap = max(1, cap)
     widths, w = [], 1
     while w < cap:
         widths.append(w)
