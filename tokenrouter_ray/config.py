@@ -53,7 +53,9 @@ class ModelSpec(_Strict):
         default_factory=dict, description="Custom Ray resources: pins the model to nodes."
     )
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")
-    memory_budget_gb: float = Field(2.0, gt=0, description="Weights + KV budget per replica.")
+    memory_budget_gb: float = Field(
+        2.0, gt=0, description="Weights + KV budget per replica (per rank with tensor_parallel)."
+    )
     max_model_len: int | None = Field(None, ge=2, description="Longest sequence.")
     scheduler: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the shared scheduler settings."
