@@ -37,7 +37,8 @@ def save_qwen3(path: Path, **overrides: object) -> str:
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return save_qwen3(tmp_path_factory.mktemp("tp_qwen3"))  # 4 heads, 2 KV heads
+    # 4 heads, 2 KV heads; tied embeddings: the plan's sharded lm_head shares its table
+    return save_qwen3(tmp_path_factory.mktemp("tp_qwen3"), tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,17 @@ def test_ranks_hold_half_the_kv_heads_and_agree_on_blocks(engines) -> None:
     q_proj = two.runner.model.model.layers[0].self_attn.q_proj.weight
     assert q_proj.to_local().shape == (32, 64)  # 2 of 4 heads x head_dim 16
     two.check_health()
+
+
+def test_rank0_embeds_ids_alone(engines) -> None:
+    """A policy (R2R's router) embeds sampled ids on rank 0 only, outside any step: no
+    collective may hide in that lookup (it would time out here)."""
+    one, two = engines
+    ids = torch.tensor([1, 64, 127])
+    with torch.inference_mode():
+        got = two.runner.model.get_input_embeddings()(ids)
+        want = one.runner.model.get_input_embeddings()(ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_batched_greedy_tokens_and_logits_match_one_rank(engines) -> None:

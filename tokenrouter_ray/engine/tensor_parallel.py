@@ -334,6 +334,19 @@ def load_tp_model(config: EngineConfig, device: torch.device) -> PreTrainedModel
     return model.eval()
 
 
+def _replicate_input_embeddings(model: PreTrainedModel) -> None:
+    """Rank 0's policy embeds sampled ids alone (R2R's router), but a plan may shard the
+    input embedding table (tied embeddings follow the column-parallel lm_head; some
+    architectures shard ``embed_tokens`` outright), which makes a lookup a collective. So
+    every rank takes a full copy of the table (one all-gather at start-up) and the plain
+    lookup back; lm_head keeps its shard."""
+    embed = model.get_input_embeddings()
+    if not hasattr(embed.weight, "full_tensor"):
+        return
+    embed.weight = torch.nn.Parameter(embed.weight.full_tensor(), requires_grad=False)
+    embed.__dict__.pop("forward", None)  # the plan's vocab-parallel forward, if installed
+
+
 def tp_footprint(model: PreTrainedModel, tensor_parallel: int) -> ModelFootprint:
     """What one rank holds: its local weights and the KV of its heads."""
 
@@ -363,6 +376,7 @@ def _build_rank(
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     model = load_tp_model(config, device)
+    _replicate_input_embeddings(model)
     footprint = tp_footprint(model, world)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     budget = device_budget(config.memory_budget_bytes, footprint.weight_bytes, free)
