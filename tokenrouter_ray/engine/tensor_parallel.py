@@ -379,6 +379,10 @@ def _build_rank(
     _replicate_input_embeddings(model)
     footprint = tp_footprint(model, world)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    if free is not None:  # activations and CUDA graphs first (full-width: conservative)
+        from tokenrouter_ray.engine.engine import _forward_reserve
+
+        free = max(0, free - _forward_reserve(model, config))
     budget = device_budget(config.memory_budget_bytes, footprint.weight_bytes, free)
     num_blocks = config.num_blocks or plan_num_blocks(budget, footprint, config.block_size)
     agreed = torch.tensor([num_blocks], dtype=torch.long)
