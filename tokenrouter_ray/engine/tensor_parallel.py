@@ -16,7 +16,13 @@ Sharding is transformers' own: the model is loaded with ``DistributedConfig(tp_p
 down_proj row-parallel with an all-reduce, lm_head column-parallel with its output gathered).
 Those layers call the attention function with this rank's heads only, so our paged attention
 and KV cache work unchanged, with ``num_kv_heads / k`` heads per rank. Nothing is written by
-hand for the math; what is ours is the step fan-out, the start-up and the failure handling.
+hand for the math; what is ours is the step fan-out, the start-up, the failure handling, and
+one change to the plan: every rank keeps the full input-embedding table (with tied
+embeddings the plan shards it along with lm_head, and then the lookup a policy makes on
+rank 0 alone, outside any step, would be a collective). A worker replays each step through
+the same ``ModelRunner.execute`` as rank 0 (from a minimal stand-in for the scheduler's
+output), so both take the same path (dynamic or bucketed, the same bucket) and issue the same
+collectives in the same order; its sampling is a no-op.
 
 Why a socket and not a collective for the step message: workers legitimately wait between
 steps for as long as the server is idle, which a collective with a timeout would turn into
@@ -106,11 +112,12 @@ def check_local_model(path: str, tensor_parallel: int, gguf_file: str | None = N
 
 # ------------------------------------------------------------------------ step messages
 def step_seqs(out: SchedulerOutput, block_size: int) -> list[StepSeq]:
-    seqs = []
+    """What the workers need of a scheduled step (everything else stays on rank 0)."""
+    seqs: list[StepSeq] = []
     for c in out.chunks:
         r, end = c.request, c.start + c.num_tokens
-        seqs.append((c.start, r.token_ids[c.start : end], r.block_ids[: -(-end // block_size)],
-                     c.samples))  # fmt: skip
+        blocks = r.block_ids[: -(-end // block_size)]
+        seqs.append((c.start, r.token_ids[c.start : end], blocks, c.samples))
     return seqs
 
 
