@@ -464,4 +464,3 @@ class Ingress:
         await self.core.stop()
         await self.peers.stop()
         await self.channel.close()
-
