@@ -277,7 +277,9 @@ def _attend(
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = heads // kv_heads
     plain = mask is None and variant.window is None and variant.softcap is None
-    if plain:  # fresh prefill: SDPA's own causal mask, flash-able with GQA on CUDA
+    if plain and (group == 1 or q.dtype in FLASH_DTYPES):
+        # Fresh prefill: SDPA's own causal mask; with GQA only where SDPA's flash kernel
+        # takes it (fp16/bf16): fp32 would fall back to the math kernel, so it folds too.
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=variant.scale, enable_gqa=group > 1
         )
