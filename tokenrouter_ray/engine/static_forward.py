@@ -11,8 +11,10 @@ block that the block pool never hands out. Only the last row of every sequence g
 
 All metadata is built on the host and copied into preallocated device buffers, then the
 forward runs on those buffers. On CUDA each bucket's forward is captured once as a CUDA
-graph (``capture=True``) and replayed; elsewhere the same code runs eagerly, which is how
-the CPU tests check the path token for token against the dynamic one.
+graph (``StaticForward.capture``) and replayed; elsewhere the same code runs eagerly, which
+is how the CPU tests check the path token for token against the dynamic one. A graph's
+outputs stay allocated in the shared pool, so no other bucket's replay overwrites them;
+``run`` copies them out all the same, for the policy to keep.
 
 Buckets: batch size, query rows per sequence, and KV width in blocks (powers of two up to
 ``MAX_STATIC_CONTEXT`` tokens for SDPA, whose longer contexts take the dynamic path), so the
