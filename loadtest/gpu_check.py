@@ -361,10 +361,14 @@ def flash_skip_reason() -> str | None:
 
 
 def check_flash(tmp: Path, report: dict) -> bool | None:
+    """On CPU the harness (teacher forcing, tolerances, bitwise graphs) runs with SDPA
+    standing in for flash-attn, and the verdict is SKIP unless the harness itself fails."""
     why = flash_skip_reason()
-    if why is not None:
+    stand_in = DEVICE != "cuda"
+    if why is not None and not stand_in:
         report["flash"] = {"skipped": why}
         return None
+    block = 16 if stand_in else 256
     shape = {**TINY, "head_dim": FLASH_HEAD_DIM, "max_position_embeddings": 1024}
     path = build(tmp / "flash", "qwen3", torch.bfloat16, seed=3, shape=shape)
     prompts = prompts_of(256, PROMPT_LENGTHS, seed=3)
@@ -375,9 +379,9 @@ def check_flash(tmp: Path, report: dict) -> bool | None:
     ok = True
     runs = {}
     for mode in ("eager", "static_eager", "graphs"):
-        eng = engine(path, "bfloat16", graphs=mode == "graphs", block_size=256,
+        eng = engine(path, "bfloat16", graphs=mode == "graphs", block_size=block,
                      static_eager=mode == "static_eager", keep_logits=True)  # fmt: skip
-        if not eng.runner.use_flash:
+        if not eng.runner.use_flash and not stand_in:
             raise RuntimeError(f"flash-attn not chosen: {eng.runner.flash_unusable}")
         got = runs[mode] = workload(eng, prompts, [4, 5, 6], 2 * NEW_TOKENS, force=ref.sampled)
         out[mode] = entry = _teacher_forced(ref, got)
@@ -388,8 +392,11 @@ def check_flash(tmp: Path, report: dict) -> bool | None:
         torch.equal(x, y) for r in a.logits for x, y in zip(a.logits[r], b.logits[r], strict=True)
     )
     out["graphs_equal_static_eager_bitwise"] = bitwise
-    report["flash"] = out
     sync()
+    if stand_in:
+        report["flash"] = {"skipped": why, "harness_dry_run": out}
+        return None if ok and bitwise else False
+    report["flash"] = out
     return ok and bitwise
 
 

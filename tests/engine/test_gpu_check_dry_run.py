@@ -26,6 +26,10 @@ def test_dry_run_gives_a_full_verdict(tmp_path: Path) -> None:
         "bench": "DONE",
     }
     assert report["flash"]["skipped"]  # the reason, e.g. "flash_attn is not installed"
+    harness = report["flash"]["harness_dry_run"]  # SDPA standing in for flash-attn
+    assert harness["graphs_equal_static_eager_bitwise"] is True
+    assert all(harness[m]["pass"] for m in ("eager", "static_eager", "graphs"))
+    assert harness["eager"]["max_abs_diff"] == 0.0  # the same dynamic path, teacher-forced
     assert report["capture"]["kv_outside_scratch_unchanged"] is True
     for arch in ("llama", "qwen3", "mistral", "gemma2"):
         entry = report[f"exact_{arch}_graphs_True"]
