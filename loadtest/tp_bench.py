@@ -10,8 +10,9 @@ target <= 5 %. Printed next to it: the frame size, the TP and one-rank step time
     .venv/bin/python -m loadtest.tp_bench                     # CPU, batch 16, TP 2 vs 1
     .venv/bin/python -m loadtest.tp_bench --batch 16 --steps 40 --context 256
 
-On CPU the ranks share the machine's cores (each rank gets cores / k threads), so the TP
-step time says little about speed-up here; the control share is the figure.
+Every rank runs ``--threads`` torch threads (default 1, TP=1 included: on a shared 2-core
+machine a 2-thread process slows down several-fold when other work competes for the cores),
+so TP=2 uses two cores where TP=1 uses one; the control share is the figure.
 
 GPU check (needs two GPUs, skipped with the reason otherwise): ``check_tp(tmp, report)``
 has the shape of ``loadtest/gpu_check.py``'s checks, so that script can call it:
@@ -113,11 +114,16 @@ def decode_steps(
 
 def cpu_bench(args: argparse.Namespace) -> dict[str, Any]:
     cores = torch.get_num_threads()
-    report: dict[str, Any] = {"batch": args.batch, "context": args.context, "cores": cores}
+    report: dict[str, Any] = {
+        "batch": args.batch,
+        "context": args.context,
+        "threads_per_rank": args.threads,
+        "layers": args.layers,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp) / "demo_sized", num_hidden_layers=args.layers)
         for tp in (1, args.tp):
-            torch.set_num_threads(max(1, cores // tp))  # workers inherit this count
+            torch.set_num_threads(args.threads)  # workers inherit this count
             engine = make_engine(path, tp, "cpu", "float32")
             try:
                 report[f"tp{tp}"] = decode_steps(
@@ -186,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--layers", type=int, default=DEMO_SHAPE["num_hidden_layers"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--gpu-check", action="store_true", help="run check_tp on CUDA")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args(argv)

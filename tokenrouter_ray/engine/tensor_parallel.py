@@ -441,15 +441,12 @@ class TensorParallelRunner(ModelRunner):
     def check_alive(self) -> None:
         """Raise when a worker's process has ended (its socket reads EOF)."""
         for rank, sock in enumerate(self.workers, start=1):
-            try:
-                sock.setblocking(False)
-                data = sock.recv(1, socket.MSG_PEEK)
+            try:  # MSG_DONTWAIT: non-blocking for this call only (a step may be sending)
+                data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except BlockingIOError:
                 continue  # nothing to read: the worker is there
             except OSError as exc:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone: {exc}") from exc
-            finally:
-                sock.setblocking(True)
             if not data:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone (its socket closed)")
 
