@@ -263,3 +263,15 @@ def test_variant_models_static_forward_never_reads_device_data(
     with torch.inference_mode():
         fwd._forward()
     assert fwd.logits.shape == (4, cfg.vocab_size) and fwd.logits.device.type == "meta"
+
+
+def test_attention_sinks_are_refused_not_ignored() -> None:
+    from types import SimpleNamespace
+
+    from tokenrouter_ray.engine.attention import paged_attention_forward
+
+    q = torch.zeros(1, 4, 3, 8)
+    kv = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        paged_attention_forward(torch.nn.Identity(), q, kv, kv, None, paged=SimpleNamespace(),
+                                s_aux=torch.zeros(4))  # fmt: skip

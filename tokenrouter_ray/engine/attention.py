@@ -54,6 +54,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# Attention kwargs of modelling code that change the result and that we do not implement.
+UNSUPPORTED_KWARGS = ("s_aux",)
 
 
 def flash_attn_available(device: torch.device) -> bool:
@@ -221,6 +223,12 @@ def paged_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             sliding_window=sliding_window, softcap=softcap, **kwargs,
         )  # fmt: skip
+    refused = [name for name in UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
+    if refused:  # ignoring them would give wrong tokens without an error
+        raise NotImplementedError(
+            f"{type(module).__name__} passes {', '.join(refused)} (attention sinks), which "
+            "the paged attention does not implement: this model cannot run on the engine"
+        )
     layer = module.layer_idx
     variant = Variant(scaling, sliding_window or None, softcap or None)
     q = query[0].transpose(0, 1)  # (num_tokens, num_heads, head_dim)
