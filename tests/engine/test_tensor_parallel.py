@@ -149,6 +149,11 @@ def test_extend_after_handoff_and_kv_rollback_match_one_rank(engines) -> None:
     assert not two.requests and len(produced["b"]) == 40
 
 
+def test_a_second_tp_model_in_the_process_is_refused(engines, qwen3_dir) -> None:
+    with pytest.raises(RuntimeError, match="one tensor-parallel model per process"):
+        make_engine(qwen3_dir, tensor_parallel=2)
+
+
 def test_kv_heads_not_divisible_is_a_clear_error(tmp_path: Path) -> None:
     path = save_qwen3(tmp_path / "odd", num_attention_heads=6, num_key_value_heads=3)
     t0 = time.monotonic()

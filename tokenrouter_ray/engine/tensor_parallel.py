@@ -473,6 +473,12 @@ def build_tp_runner(
         check_tensor_parallel(model_config, world)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{config.model!r}: {exc}") from exc
+    if dist.is_initialized():
+        raise RuntimeError(
+            "one tensor-parallel model per process: this process already belongs to a "
+            "process group (close() the other engine first, or run the models in separate "
+            "replicas)"
+        )
     launcher = launcher or LocalProcessLauncher()
     timeout = datetime.timedelta(seconds=config.collective_timeout_s)
     store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
