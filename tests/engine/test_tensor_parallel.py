@@ -23,8 +23,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from tests.engine.conftest import TINY, make_engine
 from tokenrouter_ray.config import ModelSpec
 from tokenrouter_ray.engine.engine import Engine
+from tokenrouter_ray.engine.model_runner import model_footprint
 from tokenrouter_ray.engine.request import SamplingParams
-from tokenrouter_ray.engine.tensor_parallel import decode_step, encode_step
+from tokenrouter_ray.engine.tensor_parallel import decode_step, encode_step, tp_footprint
 from tokenrouter_ray.errors import ModelLoadError
 
 
@@ -92,6 +93,11 @@ def test_ranks_hold_half_the_kv_heads_and_agree_on_blocks(engines) -> None:
     q_proj = two.runner.model.model.layers[0].self_attn.q_proj.weight
     assert q_proj.to_local().shape == (32, 64)  # 2 of 4 heads x head_dim 16
     two.check_health()
+    # Memory planning counts what one rank holds: half the KV per token, and its shards of
+    # the weights (plus the replicated embeddings and norms).
+    full, rank = model_footprint(one.runner.model), tp_footprint(two.runner.model, 2)
+    assert rank.kv_bytes_per_token * 2 == full.kv_bytes_per_token
+    assert full.weight_bytes / 2 < rank.weight_bytes < full.weight_bytes
 
 
 def test_rank0_embeds_ids_alone(engines) -> None:
