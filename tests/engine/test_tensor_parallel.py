@@ -15,6 +15,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,9 +24,15 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from tests.engine.conftest import TINY, make_engine
 from tokenrouter_ray.config import ModelSpec
 from tokenrouter_ray.engine.engine import Engine
-from tokenrouter_ray.engine.model_runner import model_footprint
+from tokenrouter_ray.engine.model_runner import ModelRunner, model_footprint
+from tokenrouter_ray.engine.outputs import StepTimings
 from tokenrouter_ray.engine.request import SamplingParams
-from tokenrouter_ray.engine.tensor_parallel import decode_step, encode_step, tp_footprint
+from tokenrouter_ray.engine.tensor_parallel import (
+    TensorParallelRunner,
+    decode_step,
+    encode_step,
+    tp_footprint,
+)
 from tokenrouter_ray.errors import ModelLoadError
 
 
@@ -169,6 +176,27 @@ def test_kv_heads_not_divisible_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel=2 must divide .* 3 KV heads"):
         ModelSpec(path=path, tensor_parallel=2)
     assert ModelSpec(path=path, tensor_parallel=3).tensor_parallel == 3
+
+
+def test_a_step_failing_on_rank0_after_the_send_fails_the_group(monkeypatch) -> None:
+    """The workers already run that step, so the ranks may be out of step: every later step
+    and the health check fail (Serve restarts the group) instead of pairing collectives."""
+    runner = TensorParallelRunner.__new__(TensorParallelRunner)  # no model: rank 0's logic
+    runner.kv = SimpleNamespace(block_size=4)
+    runner.attach([], launcher=None)
+
+    def boom(self: object, out: object, timings: object) -> None:
+        raise RuntimeError("rank 0 forward failed")
+
+    monkeypatch.setattr(ModelRunner, "execute", boom)
+    step = SimpleNamespace(chunks=[])
+    with pytest.raises(RuntimeError, match="rank 0 forward failed"):
+        runner.execute(step, StepTimings())
+    with pytest.raises(RuntimeError, match="out of step"):
+        runner.check_alive()
+    with pytest.raises(RuntimeError, match="out of step"):
+        runner.execute(step, StepTimings())
+    assert runner.num_forwards == 1  # the second step was never sent
 
 
 def test_dead_worker_fails_health_and_the_next_step_raises(engines) -> None:

@@ -424,8 +424,11 @@ class TensorParallelRunner(ModelRunner):
     def attach(self, workers: list[socket.socket], launcher: WorkerLauncher) -> None:
         self.workers, self.launcher = workers, launcher
         self.control_s, self.control_bytes, self.num_forwards = 0.0, 0, 0
+        self.broken: str | None = None  # why the ranks may be out of step
 
     def execute(self, out: SchedulerOutput, timings: StepTimings) -> StepResult:
+        if self.broken is not None:
+            raise RuntimeError(f"tensor-parallel group is out of step: {self.broken}")
         t0 = time.perf_counter()
         frame = encode_step(step_seqs(out, self.kv.block_size))
         for sock in self.workers:
@@ -434,12 +437,21 @@ class TensorParallelRunner(ModelRunner):
         self.control_s += sent
         self.control_bytes = len(frame)
         self.num_forwards += 1
-        result = super().execute(out, timings)
+        try:
+            result = super().execute(out, timings)
+        except BaseException as exc:
+            # The workers got this step; they may still be in (or past) its collectives,
+            # so a next step could pair with the wrong ones. Fail until the group restarts.
+            self.broken = f"a step failed on rank 0: {exc!r}"
+            raise
         result.timings.prepare += sent
         return result
 
     def check_alive(self) -> None:
-        """Raise when a worker's process has ended (its socket reads EOF)."""
+        """Raise when a worker's process has ended (its socket reads EOF), or a step
+        failed on rank 0 after the workers had it."""
+        if self.broken is not None:
+            raise RuntimeError(f"tensor-parallel group is out of step: {self.broken}")
         for rank, sock in enumerate(self.workers, start=1):
             try:  # MSG_DONTWAIT: non-blocking for this call only (a step may be sending)
                 data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
