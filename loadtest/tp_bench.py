@@ -18,9 +18,11 @@ GPU check (needs two GPUs, skipped with the reason otherwise): ``check_tp(tmp, r
 has the shape of ``loadtest/gpu_check.py``'s checks, so that script can call it:
 ``check_tp(tmp_dir, report)`` returns True/False (None: skipped) and fills
 ``report["tp"]`` with greedy-token agreement and max |logit difference| of TP=2 vs TP=1 in
-float32, and decode step times at batch 1/8/32 for both. Standalone:
+float64, and bf16 decode step times at batch 1/8/32 for both. Standalone, and as a CPU dry
+run on a small shape (this is how it was checked here; no machine with two GPUs yet):
 
     .venv/bin/python -m loadtest.tp_bench --gpu-check
+    .venv/bin/python -m loadtest.tp_bench --gpu-check --device cpu
 """
 
 from __future__ import annotations
@@ -139,21 +141,34 @@ def cpu_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- GPU check
-def check_tp(tmp: Path, report: dict[str, Any], tp: int = 2) -> bool | None:
-    """TP=2 vs TP=1 on CUDA: greedy agreement and logits (float32), then decode step times
-    at batch 1/8/32 in bf16. None (skipped, with the reason in the report) under 2 GPUs."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus < tp:
-        report["tp"] = {"skipped": f"needs {tp} GPUs, found {gpus}"}
-        return None
+def check_tp(
+    tmp: Path,
+    report: dict[str, Any],
+    tp: int = 2,
+    device: str = "cuda",
+    shape: dict[str, Any] | None = None,
+    batches: tuple[int, ...] = (1, 8, 32),
+    steps: int = 30,
+) -> bool | None:
+    """TP=k vs TP=1: greedy tokens equal and max |logit difference| in float64 (exact
+    arithmetic's stand-in, as in gpu_check), then decode step times at ``batches`` in bf16.
+    None (skipped, the reason in ``report["tp"]``) with fewer than k GPUs. ``device="cpu"``
+    with a small ``shape`` dry-runs it (how this code was checked without GPUs)."""
+    if device == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < tp:
+            report["tp"] = {"skipped": f"needs {tp} GPUs, found {gpus}"}
+            return None
+    shape = {"num_hidden_layers": 8, **(shape or {})}
+    vocab = shape.get("vocab_size", DEMO_SHAPE["vocab_size"])
     out: dict[str, Any] = {}
     report["tp"] = out
-    path = build_model(tmp / "tp_f32", torch.float32, num_hidden_layers=8)
+    path = build_model(tmp / "tp_f64", torch.float64, **shape)
     rng = random.Random(1)
-    prompts = [[rng.randrange(DEMO_SHAPE["vocab_size"]) for _ in range(n)] for n in (5, 40, 17, 90)]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 40, 17, 90)]
     runs = {}
     for k in (1, tp):
-        engine = make_engine(path, k, "cuda", "float32", keep_logits=True, num_blocks=256)
+        engine = make_engine(path, k, device, "float64", keep_logits=True, num_blocks=256)
         try:
             tokens: dict[str, list[int]] = {}
             logits: list[torch.Tensor] = []
@@ -171,15 +186,13 @@ def check_tp(tmp: Path, report: dict[str, Any], tp: int = 2) -> bool | None:
             engine.close()
     (t1, l1), (t2, l2) = runs[1], runs[tp]
     out["tokens_equal"] = t1 == t2
-    out["max_logit_diff"] = max(float((a - b).abs().max()) for a, b in zip(l1, l2, strict=False))
-    path = build_model(tmp / "tp_bf16", torch.bfloat16)
+    out["max_logit_diff"] = max(float((a - b).abs().max()) for a, b in zip(l1, l2, strict=True))
+    path = build_model(tmp / "tp_bf16", torch.bfloat16, **{**shape, "num_hidden_layers": 30})
     for k in (1, tp):
-        engine = make_engine(path, k, "cuda", "bfloat16")
+        engine = make_engine(path, k, device, "bfloat16")
         try:
-            for batch in (1, 8, 32):
-                out[f"tp{k}_batch{batch}"] = decode_steps(
-                    engine, batch, 256, 30, DEMO_SHAPE["vocab_size"]
-                )
+            for batch in batches:
+                out[f"tp{k}_batch{batch}"] = decode_steps(engine, batch, 256, steps, vocab)
         finally:
             engine.close()
     return bool(out["tokens_equal"])
@@ -194,12 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=DEMO_SHAPE["num_hidden_layers"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--gpu-check", action="store_true", help="run check_tp on CUDA")
+    parser.add_argument(
+        "--device", default="cuda", help="--gpu-check on cpu: a dry run on a small shape"
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args(argv)
     if args.gpu_check:
         report: dict[str, Any] = {}
         with tempfile.TemporaryDirectory() as tmp:
-            ok = check_tp(Path(tmp), report, args.tp)
+            if args.device == "cpu":
+                small = {"num_hidden_layers": 2, "vocab_size": 512}
+                ok = check_tp(Path(tmp), report, args.tp, "cpu", small, (1, 4), steps=3)
+            else:
+                ok = check_tp(Path(tmp), report, args.tp)
         print(json.dumps(report, indent=2))
         print("tp", {None: "SKIP", True: "PASS", False: "FAIL"}[ok])
     else:
