@@ -161,6 +161,22 @@ class ModelServer:
             "peer_rejected": dict(getattr(self.channel, "rejected", {})),
         }
 
+    async def explain(self, rid: str | None = None) -> dict[str, Any]:
+        """Debugging: what this replica knows of one request (default: its oldest)."""
+        if rid is None:
+            rid = next(iter(self.engine.requests), None)
+            if rid is None:
+                return {}
+        request, tracked = self.engine.requests.get(rid), self.server.tracked.get(rid)
+        return {
+            "rid": rid,
+            "status": request.status.name if request is not None else None,
+            "num_tokens": request.num_tokens if request is not None else None,
+            "tracked": None if tracked is None else tracked.to_extras() | {"seq": tracked.seq},
+            "ledger_finished": self.server.ledger.is_finished(rid),
+            "ledger_seq": self.server.ledger.held_seq(rid),
+        }
+
     async def check_health(self) -> None:
         if not self.server.alive:
             raise RuntimeError(f"{self.model}: sub-server stopped: {self.server.dead_tasks()}")

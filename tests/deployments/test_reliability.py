@@ -109,10 +109,30 @@ def sse_lines(base: str, body: dict[str, Any]) -> list[str]:
         return [line for line in r.iter_lines() if line.startswith("data: ")]
 
 
+@pytest.fixture(scope="module")
+def ray_app(serve_app, served_chain_dirs) -> Iterator[str]:
+    overrides = tiny_overrides(served_chain_dirs, TWO, "entropy", "ray", EXTRA)
+    with serve_app(overrides, APP + "-ray") as base:
+        wait_healthy(base, 120)
+        yield base
+
+
 # ----------------------------------------------------------------------------- P0
 def test_cancelled_requests_free_every_model_and_the_others_are_exact(
     app: str, served_chain_dirs
 ) -> None:
+    cancel_scenario(app, served_chain_dirs)
+
+
+def test_cancelled_requests_free_every_model_over_the_ray_transport(
+    ray_app: str, served_chain_dirs
+) -> None:
+    """Ray cancels the calls a cancelled Serve request made: deliveries must not be among
+    them (a lost frame left ABORTs stuck behind a gap, and requests pending for good)."""
+    cancel_scenario(ray_app, served_chain_dirs)
+
+
+def cancel_scenario(app: str, served_chain_dirs: dict[str, str]) -> None:
     keep = prompts(4)
     want = local_outputs(served_chain_dirs, TWO, "entropy", OPTIONS, keep, 24)
     rng = random.Random(12)

@@ -6,6 +6,10 @@ calls per peer and awaits the oldest beyond that, which bounds memory and surfac
 peer as `PeerUnreachableError` on a later send.
 Ray runs async-actor calls out of order, so every sender numbers its frames per destination
 and the mailbox restores the order (`InOrder`).
+The calls are issued by one sender task the channel starts with itself, never by the task
+that called `send`: Ray cancels the calls a cancelled actor task made (Serve cancels the
+request's task when its client disconnects), and one cancelled delivery would leave a gap
+the receiver waits on for ever (the ABORTs behind it never arrive).
 
 A mailbox is one of two things, chosen when the channel is built:
 - inbox mode (default; works inside Ray Serve replicas): `start()` creates a small async
@@ -150,9 +154,13 @@ class RayChannel(PeerChannel):
         self._pump: asyncio.Task[None] | None = None
         self._targets: dict[str, _Target] = {}
         self._resolving: dict[str, asyncio.Task[_Target]] = {}
+        self._outbox: asyncio.Queue[tuple[_Target, int, bytes]] | None = None
+        self._sender: asyncio.Task[None] | None = None
 
     async def _open(self) -> str:
         self._queue = FrameQueue()
+        self._outbox = asyncio.Queue()
+        self._sender = asyncio.create_task(self._send_loop(), name=f"{self.name}-sender")
         if self.host is not None:
             return actor_address(self.host.namespace, self.host.name, self.host.method)
         name = f"tokenrouter-inbox:{self.name}:{uuid.uuid4().hex[:8]}"
@@ -189,17 +197,33 @@ class RayChannel(PeerChannel):
         target = self._targets.get(dst.name) or await self._target(dst)
         n = target.next_n
         target.next_n += 1
-        target.in_flight.append(target.method.remote(self._sender_id, n, encode_batch(msgs)))
+        assert self._outbox is not None
+        self._outbox.put_nowait((target, n, encode_batch(msgs)))  # numbered now, in order
         while len(target.in_flight) > self.max_in_flight:
             ref = target.in_flight.popleft()
-            try:
-                await ref  # almost always long done: the window only bounds memory
+            try:  # almost always long done: the window only bounds memory. Shielded: a
+                # cancelled sender (a client that left) must not cancel a delivery, or the
+                # receiver waits forever for the missing frame number
+                await asyncio.shield(asyncio.wrap_future(ref.future()))
             except RayError as exc:
                 self._targets.pop(dst.name, None)
                 self.forget_peer(dst.name)
                 raise PeerUnreachableError(
                     f"peer {dst.name!r} did not take a frame: {exc}"
                 ) from exc
+
+    async def _send_loop(self) -> None:
+        """Issue the delivery calls, in order, from this long-lived task (see the module
+        docstring for why not from the caller)."""
+        assert self._outbox is not None
+        while True:
+            target, n, frame = await self._outbox.get()
+            try:
+                target.in_flight.append(target.method.remote(self._sender_id, n, frame))
+            except Exception as exc:  # e.g. the handle is gone: later sends will notice
+                logger.warning("channel %s: delivery call failed: %s", self.name, exc)
+            finally:
+                self._outbox.task_done()
 
     async def _target(self, dst: Endpoint) -> _Target:
         task = self._resolving.get(dst.name)
@@ -226,6 +250,8 @@ class RayChannel(PeerChannel):
 
     async def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until every frame sent so far was taken by its mailbox."""
+        if self._outbox is not None and self._sender is not None and not self._sender.done():
+            await asyncio.wait_for(self._outbox.join(), timeout_s)
         refs = [ref for target in self._targets.values() for ref in target.in_flight]
         if refs:
             await asyncio.wait_for(asyncio.gather(*refs, return_exceptions=True), timeout_s)
@@ -235,6 +261,10 @@ class RayChannel(PeerChannel):
     async def _shut(self) -> None:
         with contextlib.suppress(Exception):
             await self.flush(timeout_s=1.0)
+        if self._sender is not None:
+            self._sender.cancel()
+            with contextlib.suppress(BaseException):
+                await self._sender
         if self._pump is not None:
             self._pump.cancel()
             with contextlib.suppress(BaseException):
