@@ -187,6 +187,37 @@ def test_demo_small_model_recorded_agreement_is_heldout(demo_pair) -> None:
 
 
 @pytest.mark.demo
+def test_demo_small_model_agrees_with_the_large_model_on_heldout_prompts(demo_pair) -> None:
+    """Re-measured, not read back: the large model answers the build's held-out prompts
+    again, and the saved small model predicts those answers (teacher-forced) at least half
+    of the time, as the build recorded."""
+    from tokenrouter_ray.demo_pair import agreement, encode_chat
+    from tokenrouter_ray.engine.engine import Engine, EngineConfig
+    from tokenrouter_ray.engine.scheduler import SchedulerConfig
+
+    large_dir, small_dir = demo_pair
+    info = read_build_info(small_dir)
+    recipe = Recipe(**info["recipe"])
+    tokenizer = AutoTokenizer.from_pretrained(large_dir)
+    prompts = [encode_chat(tokenizer, text) for text in info["heldout_prompts"]]
+    engine = Engine.from_config(
+        EngineConfig(
+            model=str(large_dir),
+            keep_logits=True,
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+        )
+    )
+    samples = teacher_samples(engine, prompts, recipe.max_tokens, top_k=1)
+    del engine
+    small = AutoModelForCausalLM.from_pretrained(small_dir, dtype=torch.float32)
+    measured = agreement(small, samples)
+    recorded = info["heldout"]
+    assert measured["tokens"] == pytest.approx(recorded["tokens"], rel=0.02)
+    assert measured["agreement"] == pytest.approx(recorded["agreement"], abs=0.01)
+    assert measured["agreement"] >= 0.50
+
+
+@pytest.mark.demo
 def test_demo_small_model_runs_in_the_engine(demo_pair) -> None:
     from tokenrouter_ray.engine.engine import Engine, EngineConfig
     from tokenrouter_ray.engine.request import SamplingParams
