@@ -462,12 +462,23 @@ def bench(tmp: Path, report: dict) -> None:
     report["bench"] = rows
 
 
+def check_tensor_parallel(tmp: Path, report: dict) -> bool | None:
+    """TP=2 against TP=1 (``loadtest.tp_bench.check_tp``): SKIP with fewer than two GPUs."""
+    from loadtest.tp_bench import check_tp
+
+    if DEVICE == "cuda":
+        return check_tp(tmp, report)
+    small = {"num_hidden_layers": 2, "vocab_size": 512}  # the dry run: gloo, two CPU ranks
+    return check_tp(tmp, report, 2, "cpu", small, (1, 4), steps=3)
+
+
 CHECKS: list[tuple[str, Callable[[Path, dict], bool | None]]] = [
     ("capture", check_capture),
     ("capture_threads", check_capture_threads),
     ("exact", check_exact),
     ("graphs_bf16", check_graphs_bf16),
     ("flash", check_flash),
+    ("tensor_parallel", check_tensor_parallel),
 ]
 VERDICT = {None: "SKIP", True: "PASS", False: "FAIL"}
 

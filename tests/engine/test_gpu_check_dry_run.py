@@ -23,6 +23,7 @@ def test_dry_run_gives_a_full_verdict(tmp_path: Path) -> None:
         "exact": "PASS",
         "graphs_bf16": "PASS",
         "flash": "SKIP",
+        "tensor_parallel": "PASS",  # two gloo ranks on CPU stand in for two GPUs
         "bench": "DONE",
     }
     assert report["flash"]["skipped"]  # the reason, e.g. "flash_attn is not installed"
@@ -36,6 +37,7 @@ def test_dry_run_gives_a_full_verdict(tmp_path: Path) -> None:
         assert entry["requests_equal"] == entry["of"] and entry["static_steps"] > 0
     assert report["graphs_bf16"]["logits_bitwise_equal"] is True
     assert set(report["bench"]) == {"sdpa", "sdpa+graphs"}
+    assert report["tp"]["tokens_equal"] is True
 
 
 def test_a_failing_check_is_reported_and_the_rest_still_run(
