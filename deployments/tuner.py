@@ -2,7 +2,9 @@
 
 Model replicas call ``report(model, replica, snapshot)`` every ``tuner.period_s`` with their
 sliding-window statistics and adopt the threshold list it returns (replicas pull, so the
-tuner never has to find a replica, and a new replica converges on its first report). Every
+tuner never has to find a replica, and a new replica converges on its first report). The
+reporting replicas are counted per model; a count that changes (Serve autoscaling, a
+restart) makes the tuner re-solve under ``sum_i R_i (B_i - 1) < N``. Every
 period the tuner merges the fresh reports, re-solves the Markov model when the statistics
 drifted (in a worker thread: the event loop keeps answering reports), and exports what it
 decided as metrics. ``status()`` (served at ``GET /v1/tokenrouter/tuner`` by the ingress)
@@ -29,7 +31,8 @@ class Tuner:
     async def __init__(self, app_config: dict) -> None:
         cfg = AppConfig.model_validate(app_config)
         initial = {m: cfg.scheduler_for(m).batch_thresholds for m in cfg.model_names}
-        self.autoscaler = Autoscaler(cfg.model_names, cfg.tuner, initial)
+        replicas = {m: spec.num_replicas for m, spec in cfg.models.items()}  # until reports
+        self.autoscaler = Autoscaler(cfg.model_names, cfg.tuner, initial, replicas=replicas)
         self.metrics = Metrics.ray(policy=cfg.policy.name)
         self._task = asyncio.create_task(self._loop(), name="tuner")
 

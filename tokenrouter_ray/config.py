@@ -132,15 +132,26 @@ class AppConfig(_Strict):
         return SchedulerConfig(**merged)
 
     def _check_deadlock_free(self) -> None:
-        """sum_i(B_i(N) - 1) < N for every active count N (DESIGN.md §4)."""
+        """sum_i R_i (B_i(N) - 1) < N for every active count N (DESIGN.md §4): thresholds
+        are per model replica (each of the R_i = num_replicas replicas of model i applies
+        B_i(N) to the requests placed on it, N the global active count), so model i can hold
+        R_i (B_i - 1) requests without launching."""
         tables = [self.scheduler_for(name).batch_thresholds for name in self.models]
+        replicas = [spec.num_replicas for spec in self.models.values()]
         longest = max(len(t) for t in tables)
         for n in range(1, longest + 1):
-            slack = sum(t[min(n, len(t) - 1)] - 1 for t in tables)
+            slack = sum(
+                r * (t[min(n, len(t) - 1)] - 1) for t, r in zip(tables, replicas, strict=True)
+            )
             if slack >= n:
+                terms = " + ".join(
+                    f"{r}*({t[min(n, len(t) - 1)]}-1) [{name}]"
+                    for name, t, r in zip(self.models, tables, replicas, strict=True)
+                )
                 raise ValueError(
                     f"batch_thresholds can deadlock at {n} active requests: "
-                    f"sum(B_i - 1) = {slack} must stay below {n}"
+                    f"sum(R_i (B_i - 1)) = {terms} = {slack} must stay below {n} "
+                    "(R_i = num_replicas: every replica applies the thresholds)"
                 )
 
     @property

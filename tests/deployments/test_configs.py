@@ -56,11 +56,25 @@ def test_cross_node_pins_each_model_to_its_node_resource() -> None:
         (["models=qwen3_r2r", "policy=rstitch", "tuner=sometimes"], "Could not find 'tuner/"),
         (["models=qwen3_r2r", "policy=rstitch", "models.large.tensor_parallel=0"],
          r"models.large.tensor_parallel: Input should be greater than or equal to 1"),
+        # thresholds are per replica: 3 large replicas at B=2 hold 3 requests, N=3 deadlocks
+        (["models=qwen3_r2r", "policy=rstitch", "models.large.num_replicas=3",
+          "models.large.scheduler.batch_thresholds=[1,1,1,2]"],
+         r"deadlock at 3 active requests: sum\(R_i \(B_i - 1\)\) = 1\*\(1-1\) \[small\] "
+         r"\+ 3\*\(2-1\) \[large\] = 3"),
     ],
 )
 def test_config_errors_are_one_clear_message(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         build_app({"overrides": overrides})
+
+
+def test_deadlock_check_counts_replicas() -> None:
+    base = ["models=qwen3_r2r", "policy=rstitch",
+            "models.large.scheduler.batch_thresholds=[1,1,1,2]"]  # fmt: skip
+    cfg = compose_config([*base, "models.large.num_replicas=2"])  # 2 * (2 - 1) = 2 < 3
+    assert cfg.models["large"].num_replicas == 2
+    with pytest.raises(ConfigError, match="deadlock at 3 active requests"):
+        compose_config([*base, "models.large.num_replicas=3"])
 
 
 def test_unknown_serve_args_are_refused() -> None:

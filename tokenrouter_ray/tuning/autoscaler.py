@@ -6,7 +6,10 @@ replica reports its ``WindowStats`` snapshot each ``period_s`` and gets back the
 list it should run with (replicas pull; the tuner never needs to reach a replica). Each
 period the autoscaler merges the fresh reports into a ``RoutingProfile`` and hands it to
 ``ThresholdTuner``, which re-solves when the statistics drift (or every ``resolve_every_s``)
-and moves thresholds with hysteresis, a bounded step, and only deadlock-free sets.
+and moves thresholds with hysteresis, a bounded step, and only deadlock-free sets. The
+reporting replicas of each model are counted: thresholds are per replica and the
+deadlock-free sets depend on the counts (``sum_i R_i (B_i - 1) < N``), so a count that
+changes forces a re-solve.
 
 Routing probabilities and commits come from the current window only (they follow the
 traffic); step times are remembered per batch size across windows (they follow the
@@ -88,6 +91,7 @@ class Autoscaler:
         spec: TunerSpec,
         initial: Mapping[str, Sequence[int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        replicas: Mapping[str, int] | None = None,
     ) -> None:
         self.models = list(models)
         self.spec = spec
@@ -102,6 +106,7 @@ class Autoscaler:
             drift=spec.drift,
             min_tokens_per_s=spec.min_tokens_per_s,
             initial=initial,
+            replicas=replicas,
         )
         self.reports: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {
             m: {} for m in self.models
@@ -113,6 +118,7 @@ class Autoscaler:
                     self.step_ms[model.name].update(dict(model.step_ms))
         self.history: deque[dict[str, Any]] = deque(maxlen=50)  # decisions that changed B
         self.decisions = 0
+        self.replica_changes = 0  # times the reporting replica counts changed
         self.profile: RoutingProfile | None = None
         self._last_solve = clock()
 
@@ -132,16 +138,24 @@ class Autoscaler:
         return list(self.tuner.thresholds[model])
 
     def collect(self) -> RoutingProfile | None:
-        """The profile of the fresh reports (older than 3 periods: a replica that went away)."""
+        """The profile of the fresh reports (older than 3 periods: a replica that went away).
+        The number of fresh reporters per model is its replica count: a change (Serve
+        autoscaling, a restart) is passed to the tuner, which re-solves on its next decision
+        with ``sum_i R_i (B_i - 1) < N``."""
         now = self.clock()
         stale = now - 3 * self.spec.period_s
         merged: dict[str, list[dict[str, Any]]] = {}  # model -> [all replicas' window]
+        counts: dict[str, int] = {}
         for model, replicas in self.reports.items():
             for replica in [r for r, (at, _) in replicas.items() if at < stale]:
                 del replicas[replica]
             window = merge_snapshots([snap for _, snap in replicas.values()])
+            if replicas:  # the fresh reporters are the live replicas of the model
+                counts[model] = len(replicas)
             self.step_ms[model].update(step_means_ms(window))
             merged[model] = [window]
+        if self.tuner.set_replicas(counts):
+            self.replica_changes += 1
         top = max(self.spec.concurrencies)
         filled = {m: fill_step_times(self.step_ms[m], top) for m in self.models}
         return build_profile(merged, self.models, self.spec.grain_ms, self.spec.min_moves, filled)
@@ -187,6 +201,7 @@ class Autoscaler:
             "history": list(self.history),
             "decisions": self.decisions,
             "replicas": {m: sorted(r) for m, r in self.reports.items()},
+            "replica_counts": dict(self.tuner.replicas),  # what the last solve assumed
             "active_requests": self._active_histogram(),  # steps per N in the windows
             "step_ms": {
                 m: {str(b): round(t, 3) for b, t in sorted(v.items())}

@@ -6,7 +6,11 @@ every step adds (batch size, seconds). Snapshots (plain dicts, cheap to ship) go
 ``ThresholdTuner``, which merges them into a ``RoutingProfile``, re-solves the Markov model
 when the statistics drift (or every ``period_s``), and publishes per-model threshold lists
 indexed by the active-request count, with hysteresis (a new set must promise a real gain),
-a bound on how fast a threshold may move, and only deadlock-free sets.
+a bound on how fast a threshold may move, and only deadlock-free sets. Thresholds are per
+model *replica*: with ``R_i`` replicas of model i (``set_replicas``, from the reporting
+replicas) the sets are deadlock-free iff ``sum_i R_i (B_i - 1) < N`` and throughput comes
+from the Monte Carlo model of sticky placement (``replicas.py``); a change of a count forces
+a re-solve, and a set the new counts make inadmissible is replaced even without a gain.
 
 SLO mode: in a closed system a request's mean speed at N active requests is T(B, N) / N, so
 at a given N the throughput-optimal B is also the speed-optimal one; what an SLO (minimum
@@ -154,8 +158,12 @@ class ThresholdTuner:
         drift: float = 0.05,
         min_tokens_per_s: float | None = None,
         initial: Mapping[str, Sequence[int]] | None = None,
+        replicas: Mapping[str, int] | None = None,
     ) -> None:
         self.models = list(models)
+        # data-parallel replicas per model: B is per replica, sum_i R_i (B_i - 1) < N
+        self.replicas = {m: int((replicas or {}).get(m, 1)) for m in self.models}
+        self.replicas_changed = False
         self.concurrencies = sorted(concurrencies)
         self.grain_ms = grain_ms
         self.fixed = dict(fixed or {})
@@ -168,6 +176,34 @@ class ThresholdTuner:
         self.last_profile: RoutingProfile | None = None
         self.converging = False  # the last move was bounded by max_step: keep solving
         self.last = Decision(self.thresholds, False, "no statistics yet")
+
+    def set_replicas(self, replicas: Mapping[str, int]) -> bool:
+        """Adopt new replica counts (Serve autoscaling, a restart); True if any changed.
+        A change forces the next decision to re-solve: the chain and the admissible set
+        both depend on the counts."""
+        new = {m: max(1, int(replicas.get(m, self.replicas[m]))) for m in self.models}
+        if new == self.replicas:
+            return False
+        self.replicas, self.replicas_changed = new, True
+        return True
+
+    def _clamped(self) -> dict[str, list[int]]:
+        """The current lists, with the largest free threshold lowered wherever a set is not
+        deadlock-free under the current replica counts (no solve needed)."""
+        out = {m: list(v) for m, v in self.thresholds.items()}
+        counts = self._counts()
+        free = [k for k, m in enumerate(self.models) if m not in self.fixed]
+        for n in range(1, len(out[self.models[0]])):
+            combo = [out[m][n] for m in self.models]
+            while not is_admissible(n, combo, counts) and any(combo[k] > 1 for k in free):
+                k = max(free, key=lambda k: combo[k])
+                combo[k] -= 1
+            for m, value in zip(self.models, combo, strict=True):
+                out[m][n] = value
+        return out
+
+    def _counts(self) -> tuple[int, ...]:
+        return tuple(self.replicas[m] for m in self.models)
 
     def drifted(self, profile: RoutingProfile) -> bool:
         if self.last_profile is None:
@@ -186,12 +222,23 @@ class ThresholdTuner:
 
     def decide(self, profile: RoutingProfile | None, force: bool = False) -> Decision:
         if profile is None:
-            self.last = Decision(self.thresholds, False, "too few observations")
+            clamped = self._clamped()  # new replica counts may have made a set deadlock
+            changed = clamped != self.thresholds
+            self.thresholds = clamped
+            why = "too few observations" + ("; lowered to stay deadlock-free" if changed else "")
+            self.last = Decision(self.thresholds, changed, why)
             return self.last
-        if not force and not self.converging and not self.drifted(profile):
+        if (
+            not force
+            and not self.converging
+            and not self.replicas_changed
+            and not self.drifted(profile)
+        ):
             self.last = Decision(self.thresholds, False, "statistics within the drift bound")
             return self.last
         self.last_profile = profile
+        self.replicas_changed = False
+        counts = self._counts()
         new = {m: list(v) for m, v in self.thresholds.items()}
         predicted: dict[int, dict[str, float]] = {}
         reasons = []
@@ -200,7 +247,9 @@ class ThresholdTuner:
             best, scores = self._best(profile, n, current)
             predicted[n] = scores
             cur = scores.get(_label(self.models, current), 0.0)
-            if best != current and scores[_label(self.models, best)] >= cur * (1 + self.min_gain):
+            forced = not is_admissible(n, current, counts)  # e.g. a replica was added
+            gain = scores.get(_label(self.models, best), 0.0) >= cur * (1 + self.min_gain)
+            if best != current and (forced or gain):
                 for m, value in zip(self.models, best, strict=True):
                     new[m][n] = value
                 reasons.append(
@@ -230,20 +279,24 @@ class ThresholdTuner:
     def _best(
         self, profile: RoutingProfile, n: int, current: tuple[int, ...]
     ) -> tuple[tuple[int, ...], dict[str, float]]:
-        """Best admissible B within ``max_step`` of the current one. Exact for two models
-        (or small N); Monte Carlo on the same chain where exact chains explode (three or
-        more models past ``AUTO_EXACT_MAX_N``), as ``tune --method auto`` does."""
+        """Best admissible B (``sum_i R_i (B_i - 1) < N``) within ``max_step`` of the current
+        one; anywhere in 1..N when the current one is no longer admissible (the replica
+        counts grew). Exact for two models (or small N); Monte Carlo where exact chains
+        explode (three or more models past ``AUTO_EXACT_MAX_N``) and with replicas
+        (sticky placement, ``monte_carlo_bound``), as ``tune --method auto`` does."""
+        counts = self._counts()
+        reach = self.max_step if is_admissible(n, current, counts) else n
         grids = []
         for m, cur in zip(self.models, current, strict=True):
             if m in self.fixed:
                 grids.append([self.fixed[m]])
             else:
-                grids.append(range(max(1, cur - self.max_step), min(n, cur + self.max_step) + 1))
-        combos = [c for c in itertools.product(*grids) if is_admissible(n, c)]
-        if resolve_method(profile, n, "auto") == "exact":
+                grids.append(range(max(1, cur - reach), min(n, cur + reach) + 1))
+        combos = [c for c in itertools.product(*grids) if is_admissible(n, c, counts)]
+        if resolve_method(profile, n, "auto", counts) == "exact":
             points = [throughput(profile, n, combo) for combo in combos]
         else:
-            points = monte_carlo(profile, n, combos)
+            points = monte_carlo(profile, n, combos, model_replicas=counts)
         scores = {_label(self.models, p.thresholds): p.throughput for p in points}
         best = max(points, key=lambda p: p.throughput, default=None)
         return (current if best is None else tuple(best.thresholds)), scores

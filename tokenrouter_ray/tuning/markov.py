@@ -10,6 +10,11 @@ with the long-run committed tokens per second
 where ``reward(s) = sum_{i finishing} sum_j b_i c_ij p_ij`` and ``tau(s)`` is the time to the
 next batch completion. The chain itself is built in ``chain.py`` and solved in
 ``stationary.py``; this module validates the inputs and forms the ratio.
+
+The exact chain has one replica per model. With ``R_i`` data-parallel replicas (each applying
+``B_i`` to the requests placed on it) the admissibility rule is ``sum_i R_i (B_i - 1) < N``
+(``is_admissible(..., replicas)``) and the throughput comes from the Monte Carlo model of
+sticky placement (``montecarlo.monte_carlo_bound``, ``replicas.py``).
 """
 
 from __future__ import annotations
@@ -39,21 +44,35 @@ class ThroughputResult:
     stderr: float | None = None  # standard error of a Monte Carlo estimate, tokens per second
 
 
-def is_admissible(n_requests: int, thresholds: Sequence[int]) -> bool:
-    """No deadlock iff ``sum_i (B_i - 1) < N``: some model can always launch."""
-    return all(b >= 1 for b in thresholds) and sum(b - 1 for b in thresholds) < n_requests
+def deferral_slack(thresholds: Sequence[int], replicas: Sequence[int] | None = None) -> int:
+    """``sum_i R_i (B_i - 1)``: requests the replicas can hold without any of them launching
+    (every replica of model i applies ``B_i`` to its own share; ``replicas`` default 1)."""
+    counts = replicas if replicas is not None else [1] * len(thresholds)
+    return sum(r * (b - 1) for b, r in zip(thresholds, counts, strict=True))
 
 
-def check_admissible(n_requests: int, thresholds: Sequence[int]) -> None:
+def is_admissible(
+    n_requests: int, thresholds: Sequence[int], replicas: Sequence[int] | None = None
+) -> bool:
+    """No deadlock iff ``sum_i R_i (B_i - 1) < N``: some replica can always launch."""
+    return all(b >= 1 for b in thresholds) and deferral_slack(thresholds, replicas) < n_requests
+
+
+def check_admissible(
+    n_requests: int, thresholds: Sequence[int], replicas: Sequence[int] | None = None
+) -> None:
     if n_requests < 1:
         raise ValueError(f"need at least one active request, got N={n_requests}")
     if any(b < 1 for b in thresholds):
         raise ValueError(f"thresholds must be >= 1, got B={tuple(thresholds)}")
-    if not is_admissible(n_requests, thresholds):
-        slack = sum(b - 1 for b in thresholds)
+    if not is_admissible(n_requests, thresholds, replicas):
+        slack = deferral_slack(thresholds, replicas)
+        rule = "sum(B_i - 1)"
+        if replicas is not None:
+            rule = f"sum(R_i (B_i - 1)) with R={tuple(replicas)}"
         raise ValueError(
             f"thresholds B={tuple(thresholds)} deadlock at N={n_requests}: the models can hold "
-            f"sum(B_i - 1) = {slack} >= N requests without any of them launching"
+            f"{rule} = {slack} >= N requests without any of them launching"
         )
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from tokenrouter_ray.tuning.markov import ThroughputResult, check_admissible
 from tokenrouter_ray.tuning.profile import RoutingProfile
+from tokenrouter_ray.tuning.replicas import binding, replica_counts
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,18 @@ def monte_carlo(
     n_requests: int,
     candidates: Sequence[Sequence[int]],
     config: MonteCarloConfig | None = None,
+    model_replicas: Sequence[int] | None = None,
 ) -> list[ThroughputResult]:
-    """Estimate T(B) for every candidate B at once."""
+    """Estimate T(B) for every candidate B at once (per-replica B; ``model_replicas[i]``
+    data-parallel replicas of model i, expanded as in ``replicas.py``)."""
     config = config or MonteCarloConfig()
+    counts = replica_counts(profile, model_replicas)
     for thresholds in candidates:
-        check_admissible(n_requests, thresholds)
+        check_admissible(n_requests, thresholds, counts)
     if not candidates:
         return []
+    if any(r > 1 for r in counts):
+        return monte_carlo_bound(profile, n_requests, candidates, counts, config)
     start = time.perf_counter()
     rng = np.random.default_rng(config.seed)
     m = profile.num_models
@@ -91,6 +97,96 @@ def monte_carlo(
     seconds = grains_elapsed.reshape(-1, reps) * profile.grain_ms / 1000.0
     rate = tokens.sum(axis=1) / seconds.sum(axis=1)
     # ratio-estimator standard error across replicas
+    spread = (tokens - rate[:, None] * seconds).std(axis=1, ddof=1)
+    stderr = spread / np.sqrt(reps) / seconds.mean(axis=1)
+    elapsed = (time.perf_counter() - start) / len(candidates)
+    return [
+        ThroughputResult(
+            n_requests=n_requests,
+            thresholds=tuple(int(b) for b in thresholds),
+            throughput=float(rate[c]),
+            num_states=0,
+            num_transitions=0,
+            build_s=0.0,
+            solve_s=elapsed,
+            stderr=float(stderr[c]),
+        )
+        for c, thresholds in enumerate(candidates)
+    ]
+
+
+def monte_carlo_bound(
+    profile: RoutingProfile,
+    n_requests: int,
+    candidates: Sequence[Sequence[int]],
+    replicas: Sequence[int],
+    config: MonteCarloConfig | None = None,
+) -> list[ThroughputResult]:
+    """T(B) with data-parallel replicas and sticky, balanced request placement.
+
+    ``replicas.binding`` splits the N requests into classes, each bound to one replica of
+    every model (a request keeps the replica its KV is on). A *unit* is one model replica; it
+    runs the model's step times and threshold, and launches all its waiting requests, of any
+    class, once at least B of them wait. The state per copy is, per unit, the waiting and
+    running requests of each class and the grains left of its batch. Requests leaving a unit
+    route with ``p_ij`` and arrive at their class's replica of j.
+    """
+    config = config or MonteCarloConfig()
+    units, bound, population = binding(replicas, n_requests)  # (U,), (C, M), (C,)
+    if any(profile.models[i].max_batch is not None for i in units):
+        raise ValueError("max_batch is not supported with replicas > 1")
+    start = time.perf_counter()
+    rng = np.random.default_rng(config.seed)
+    unit_model = np.asarray(units)  # (U,) model of each unit
+    u_count, c_count = unit_model.size, population.size
+    grains = profile.grains(n_requests)[unit_model]  # (U, N + 1)
+    route = profile.route_matrix()  # (M, M)
+    per_request = profile.tokens_per_step()[unit_model]  # (U,)
+    reps = config.replicas
+    need = np.repeat(np.asarray(candidates, dtype=np.int64), reps, axis=0)[:, unit_model]
+    rows = need.shape[0]  # (rows, U) thresholds per unit
+
+    waiting = np.zeros((rows, u_count, c_count), dtype=np.int64)
+    for c in range(c_count):
+        waiting[:, bound[c, 0], c] = population[c]  # everyone starts at the entry model
+    batch = np.zeros_like(waiting)
+    left = np.zeros((rows, u_count), dtype=np.int64)
+    unit_index = np.broadcast_to(np.arange(u_count), left.shape)
+
+    def launch() -> None:
+        total = waiting.sum(axis=2)  # (rows, U)
+        go = (batch.sum(axis=2) == 0) & (total >= need) & (total > 0)
+        batch[go] = waiting[go]
+        left[go] = grains[unit_index[go], total[go]]
+        waiting[go] = 0
+
+    launch()
+    tokens = np.zeros(rows)
+    grains_elapsed = np.zeros(rows)
+    never = np.iinfo(np.int64).max
+    for event in range(config.warmup_events + config.events):
+        size = batch.sum(axis=2)  # (rows, U)
+        running = size > 0
+        step = np.where(running, left, never).min(axis=1)  # (rows,)
+        finishing = running & (left == step[:, None])
+        if event >= config.warmup_events:
+            tokens += np.where(finishing, size, 0) @ per_request
+            grains_elapsed += step
+        left[:] = np.where(running & ~finishing, left - step[:, None], 0)
+        done = np.where(finishing[:, :, None], batch, 0)  # (rows, U, C)
+        batch[finishing] = 0
+        for u in range(u_count):
+            for c in range(c_count):
+                moving = np.flatnonzero(done[:, u, c])
+                if moving.size:
+                    arrivals = rng.multinomial(done[moving, u, c], route[unit_model[u]])
+                    for j in np.flatnonzero(route[unit_model[u]]):
+                        waiting[moving, bound[c, j], c] += arrivals[:, j]
+        launch()
+
+    tokens = tokens.reshape(-1, reps)  # (candidates, copies)
+    seconds = grains_elapsed.reshape(-1, reps) * profile.grain_ms / 1000.0
+    rate = tokens.sum(axis=1) / seconds.sum(axis=1)
     spread = (tokens - rate[:, None] * seconds).std(axis=1, ddof=1)
     stderr = spread / np.sqrt(reps) / seconds.mean(axis=1)
     elapsed = (time.perf_counter() - start) / len(candidates)

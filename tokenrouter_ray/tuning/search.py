@@ -2,8 +2,10 @@
 
 Input: a profile, the concurrencies N to tune, and optionally some thresholds held fixed
 (e.g. ``{"small": 1}``). Each free model's B ranges over ``1..N`` subject to the no-deadlock
-rule ``sum_i (B_i - 1) < N``. Output: a ``SweepResult`` per N (every evaluated point and the
-best), and ``threshold_lists`` turns those into the per-model lists a scheduler config takes
+rule ``sum_i R_i (B_i - 1) < N`` (``R_i`` data-parallel replicas of model i, default 1; B is
+per replica, see ``replicas.py``; with replicas the method is Monte Carlo). Output: a
+``SweepResult`` per N (every evaluated point and the best), and ``threshold_lists`` turns
+those into the per-model lists a scheduler config takes
 (index = number of active requests).
 
 Methods: ``exact`` solves the Markov chain for every admissible B; ``monte-carlo`` estimates
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from tokenrouter_ray.tuning.markov import ThroughputResult, is_admissible, throughput
 from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig, monte_carlo
 from tokenrouter_ray.tuning.profile import RoutingProfile
+from tokenrouter_ray.tuning.replicas import replica_counts
 
 METHODS = ("auto", "exact", "monte-carlo")
 AUTO_EXACT_MAX_N = 8  # with 3+ models, exact chains past this N reach 10^5..10^6 states
@@ -56,7 +59,10 @@ class SweepResult:
 
 
 def _base_and_free(
-    profile: RoutingProfile, n_requests: int, fixed: Mapping[str, int] | None
+    profile: RoutingProfile,
+    n_requests: int,
+    fixed: Mapping[str, int] | None,
+    replicas: Sequence[int] | None = None,
 ) -> tuple[list[int], tuple[int, ...]]:
     pinned = {}
     for name, value in (fixed or {}).items():
@@ -64,25 +70,29 @@ def _base_and_free(
             raise ValueError(f"fixed threshold for {name!r} must be >= 1, got {value}")
         pinned[profile.index(name)] = int(value)
     base = [pinned.get(i, 1) for i in range(profile.num_models)]
-    if not is_admissible(n_requests, base):
+    if not is_admissible(n_requests, base, replicas):
         raise ValueError(
             f"fixed thresholds {dict(fixed or {})} deadlock at N={n_requests}: "
-            "sum(B_i - 1) must be < N"
+            "sum(R_i (B_i - 1)) must be < N"
         )
     return base, tuple(i for i in range(profile.num_models) if i not in pinned)
 
 
 def candidates(
-    profile: RoutingProfile, n_requests: int, fixed: Mapping[str, int] | None = None
+    profile: RoutingProfile,
+    n_requests: int,
+    fixed: Mapping[str, int] | None = None,
+    replicas: Mapping[str, int] | Sequence[int] | None = None,
 ) -> list[tuple[int, ...]]:
     """Every admissible threshold vector with the fixed entries pinned."""
-    base, free = _base_and_free(profile, n_requests, fixed)
+    counts = replica_counts(profile, replicas)
+    base, free = _base_and_free(profile, n_requests, fixed, counts)
     out = []
     for values in itertools.product(range(1, n_requests + 1), repeat=len(free)):
         trial = base.copy()
         for i, value in zip(free, values, strict=True):
             trial[i] = value
-        if is_admissible(n_requests, trial):
+        if is_admissible(n_requests, trial, counts):
             out.append(tuple(trial))
     return out
 
@@ -121,11 +131,20 @@ def _climb_exact(
     return points
 
 
-def resolve_method(profile: RoutingProfile, n_requests: int, method: str) -> str:
+def resolve_method(
+    profile: RoutingProfile, n_requests: int, method: str, replicas: Sequence[int] | None = None
+) -> str:
+    """``auto``: exact for two models, or small N; Monte Carlo beyond, and always with
+    data-parallel replicas (the exact chain has one replica per model)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    replicated = replicas is not None and any(r > 1 for r in replicas)
+    if method == "exact" and replicated:
+        raise ValueError("the exact chain has one replica per model; with replicas use monte-carlo")
     if method != "auto":
         return method
+    if replicated:
+        return "monte-carlo"
     if profile.num_models <= 2 or n_requests <= AUTO_EXACT_MAX_N:
         return "exact"
     return "monte-carlo"
@@ -138,15 +157,19 @@ def sweep(
     method: str = "auto",
     patience: int | None = None,
     mc_config: MonteCarloConfig | None = None,
+    replicas: Mapping[str, int] | Sequence[int] | None = None,
 ) -> SweepResult:
-    """Evaluate thresholds for one N and return every point tried (see module docstring)."""
-    base, free = _base_and_free(profile, n_requests, fixed)
-    chosen = resolve_method(profile, n_requests, method)
+    """Evaluate thresholds for one N and return every point tried (see module docstring).
+    ``replicas``: data-parallel replicas per model (B is per replica; see ``replicas.py``)."""
+    counts = replica_counts(profile, replicas)
+    base, free = _base_and_free(profile, n_requests, fixed, counts)
+    chosen = resolve_method(profile, n_requests, method, counts)
     start = time.perf_counter()
     if chosen == "exact":
         points = _climb_exact(profile, n_requests, base, free, patience)
     else:
-        points = monte_carlo(profile, n_requests, candidates(profile, n_requests, fixed), mc_config)
+        cands = candidates(profile, n_requests, fixed, counts)
+        points = monte_carlo(profile, n_requests, cands, mc_config, counts)
     return SweepResult(
         n_requests=n_requests,
         names=profile.names,
@@ -164,9 +187,12 @@ def tune(
     method: str = "auto",
     patience: int | None = None,
     mc_config: MonteCarloConfig | None = None,
+    replicas: Mapping[str, int] | Sequence[int] | None = None,
 ) -> dict[int, SweepResult]:
     """``sweep`` for each N, keyed by N."""
-    return {n: sweep(profile, n, fixed, method, patience, mc_config) for n in concurrencies}
+    return {
+        n: sweep(profile, n, fixed, method, patience, mc_config, replicas) for n in concurrencies
+    }
 
 
 def threshold_lists(

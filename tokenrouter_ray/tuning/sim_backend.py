@@ -15,6 +15,10 @@ Only two-model escalate-once routing is supported (R2R's shape, the ``bernoulli`
 its token unless the position escalates, the large model then writes that one token and
 hands back. ``check_supported`` rejects anything else.
 
+Data-parallel replicas: ``ClosedLoop(..., replicas=(1, 2))`` runs model i as ``R_i``
+sub-servers (``ReplicatedRuntime``), each with its own scheduler applying the model's
+thresholds to the requests it holds, so a model with R replicas runs up to R batches at once.
+
 ``measure_closed_loop`` runs a closed system like the Markov model's: ``N`` client loops,
 each keeping one request in flight (a finished request is replaced at once), and counts
 committed tokens per second over a window after a warm-up.
@@ -23,10 +27,12 @@ committed tokens per second over a window after a warm-up.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 import statistics
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -41,7 +47,11 @@ from tokenrouter_ray.metrics import definitions as m
 from tokenrouter_ray.metrics.recorder import Metrics
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.runtime.ingress import IngressCore
 from tokenrouter_ray.runtime.local import LocalRuntime
+from tokenrouter_ray.runtime.subserver import SubServer
+from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_name
+from tokenrouter_ray.transport.inproc import InProcHub
 from tokenrouter_ray.tuning.markov import check_admissible
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 
@@ -316,6 +326,76 @@ class SimMeasurement:
         return self.tokens / self.window_s
 
 
+class ReplicatedRuntime(LocalRuntime):
+    """``LocalRuntime`` with several data-parallel replicas per model, as Serve runs them.
+
+    ``replicas`` maps a model to its engines (one per replica). Every replica is its own
+    sub-server with its own scheduler and thresholds; a request's replica of a model is
+    picked on its first visit and kept (its KV lives there): ``assignment="least-loaded"``
+    (default) takes the replica holding the fewest requests (ties: from the request id), as
+    Serve's router does for new requests; ``"hash"`` spreads by request id alone (crc32, as
+    ``deployments/peers.py`` does today). The ingress spreads new requests over the entry
+    model's replicas round-robin and sends its active-count updates to every replica.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[tuple[str, Sequence[Engine]]],
+        policy: Any,
+        assignment: str = "least-loaded",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__([(name, engines[0]) for name, engines in replicas], policy, **kwargs)
+        if assignment not in ("least-loaded", "hash"):
+            raise ValueError(f"assignment must be 'least-loaded' or 'hash', got {assignment!r}")
+        self.replica_engines = {name: list(engines) for name, engines in replicas}
+        self.assignment = assignment
+
+    async def start(self) -> None:
+        hub, directory = InProcHub(), InMemoryDirectory()
+        names = {m: [str(k) for k in range(len(self.replica_engines[m]))] for m in self.models}
+
+        held: dict[str, list[Engine]] = self.replica_engines
+
+        def pick(model: str, rid: str) -> str:
+            options = names[model]
+            start = zlib.crc32(rid.encode()) % len(options)
+            if self.assignment == "least-loaded":  # fewest requests held, ties from the hash
+                order = options[start:] + options[:start]
+                load = {k: len(held[model][int(k)].requests) for k in options}
+                return endpoint_name(model, min(order, key=load.__getitem__))
+            return endpoint_name(model, options[start])
+
+        for index, name in enumerate(self.models):
+            for replica, engine in zip(names[name], self.replica_engines[name], strict=True):
+                channel = self.channel_type(name, replica, directory, hub)
+                await channel.start()
+                server = SubServer(
+                    self.models, index, engine, self.policy, channel, pick, metrics=self.metrics
+                )
+                await server.start()
+                self.subservers.append(server)
+        channel = self.channel_type("ingress", "0", directory, hub)
+        await channel.start()
+        endpoints = [s.endpoint for s in self.subservers]
+        entry = itertools.cycle([s.endpoint for s in self.subservers if s.name == self.models[0]])
+        self.ingress = IngressCore(
+            channel, lambda: next(entry), lambda: endpoints, metrics=self.metrics
+        )
+        await self.ingress.start()
+
+
+def _merged_stats(parts: Sequence[SimStats]) -> SimStats:
+    """One model's statistics over its replicas (busy time summed: up to R x the window)."""
+    return SimStats(
+        steps=sum(p.steps for p in parts),
+        batch_sum=sum(p.batch_sum for p in parts),
+        busy_s=sum(p.busy_s for p in parts),
+        gaps_s=[g for p in parts for g in p.gaps_s],
+        oversleep_s=sum(p.oversleep_s for p in parts),
+    )
+
+
 def thresholds_table(n_requests: int, value: int) -> list[int]:
     """A scheduler ``batch_thresholds`` list with ``value`` at index N (1 below it)."""
     return [1] * n_requests + [value]
@@ -342,10 +422,14 @@ class ClosedLoop:
         max_tokens: int = 1 << 14,
         sleep_bias_s: float = 0.0,
         prompt_len: int = 4,
+        replicas: Sequence[int] | None = None,
     ) -> None:
         q = escalation_probability(profile)
         if len(thresholds) != 2:
             raise ValueError(f"need one threshold per model (2), got {thresholds}")
+        counts = [1, 1] if replicas is None else [int(r) for r in replicas]
+        if len(counts) != 2 or min(counts) < 1:
+            raise ValueError(f"need one replica count >= 1 per model (2), got {replicas}")
         tables = [
             thresholds_table(n_requests, b) if isinstance(b, int) else [int(x) for x in b]
             for b in thresholds
@@ -354,25 +438,34 @@ class ClosedLoop:
         block_size = 16
         per_request_blocks = math.ceil((prompt_len + max_tokens + 2) / block_size) + 1
         num_blocks = n_requests * per_request_blocks + 8
-        engines = []
-        for model, table in zip(profile.models, tables, strict=True):
-            engine = sim_engine(
-                profile_step_seconds(model, time_scale),
-                table,
-                max_defer_s=max_defer_s,
-                max_num_seqs=model.max_batch or max(n_requests, 1),
-                num_blocks=num_blocks,
-                block_size=block_size,
-                sleep_bias_s=sleep_bias_s,
-            )
-            engines.append((model.name, engine))
+        engines: list[tuple[str, list[Engine]]] = []
+        for model, table, count in zip(profile.models, tables, counts, strict=True):
+            replica_engines = [
+                sim_engine(
+                    profile_step_seconds(model, time_scale),
+                    table,
+                    max_defer_s=max_defer_s,
+                    max_num_seqs=model.max_batch or max(n_requests, 1),
+                    num_blocks=num_blocks,
+                    block_size=block_size,
+                    sleep_bias_s=sleep_bias_s,
+                )
+                for _ in range(count)
+            ]
+            engines.append((model.name, replica_engines))
         self.names = [name for name, _ in engines]
-        self.runners = [engine.runner for _, engine in engines]
+        self.replicas = tuple(counts)
+        self.model_runners = [[e.runner for e in group] for _, group in engines]
+        self.runners = [group[0] for group in self.model_runners]  # first replica of each
         self.policy = build_policy("bernoulli", {"p": q}, self.names)
         self.backend = CountingBackend()
-        self.runtime = LocalRuntime(
-            engines, self.policy, metrics=Metrics(self.backend, policy="bernoulli")
-        )
+        metrics = Metrics(self.backend, policy="bernoulli")
+        if counts == [1, 1]:
+            self.runtime = LocalRuntime(
+                [(name, group[0]) for name, group in engines], self.policy, metrics=metrics
+            )
+        else:
+            self.runtime = ReplicatedRuntime(engines, self.policy, metrics=metrics)
         self.n_requests = n_requests
         self.finished = 0
         self._rng = random.Random(seed)
@@ -416,14 +509,15 @@ class ClosedLoop:
 
     async def measure(self, window_s: float, thresholds: tuple[int, ...] = ()) -> SimMeasurement:
         """Committed tokens/s (profile time base) and runner statistics over one window."""
-        for runner in self.runners:
-            runner.reset_stats()
+        for group in self.model_runners:
+            for runner in group:
+                runner.reset_stats()
         before, fin0 = self.backend.snapshot(), self.finished
         t0 = time.perf_counter()
         await asyncio.sleep(window_s)
         elapsed = time.perf_counter() - t0
         after, fin = self.backend.snapshot(), self.finished - fin0
-        stats = [r.stats for r in self.runners]
+        stats = [_merged_stats([r.stats for r in group]) for group in self.model_runners]
 
         def delta(key: str, name: Any) -> float:
             return after[key].get(name, 0) - before[key].get(name, 0)
@@ -464,11 +558,13 @@ async def measure_closed_loop_async(
     max_tokens: int | None = None,
     sleep_bias_s: float | None = None,
     prompt_len: int = 4,
+    replicas: Sequence[int] | None = None,
 ) -> SimMeasurement:
-    """Run N requests in a closed loop on the simulated runtime; measure committed tok/s."""
+    """Run N requests in a closed loop on the simulated runtime; measure committed tok/s.
+    ``replicas``: data-parallel replicas per model (each applies B on its own)."""
     q = escalation_probability(profile)
     thresholds = tuple(int(b) for b in thresholds)
-    check_admissible(n_requests, thresholds)
+    check_admissible(n_requests, thresholds, replicas)
     if sleep_bias_s is None:
         sleep_bias_s = calibrate_sleep_bias()
     if max_tokens is None:
@@ -489,6 +585,7 @@ async def measure_closed_loop_async(
         max_tokens=max_tokens,
         sleep_bias_s=sleep_bias_s,
         prompt_len=prompt_len,
+        replicas=replicas,
     )
     async with loop:
         await asyncio.sleep(warmup_s)
