@@ -173,6 +173,19 @@ def test_values_variant(render_values: Callable[..., Objects]) -> None:
     assert ingress["tls"][0]["secretName"] == "tokenrouter-tls"
 
 
+def test_tensor_parallel_large_model(render_values: Callable[..., Objects]) -> None:
+    """TP 2 on the large model: its pod gets both GPUs (all ranks of a replica share a pod)
+    and the Serve config uses the models group that sets tensor_parallel 2."""
+    values = manifests.default_values()
+    values["serve"]["modelsConfig"] = "qwen3_r2r_tp2"
+    values["models"][1].update(gpus=2, tensorParallel=2)
+    objects = render_values(values)
+    assert "models=qwen3_r2r_tp2" in serve_config(objects)["applications"][0]["args"]["overrides"]
+    spec, container = _ray_containers(objects)["large"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert spec["containers"][0] is container
+
+
 def _ray_containers(objects: Objects) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     """Group name -> (pod spec, Ray container)."""
     return {
@@ -258,8 +271,8 @@ def _bad_values(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         (_bad_values(lambda v: v["transport"].update(name="grpc")), "transport/name"),
         (_bad_values(lambda v: v.update(colour="blue")), "colour"),
         (
-            _bad_values(lambda v: v["models"][1].update(gpus=2, tensorParallel=2)),
-            r"tensorParallel 2: tensor parallelism is not implemented yet .*set tensorParallel: 1",
+            _bad_values(lambda v: v["models"][1].update(gpus=1, tensorParallel=2)),
+            r"models\[large\]: tensorParallel 2 needs gpus >= 2",
         ),
         (
             _bad_values(
