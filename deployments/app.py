@@ -4,7 +4,9 @@
 with Hydra from ``conf/`` plus ``args.overrides``, validates it (known policy and options,
 sane thresholds, shared tokenizer when the models are local), and binds the endpoint
 directory, one deployment per model (named after the model), the threshold tuner when
-``tuner.enabled``, and the OpenAI ingress.
+``tuner.enabled``, and the OpenAI ingress. Models that share a device (``device_group``)
+get their memory budgets from one joint plan of that device (``plan_shared_devices``)
+before they are bound; a group that cannot fit is a ``ConfigError``.
 Any config problem is raised as one ``ConfigError`` with a message to act on.
 """
 
@@ -22,7 +24,13 @@ from deployments.ingress import Ingress
 from deployments.model_server import ModelServer, load_tokenizer
 from deployments.tp_workers import worker_bundles
 from deployments.tuner import Tuner
-from tokenrouter_ray.config import AppConfig, ConfigError, ModelSpec, compose_config
+from tokenrouter_ray.config import (
+    AppConfig,
+    ConfigError,
+    ModelSpec,
+    compose_config,
+    plan_shared_devices,
+)
 from tokenrouter_ray.protocol import check_shared_tokenizer
 from tokenrouter_ray.routing.policy import build_policy
 
@@ -86,6 +94,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 
 
 def bind_app(cfg: AppConfig) -> Application:
+    cfg = plan_shared_devices(cfg)  # co-located models: budgets from one joint plan
     data = cfg.model_dump(mode="json")
     directory = EndpointDirectory.bind()
     tuner = Tuner.bind(data) if cfg.tuner.enabled else None

@@ -60,6 +60,12 @@ class ModelSpec(_Strict):
     scheduler: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the shared scheduler settings."
     )
+    device_group: str | None = Field(
+        None,
+        description="Models naming the same group share one device (e.g. num_gpus 0.5 each "
+        "on one GPU): their weights + KV are planned together within shared_devices[group] "
+        "GiB, and each gets its share of it as its memory budget (memory_budget_gb ignored).",
+    )
 
     @model_validator(mode="after")
     def _heads_split(self) -> ModelSpec:
@@ -114,6 +120,11 @@ class AppConfig(_Strict):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     ingress: IngressSpec = Field(default_factory=IngressSpec)
     tuner: TunerSpec = Field(default_factory=TunerSpec)
+    shared_devices: dict[str, float] = Field(
+        default_factory=dict,
+        description="Memory (GiB) of each device that several models share (the models name "
+        "it as their device_group): weights + KV of all of them must fit in it.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:
@@ -122,6 +133,7 @@ class AppConfig(_Strict):
         for name in self.models:
             self.scheduler_for(name)  # each merged scheduler config must validate
         self._check_deadlock_free()
+        self._check_device_groups()
         unknown = set(self.tuner.fixed) - set(self.models)
         if unknown:
             raise ValueError(f"tuner.fixed names unknown models {sorted(unknown)}")
@@ -154,9 +166,90 @@ class AppConfig(_Strict):
                     "(R_i = num_replicas: every replica applies the thresholds)"
                 )
 
+    def device_groups(self) -> dict[str, list[str]]:
+        """Shared device -> the models on it, in config order."""
+        groups: dict[str, list[str]] = {}
+        for name, spec in self.models.items():
+            if spec.device_group is not None:
+                groups.setdefault(spec.device_group, []).append(name)
+        return groups
+
+    def _check_device_groups(self) -> None:
+        groups = self.device_groups()
+        for group, members in groups.items():
+            if group not in self.shared_devices:
+                raise ValueError(
+                    f"models {members} name device_group {group!r} but shared_devices has no "
+                    f"entry for it (add shared_devices.{group}=<GiB>)"
+                )
+            if not self.shared_devices[group] > 0:
+                raise ValueError(f"shared_devices.{group} must be positive GiB")
+            specs = [self.models[m] for m in members]
+            if any(s.tensor_parallel > 1 for s in specs):
+                raise ValueError(f"device_group {group!r}: tensor_parallel models cannot share")
+            if len({s.num_replicas for s in specs}) > 1:
+                raise ValueError(
+                    f"device_group {group!r}: models {members} need the same num_replicas "
+                    "(each device holds one replica of every model in the group)"
+                )
+            gpus = sum(s.num_gpus for s in specs)
+            if gpus > 1 + 1e-9:
+                raise ValueError(
+                    f"device_group {group!r}: models {members} ask for {gpus:g} GPUs in all; "
+                    "models sharing one GPU must split it (num_gpus summing to at most 1)"
+                )
+        unused = set(self.shared_devices) - set(groups)
+        if unused:
+            raise ValueError(f"shared_devices {sorted(unused)} are named by no device_group")
+
     @property
     def model_names(self) -> list[str]:
         return list(self.models)
+
+
+def plan_shared_devices(cfg: AppConfig) -> AppConfig:
+    """``cfg`` with every co-located model's ``memory_budget_gb`` set from one joint plan per
+    shared device (``engine.memory_plan.plan_shared_device``: weights + KV of all models on
+    the device within ``shared_devices[group]``, every model holding the same context).
+    Footprints are read from local checkpoints; a group that cannot fit, or names a model
+    that is not a local directory, is one ``ConfigError``."""
+    groups = cfg.device_groups()
+    if not groups:
+        return cfg
+    from tokenrouter_ray.engine.memory_plan import (
+        dtype_bytes,
+        footprint_from_checkpoint,
+        plan_shared_device,
+    )
+
+    specs = dict(cfg.models)
+    for group, members in groups.items():
+        memory = int(cfg.shared_devices[group] * 2**30)
+        footprints = []
+        for name in members:
+            spec = cfg.models[name]
+            if not Path(spec.path).is_dir():
+                raise ConfigError(
+                    f"device_group {group!r}: model {name!r} ({spec.path}) is not a local "
+                    "directory; joint memory planning reads the checkpoint's size from disk"
+                )
+            try:
+                element = dtype_bytes(spec.dtype, spec.num_gpus > 0)
+                footprints.append(footprint_from_checkpoint(spec.path, spec.gguf_file, element))
+            except (ValueError, OSError) as exc:
+                raise ConfigError(f"device_group {group!r}: model {name!r}: {exc}") from None
+        try:
+            budgets = plan_shared_device(
+                memory, footprints, [cfg.models[m].block_size for m in members]
+            )
+        except ValueError as exc:
+            raise ConfigError(
+                f"models {members} do not fit on shared device {group!r} "
+                f"({cfg.shared_devices[group]:g} GiB): {exc}"
+            ) from None
+        for name, budget in zip(members, budgets, strict=True):
+            specs[name] = specs[name].model_copy(update={"memory_budget_gb": budget / 2**30})
+    return cfg.model_copy(update={"models": specs})
 
 
 def _register_resolvers() -> None:

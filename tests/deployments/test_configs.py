@@ -61,6 +61,13 @@ def test_cross_node_pins_each_model_to_its_node_resource() -> None:
           "models.large.scheduler.batch_thresholds=[1,1,1,2]"],
          r"deadlock at 3 active requests: sum\(R_i \(B_i - 1\)\) = 1\*\(1-1\) \[small\] "
          r"\+ 3\*\(2-1\) \[large\] = 3"),
+        # models sharing a device: one joint plan, which needs the checkpoints on disk
+        (["models=qwen3_r2r", "policy=rstitch", "models.small.device_group=gpu0",
+          "models.large.device_group=gpu0", "models.small.num_gpus=0.5",
+          "models.large.num_gpus=0.5", "shared_devices.gpu0=80"],
+         "device_group 'gpu0': model 'small' .* is not a local directory"),
+        (["models=qwen3_r2r", "policy=rstitch", "models.small.device_group=gpu0"],
+         "shared_devices has no entry"),
     ],
 )
 def test_config_errors_are_one_clear_message(overrides, message) -> None:

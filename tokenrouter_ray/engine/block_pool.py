@@ -130,23 +130,30 @@ def plan_num_blocks(budget_bytes: int, model: ModelFootprint, block_size: int) -
     return plan_joint(budget_bytes, [model], block_size)[0]
 
 
-def plan_joint(budget_bytes: int, models: Sequence[ModelFootprint], block_size: int) -> list[int]:
-    """Blocks per model for several models sharing one device.
+def plan_joint(
+    budget_bytes: int, models: Sequence[ModelFootprint], block_size: int | Sequence[int]
+) -> list[int]:
+    """Blocks per model for several models sharing one device (``block_size``: one for all,
+    or one per model).
 
     Each model must be able to hold the same K tokens of context (every active request may
     visit every model), so K is the largest value with
     ``sum_i(weight_i + K * kv_bytes_per_token_i) <= budget``; each model gets K tokens,
-    rounded down to whole blocks.
+    rounded down to whole blocks of its own size.
     """
+    sizes = [block_size] * len(models) if isinstance(block_size, int) else list(block_size)
+    if len(sizes) != len(models):
+        raise ValueError(f"need one block size per model ({len(models)}), got {len(sizes)}")
     weights = sum(m.weight_bytes for m in models)
     per_token = sum(m.kv_bytes_per_token for m in models)
     free = budget_bytes - weights
     tokens = free // per_token if per_token > 0 else 0
-    num_blocks = tokens // block_size
-    if num_blocks < 1:
+    blocks = [tokens // size for size in sizes]
+    if min(blocks) < 1:
+        one_block = per_token * max(sizes)  # K >= the largest block size
         raise ValueError(
             f"memory budget {budget_bytes / 2**20:.0f} MiB leaves no room for KV: weights take "
-            f"{weights / 2**20:.0f} MiB and one block of {block_size} tokens on every model "
-            f"needs {per_token * block_size / 2**20:.1f} MiB"
+            f"{weights / 2**20:.0f} MiB and one block of {max(sizes)} tokens on every model "
+            f"needs {one_block / 2**20:.1f} MiB"
         )
-    return [num_blocks for _ in models]
+    return blocks
