@@ -41,6 +41,7 @@ from deployments.model_server import load_tokenizer
 from deployments.peers import PeerBook, make_channel, peer_key
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.metrics import INGRESS, Metrics
+from tokenrouter_ray.openai.auth import ApiKeyMiddleware
 from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
 from tokenrouter_ray.openai.errors import (
     InvalidRequestError,
@@ -84,6 +85,14 @@ logger = logging.getLogger("ray.serve")
 MAX_TIMEOUT_S = 24 * 3600.0
 
 app = FastAPI(title="tokenrouter-ray", docs_url=None, redoc_url=None)
+
+
+def _count_rejected_key() -> None:
+    Metrics.ray().error(INGRESS, "invalid_request_error_401")
+
+
+# Optional API keys (TOKENROUTER_API_KEYS): every /v1 route, 401 envelope; off when unset.
+app.add_middleware(ApiKeyMiddleware, on_reject=_count_rejected_key)
 
 
 def _load_json(body: bytes) -> Any:

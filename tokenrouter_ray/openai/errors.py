@@ -62,6 +62,18 @@ class ContextLengthExceededError(InvalidRequestError):
     default_code = "context_length_exceeded"
 
 
+class AuthenticationError(OpenAIError):
+    """401: the API key is missing or not one of the ingress's keys (OpenAI's shape:
+    ``invalid_request_error`` / ``invalid_api_key``; ``WWW-Authenticate: Bearer``)."""
+
+    status_code = 401
+    error_type = INVALID_REQUEST
+    default_code = "invalid_api_key"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
 class ModelNotFoundError(OpenAIError):
     """404: the request names a model this deployment does not serve."""
 
