@@ -42,7 +42,11 @@ class SchedulerConfig(BaseModel):
         "requests system-wide. [1] launches as soon as anything is runnable.",
     )
     max_defer_s: float = Field(
-        0.05, ge=0, description="Longest a runnable request waits for the batch to fill."
+        0.05,
+        ge=0,
+        description="Safety net: longest a runnable request waits for the batch to fill "
+        "(inf: never; with a true N the launch rule alone keeps requests moving). Each "
+        "launch it forces is counted (Scheduler.deferred_timeouts).",
     )
 
     @field_validator("batch_thresholds")
@@ -92,6 +96,7 @@ class Scheduler:
         self.pending: dict[str, Request] = {}
         self.active_requests: int | None = None  # global N from outside; None: local count
         self.num_preemptions = 0  # since start, for metrics
+        self.deferred_timeouts = 0  # launches below the threshold forced by max_defer_s
 
     # ----------------------------------------------------------------- transitions
     def add(self, request: Request) -> None:
@@ -148,6 +153,7 @@ class Scheduler:
             wake_at = oldest + self.config.max_defer_s
             if now < wake_at:
                 return SchedulerOutput(deferred=True, wake_at=wake_at, threshold=threshold)
+            self.deferred_timeouts += 1  # the safety net fired: launching below B
 
         out = SchedulerOutput(threshold=threshold)
         budget = self.config.max_num_batched_tokens

@@ -385,6 +385,17 @@ class ReplicatedRuntime(LocalRuntime):
         await self.ingress.start()
 
 
+@dataclass(frozen=True)
+class OpenLoopResult:
+    """One open-loop run: how many requests finished, and how many never did (stalled)."""
+
+    submitted: int
+    finished: int
+    stalled: int
+    elapsed_s: float
+    deferred_timeouts: int  # launches below the threshold forced by max_defer_s, all engines
+
+
 def _merged_stats(parts: Sequence[SimStats]) -> SimStats:
     """One model's statistics over its replicas (busy time summed: up to R x the window)."""
     return SimStats(
@@ -423,8 +434,10 @@ class ClosedLoop:
         sleep_bias_s: float = 0.0,
         prompt_len: int = 4,
         replicas: Sequence[int] | None = None,
+        clients: int | None = None,
     ) -> None:
         q = escalation_probability(profile)
+        self.clients = n_requests if clients is None else clients
         if len(thresholds) != 2:
             raise ValueError(f"need one threshold per model (2), got {thresholds}")
         counts = [1, 1] if replicas is None else [int(r) for r in replicas]
@@ -468,6 +481,7 @@ class ClosedLoop:
             self.runtime = ReplicatedRuntime(engines, self.policy, metrics=metrics)
         self.n_requests = n_requests
         self.finished = 0
+        self.finished_by_client: list[int] = []
         self._rng = random.Random(seed)
         self._prompt = [1] * prompt_len
         self._max_tokens = max_tokens
@@ -484,7 +498,8 @@ class ClosedLoop:
 
     async def __aenter__(self) -> ClosedLoop:
         await self.runtime.start()
-        self._tasks = [asyncio.create_task(self._client(k)) for k in range(self.n_requests)]
+        self.finished_by_client = [0] * self.clients
+        self._tasks = [asyncio.create_task(self._client(k)) for k in range(self.clients)]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -506,6 +521,56 @@ class ClosedLoop:
             await self.runtime.complete(self._prompt, spec, request_id=f"sim-{k}-{serial}")
             serial += 1
             self.finished += 1
+            self.finished_by_client[k] += 1
+
+    async def open_loop(
+        self, rate_per_s: float, count: int, max_tokens: int, timeout_s: float, seed: int = 0
+    ) -> OpenLoopResult:
+        """Submit ``count`` requests of ``max_tokens`` tokens with Poisson arrivals at
+        ``rate_per_s`` (profile time base: wall rate = rate / time_scale) and wait up to
+        ``timeout_s`` wall seconds for all of them; the ones still unfinished then stalled."""
+        rng = random.Random(seed)
+        done: list[float] = []
+        started = time.perf_counter()
+
+        async def one(k: int) -> None:
+            spec = SamplingSpec(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                seed=rng.getrandbits(62))  # fmt: skip
+            await self.runtime.complete(self._prompt, spec, request_id=f"open-{k}")
+            done.append(time.perf_counter() - started)
+
+        tasks = []
+        for k in range(count):
+            tasks.append(asyncio.create_task(one(k)))
+            await asyncio.sleep(rng.expovariate(rate_per_s / self.time_scale))
+        finished, unfinished = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in unfinished:
+            task.cancel()
+        await asyncio.gather(*unfinished, return_exceptions=True)
+        errors = [t.exception() for t in finished if t.exception() is not None]
+        if errors:
+            raise errors[0]
+        return OpenLoopResult(
+            submitted=count,
+            finished=len(finished),
+            stalled=len(unfinished),
+            elapsed_s=time.perf_counter() - started,
+            deferred_timeouts=sum(e.scheduler.deferred_timeouts for e in self.engines),
+        )
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop submitting and wait up to ``timeout_s`` for the clients' requests in flight to
+        finish; returns how many did not (stalled)."""
+        self._stop.set()
+        if not self._tasks:
+            return 0
+        _, unfinished = await asyncio.wait(self._tasks, timeout=timeout_s)
+        return len(unfinished)
+
+    @property
+    def engines(self) -> list[Engine]:
+        """Every replica's engine, all models."""
+        return [s.engine for s in self.servers]
 
     async def measure(self, window_s: float, thresholds: tuple[int, ...] = ()) -> SimMeasurement:
         """Committed tokens/s (profile time base) and runner statistics over one window."""
