@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tokenrouter_ray.openai.validation import RequestLimits
+from tokenrouter_ray.protocol import MsgKind, PeerReq, encode_batch
 from tokenrouter_ray.runtime.ingress import Completion
 
 SERVED = "tokenrouter"
@@ -31,6 +32,9 @@ class FakeCore:
         return len(self.live)
 
     async def submit(self, rid: str, prompt: list[int], spec: Any, entry: str, **_: Any) -> None:
+        # what the real core sends: the NEW message must encode (msgpack ints are 64-bit)
+        new = PeerReq(rid, "ingress", entry, MsgKind.NEW, 0, tokens=list(prompt), sampling=spec)
+        encode_batch([new])
         self.live[rid] = (prompt, spec)
         self.submitted += 1
 

@@ -216,7 +216,9 @@ class _SamplingRequest(_Lenient):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 supported.")
     logit_bias: dict[str, float] | None = Field(None, description="Only empty supported.")
     # extensions (vLLM-compatible names)
-    top_k: int | None = Field(None, ge=0, description="Extension: top-k filter; 0 or null = off.")
+    top_k: int | None = Field(  # bounded: the NEW message carries it as a 64-bit integer
+        None, ge=0, le=INT64_MAX, description="Extension: top-k filter; 0 or null = off."
+    )
     min_p: float | None = Field(None, ge=0, le=1, description="Extension: min-p filter.")
     repetition_penalty: float | None = Field(None, gt=0, le=10, description="Extension: 1 = off.")
     ignore_eos: bool | None = Field(None, description="Extension: keep generating past EOS.")
