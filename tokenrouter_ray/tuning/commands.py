@@ -60,6 +60,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--concurrency", default="1,2,4,8,16", help="active-request counts N, e.g. 1,2,4 or 1-16"
     )
     parser.add_argument("--fix", help="thresholds held fixed, e.g. small=1")
+    parser.add_argument(
+        "--replicas",
+        help="data-parallel replicas per model, e.g. large=2 (B is per replica; admissible "
+        "iff sum R_i (B_i - 1) < N; solved by Monte Carlo)",
+    )
     parser.add_argument("--method", choices=METHODS, default="auto")
     parser.add_argument(
         "--patience",
@@ -209,8 +214,15 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.mc_replicas < 2 or args.mc_events < 1:
         raise UserFacingError("--mc-replicas must be >= 2 and --mc-events >= 1")
     mc_config = MonteCarloConfig(replicas=args.mc_replicas, events=args.mc_events, seed=args.seed)
+    replicas = {}
+    for name, value in _pairs(args.replicas, "--replicas").items():
+        if name not in profile.names or not value.isdigit() or int(value) < 1:
+            raise UserFacingError(f"--replicas: need model=count >= 1, got {name}={value}")
+        replicas[name] = int(value)
     try:
-        results = tune(profile, concurrencies, fixed, args.method, args.patience, mc_config)
+        results = tune(
+            profile, concurrencies, fixed, args.method, args.patience, mc_config, replicas
+        )
     except ValueError as exc:
         raise UserFacingError(str(exc)) from None
     if args.json:

@@ -8,10 +8,34 @@ no-deadlock rule becomes
 
     sum_i R_i (B_i - 1) < N                    (``markov.is_admissible(..., replicas)``)
 
-and it serves up to ``R_i`` batches at once. The rule guarantees that some replica can always
-launch (if every request waited with no replica launching, replica r would hold at most
-``B_i - 1`` of them, ``sum_i R_i (B_i - 1) < N`` in all). It is also what the config check
-(``AppConfig``), the tuner (``live.ThresholdTuner``) and the search (``search.sweep``) apply.
+and it serves up to ``R_i`` batches at once. It is what the config check (``AppConfig``), the
+tuner (``live.ThresholdTuner``) and the search (``search.sweep``) apply.
+
+**The launch rule alone keeps every admitted request moving** (no ``max_defer_s`` needed)
+under three conditions: (a) every replica evaluates ``B_i(N)`` with the true N, re-evaluated
+when N changes; (b) ``sum_i R_i (B_i(n) - 1) < n`` for every n; (c) every request ends after
+finitely many of its own steps (``max_tokens``) and commits at least one token every few
+steps (true of every policy here: the model a request is handed to writes a token).
+
+1. *Progress.* Look at any moment when no replica is running a batch and no message is in
+   flight. Each active request waits at exactly one replica, so ``sum_r k_r = N``. If no
+   replica could launch, ``k_r <= B_i(N) - 1`` at each of the ``R_i`` replicas of every
+   model i, so ``N <= sum_i R_i (B_i(N) - 1) < N``: impossible. Some replica launches.
+2. *Every request finishes.* With finitely many arrivals (any finite run), after the last
+   one the active requests only leave. By 1 some replica is always stepping while any is
+   active; every step advances the requests in it, and by (c) the total work left (tokens
+   still to commit) is finite and falls by at least one every few steps. So N reaches 0 in
+   finite time: every request, including any that waited below a threshold, finished. At
+   each finish N drops, and by (a) the thresholds drop with it, so a request left waiting
+   below ``B_i(N_old)`` is released as soon as ``B_i(N_new)`` allows (by 1, at the latest
+   when everyone else is waiting too). In a closed loop (finishing requests replaced) 1
+   holds at all times; a request waiting at replica r is joined by others, which reach r
+   with positive probability at every routing decision, so it waits a finite time with
+   probability 1.
+
+Without (a) neither holds: a replica that keeps ``B_i`` of an old, larger N can hold the
+last requests forever (``tests/tuning/test_no_timeout.py``, open loop, shows it while N
+is carried only by NEW frames); ``max_defer_s`` is then what moves them.
 
 Placement is sticky: a request is placed on a replica of model j on its first visit and
 stays there (its KV lives there). The throughput model therefore keeps track of *which*
