@@ -87,6 +87,15 @@ e.g. "{\"tokenrouter_small\": 1}".
   value: {{ .Values.modelCache.mountPath | quote }}
 - name: TOKENROUTER_ROUTER_DIR
   value: {{ .Values.routers.mountPath | quote }}
+{{- with .Values.apiKeys }}
+{{- if .existingSecret }}
+- name: TOKENROUTER_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ .existingSecret | quote }}
+      key: {{ .key | quote }}
+{{- end }}
+{{- end }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
