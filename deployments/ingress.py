@@ -91,7 +91,7 @@ def _count_rejected_key() -> None:
     Metrics.ray().error(INGRESS, "invalid_request_error_401")
 
 
-# Optional API keys (TOKENROUTER_API_KEYS): every /v1 route, 401 envelope; off when unset.
+# Optional API keys (TOKENROUTER_API_KEYS): every route but /health, 401 envelope; off if unset.
 app.add_middleware(ApiKeyMiddleware, on_reject=_count_rejected_key)
 
 

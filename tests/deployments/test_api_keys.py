@@ -130,4 +130,6 @@ def test_keys_parsing_and_paths() -> None:
     assert is_protected({"path": "/v1/models"}) and is_protected({"path": "/v1"})
     assert is_protected({"path": "/app/v1/completions", "root_path": "/app"})
     assert not is_protected({"path": "/app/health", "root_path": "/app"})
-    assert not is_protected({"path": "/health"}) and not is_protected({"path": "/v1x"})
+    assert not is_protected({"path": "/health"}) and not is_protected({"path": "/metrics/"})
+    assert is_protected({"path": "/v1x"}) and is_protected({"path": "/"})  # fails closed
+    assert is_protected({"path": "/other/health", "root_path": "/app"})

@@ -2,9 +2,10 @@
 
 Off by default. Keys come from ``TOKENROUTER_API_KEYS`` (comma-separated; whitespace around
 each key is ignored; the Helm chart can fill it from a Kubernetes Secret). When at least one
-key is set, every request to a path under ``/v1`` must carry one of them, or it is answered
-401 in OpenAI's envelope (``invalid_request_error`` / ``invalid_api_key``) before any route
-runs; ``/health`` and anything outside ``/v1`` stay open (probes, metrics).
+key is set, every request (every ``/v1`` route, and any other path but ``/health`` and
+``/metrics``, which stay open for probes and scrapes) must carry one of them, or it is
+answered 401 in OpenAI's envelope (``invalid_request_error`` / ``invalid_api_key``) before
+any route runs.
 
 `ApiKeyMiddleware` is a plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``), so
 streaming responses and client disconnects reach the routes exactly as without it. Keys are
@@ -71,17 +72,21 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: never need a key
+
+
 def is_protected(scope: Mapping[str, Any]) -> bool:
-    """Whether the request's path (below the app's route prefix) is under ``/v1``."""
+    """Whether a request needs a key: every path (below the app's route prefix) but
+    `OPEN_PATHS`; failing closed, so a route added later is covered too."""
     path = scope.get("path", "")
     root = scope.get("root_path", "")
     if root and path.startswith(root):
         path = path[len(root) :]
-    return path == "/v1" or path.startswith("/v1/")
+    return (path.rstrip("/") or "/") not in OPEN_PATHS
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware: 401 envelope for a ``/v1`` request without an accepted key.
+    """ASGI middleware: 401 envelope for a protected request without an accepted key.
 
     ``keys`` is an `ApiKeys` or a callable returning one (read per request, so a test or a
     replica can change ``TOKENROUTER_API_KEYS`` without rebuilding the app); default: the
