@@ -58,6 +58,7 @@ def test_replicas_follow_the_tuner(serve_app, served_chain_dirs) -> None:
         status = wait_for(solved)
         assert status["replicas"] == {"small": [status["replicas"]["small"][0]],
                                       "large": [status["replicas"]["large"][0]]}  # fmt: skip
+        assert status["replica_counts"] == {"small": 1, "large": 1}  # from the reports
         assert set(status["last"]["predicted_tokens_per_s"]) == {"1", "2", "4", "8"}
         assert 0 < status["last"]["route_prob"]["small->large"] < 1
         assert status["step_ms"]["small"] and status["step_ms"]["large"]
