@@ -15,6 +15,7 @@ from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.live import ThresholdTuner, WindowStats
 from tokenrouter_ray.tuning.markov import check_admissible, is_admissible, throughput
 from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig, monte_carlo, monte_carlo_bound
+from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.replicas import binding
 from tokenrouter_ray.tuning.search import candidates, resolve_method, sweep
 from tokenrouter_ray.tuning.sim_backend import ClosedLoop, calibrate_sleep_bias
@@ -43,12 +44,22 @@ def test_binding_spreads_requests_evenly_over_replica_combinations() -> None:
     assert bound.tolist() == [[0, 2], [1, 3], [0, 4], [1, 2]]
 
 
-def test_one_replica_each_equals_the_exact_chain() -> None:
-    profile = paper_r2r()
-    cands = [(1, 1), (1, 3), (1, 4)]
-    for point, combo in zip(monte_carlo_bound(profile, 4, cands, (1, 1), SMALL_MC), cands,
+CAPPED = RoutingProfile(
+    (ModelProfile.constant("small", 6.0, max_batch=3), ModelProfile.constant("large", 27.9, 2)),
+    ((0.65, 0.35), (1.0, 0.0)),
+    ((1.0, 0.0), (1.0, 0.0)),
+)
+
+
+@pytest.mark.parametrize(
+    ("profile", "n", "cands"),
+    [(paper_r2r(), 4, [(1, 1), (1, 3), (1, 4)]), (CAPPED, 6, [(1, 1), (1, 3), (2, 2)])],
+    ids=["paper", "max_batch"],
+)
+def test_one_replica_each_equals_the_exact_chain(profile, n, cands) -> None:
+    for point, combo in zip(monte_carlo_bound(profile, n, cands, (1, 1), SMALL_MC), cands,
                             strict=True):  # fmt: skip
-        exact = throughput(profile, 4, combo).throughput
+        exact = throughput(profile, n, combo).throughput
         assert point.throughput == pytest.approx(exact, rel=0.01)
 
 

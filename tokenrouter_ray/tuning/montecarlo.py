@@ -129,17 +129,17 @@ def monte_carlo_bound(
     runs the model's step times and threshold, and launches all its waiting requests, of any
     class, once at least B of them wait. The state per copy is, per unit, the waiting and
     running requests of each class and the grains left of its batch. Requests leaving a unit
-    route with ``p_ij`` and arrive at their class's replica of j.
+    route with ``p_ij`` and arrive at their class's replica of j. A ``max_batch`` caps a
+    launch (the lowest classes first; the rest keep waiting).
     """
     config = config or MonteCarloConfig()
     units, bound, population = binding(replicas, n_requests)  # (U,), (C, M), (C,)
-    if any(profile.models[i].max_batch is not None for i in units):
-        raise ValueError("max_batch is not supported with replicas > 1")
     start = time.perf_counter()
     rng = np.random.default_rng(config.seed)
     unit_model = np.asarray(units)  # (U,) model of each unit
     u_count, c_count = unit_model.size, population.size
     grains = profile.grains(n_requests)[unit_model]  # (U, N + 1)
+    caps = profile.max_batches(n_requests)[unit_model]  # (U,)
     route = profile.route_matrix()  # (M, M)
     per_request = profile.tokens_per_step()[unit_model]  # (U,)
     reps = config.replicas
@@ -156,9 +156,13 @@ def monte_carlo_bound(
     def launch() -> None:
         total = waiting.sum(axis=2)  # (rows, U)
         go = (batch.sum(axis=2) == 0) & (total >= need) & (total > 0)
-        batch[go] = waiting[go]
-        left[go] = grains[unit_index[go], total[go]]
-        waiting[go] = 0
+        # at most max_batch requests, taken class by class in order
+        before = np.cumsum(waiting, axis=2) - waiting  # (rows, U, C) taken by earlier classes
+        take = np.clip(caps[None, :, None] - before, 0, waiting)
+        take[~go] = 0
+        batch[go] = take[go]
+        left[go] = grains[unit_index[go], take.sum(axis=2)[go]]
+        waiting[:] -= take
 
     launch()
     tokens = np.zeros(rows)
