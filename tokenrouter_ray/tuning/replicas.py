@@ -29,9 +29,11 @@ steps (true of every policy here: the model a request is handed to writes a toke
    each finish N drops, and by (a) the thresholds drop with it, so a request left waiting
    below ``B_i(N_old)`` is released as soon as ``B_i(N_new)`` allows (by 1, at the latest
    when everyone else is waiting too). In a closed loop (finishing requests replaced) 1
-   holds at all times; a request waiting at replica r is joined by others, which reach r
-   with positive probability at every routing decision, so it waits a finite time with
-   probability 1.
+   holds at all times; a request waiting at replica r is joined by the others placed on r
+   (each reaches r with positive probability at every routing decision, and new requests
+   are placed on r with positive probability), so it waits a finite time with
+   probability 1. Part 1 needs no assumption about placement; part 2 only that every
+   replica keeps receiving new requests.
 
 Without (a) neither holds: a replica that keeps ``B_i`` of an old, larger N can hold the
 last requests forever (``tests/tuning/test_no_timeout.py``, open loop, shows it while N

@@ -435,6 +435,7 @@ class ClosedLoop:
         prompt_len: int = 4,
         replicas: Sequence[int] | None = None,
         clients: int | None = None,
+        assignment: str = "least-loaded",
     ) -> None:
         q = escalation_probability(profile)
         self.clients = n_requests if clients is None else clients
@@ -478,7 +479,9 @@ class ClosedLoop:
                 [(name, group[0]) for name, group in engines], self.policy, metrics=metrics
             )
         else:
-            self.runtime = ReplicatedRuntime(engines, self.policy, metrics=metrics)
+            self.runtime = ReplicatedRuntime(
+                engines, self.policy, assignment=assignment, metrics=metrics
+            )
         self.n_requests = n_requests
         self.finished = 0
         self.finished_by_client: list[int] = []
