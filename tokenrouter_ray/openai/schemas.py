@@ -222,6 +222,9 @@ class _SamplingRequest(_Lenient):
     min_p: float | None = Field(None, ge=0, le=1, description="Extension: min-p filter.")
     repetition_penalty: float | None = Field(None, gt=0, le=10, description="Extension: 1 = off.")
     ignore_eos: bool | None = Field(None, description="Extension: keep generating past EOS.")
+    timeout: object = Field(  # checked by the ingress (deployments/ingress.py, _timeout_of)
+        None, description="Extension: seconds until the request ends with an error."
+    )
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="Extension: token ids that end the output (besides EOS)."
     )
