@@ -5,9 +5,10 @@ replicas of the large model, each applying B_large to the requests placed on it:
 in ``--concurrency`` and every admissible B_large (``2 (B_large - 1) < N``), the Monte Carlo
 prediction of sticky placement (``montecarlo.monte_carlo_bound``) next to the closed-loop
 measurement on ``ReplicatedRuntime`` (simulated engines, least-loaded first-visit placement),
-and the predicted best B against the measured best. Then, with ``max_defer_s = inf``, an
-open-loop burst (Poisson arrivals, then none) counts the requests that never finish: nonzero
-while models learn N only from NEW frames (issue 14 part 1).
+and the predicted best B against the measured best, and how often the ``max_defer_s`` safety
+net (0.05 s, the config default) fired in each steady-state window. Then, with
+``max_defer_s = inf``, an open-loop burst (Poisson arrivals, then none) counts the requests
+that never finish: nonzero while models learn N only from NEW frames (issue 14 part 1).
 
 Run: ``.venv/bin/python -m loadtest.markov_replicas`` (about 2 min on 2 cores).
 """
@@ -36,14 +37,18 @@ def main() -> None:
     parser.add_argument("--concurrency", default="2,4,6,8")
     parser.add_argument("--window-s", type=float, default=3.0)
     parser.add_argument("--time-scale", type=float, default=2.0)
+    parser.add_argument(
+        "--max-defer-s", type=float, default=0.05, help="the safety net (default: the config's)"
+    )
     args = parser.parse_args()
     profile = paper_r2r()
     replicas = (1, 2)
     bias = calibrate_sleep_bias()
     start = time.perf_counter()
     print(f"# {command()}\n# {machine()}\n")
-    print("| N | B_large | predicted tok/s | measured tok/s | err | p^ | mean large batch |")
-    print("|---|---|---|---|---|---|---|")
+    print("| N | B_large | predicted tok/s | measured tok/s | err | p^ | mean large batch "
+          "| deferred timeouts |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     summary = []
     for n in (int(x) for x in args.concurrency.split(",")):
         combos = [(1, b) for b in range(1, n + 1) if is_admissible(n, (1, b), replicas)]
@@ -53,12 +58,12 @@ def main() -> None:
         for combo in combos:
             m = measure_closed_loop(profile, n, combo, window_s=args.window_s, warmup_s=0.7,
                                     time_scale=args.time_scale, sleep_bias_s=bias,
-                                    replicas=replicas)  # fmt: skip
+                                    replicas=replicas, max_defer_s=args.max_defer_s)  # fmt: skip
             measured[combo] = m.throughput
             err = abs(predicted[combo] - m.throughput) / m.throughput
             print(f"| {n} | {combo[1]} | {predicted[combo]:.1f} | {m.throughput:.1f} | "
-                  f"{100 * err:.1f} % | {m.escalation_rate:.3f} | {m.mean_batch[1]:.2f} |",
-                  flush=True)  # fmt: skip
+                  f"{100 * err:.1f} % | {m.escalation_rate:.3f} | {m.mean_batch[1]:.2f} | "
+                  f"{m.deferred_timeouts} |", flush=True)  # fmt: skip
         pred_best = max(predicted, key=predicted.__getitem__)
         meas_best = max(measured, key=measured.__getitem__)
         gap = 1 - measured[pred_best] / measured[meas_best]

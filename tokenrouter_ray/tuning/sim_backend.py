@@ -313,6 +313,7 @@ class SimMeasurement:
     handoffs: int
     finished_requests: int
     escalation_rate: float  # realized p(small->large): escalations / small-model rows
+    deferred_timeouts: int = 0  # launches forced by max_defer_s in the window, all engines
 
     def realized_profile(self, profile: RoutingProfile) -> RoutingProfile:
         """``profile`` with the routing probability this run actually drew."""
@@ -581,6 +582,7 @@ class ClosedLoop:
             for runner in group:
                 runner.reset_stats()
         before, fin0 = self.backend.snapshot(), self.finished
+        timeouts0 = sum(e.scheduler.deferred_timeouts for e in self.engines)
         t0 = time.perf_counter()
         await asyncio.sleep(window_s)
         elapsed = time.perf_counter() - t0
@@ -611,6 +613,7 @@ class ClosedLoop:
             handoffs=int(handoffs),
             finished_requests=fin,
             escalation_rate=escalations / small_rows if small_rows else float("nan"),
+            deferred_timeouts=sum(e.scheduler.deferred_timeouts for e in self.engines) - timeouts0,
         )
 
 
