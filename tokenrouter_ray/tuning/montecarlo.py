@@ -93,26 +93,7 @@ def monte_carlo(
                 waiting[moving] += rng.multinomial(done[moving, i], route[i])
         launch()
 
-    tokens = tokens.reshape(-1, reps)  # (candidates, replicas)
-    seconds = grains_elapsed.reshape(-1, reps) * profile.grain_ms / 1000.0
-    rate = tokens.sum(axis=1) / seconds.sum(axis=1)
-    # ratio-estimator standard error across replicas
-    spread = (tokens - rate[:, None] * seconds).std(axis=1, ddof=1)
-    stderr = spread / np.sqrt(reps) / seconds.mean(axis=1)
-    elapsed = (time.perf_counter() - start) / len(candidates)
-    return [
-        ThroughputResult(
-            n_requests=n_requests,
-            thresholds=tuple(int(b) for b in thresholds),
-            throughput=float(rate[c]),
-            num_states=0,
-            num_transitions=0,
-            build_s=0.0,
-            solve_s=elapsed,
-            stderr=float(stderr[c]),
-        )
-        for c, thresholds in enumerate(candidates)
-    ]
+    return _results(tokens, grains_elapsed, reps, profile, n_requests, candidates, start)
 
 
 def monte_carlo_bound(
@@ -188,6 +169,20 @@ def monte_carlo_bound(
                         waiting[moving, bound[c, j], c] += arrivals[:, j]
         launch()
 
+    return _results(tokens, grains_elapsed, reps, profile, n_requests, candidates, start)
+
+
+def _results(
+    tokens: np.ndarray,
+    grains_elapsed: np.ndarray,
+    reps: int,
+    profile: RoutingProfile,
+    n_requests: int,
+    candidates: Sequence[Sequence[int]],
+    start: float,
+) -> list[ThroughputResult]:
+    """One result per candidate: tokens over time pooled across its ``reps`` independent
+    copies, with the ratio estimator's standard error across those copies."""
     tokens = tokens.reshape(-1, reps)  # (candidates, copies)
     seconds = grains_elapsed.reshape(-1, reps) * profile.grain_ms / 1000.0
     rate = tokens.sum(axis=1) / seconds.sum(axis=1)
