@@ -113,16 +113,7 @@ class Engine:
             free = max(0, free - _forward_reserve(model, config))
         budget = device_budget(config.memory_budget_bytes, footprint.weight_bytes, free)
         num_blocks = config.num_blocks or plan_num_blocks(budget, footprint, config.block_size)
-        runner = ModelRunner(
-            model,
-            num_blocks,
-            config.block_size,
-            config.keep_logits,
-            config.keep_hidden,
-            static_batches=config.static_batches,
-            cuda_graphs=config.cuda_graphs,
-            max_model_len=config.max_model_len,
-        )
+        runner = ModelRunner.for_engine(model, num_blocks, config)
         if runner.capture:  # every bucket's graph now, before any request arrives
             runner.capture_static()
         return cls(runner, config, num_blocks)

@@ -12,6 +12,7 @@ eagerly when ``static_batches`` asks for it (the CPU tests do, to check it token
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -48,8 +49,28 @@ def model_footprint(model: PreTrainedModel) -> ModelFootprint:
         ),
     )
 
+if TYPE_CHECKING:
+    from tokenrouter_ray.engine.engine import EngineConfig
+
 
 class ModelRunner:
+    @classmethod
+    def for_engine(
+        cls, model: PreTrainedModel, num_blocks: int, config: EngineConfig, **extra: object
+    ) -> ModelRunner:
+        """A runner with the engine config's cache and path settings (``extra``: the rest)."""
+        return cls(
+            model,
+            num_blocks,
+            config.block_size,
+            config.keep_logits,
+            config.keep_hidden,
+            static_batches=config.static_batches,
+            cuda_graphs=config.cuda_graphs,
+            max_model_len=config.max_model_len,
+            **extra,
+        )
+
     def __init__(
         self,
         model: PreTrainedModel,

@@ -395,17 +395,7 @@ def _build_rank(
     agreed = torch.tensor([num_blocks], dtype=torch.long)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # CPU tensor: gloo, also on CUDA
     runner_cls = WorkerRunner if rank else TensorParallelRunner
-    runner = runner_cls(
-        model,
-        int(agreed.item()),
-        config.block_size,
-        config.keep_logits,
-        config.keep_hidden,
-        static_batches=config.static_batches,
-        cuda_graphs=config.cuda_graphs,
-        max_model_len=config.max_model_len,
-        tp_size=world,
-    )
+    runner = runner_cls.for_engine(model, int(agreed.item()), config, tp_size=world)
     if runner.capture:  # every rank captures the same buckets in the same order
         runner.capture_static()
     return runner, int(agreed.item())
