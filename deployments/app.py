@@ -31,8 +31,9 @@ from tokenrouter_ray.config import (
     compose_config,
     plan_shared_devices,
 )
+from tokenrouter_ray.demo import register_resolver
 from tokenrouter_ray.protocol import check_shared_tokenizer
-from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.routing.policy import build_policy, policy_class
 
 
 class AppArgs(BaseModel):
@@ -47,8 +48,15 @@ class AppArgs(BaseModel):
 
 
 def validate_app(cfg: AppConfig) -> None:
+    local = [name for name, spec in cfg.models.items() if Path(spec.path).is_dir()]
     try:
-        build_policy(cfg.policy.name, cfg.policy.options, cfg.model_names)
+        cls = policy_class(cfg.policy.name)
+        if cls.needs_tokenizer and cfg.model_names[0] not in local:
+            cls.Config(**cfg.policy.options)  # hub ids: the replicas build it with theirs
+        else:
+            entry = cfg.models[cfg.model_names[0]].path
+            tokenizer = load_tokenizer(entry) if cls.needs_tokenizer else None
+            build_policy(cfg.policy.name, cfg.policy.options, cfg.model_names, tokenizer)
     except (ValueError, ValidationError) as exc:
         raise ConfigError(f"policy {cfg.policy.name!r}: {exc}") from None
     checkpoint = cfg.policy.options.get("checkpoint")
@@ -57,7 +65,6 @@ def validate_app(cfg: AppConfig) -> None:
             f"policy {cfg.policy.name!r}: router checkpoint {checkpoint} does not "
             "exist (train one with `tokenrouter-ray train-router`)"
         )
-    local = [name for name, spec in cfg.models.items() if Path(spec.path).is_dir()]
     if len(local) == len(cfg.models) > 1:  # hub ids are checked when the replicas load
         check_shared_tokenizer({n: load_tokenizer(cfg.models[n].path) for n in local})
 
@@ -88,6 +95,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         raise ConfigError(
             f"invalid Serve args: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}"
         ) from None
+    register_resolver()  # ${demo:...} in the shipped configs
     cfg = compose_config(parsed.overrides, parsed.config_name)
     validate_app(cfg)
     return bind_app(cfg)

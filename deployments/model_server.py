@@ -24,7 +24,7 @@ from deployments.tp_workers import RayWorkerLauncher
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.metrics import Metrics
-from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.routing.policy import build_policy, policy_class
 from tokenrouter_ray.runtime.subserver import SubServer
 
 logger = logging.getLogger("ray.serve")
@@ -68,7 +68,7 @@ class ModelServer:
         config = engine_config(cfg, model)
         self.engine = await asyncio.to_thread(Engine.from_config, config, launcher)
         self._execute = self.engine.runner.execute  # restored by inject_fault("clear")
-        needs_tokenizer = cfg.policy.name == "glimprouter"
+        needs_tokenizer = policy_class(cfg.policy.name).needs_tokenizer
         tokenizer = load_tokenizer(cfg.models[model].path) if needs_tokenizer else None
         policy = build_policy(cfg.policy.name, cfg.policy.options, cfg.model_names, tokenizer)
         replica = serve.get_replica_context().replica_id.unique_id

@@ -49,6 +49,7 @@ class GlimpRouter(Policy):
     name = "glimprouter"
     Config = GlimpConfig
     needs_logits = True
+    needs_tokenizer = True  # step ends default to the tokenizer's blank-line tokens
 
     def __init__(self, config: GlimpConfig, models: Sequence[str], tokenizer: Any = None) -> None:
         super().__init__(config, models, tokenizer)

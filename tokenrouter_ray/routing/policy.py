@@ -76,6 +76,7 @@ class Policy(ABC):
     needs_logits: ClassVar[bool] = False
     needs_hidden: ClassVar[bool] = False
     needs_embeddings: ClassVar[bool] = False
+    needs_tokenizer: ClassVar[bool] = False  # built with the models' (shared) tokenizer
     min_models: ClassVar[int] = 2
     max_models: ClassVar[int | None] = 2
 
@@ -134,13 +135,19 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-def build_policy(
-    name: str, options: dict[str, Any] | None, models: Sequence[str], tokenizer: Any = None
-) -> Policy:
+def policy_class(name: str) -> type[Policy]:
+    """The registered policy class called ``name`` (built-in policies load on first use)."""
     from tokenrouter_ray.routing import load_builtin_policies
 
     load_builtin_policies()
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
-    cls = POLICIES[name]
+    return POLICIES[name]
+
+
+def build_policy(
+    name: str, options: dict[str, Any] | None, models: Sequence[str], tokenizer: Any = None
+) -> Policy:
+    """Build a policy; pass ``tokenizer`` when ``policy_class(name).needs_tokenizer``."""
+    cls = policy_class(name)
     return cls(cls.Config(**(options or {})), models, tokenizer)
