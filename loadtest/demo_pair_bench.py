@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loadtest.common import command, machine
 from tokenrouter_ray.demo import prepare_demo
-from tokenrouter_ray.demo_pair import (
+from tokenrouter_ray.demo.small import (
     Recipe,
     agreement,
     encode_chat,

@@ -34,7 +34,7 @@ SEED = 7
 def demo_pair_configs() -> tuple[EngineConfig, EngineConfig, str]:
     large = str(prepare_demo(quiet=True))
     try:
-        from tokenrouter_ray.demo_pair import prepare_small_model
+        from tokenrouter_ray.demo.small import prepare_small_model
 
         small = EngineConfig(model=str(prepare_small_model(large, quiet=True)))
         label = "demo small model"

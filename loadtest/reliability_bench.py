@@ -43,6 +43,9 @@ def deploy(port: int, overrides: list[str]) -> str:
 
     from deployments.app import bind_app
     from tokenrouter_ray.config import compose_config
+    from tokenrouter_ray.demo import register_resolver
+
+    register_resolver()
 
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -20,6 +20,14 @@ import pytest
 SERVE_PORT = int(os.environ.get("TOKENROUTER_TEST_SERVE_PORT", "18123"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def demo_resolver() -> None:
+    """The shipped configs name ``${demo:...}``: registered as the CLI and the app builder do."""
+    from tokenrouter_ray.demo import register_resolver
+
+    register_resolver()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Any]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -18,7 +18,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from tokenrouter_ray.demo_pair import (
+from tokenrouter_ray.demo.small import (
     TEMPLATES,
     TOPICS,
     Recipe,
@@ -147,7 +147,7 @@ def test_heldout_prompts_are_disjoint_from_training_prompts() -> None:
 def demo_pair() -> tuple[Path, Path]:
     """(large, small) directories; builds the small model once if it is not cached."""
     from tokenrouter_ray.demo import prepare_demo
-    from tokenrouter_ray.demo_pair import prepare_small_model
+    from tokenrouter_ray.demo.small import prepare_small_model
 
     large = prepare_demo(quiet=True)
     return large, prepare_small_model(large, quiet=True)
@@ -191,7 +191,7 @@ def test_demo_small_model_agrees_with_the_large_model_on_heldout_prompts(demo_pa
     """Re-measured, not read back: the large model answers the build's held-out prompts
     again, and the saved small model predicts those answers (teacher-forced) at least half
     of the time, as the build recorded."""
-    from tokenrouter_ray.demo_pair import agreement, encode_chat
+    from tokenrouter_ray.demo.small import agreement, encode_chat
     from tokenrouter_ray.engine.engine import Engine, EngineConfig
     from tokenrouter_ray.engine.scheduler import SchedulerConfig
 
@@ -251,7 +251,7 @@ def test_distillation_dtype_follows_the_cpu(env: dict, expected: str) -> None:
     import subprocess
     import sys
 
-    code = "from tokenrouter_ray.demo_pair import train_dtype; print(train_dtype())"
+    code = "from tokenrouter_ray.demo.small import train_dtype; print(train_dtype())"
     clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY",)}
     clean.pop("TOKENROUTER_TRAIN_DTYPE", None)
     out = subprocess.run(

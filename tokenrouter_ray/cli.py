@@ -15,8 +15,7 @@ from tokenrouter_ray.errors import UserFacingError
 # Modules that expose ``register(subparsers: argparse._SubParsersAction) -> None``.
 COMMAND_MODULES = (
     "tokenrouter_ray.dashboards.commands",
-    "tokenrouter_ray.demo",
-    "tokenrouter_ray.demo_pair",
+    "tokenrouter_ray.demo.commands",
     "tokenrouter_ray.routing.importing",
     "tokenrouter_ray.routing.training.commands",
     "tokenrouter_ray.tuning.commands",
@@ -42,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tokenrouter_ray.demo import register_resolver
+
+    register_resolver()  # commands that compose configs resolve ${demo:...}
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

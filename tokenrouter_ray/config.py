@@ -2,8 +2,9 @@
 
 ``compose_config(overrides)`` runs Hydra's compose API over ``conf/`` (groups: models,
 policy, transport, placement, scheduler, tuner; primary config ``conf/base.yaml``) plus the
-overrides a Serve YAML lists under ``args.overrides``, resolves ``${demo:large}``-style
-paths to the cached demo models, and returns an ``AppConfig``. Every problem surfaces as one
+overrides a Serve YAML lists under ``args.overrides``, resolves interpolations (the entry
+points register ``${demo:...}`` for the cached demo models: ``demo.register_resolver()``),
+and returns an ``AppConfig``. Every problem surfaces as one
 ``ConfigError`` whose message says what to fix.
 """
 
@@ -252,20 +253,6 @@ def plan_shared_devices(cfg: AppConfig) -> AppConfig:
     return cfg.model_copy(update={"models": specs})
 
 
-def _register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("demo"):
-        OmegaConf.register_new_resolver("demo", _demo_path)
-
-
-def _demo_path(which: str) -> str:
-    """A built demo artifact's path; never builds (that takes minutes: ``prepare-demo``)."""
-    from tokenrouter_ray import demo
-
-    return demo.built_artifact(which)
-
-
 def compose_config(
     overrides: list[str] | tuple[str, ...] = (), config_name: str = "base"
 ) -> AppConfig:
@@ -275,7 +262,6 @@ def compose_config(
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    _register_resolvers()
     GlobalHydra.instance().clear()
     # Any dotted key may be set, present in the YAML or not (pydantic's extra="forbid"
     # still rejects typos); group choices (`policy=rstitch`) stay as they are.
@@ -288,7 +274,10 @@ def compose_config(
             cfg = compose(config_name=config_name, overrides=list(overrides))
         data = OmegaConf.to_container(cfg, resolve=True)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(f"cannot compose the config: {exc}") from exc
+        hint = ""
+        if "Unsupported interpolation type demo" in str(exc):
+            hint = " (call tokenrouter_ray.demo.register_resolver() before composing)"
+        raise ConfigError(f"cannot compose the config: {exc}{hint}") from exc
     except (UserFacingError, OSError) as exc:
         raise ConfigError(f"cannot resolve a model path: {exc}") from exc
     try:

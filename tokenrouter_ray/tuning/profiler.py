@@ -82,7 +82,7 @@ def _model_args(args: argparse.Namespace) -> dict[str, str]:
     models: dict[str, str] = {}
     if args.demo:
         from tokenrouter_ray.demo import prepare_demo
-        from tokenrouter_ray.demo_pair import prepare_small_model
+        from tokenrouter_ray.demo.small import prepare_small_model
 
         large = prepare_demo(quiet=True)
         models = {"small": str(prepare_small_model(large, quiet=True)), "large": str(large)}

@@ -19,7 +19,6 @@ answers (teacher-forced) and writes it, with the recipe, to ``tokenrouter_build.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from tokenrouter_ray.demo import cache_dir, is_prepared
+from tokenrouter_ray.demo.cache import cache_dir, is_prepared
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -599,26 +598,3 @@ def build_small_model(large_dir: Path, out: Path, recipe: Recipe, quiet: bool = 
     (out / BUILD_FILE).write_text(json.dumps(info, indent=1) + "\n")
     bar.close()
     return info
-
-
-# ----------------------------------------------------------------------------- CLI
-def _cmd_prepare_demo_pair(args: argparse.Namespace) -> int:
-    from tokenrouter_ray.demo import prepare_demo
-
-    large = Path(args.large) if args.large else prepare_demo(quiet=args.quiet)
-    print(prepare_small_model(large, force=args.force, quiet=args.quiet))
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "prepare-demo-pair",
-        help="build (once) the demo's small model: the large model's first layers plus "
-        "distilled top layers, cached as a HF directory",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--large", help="large model directory (default: the demo model)")
-    p.add_argument("--force", action="store_true", help="rebuild even if cached")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_prepare_demo_pair)
