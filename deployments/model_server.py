@@ -139,7 +139,7 @@ class ModelServer:
             "kv_blocks_free": self.engine.kv.pool.num_free_blocks,
             "kv_blocks_total": self.engine.kv.pool.num_blocks,
             "routing_stats": self.server.stats.snapshot(),
-            "batch_thresholds": list(self.engine.scheduler.config.batch_thresholds),
+            "batch_thresholds": self.engine.batch_thresholds,
         }
 
     async def status(self) -> dict[str, Any]:

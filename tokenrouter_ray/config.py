@@ -23,6 +23,7 @@ from pydantic import (
 
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 from tokenrouter_ray.errors import UserFacingError
+from tokenrouter_ray.thresholds import ThresholdTable, check_tables
 from tokenrouter_ray.tuning.autoscaler import TunerSpec
 
 # The Hydra configs: package data (in a checkout, tokenrouter_ray/conf links to ../conf).
@@ -145,27 +146,11 @@ class AppConfig(_Strict):
         return SchedulerConfig(**merged)
 
     def _check_deadlock_free(self) -> None:
-        """sum_i R_i (B_i(N) - 1) < N for every active count N (DESIGN.md §4): thresholds
-        are per model replica (each of the R_i = num_replicas replicas of model i applies
-        B_i(N) to the requests placed on it, N the global active count), so model i can hold
-        R_i (B_i - 1) requests without launching."""
-        tables = [self.scheduler_for(name).batch_thresholds for name in self.models]
-        replicas = [spec.num_replicas for spec in self.models.values()]
-        longest = max(len(t) for t in tables)
-        for n in range(1, longest + 1):
-            slack = sum(
-                r * (t[min(n, len(t) - 1)] - 1) for t, r in zip(tables, replicas, strict=True)
-            )
-            if slack >= n:
-                terms = " + ".join(
-                    f"{r}*({t[min(n, len(t) - 1)]}-1) [{name}]"
-                    for name, t, r in zip(self.models, tables, replicas, strict=True)
-                )
-                raise ValueError(
-                    f"batch_thresholds can deadlock at {n} active requests: "
-                    f"sum(R_i (B_i - 1)) = {terms} = {slack} must stay below {n} "
-                    "(R_i = num_replicas: every replica applies the thresholds)"
-                )
+        """sum_i R_i (B_i(N) - 1) < N for every active count N (DESIGN.md §4,
+        ``thresholds.check_tables``): every one of the R_i = num_replicas replicas of model i
+        applies B_i(N) to the requests placed on it."""
+        tables = {n: ThresholdTable.of(self.scheduler_for(n).batch_thresholds) for n in self.models}
+        check_tables(tables, {name: spec.num_replicas for name, spec in self.models.items()})
 
     def device_groups(self) -> dict[str, list[str]]:
         """Shared device -> the models on it, in config order."""

@@ -12,7 +12,7 @@ import openai
 
 from tests.deployments.conftest import tiny_overrides
 from tests.deployments.test_serve_app import prompts
-from tokenrouter_ray.tuning.markov import is_admissible
+from tokenrouter_ray.thresholds import is_admissible
 
 TWO = ["small", "large"]
 TUNER = [

@@ -10,9 +10,10 @@ import time
 
 import pytest
 
+from tokenrouter_ray.thresholds import is_admissible
 from tokenrouter_ray.tuning.autoscaler import Autoscaler, TunerSpec, drive_local, fill_step_times
 from tokenrouter_ray.tuning.live import WindowStats
-from tokenrouter_ray.tuning.markov import is_admissible, throughput
+from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.sim_backend import ClosedLoop, calibrate_sleep_bias
 
@@ -151,7 +152,7 @@ def test_autoscaler_follows_a_routing_shift_on_the_simulated_runtime() -> None:
                 lambda: auto.thresholds["large"][n] > 1 and not auto.tuner.converging, 30
             )
             old = list(auto.thresholds["large"])
-            assert loop.runtime.engines["large"].scheduler.config.batch_thresholds == old
+            assert loop.runtime.engines["large"].batch_thresholds == old
             loop.set_escalation(0.15)  # the traffic changes under the tuner
             await asyncio.sleep(spec.window_s)
             await wait_until(

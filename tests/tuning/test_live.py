@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from tokenrouter_ray.thresholds import is_admissible
 from tokenrouter_ray.tuning.live import ThresholdTuner, WindowStats, build_profile
-from tokenrouter_ray.tuning.markov import is_admissible
 
 MODELS = ["small", "large"]
 

@@ -7,15 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenrouter_ray.thresholds import check_admissible, is_admissible
 from tokenrouter_ray.tuning.chain import build_chain
 from tokenrouter_ray.tuning.examples import paper_r2r
-from tokenrouter_ray.tuning.markov import (
-    chain_inputs,
-    check_admissible,
-    is_admissible,
-    single_request_throughput,
-    throughput,
-)
+from tokenrouter_ray.tuning.markov import chain_inputs, single_request_throughput, throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.search import sweep
 from tokenrouter_ray.tuning.simulate import simulate

@@ -10,10 +10,11 @@ import asyncio
 import numpy as np
 import pytest
 
+from tokenrouter_ray.thresholds import check_admissible, is_admissible
 from tokenrouter_ray.tuning.autoscaler import Autoscaler, TunerSpec
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.live import ThresholdTuner, WindowStats
-from tokenrouter_ray.tuning.markov import check_admissible, is_admissible, throughput
+from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig, monte_carlo, monte_carlo_bound
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.replicas import binding

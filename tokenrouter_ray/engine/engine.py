@@ -29,6 +29,7 @@ from tokenrouter_ray.engine.outputs import RequestOutput, StepResult, StepTiming
 from tokenrouter_ray.engine.request import Request, RequestStatus, SamplingParams
 from tokenrouter_ray.engine.scheduler import Scheduler, SchedulerConfig
 from tokenrouter_ray.engine.static_forward import DEFAULT_BATCH_BUCKETS, DEFAULT_QUERY_BUCKETS
+from tokenrouter_ray.thresholds import ThresholdTable
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.tensor_parallel import WorkerLauncher
@@ -201,12 +202,19 @@ class Engine:
         """The global number of active requests, for deferred-launch thresholds."""
         self.scheduler.active_requests = n
 
-    def set_batch_thresholds(self, thresholds: Sequence[int]) -> None:
-        """New deferred-launch thresholds (index = active requests), e.g. from the tuner."""
-        values = [int(b) for b in thresholds]
-        if not values or min(values) < 1:
-            raise ValueError(f"batch thresholds must be non-empty and >= 1, got {values}")
-        self.scheduler.config.batch_thresholds = values
+    @property
+    def batch_thresholds(self) -> list[int]:
+        """The deferred-launch thresholds in use (index = active requests)."""
+        return self.scheduler.thresholds.to_list()
+
+    def set_batch_thresholds(self, thresholds: Sequence[int]) -> bool:
+        """New deferred-launch thresholds (index = active requests), e.g. from the tuner;
+        True if they differ from the ones in use. ``ValueError`` unless all are >= 1."""
+        table = ThresholdTable.of(thresholds)
+        if table == self.scheduler.thresholds:
+            return False
+        self.scheduler.set_thresholds(table)
+        return True
 
     def _check_ids(self, token_ids: Sequence[int]) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)

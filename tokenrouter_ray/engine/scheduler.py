@@ -9,10 +9,12 @@ num_computed_tokens`` tokens computed, and a long need is cut into chunks by the
 budget. When KV is full, new work queues; a running request that cannot grow preempts the
 most recently arrived request (pending ones first) by recompute.
 
-Deferred launch: a step starts only once at least ``B`` requests are runnable, ``B =
-batch_thresholds[min(N, len - 1)]`` with ``N`` the global number of active requests
-(supplied from outside, else the local count), or once the oldest runnable request has
-waited ``max_defer_s``, so a stale ``N`` can never stall the model.
+Deferred launch: a step starts only once at least ``B`` requests are runnable, ``B`` read
+from the scheduler's ``ThresholdTable`` (``thresholds.py``: the lookup rule) at ``N``, the
+global number of active requests (supplied from outside, else the local count), or once the
+oldest runnable request has waited ``max_defer_s``, so a stale ``N`` can never stall the
+model. The table starts as the config's ``batch_thresholds`` and is scheduler state from then
+on: the tuner replaces it through ``set_thresholds``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenrouter_ray.engine.block_pool import KVCacheManager
 from tokenrouter_ray.engine.request import Request, RequestStatus
+from tokenrouter_ray.thresholds import ThresholdTable
 
 
 class SchedulerConfig(BaseModel):
@@ -52,9 +55,7 @@ class SchedulerConfig(BaseModel):
     @field_validator("batch_thresholds")
     @classmethod
     def _positive(cls, v: list[int]) -> list[int]:
-        if min(v) < 1:
-            raise ValueError("every batch threshold must be >= 1")
-        return v
+        return ThresholdTable.of(v).to_list()
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
+        self.thresholds = ThresholdTable.of(config.batch_thresholds)  # the tuner replaces it
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.pending: dict[str, Request] = {}
@@ -138,9 +140,14 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.pending)
 
     def threshold(self) -> int:
+        """B at the current N (the global count when known, else the local one)."""
         n = self.active_requests if self.active_requests is not None else self.num_active
-        table = self.config.batch_thresholds
-        return table[max(0, min(n, len(table) - 1))]
+        return self.thresholds.at(n)
+
+    def set_thresholds(self, thresholds: ThresholdTable) -> None:
+        """New deferred-launch thresholds (e.g. from the tuner); the next ``schedule`` uses
+        them. The config keeps the start-up table."""
+        self.thresholds = thresholds
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, now: float) -> SchedulerOutput:

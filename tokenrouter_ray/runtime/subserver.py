@@ -114,8 +114,7 @@ class SubServer:
 
     def set_batch_thresholds(self, thresholds: list[int]) -> None:
         """Adopt the tuner's thresholds; a sleeping decode loop re-checks at once."""
-        if list(thresholds) != self.engine.scheduler.config.batch_thresholds:
-            self.engine.set_batch_thresholds(thresholds)
+        if self.engine.set_batch_thresholds(thresholds):
             self._wake.set()
 
     def deliver(self, msgs: list[PeerReq]) -> None:

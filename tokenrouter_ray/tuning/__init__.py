@@ -8,13 +8,8 @@ simulation, ``search`` picks ``B*(N)``, and ``commands`` is the ``tune`` CLI.
 
 from __future__ import annotations
 
-from tokenrouter_ray.tuning.markov import (
-    ThroughputResult,
-    check_admissible,
-    is_admissible,
-    single_request_throughput,
-    throughput,
-)
+from tokenrouter_ray.thresholds import ThresholdTable, check_admissible, is_admissible
+from tokenrouter_ray.tuning.markov import ThroughputResult, single_request_throughput, throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile, load_profile
 from tokenrouter_ray.tuning.search import SweepResult, sweep, threshold_lists, tune
 
@@ -22,6 +17,7 @@ __all__ = [
     "ModelProfile",
     "RoutingProfile",
     "SweepResult",
+    "ThresholdTable",
     "ThroughputResult",
     "check_admissible",
     "is_admissible",

@@ -313,7 +313,7 @@ def _threshold_spec(text: str | None, names: tuple[str, ...]) -> dict[str, str]:
 def _simulation_points(args: argparse.Namespace, profile: RoutingProfile, n: int) -> list[tuple]:
     from itertools import product
 
-    from tokenrouter_ray.tuning.markov import is_admissible
+    from tokenrouter_ray.thresholds import is_admissible
 
     names = profile.names
     if args.thresholds_in is not None:

@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenrouter_ray.tuning.markov import is_admissible, throughput
+from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
+from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.montecarlo import monte_carlo
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.search import resolve_method
@@ -172,7 +173,10 @@ class ThresholdTuner:
         self.drift = drift  # re-solve when a routing probability moved by this much
         self.min_tokens_per_s = min_tokens_per_s  # SLO: per-request generation speed
         top = max(self.concurrencies)
-        self.thresholds = {m: _table(initial.get(m) if initial else None, top) for m in self.models}
+        self.thresholds = {
+            m: ThresholdTable.of((initial or {}).get(m) or [1]).extended(top).to_list()
+            for m in self.models
+        }
         self.last_profile: RoutingProfile | None = None
         self.converging = False  # the last move was bounded by max_step: keep solving
         self.last = Decision(self.thresholds, False, "no statistics yet")
@@ -255,11 +259,10 @@ class ThresholdTuner:
                 reasons.append(
                     f"N={n}: {_label(self.models, current)} -> {_label(self.models, best)}"
                 )
-        for n in range(1, len(new[self.models[0]])):  # fill between tuned N, keep admissible
-            if n not in self.concurrencies:
-                below = max((c for c in self.concurrencies if c <= n), default=None)
-                for m in self.models:
-                    new[m][n] = 1 if below is None else new[m][below]
+        top = len(new[self.models[0]]) - 1  # fill between tuned N: admissible as they are
+        for m in self.models:
+            tuned = {n: new[m][n] for n in self.concurrencies}
+            new[m] = ThresholdTable.from_tuned(tuned, top).to_list()
         changed = new != self.thresholds
         self.converging = changed  # a bounded move may not have reached the optimum yet
         self.thresholds = new
@@ -300,12 +303,6 @@ class ThresholdTuner:
         scores = {_label(self.models, p.thresholds): p.throughput for p in points}
         best = max(points, key=lambda p: p.throughput, default=None)
         return (current if best is None else tuple(best.thresholds)), scores
-
-
-def _table(values: Sequence[int] | None, top: int) -> list[int]:
-    """A threshold list for N = 0..top from a configured one (last value repeats)."""
-    values = list(values or [1])
-    return [int(values[min(n, len(values) - 1)]) for n in range(top + 1)]
 
 
 def _label(models: Sequence[str], combo: Sequence[int]) -> str:

@@ -13,8 +13,8 @@ next batch completion. The chain itself is built in ``chain.py`` and solved in
 
 The exact chain has one replica per model. With ``R_i`` data-parallel replicas (each applying
 ``B_i`` to the requests placed on it) the admissibility rule is ``sum_i R_i (B_i - 1) < N``
-(``is_admissible(..., replicas)``) and the throughput comes from the Monte Carlo model of
-sticky placement (``montecarlo.monte_carlo_bound``, ``replicas.py``).
+(``thresholds.is_admissible(..., replicas)``) and the throughput comes from the Monte Carlo
+model of sticky placement (``montecarlo.monte_carlo_bound``, ``replicas.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenrouter_ray.thresholds import check_admissible
 from tokenrouter_ray.tuning.chain import Chain, ChainInputs, build_chain
 from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.stationary import stationary
@@ -42,38 +43,6 @@ class ThroughputResult:
     build_s: float
     solve_s: float
     stderr: float | None = None  # standard error of a Monte Carlo estimate, tokens per second
-
-
-def deferral_slack(thresholds: Sequence[int], replicas: Sequence[int] | None = None) -> int:
-    """``sum_i R_i (B_i - 1)``: requests the replicas can hold without any of them launching
-    (every replica of model i applies ``B_i`` to its own share; ``replicas`` default 1)."""
-    counts = replicas if replicas is not None else [1] * len(thresholds)
-    return sum(r * (b - 1) for b, r in zip(thresholds, counts, strict=True))
-
-
-def is_admissible(
-    n_requests: int, thresholds: Sequence[int], replicas: Sequence[int] | None = None
-) -> bool:
-    """No deadlock iff ``sum_i R_i (B_i - 1) < N``: some replica can always launch."""
-    return all(b >= 1 for b in thresholds) and deferral_slack(thresholds, replicas) < n_requests
-
-
-def check_admissible(
-    n_requests: int, thresholds: Sequence[int], replicas: Sequence[int] | None = None
-) -> None:
-    if n_requests < 1:
-        raise ValueError(f"need at least one active request, got N={n_requests}")
-    if any(b < 1 for b in thresholds):
-        raise ValueError(f"thresholds must be >= 1, got B={tuple(thresholds)}")
-    if not is_admissible(n_requests, thresholds, replicas):
-        slack = deferral_slack(thresholds, replicas)
-        rule = "sum(B_i - 1)"
-        if replicas is not None:
-            rule = f"sum(R_i (B_i - 1)) with R={tuple(replicas)}"
-        raise ValueError(
-            f"thresholds B={tuple(thresholds)} deadlock at N={n_requests}: the models can hold "
-            f"{rule} = {slack} >= N requests without any of them launching"
-        )
 
 
 def chain_inputs(

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenrouter_ray.tuning.markov import ThroughputResult, check_admissible
+from tokenrouter_ray.thresholds import check_admissible
+from tokenrouter_ray.tuning.markov import ThroughputResult
 from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.replicas import binding, replica_counts
 

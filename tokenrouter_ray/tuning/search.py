@@ -24,7 +24,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tokenrouter_ray.tuning.markov import ThroughputResult, is_admissible, throughput
+from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
+from tokenrouter_ray.tuning.markov import ThroughputResult, throughput
 from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig, monte_carlo
 from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.replicas import replica_counts
@@ -200,18 +201,16 @@ def threshold_lists(
 ) -> dict[str, list[int]]:
     """Per-model threshold lists indexed by the number of active requests (0..max_n).
 
-    Entry n uses the best B of the largest tuned N <= n (a B that is deadlock-free at N is
-    deadlock-free at every larger n); below the smallest tuned N, and at index 0, it is 1.
+    The fill rule of ``ThresholdTable.from_tuned``: entry n uses the best B of the largest
+    tuned N <= n; below the smallest tuned N, and at index 0, it is 1.
     """
     if not results:
         return {}
     names = next(iter(results.values())).names
     top = max(results) if max_n is None else max_n
-    lists: dict[str, list[int]] = {name: [1] * (top + 1) for name in names}
-    tuned = sorted(results)
-    for n in range(1, top + 1):
-        below = [m for m in tuned if m <= n]
-        if below:
-            for name, value in zip(names, results[below[-1]].best.thresholds, strict=True):
-                lists[name][n] = value
-    return lists
+    return {
+        name: ThresholdTable.from_tuned(
+            {n: result.best.thresholds[i] for n, result in results.items()}, top
+        ).to_list()
+        for i, name in enumerate(names)
+    }

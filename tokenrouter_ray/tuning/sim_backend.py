@@ -50,9 +50,9 @@ from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.runtime.ingress import IngressCore
 from tokenrouter_ray.runtime.local import LocalRuntime
 from tokenrouter_ray.runtime.subserver import SubServer
+from tokenrouter_ray.thresholds import ThresholdTable, check_admissible
 from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_name
 from tokenrouter_ray.transport.inproc import InProcHub
-from tokenrouter_ray.tuning.markov import check_admissible
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 
 SIM_VOCAB_SIZE = 32
@@ -410,7 +410,7 @@ def _merged_stats(parts: Sequence[SimStats]) -> SimStats:
 
 def thresholds_table(n_requests: int, value: int) -> list[int]:
     """A scheduler ``batch_thresholds`` list with ``value`` at index N (1 below it)."""
-    return [1] * n_requests + [value]
+    return ThresholdTable.from_tuned({n_requests: value}).to_list()
 
 
 class ClosedLoop:

@@ -15,7 +15,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenrouter_ray.tuning.markov import check_admissible
+from tokenrouter_ray.thresholds import check_admissible
 from tokenrouter_ray.tuning.profile import RoutingProfile
 
 
