@@ -344,7 +344,7 @@ class Ingress:
                         sampling.to_spec(i),
                         entry,
                         timeout_s=timeout_s,
-                        extras={"endpoints": self._endpoints_for(rid)},
+                        endpoints=self._endpoints_for(rid),
                     )
                 except BaseException:
                     self.entry_load[entry] -= 1

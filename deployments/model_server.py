@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any
 
+from msgspec.structs import asdict
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -172,7 +173,8 @@ class ModelServer:
             "rid": rid,
             "status": request.status.name if request is not None else None,
             "num_tokens": request.num_tokens if request is not None else None,
-            "tracked": None if tracked is None else tracked.to_extras() | {"seq": tracked.seq},
+            "route": None if tracked is None else asdict(tracked.route_state()),
+            "seq": None if tracked is None else tracked.seq,
             "ledger_finished": self.server.ledger.is_finished(rid),
             "ledger_seq": self.server.ledger.held_seq(rid),
         }

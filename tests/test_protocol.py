@@ -11,10 +11,12 @@ from tokenrouter_ray.protocol import (
     PROTOCOL_VERSION,
     Anchors,
     CommitLog,
+    FinishSummary,
     MsgKind,
     PeerReq,
     ProtocolError,
     RequestLedger,
+    RouteState,
     SamplingSpec,
     TokenizerMismatchError,
     check_shared_tokenizer,
@@ -42,6 +44,25 @@ samplings = st.builds(
 )
 
 
+names = st.text(max_size=8)
+routes = st.builds(
+    RouteState,
+    ingress=text,
+    prompt_len=count,
+    anchors=st.dictionaries(names, count, max_size=3),
+    endpoints=st.dictionaries(names, text, max_size=3),
+    counts=st.dictionaries(names, count, max_size=3),
+    handoffs=count,
+    deadline=st.none() | st.floats(allow_nan=False),
+)
+summaries = st.builds(
+    FinishSummary,
+    counts=st.dictionaries(names, count, max_size=3),
+    handoffs=count,
+    error=st.none() | text,
+)
+
+
 @st.composite
 def peer_reqs(draw: st.DrawFn) -> PeerReq:
     tokens = draw(st.lists(token, max_size=40))
@@ -56,6 +77,8 @@ def peer_reqs(draw: st.DrawFn) -> PeerReq:
         committed=draw(st.integers(0, len(tokens))),
         finish_reason=draw(st.none() | st.sampled_from(["stop", "length", "abort"])),
         sampling=draw(st.none() | samplings),
+        route=draw(st.none() | routes),
+        summary=draw(st.none() | summaries),
         extras=draw(st.dictionaries(text, extra_value, max_size=4)),
         active_requests=draw(count),
         sent_at=draw(int64),
@@ -99,6 +122,23 @@ def test_bad_frames_raise_protocol_error() -> None:
     raw[8] = 5  # committed > len(tokens)
     with pytest.raises(ProtocolError, match="committed"):
         decode(msgspec.msgpack.encode(raw))
+
+
+def test_route_state_and_summary_are_typed_on_the_wire() -> None:
+    route = RouteState("ingress/0", 5, anchors={"small": 7}, counts={"small": 2}, handoffs=1)
+    m = PeerReq("r", "small/0", "large/0", MsgKind.HANDOFF, 2, [4, 5], anchor=5, route=route)
+    got = decode(encode(m))
+    assert got.route == route and got.route.anchors == {"small": 7} and got.extras == {}
+    raw = msgspec.msgpack.decode(encode(m))
+    raw[11][2] = {"small": -1}  # an anchor cannot be negative
+    with pytest.raises(ProtocolError, match=r"int` >= 0 - at `\$\[11\]\[2\]"):
+        decode(msgspec.msgpack.encode(raw))
+    raw[11] = {"anchors": {"small": 7}}  # v1 put route state in a map: refused, not guessed
+    with pytest.raises(ProtocolError):
+        decode(msgspec.msgpack.encode(raw))
+    done = PeerReq("r", "large/0", "ingress/0", MsgKind.FINISHED, 3, anchor=9,
+                   summary=FinishSummary({"large": 1}, handoffs=1, error="boom"))  # fmt: skip
+    assert decode(encode(done)).summary.error == "boom"
 
 
 def test_sent_at_defaults_to_wall_clock_ns() -> None:

@@ -6,6 +6,9 @@ correct without a global barrier (DESIGN.md §3):
 - `PeerReq` is the only message type. It leaves a process as bytes from `encode` /
   `encode_batch` (msgpack, positional) and enters one through `decode` / `decode_batch`;
   a frame that is not a valid PeerReq of this protocol version raises `ProtocolError`.
+  Runtime state is typed: `RouteState` rides on NEW and HANDOFF (where the request's
+  output goes, every model's anchor and replica, the counts so far), `FinishSummary` on the
+  FINISHED sent to the ingress; `extras` belongs to the routing policy alone.
 - `RequestLedger` is kept by each receiver. `accept(msg)` says whether to act on a message:
   only a `handoff_seq` newer than the one held counts, and nothing revives a finished request.
 - `Anchors` is kept per request by its current owner: for every model, how many of the
@@ -31,13 +34,17 @@ import msgspec
 
 from tokenrouter_ray.errors import UserFacingError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Wire version of `PeerReq`, sent as the first element of every encoded message.
 
 Messages are positional arrays. An optional field may be appended at the end of `PeerReq`
 or `SamplingSpec` without a version bump (older receivers ignore trailing elements); any
 other change (removing, reordering, retyping a field) bumps the version, and a receiver
 rejects versions it does not speak with `ProtocolError`.
+
+v2: `RouteState` and `FinishSummary` replaced the string keys runtime state rode under in
+`extras` ("ingress", "prompt_len", "anchors", "endpoints", "counts", "handoffs",
+"deadline", "error"); `extras` holds policy extras only.
 """
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -80,6 +87,32 @@ class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
     repetition_penalty: float = 1.0
 
 
+class RouteState(msgspec.Struct, array_like=True, frozen=True):
+    """A request's routing state, sent by its owner with every HANDOFF (and by the ingress
+    with a NEW): the next owner adopts it whole.
+
+    On a NEW, `anchors` is empty (every model starts afresh) and `counts` / `prompt_len`
+    describe what a re-created request already committed (its NEW carries prompt +
+    committed output, of which the first `prompt_len` tokens are the prompt).
+    """
+
+    ingress: str  # endpoint that receives COMMIT / FINISHED
+    prompt_len: NonNegative
+    anchors: dict[str, NonNegative] = {}  # model -> tokens of the sequence it holds in KV
+    endpoints: dict[str, str] = {}  # model -> endpoint of the replica holding it
+    counts: dict[str, NonNegative] = {}  # model -> committed output tokens
+    handoffs: NonNegative = 0
+    deadline: float | None = None  # wall clock (time.time()) past which nobody waits
+
+
+class FinishSummary(msgspec.Struct, array_like=True, frozen=True):
+    """What the FINISHED sent to the ingress reports about the whole request."""
+
+    counts: dict[str, NonNegative] = {}  # model -> committed output tokens
+    handoffs: NonNegative = 0
+    error: str | None = None  # set when a model ended the request with an error
+
+
 class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION):
     """One message between the ingress and the replicas, about one request.
 
@@ -87,6 +120,8 @@ class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION
     of the request's sequence (prompt + output). Its first `committed` tokens are committed
     output. `handoff_seq` grows with every message its current owner sends for the request.
     `dst` / `src` are endpoint names (`endpoint_name(model, replica)` in the transport).
+    `route` is the request's routing state (NEW, HANDOFF), `summary` the finish summary
+    (FINISHED to the ingress); `extras` are the routing policy's own (``Send.extras``).
     `sent_at` is `time.time_ns()` when the message was built: a wall clock, so one-way
     latency can be measured across processes and (clock sync permitting) across nodes.
     """
@@ -101,6 +136,8 @@ class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION
     committed: NonNegative = 0
     finish_reason: str | None = None
     sampling: SamplingSpec | None = None
+    route: RouteState | None = None
+    summary: FinishSummary | None = None
     extras: dict[str, Any] = {}
     active_requests: NonNegative = 0
     sent_at: int = msgspec.field(default_factory=time.time_ns)

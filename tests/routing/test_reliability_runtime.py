@@ -210,9 +210,9 @@ def test_only_requests_assigned_to_a_lost_replica_are_recreated(chain_dirs) -> N
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
             want = await rt.complete_all(batch, SPEC)
             await rt.wait_idle()
-            assigned = {"endpoints": {"large": endpoint_name("large", "0")}}
+            assigned = {"large": endpoint_name("large", "0")}
             for i, p in enumerate(batch):
-                await rt.ingress.submit(f"a{i}", p, SPEC, extras=assigned)
+                await rt.ingress.submit(f"a{i}", p, SPEC, endpoints=assigned)
             results = [asyncio.ensure_future(rt.ingress.result(f"a{i}")) for i in range(4)]
             while sum(len(live.log.tokens) for live in rt.ingress.live.values()) < 30:
                 await asyncio.sleep(0.002)

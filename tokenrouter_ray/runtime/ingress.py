@@ -33,7 +33,15 @@ from typing import Any
 import msgspec
 
 from tokenrouter_ray.metrics import INGRESS, Metrics
-from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, ProtocolError, SamplingSpec
+from tokenrouter_ray.protocol import (
+    CommitLog,
+    FinishSummary,
+    MsgKind,
+    PeerReq,
+    ProtocolError,
+    RouteState,
+    SamplingSpec,
+)
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
 
 logger = logging.getLogger(__name__)
@@ -124,11 +132,11 @@ class IngressCore:
         sampling: SamplingSpec,
         entry: str | None = None,
         timeout_s: float | None = None,
-        extras: dict[str, Any] | None = None,
+        endpoints: Mapping[str, str] | None = None,
     ) -> None:
-        """Send NEW to ``entry`` (default: ``entry_endpoint()``); ``extras`` ride on it
-        (``endpoints``: model -> the replica to use). A failed send forgets the request
-        and raises (nothing was started)."""
+        """Send NEW to ``entry`` (default: ``entry_endpoint()``); ``endpoints`` (model ->
+        the replica to use) ride on it. A failed send forgets the request and raises
+        (nothing was started)."""
         if rid in self.live:
             raise ValueError(f"request {rid!r} is already running")
         if sampling.seed is None:  # one seed for every model the request visits
@@ -140,8 +148,8 @@ class IngressCore:
         self.metrics.ingress_active(self.num_active)
         try:
             dst = entry or self.entry_endpoint()
-            live.holders = _holders(dst, extras)
-            await self.channel.send(dst, [self._new_msg(live, dst, extras or {})])
+            live.holders = _holders(dst, endpoints)
+            await self.channel.send(dst, [self._new_msg(live, dst, endpoints)])
         except BaseException:
             live.timer.cancel()  # set just above
             self.live.pop(rid, None)
@@ -149,7 +157,14 @@ class IngressCore:
             self.metrics.ingress_active(self.num_active)
             raise
 
-    def _new_msg(self, live: _Live, dst: str, extras: dict[str, Any]) -> PeerReq:
+    def _new_msg(self, live: _Live, dst: str, endpoints: Mapping[str, str] | None) -> PeerReq:
+        route = RouteState(
+            ingress=self.channel.name,
+            prompt_len=len(live.prompt),
+            endpoints=dict(endpoints or {}),
+            counts=dict(live.counts),
+            deadline=live.deadline_wall,
+        )
         return PeerReq(
             rid=live.wire_rid,
             src=self.channel.name,
@@ -158,7 +173,7 @@ class IngressCore:
             handoff_seq=0,
             tokens=live.prompt + live.log.tokens,
             sampling=live.sampling,
-            extras={**extras, "deadline": live.deadline_wall},
+            route=route,
             active_requests=self.num_active,
         )
 
@@ -296,14 +311,10 @@ class IngressCore:
             committed = CommitLog(len(live.prompt))  # drop commits waiting on a gap
             committed.add(len(live.prompt), live.log.tokens)
             live.log = committed
-            extras = {
-                "prompt_len": len(live.prompt),
-                "counts": dict(live.counts),
-                "endpoints": dict(endpoints(live.rid)) if endpoints is not None else {},
-            }
+            assigned = endpoints(live.rid) if endpoints is not None else None
             dst = entry or self.entry_endpoint()
-            live.holders = _holders(dst, extras)
-            frames.setdefault(dst, []).append(self._new_msg(live, dst, extras))
+            live.holders = _holders(dst, assigned)
+            frames.setdefault(dst, []).append(self._new_msg(live, dst, assigned))
         for dst, msgs in frames.items():
             logger.warning("ingress: re-creating %d requests on %s: %s", len(msgs), dst, reason)
             self.metrics.error(INGRESS, "recreated")
@@ -359,15 +370,14 @@ class IngressCore:
                 live.completion.token_ids += fresh
                 live.updates.put_nowait(fresh)
         elif msg.kind == MsgKind.FINISHED:
-            error = msg.extras.get("error")
-            if error:
-                live.completion.counts = dict(msg.extras.get("counts", {}))
-                self.fail(live.rid, str(error), "model")
+            summary = msg.summary or FinishSummary()
+            live.completion.counts = dict(summary.counts)
+            if summary.error:
+                self.fail(live.rid, summary.error, "model")
                 return
             live.final_len = msg.anchor
             live.completion.finish_reason = msg.finish_reason
-            live.completion.counts = dict(msg.extras.get("counts", {}))
-            live.completion.handoffs = int(msg.extras.get("handoffs", 0))
+            live.completion.handoffs = summary.handoffs
         if live.complete:
             live.updates.put_nowait(None)
 
@@ -381,8 +391,7 @@ class IngressCore:
         live.last_token_at = now
 
 
-def _holders(entry: str, extras: Mapping[str, Any] | None) -> set[str] | None:
+def _holders(entry: str, assigned: Mapping[str, str] | None) -> set[str] | None:
     """The endpoints a request can be on: its entry and the replicas it was told to use
     (None when it was not told: a model may pick any replica then)."""
-    assigned = (extras or {}).get("endpoints")
     return {entry, *assigned.values()} if assigned else None

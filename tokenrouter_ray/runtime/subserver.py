@@ -30,11 +30,11 @@ import torch
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.outputs import StepResult
 from tokenrouter_ray.metrics import Metrics
-from tokenrouter_ray.protocol import MsgKind, PeerReq, RequestLedger
+from tokenrouter_ray.protocol import FinishSummary, MsgKind, PeerReq, RequestLedger, RouteState
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch
 from tokenrouter_ray.runtime.tracking import Tracked, engine_sampling
+from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
-from tokenrouter_ray.tuning.live import WindowStats
 
 logger = logging.getLogger(__name__)
 
@@ -182,31 +182,29 @@ class SubServer:
                 raise ValueError("NEW without sampling parameters")
             # A re-created request (the ingress lost a replica) carries its committed output
             # after the prompt, the prompt's length, its counts and the replicas to use.
-            prompt_len = int(msg.extras.get("prompt_len", len(msg.tokens)))
-            tracked = Tracked(rid, msg.src, prompt_len, msg.sampling, seq=msg.handoff_seq)
-            tracked.counts = {k: int(v) for k, v in msg.extras.get("counts", {}).items()}
-            tracked.endpoints.update(msg.extras.get("endpoints", {}))
+            route = msg.route or RouteState(ingress=msg.src, prompt_len=len(msg.tokens))
+            tracked = Tracked.from_route(rid, route, msg.sampling, msg.handoff_seq)
             tracked.endpoints[self.name] = self.endpoint
-            tracked.deadline = msg.extras.get("deadline")
             self.engine.add_request(
-                rid, msg.tokens, engine_sampling(msg.sampling), num_prompt_tokens=prompt_len
+                rid, msg.tokens, engine_sampling(msg.sampling), num_prompt_tokens=route.prompt_len
             )
             self.tracked[rid] = tracked
             return
         if msg.kind != MsgKind.HANDOFF:
             return
-        extras = msg.extras
+        if msg.route is None:
+            raise ValueError("HANDOFF without route state")
         tracked = self.tracked.get(rid)
         if tracked is None:
             if msg.sampling is None:
                 raise ValueError("first visit without sampling parameters")
-            tracked = self.tracked[rid] = Tracked.from_handoff(
-                rid, extras, msg.sampling, msg.handoff_seq
+            tracked = self.tracked[rid] = Tracked.from_route(
+                rid, msg.route, msg.sampling, msg.handoff_seq
             )
         else:
-            tracked.update_from(extras, msg.handoff_seq)
+            tracked.adopt(msg.route, msg.handoff_seq)
         view = RequestView(rid, self.index, msg.anchor + len(msg.tokens), tracked.policy_state)
-        tokens = self.policy.receive(view, list(msg.tokens), extras.get("policy", {}))
+        tokens = self.policy.receive(view, list(msg.tokens), dict(msg.extras))
         if rid in self.engine.requests:
             self.engine.resume(rid, tokens, anchor=msg.anchor)
         elif msg.anchor == 0:
@@ -340,7 +338,9 @@ class SubServer:
         with torch.inference_mode():
             destinations = self.policy.route(batch).tolist()
         route_seconds = time.perf_counter() - t0
-        self.metrics.step(self.name, result.batch_size, result.timings.total, route_seconds)
+        self.metrics.step(
+            self.name, result.batch_size, result.timings.total, route_seconds, requests
+        )
         return result, destinations
 
     def _commit(self, result: StepResult, destinations: list[int]) -> list[PeerReq]:
@@ -399,7 +399,7 @@ class SubServer:
                 self._finished(tracked, "error", out, error=error)
             else:
                 self.engine.abort(rid)
-        self.metrics.committed(self.name, committed)
+        self.metrics.committed(self.name, committed, len(drop))
         return out
 
     def _count(self, tracked: Tracked, n: int) -> None:
@@ -407,11 +407,10 @@ class SubServer:
 
     def _handoff(self, tracked: Tracked, sequence: list[int], dst: int, extras: dict) -> PeerReq:
         model = self.models[dst]
-        first_visit = model not in tracked.anchors
-        anchor = tracked.anchors.get(model, 0)
-        suffix = sequence[anchor:]
-        tracked.anchors[self.name] = len(sequence)
-        tracked.anchors[model] = len(sequence)
+        first_visit = not tracked.anchors.visited(model)
+        anchor, suffix = tracked.anchors.suffix_for(model, sequence)
+        tracked.anchors.advance(self.name, len(sequence))  # both now hold the whole sequence
+        tracked.anchors.advance(model, len(sequence))
         endpoint = tracked.endpoints.get(model) or self.pick_endpoint(model, tracked.rid)
         tracked.endpoints[model] = endpoint
         tracked.handoffs += 1
@@ -439,7 +438,8 @@ class SubServer:
             anchor=anchor,
             committed=max(0, len(sequence) - max(anchor, tracked.prompt_len)),
             sampling=tracked.sampling if first_visit else None,
-            extras=tracked.to_extras(extras),
+            route=tracked.route_state(),
+            extras=extras,
             active_requests=self.active_requests,
         )
 
@@ -450,7 +450,7 @@ class SubServer:
         tokens: list[int],
         anchor: int,
         reason: str | None = None,
-        extras: dict | None = None,
+        summary: FinishSummary | None = None,
     ) -> PeerReq:
         return PeerReq(
             rid=tracked.rid,
@@ -462,7 +462,7 @@ class SubServer:
             anchor=anchor,
             committed=len(tokens),
             finish_reason=reason,
-            extras=extras or {},
+            summary=summary,
             active_requests=self.active_requests,
         )
 
@@ -475,9 +475,7 @@ class SubServer:
         self.ledger.finish(rid)
         self.engine.abort(rid)
         total = tracked.prompt_len + sum(tracked.counts.values())
-        summary = {"counts": tracked.counts, "handoffs": tracked.handoffs}
-        if error is not None:
-            summary["error"] = error
+        summary = tracked.summary(error)
         out.append(self._to_ingress(tracked, MsgKind.FINISHED, [], total, reason, summary))
         for model, endpoint in tracked.endpoints.items():
             if model != self.name:

@@ -1,9 +1,9 @@
-"""Per-request routing state a sub-server keeps, and how it rides on ``PeerReq.extras``.
+"""Per-request routing state a sub-server keeps, and how it travels as ``RouteState``.
 
 The owner of a request (the model generating it now) holds the authoritative copy; it
-travels with every HANDOFF so the next owner knows every model's anchor (which suffix to
-send it), which replica of each model holds the request, where commits go, and the running
-per-model token counts.
+travels with every HANDOFF (``PeerReq.route``) so the next owner knows every model's anchor
+(which suffix to send it), which replica of each model holds the request, where commits go,
+and the running per-model token counts. A NEW from the ingress carries one too (no anchors).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenrouter_ray.engine.request import SamplingParams
-from tokenrouter_ray.protocol import SamplingSpec
+from tokenrouter_ray.protocol import Anchors, FinishSummary, RouteState, SamplingSpec
 
 
 @dataclass
@@ -22,40 +22,41 @@ class Tracked:
     prompt_len: int
     sampling: SamplingSpec
     seq: int = 0  # handoff_seq of the latest message acted on or sent
-    anchors: dict[str, int] = field(default_factory=dict)  # model -> tokens it holds
+    anchors: Anchors = field(default_factory=Anchors)  # model -> tokens it holds in KV
     endpoints: dict[str, str] = field(default_factory=dict)  # model -> endpoint holding it
     counts: dict[str, int] = field(default_factory=dict)  # model -> committed output tokens
     handoffs: int = 0
     policy_state: dict[str, Any] = field(default_factory=dict)
     deadline: float | None = None  # wall clock (time.time()) past which nobody waits for it
 
-    def to_extras(self, policy_extras: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {
-            "ingress": self.ingress,
-            "prompt_len": self.prompt_len,
-            "anchors": dict(self.anchors),
-            "endpoints": dict(self.endpoints),
-            "counts": dict(self.counts),
-            "handoffs": self.handoffs,
-            "deadline": self.deadline,
-            "policy": policy_extras or {},
-        }
-
-    def update_from(self, extras: dict[str, Any], seq: int) -> None:
-        self.seq = seq
-        self.anchors = dict(extras["anchors"])
-        self.endpoints = dict(extras["endpoints"])
-        self.counts = dict(extras["counts"])
-        self.handoffs = int(extras["handoffs"])
-        self.deadline = extras.get("deadline")
-
     @classmethod
-    def from_handoff(
-        cls, rid: str, extras: dict[str, Any], sampling: SamplingSpec, seq: int
-    ) -> Tracked:
-        tracked = cls(rid, extras["ingress"], int(extras["prompt_len"]), sampling)
-        tracked.update_from(extras, seq)
+    def from_route(cls, rid: str, route: RouteState, sampling: SamplingSpec, seq: int) -> Tracked:
+        tracked = cls(rid, route.ingress, route.prompt_len, sampling)
+        tracked.adopt(route, seq)
         return tracked
+
+    def adopt(self, route: RouteState, seq: int) -> None:
+        """Take the state the previous owner sent (its copy is authoritative)."""
+        self.seq = seq
+        self.anchors = Anchors(route.anchors)
+        self.endpoints = dict(route.endpoints)
+        self.counts = dict(route.counts)
+        self.handoffs = route.handoffs
+        self.deadline = route.deadline
+
+    def route_state(self) -> RouteState:
+        return RouteState(
+            ingress=self.ingress,
+            prompt_len=self.prompt_len,
+            anchors=self.anchors.as_dict(),
+            endpoints=dict(self.endpoints),
+            counts=dict(self.counts),
+            handoffs=self.handoffs,
+            deadline=self.deadline,
+        )
+
+    def summary(self, error: str | None = None) -> FinishSummary:
+        return FinishSummary(counts=dict(self.counts), handoffs=self.handoffs, error=error)
 
 
 def engine_sampling(spec: SamplingSpec) -> SamplingParams:
