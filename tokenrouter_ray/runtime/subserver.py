@@ -33,8 +33,8 @@ from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import FinishSummary, MsgKind, PeerReq, RequestLedger, RouteState
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch
 from tokenrouter_ray.runtime.tracking import Tracked, engine_sampling
-from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
+from tokenrouter_ray.tuning.live import WindowStats
 
 logger = logging.getLogger(__name__)
 
@@ -338,9 +338,7 @@ class SubServer:
         with torch.inference_mode():
             destinations = self.policy.route(batch).tolist()
         route_seconds = time.perf_counter() - t0
-        self.metrics.step(
-            self.name, result.batch_size, result.timings.total, route_seconds, requests
-        )
+        self.metrics.step(self.name, result.batch_size, result.timings.total, route_seconds)
         return result, destinations
 
     def _commit(self, result: StepResult, destinations: list[int]) -> list[PeerReq]:
@@ -399,7 +397,7 @@ class SubServer:
                 self._finished(tracked, "error", out, error=error)
             else:
                 self.engine.abort(rid)
-        self.metrics.committed(self.name, committed, len(drop))
+        self.metrics.committed(self.name, committed)
         return out
 
     def _count(self, tracked: Tracked, n: int) -> None:
