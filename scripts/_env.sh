@@ -11,6 +11,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.installed-$(cat pyproject.toml "$TORCH_CONSTRAINT" | cksum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ]; then
-  "$VENV/bin/python" -m pip install --quiet -c "$TORCH_CONSTRAINT" -e '.[dev]'
+  # --no-compile: pip would byte-compile every installed module (torch, ray, ...) up front;
+  # Python compiles the ones actually imported on first use. Measured on 2 cores: install
+  # 212 s -> 109 s wall, 88 s -> 29 s user CPU.
+  "$VENV/bin/python" -m pip install --quiet --no-compile -c "$TORCH_CONSTRAINT" -e '.[dev]'
   touch "$stamp"
 fi
