@@ -5,10 +5,11 @@ sliding-window statistics and adopt the threshold list it returns (replicas pull
 tuner never has to find a replica, and a new replica converges on its first report). The
 reporting replicas are counted per model; a count that changes (Serve autoscaling, a
 restart) makes the tuner re-solve under ``sum_i R_i (B_i - 1) < N``. Every
-period the tuner merges the fresh reports, re-solves the Markov model when the statistics
-drifted (in a worker thread: the event loop keeps answering reports), and exports what it
-decided as metrics. ``status()`` (served at ``GET /v1/tokenrouter/tuner`` by the ingress)
-says what it decided and why.
+period the tuner loop (``tuning.tuner.run_tuner``, the one ``drive_local`` runs too) merges
+the fresh reports, re-solves the Markov model when the statistics drifted (in a worker
+thread: the event loop keeps answering reports), and exports what it decided as metrics.
+``status()`` (served at ``GET /v1/tokenrouter/tuner`` by the ingress) says what it decided
+and why.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from ray import serve
 
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.metrics import Metrics
-from tokenrouter_ray.tuning.autoscaler import Autoscaler
+from tokenrouter_ray.tuning.profile import RoutingProfile
+from tokenrouter_ray.tuning.solver import Decision
+from tokenrouter_ray.tuning.tuner import TunerCore, run_tuner
 
 logger = logging.getLogger("ray.serve")
 
@@ -32,34 +35,28 @@ class Tuner:
         cfg = AppConfig.model_validate(app_config)
         initial = {m: cfg.scheduler_for(m).batch_thresholds for m in cfg.model_names}
         replicas = {m: spec.num_replicas for m, spec in cfg.models.items()}  # until reports
-        self.autoscaler = Autoscaler(cfg.model_names, cfg.tuner, initial, replicas=replicas)
+        self.core = TunerCore(cfg.model_names, cfg.tuner, initial, replicas=replicas)
         self.metrics = Metrics.ray(policy=cfg.policy.name)
-        self._task = asyncio.create_task(self._loop(), name="tuner")
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(
+            run_tuner(self.core, self._stop, publish=self._publish), name="tuner"
+        )
 
     async def report(self, model: str, replica: str, snapshot: dict[str, Any]) -> list[int]:
-        return self.autoscaler.report(model, replica, snapshot)
+        return self.core.report(model, replica, snapshot)
 
     async def status(self) -> dict[str, Any]:
-        return self.autoscaler.status()
+        return self.core.status()
 
     async def admission_cap(self) -> int | None:
         """SLO mode: how many requests may be active (None: no cap)."""
-        return self.autoscaler.last.max_concurrency
+        return self.core.last.max_concurrency
 
-    async def _loop(self) -> None:
-        auto = self.autoscaler
-        while True:
-            await asyncio.sleep(auto.spec.period_s)
-            try:
-                profile = auto.collect()
-                decision = await asyncio.to_thread(auto.solve, profile)
-                auto.record(decision, profile)
-            except Exception:  # a bad window must not stop the tuner
-                logger.exception("tuner: re-solve failed; keeping the current thresholds")
-                continue
-            if decision.changed:
-                logger.info("tuner: %s", decision.reason)
-            self.metrics.tuner_decision(decision, profile, auto.spec.concurrencies)
+    def _publish(self, decision: Decision, profile: RoutingProfile | None) -> None:
+        """After each period of the tuner loop: log a change, export the decision."""
+        if decision.changed:
+            logger.info("tuner: %s", decision.reason)
+        self.metrics.tuner_decision(decision, profile, self.core.spec.concurrencies)
 
     async def check_health(self) -> None:
         if self._task.done():
@@ -67,4 +64,5 @@ class Tuner:
             raise RuntimeError(f"tuner loop stopped: {why}")
 
     async def __del__(self) -> None:
+        self._stop.set()
         self._task.cancel()

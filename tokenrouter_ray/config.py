@@ -24,7 +24,7 @@ from pydantic import (
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.thresholds import ThresholdTable, check_tables
-from tokenrouter_ray.tuning.autoscaler import TunerSpec
+from tokenrouter_ray.tuning.tuner import TunerSpec
 
 # The Hydra configs: package data (in a checkout, tokenrouter_ray/conf links to ../conf).
 CONF_DIR = (Path(__file__).resolve().parent / "conf").resolve()

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
+from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.thresholds import is_admissible
-from tokenrouter_ray.tuning.autoscaler import Autoscaler, TunerSpec, drive_local, fill_step_times
-from tokenrouter_ray.tuning.live import WindowStats
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.sim_backend import ClosedLoop, calibrate_sleep_bias
+from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec, drive_local, fill_step_times
 
 MODELS = ["small", "large"]
 
@@ -57,7 +57,7 @@ def test_unobserved_batch_sizes_follow_the_fitted_line() -> None:
 def test_replicas_pull_thresholds_and_stale_replicas_drop_out() -> None:
     clock = Clock()
     spec = TunerSpec(period_s=1.0, concurrencies=[4, 8], fixed={"small": 1}, min_moves=20)
-    auto = Autoscaler(MODELS, spec, initial={"large": [1, 1, 1, 1, 2]}, clock=clock)
+    auto = TunerCore(MODELS, spec, initial={"large": [1, 1, 1, 1, 2]}, clock=clock)
     assert auto.report("large", "r0", window(0.35)["large"]) == [1, 1, 1, 1, 2, 2, 2, 2, 2]
     with pytest.raises(ValueError, match="unknown model"):
         auto.report("medium", "r0", {})
@@ -76,7 +76,7 @@ def test_replicas_pull_thresholds_and_stale_replicas_drop_out() -> None:
 
 def test_decisions_are_explained_and_deadlock_free() -> None:
     spec = TunerSpec(concurrencies=[2, 4, 8], fixed={"small": 1}, min_moves=20, max_step=8)
-    auto = Autoscaler(MODELS, spec)
+    auto = TunerCore(MODELS, spec)
     assert not auto.step().changed  # nothing reported yet
     assert auto.last.reason == "too few observations"
     for model, snap in window(0.35).items():
@@ -96,7 +96,7 @@ def test_step_times_outlive_the_window_and_seed_from_a_profile(tmp_path) -> None
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"models": {"large": {"step_ms": {"1": 38.0, "16": 90.0}}}}))
     spec = TunerSpec(concurrencies=[8], min_moves=20, profile=str(path))
-    auto = Autoscaler(MODELS, spec)
+    auto = TunerCore(MODELS, spec)
     assert auto.step_ms["large"] == {1: 38.0, 16: 90.0}
     for model, snap in window(0.35, large_batches=(4,)).items():
         auto.report(model, "r0", snap)
@@ -139,7 +139,7 @@ def test_autoscaler_follows_a_routing_shift_on_the_simulated_runtime() -> None:
         fixed={"small": 1},
         min_moves=50,
     )
-    auto = Autoscaler(MODELS, spec)
+    auto = TunerCore(MODELS, spec)
 
     async def run() -> tuple[list[int], list[int], float, float]:
         loop = ClosedLoop(sim_profile(0.35), n, (1, 1), time_scale=scale,
@@ -149,14 +149,14 @@ def test_autoscaler_follows_a_routing_shift_on_the_simulated_runtime() -> None:
             tuner = asyncio.create_task(drive_local(auto, loop.servers, stop))
             # Tuned for p = 0.35 from the all-ones start.
             await wait_until(
-                lambda: auto.thresholds["large"][n] > 1 and not auto.tuner.converging, 30
+                lambda: auto.thresholds["large"][n] > 1 and not auto.solver.converging, 30
             )
             old = list(auto.thresholds["large"])
             assert loop.runtime.engines["large"].batch_thresholds == old
             loop.set_escalation(0.15)  # the traffic changes under the tuner
             await asyncio.sleep(spec.window_s)
             await wait_until(
-                lambda: auto.thresholds["large"][n] != old[n] and not auto.tuner.converging, 30
+                lambda: auto.thresholds["large"][n] != old[n] and not auto.solver.converging, 30
             )
             new = list(auto.thresholds["large"])
             after = await loop.measure(3.0)
@@ -188,7 +188,7 @@ def test_decisions_are_exported_as_metrics() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(PrometheusBackend(registry))
     spec = TunerSpec(concurrencies=[4, 8], fixed={"small": 1}, min_moves=20, max_step=8)
-    auto = Autoscaler(MODELS, spec)
+    auto = TunerCore(MODELS, spec)
     metrics.tuner_decision(auto.step(), auto.profile, spec.concurrencies)  # nothing yet
     for model, snap in window(0.35).items():
         auto.report(model, "r0", snap)

@@ -6,8 +6,10 @@ import random
 
 import pytest
 
+from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.thresholds import is_admissible
-from tokenrouter_ray.tuning.live import ThresholdTuner, WindowStats, build_profile
+from tokenrouter_ray.tuning.solver import ThresholdSolver
+from tokenrouter_ray.tuning.tuner import build_profile
 
 MODELS = ["small", "large"]
 
@@ -58,7 +60,7 @@ def test_profile_matches_what_was_observed() -> None:
 
 
 def test_tuner_moves_to_the_new_optimum_when_routing_changes() -> None:
-    tuner = ThresholdTuner(MODELS, concurrencies=[8], fixed={"small": 1}, max_step=8, grain_ms=0.5)
+    tuner = ThresholdSolver(MODELS, concurrencies=[8], fixed={"small": 1}, max_step=8, grain_ms=0.5)
     first = tuner.decide(build_profile(observed(0.35), MODELS, 0.5))
     b_before = first.thresholds["large"][8]
     assert first.changed and b_before > 1  # batching the large model pays at N = 8
@@ -76,7 +78,9 @@ def test_tuner_moves_to_the_new_optimum_when_routing_changes() -> None:
 
 
 def test_threshold_moves_are_bounded() -> None:
-    tuner = ThresholdTuner(MODELS, concurrencies=[16], fixed={"small": 1}, max_step=2, grain_ms=0.5)
+    tuner = ThresholdSolver(
+        MODELS, concurrencies=[16], fixed={"small": 1}, max_step=2, grain_ms=0.5
+    )
     decision = tuner.decide(build_profile(observed(0.35), MODELS, 0.5))
     assert decision.thresholds["large"][16] <= 1 + 2
 
@@ -84,13 +88,13 @@ def test_threshold_moves_are_bounded() -> None:
 def test_slo_caps_concurrency_at_the_speed_it_can_keep() -> None:
     profile = build_profile(observed(0.35), MODELS, 0.5)
     tuned = [1, 2, 4, 8, 16]
-    free = ThresholdTuner(
+    free = ThresholdSolver(
         MODELS, concurrencies=tuned, fixed={"small": 1}, max_step=16, grain_ms=0.5
     ).decide(profile)
     speed = {n: max(free.predicted[n].values()) / n for n in tuned}
     assert speed[1] > speed[16]  # sharing the models slows each request down
     bar = (speed[4] + speed[8]) / 2  # N = 4 keeps it, N = 8 does not
-    slo = ThresholdTuner(
+    slo = ThresholdSolver(
         MODELS,
         concurrencies=tuned,
         fixed={"small": 1},
@@ -110,7 +114,7 @@ def test_three_models_past_the_exact_range_use_monte_carlo() -> None:
     n = AUTO_EXACT_MAX_N + 1  # past it the tuner estimates; exact is still computable here
     profile = escalation_chain().with_grain(1.0)
     names = list(profile.names)
-    decision = ThresholdTuner(names, concurrencies=[n], max_step=2, grain_ms=1.0).decide(profile)
+    decision = ThresholdSolver(names, concurrencies=[n], max_step=2, grain_ms=1.0).decide(profile)
     scores = decision.predicted[n]
     assert decision.solved and len(scores) == 27  # every admissible B within 2 of (1, 1, 1)
     best = max(scores, key=scores.get)

@@ -10,16 +10,17 @@ import asyncio
 import numpy as np
 import pytest
 
+from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.thresholds import check_admissible, is_admissible
-from tokenrouter_ray.tuning.autoscaler import Autoscaler, TunerSpec
 from tokenrouter_ray.tuning.examples import paper_r2r
-from tokenrouter_ray.tuning.live import ThresholdTuner, WindowStats
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig, monte_carlo, monte_carlo_bound
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.replicas import binding
 from tokenrouter_ray.tuning.search import candidates, resolve_method, sweep
 from tokenrouter_ray.tuning.sim_backend import ClosedLoop, calibrate_sleep_bias
+from tokenrouter_ray.tuning.solver import ThresholdSolver
+from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec
 
 MODELS = ["small", "large"]
 SMALL_MC = MonteCarloConfig(replicas=32, warmup_events=200, events=1500, seed=1)
@@ -79,7 +80,7 @@ def test_replicas_serve_more_and_use_monte_carlo() -> None:
 
 
 def test_tuner_resolves_and_stays_admissible_when_replicas_change() -> None:
-    tuner = ThresholdTuner(MODELS, concurrencies=[4, 8], grain_ms=0.1, fixed={"small": 1},
+    tuner = ThresholdSolver(MODELS, concurrencies=[4, 8], grain_ms=0.1, fixed={"small": 1},
                            initial={"large": [1, 1, 1, 1, 3, 3, 3, 3, 5]})  # fmt: skip
     assert tuner.set_replicas({"large": 1}) is False  # unchanged
     assert tuner.set_replicas({"large": 2}) is True
@@ -106,18 +107,18 @@ def _snapshot(src: str, dst: str, committed: int) -> dict:
 def test_autoscaler_counts_reporting_replicas() -> None:
     now = [0.0]
     spec = TunerSpec(period_s=1.0, concurrencies=[4], fixed={"small": 1}, min_moves=20)
-    auto = Autoscaler(MODELS, spec, clock=lambda: now[0], replicas={"large": 1})
+    auto = TunerCore(MODELS, spec, clock=lambda: now[0], replicas={"large": 1})
     auto.report("small", "s0", _snapshot("small", "small", 1))
     auto.report("large", "l0", _snapshot("large", "small", 1))
     auto.report("large", "l1", _snapshot("large", "small", 1))
     auto.collect()
-    assert auto.tuner.replicas == {"small": 1, "large": 2} and auto.replica_changes == 1
+    assert auto.solver.replicas == {"small": 1, "large": 2} and auto.replica_changes == 1
     now[0] = 2.5  # l1 stops reporting (scaled down); the others go on
     auto.report("small", "s0", _snapshot("small", "small", 1))
     auto.report("large", "l0", _snapshot("large", "small", 1))
     now[0] = 3.5
     auto.collect()
-    assert auto.tuner.replicas["large"] == 1 and auto.replica_changes == 2
+    assert auto.solver.replicas["large"] == 1 and auto.replica_changes == 2
     assert auto.status()["replica_counts"] == {"small": 1, "large": 1}
 
 
@@ -125,7 +126,7 @@ def test_tuner_choice_for_two_large_replicas_is_the_measured_best() -> None:
     """Paper setting (6 / 27.9 ms, p = 0.35), N = 4, two large replicas: admissible
     B_large = 1, 2. The tuner's choice must measure within 2 % of the best measured one."""
     profile = paper_r2r()
-    tuner = ThresholdTuner(MODELS, concurrencies=[4], grain_ms=0.1, fixed={"small": 1},
+    tuner = ThresholdSolver(MODELS, concurrencies=[4], grain_ms=0.1, fixed={"small": 1},
                            replicas={"large": 2})  # fmt: skip
     tuner.decide(profile, force=True)
     chosen = tuner.thresholds["large"][4]

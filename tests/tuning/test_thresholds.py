@@ -17,9 +17,9 @@ from tokenrouter_ray.thresholds import (
     is_admissible,
 )
 from tokenrouter_ray.tuning.examples import paper_r2r
-from tokenrouter_ray.tuning.live import ThresholdTuner
 from tokenrouter_ray.tuning.search import threshold_lists, tune
 from tokenrouter_ray.tuning.sim_backend import thresholds_table
+from tokenrouter_ray.tuning.solver import ThresholdSolver
 
 
 def test_lookup_repeats_the_last_entry_and_clamps_below_zero() -> None:
@@ -101,7 +101,7 @@ def test_search_tuner_and_simulation_fill_the_same_way() -> None:
     for i, name in enumerate(profile.names):
         tuned = {n: r.best.thresholds[i] for n, r in results.items()}
         assert lists[name] == ThresholdTable.from_tuned(tuned, 6).to_list()
-    tuner = ThresholdTuner(list(profile.names), concurrencies=[2, 4], fixed={"small": 1})
+    tuner = ThresholdSolver(list(profile.names), concurrencies=[2, 4], fixed={"small": 1})
     decision = tuner.decide(profile, force=True)
     for name in profile.names:
         tuned = {n: decision.thresholds[name][n] for n in (2, 4)}

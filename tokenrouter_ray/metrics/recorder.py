@@ -22,8 +22,8 @@ from tokenrouter_ray.metrics.backends import Backend, NoopBackend, default_backe
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import Engine
-    from tokenrouter_ray.tuning.live import Decision
     from tokenrouter_ray.tuning.profile import RoutingProfile
+    from tokenrouter_ray.tuning.solver import Decision
 
 INGRESS = "ingress"  # the `model` label of errors and peer latency seen at the ingress
 

@@ -33,8 +33,8 @@ from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import FinishSummary, MsgKind, PeerReq, RequestLedger, RouteState
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch
 from tokenrouter_ray.runtime.tracking import Tracked, engine_sampling
+from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
-from tokenrouter_ray.tuning.live import WindowStats
 
 logger = logging.getLogger(__name__)
 

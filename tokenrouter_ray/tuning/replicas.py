@@ -9,7 +9,7 @@ no-deadlock rule becomes
     sum_i R_i (B_i - 1) < N                    (``markov.is_admissible(..., replicas)``)
 
 and it serves up to ``R_i`` batches at once. It is what the config check (``AppConfig``), the
-tuner (``live.ThresholdTuner``) and the search (``search.sweep``) apply.
+tuner (``solver.ThresholdSolver``) and the search (``search.sweep``) apply.
 
 **The launch rule alone keeps every admitted request moving** (no ``max_defer_s`` needed)
 under three conditions: (a) every replica evaluates ``B_i(N)`` with the true N, re-evaluated

@@ -1,139 +1,37 @@
-"""Live statistics and the threshold autoscaler.
+"""Re-solving deferred-batching thresholds from a live profile: ``ThresholdSolver``.
 
-Each model replica keeps a ``WindowStats``: over a sliding window, every request leaving a
-step on model i is a move i -> j (j = i when it stays) with the tokens it committed, and
-every step adds (batch size, seconds). Snapshots (plain dicts, cheap to ship) go to the
-``ThresholdTuner``, which merges them into a ``RoutingProfile``, re-solves the Markov model
-when the statistics drift (or every ``period_s``), and publishes per-model threshold lists
-indexed by the active-request count, with hysteresis (a new set must promise a real gain),
-a bound on how fast a threshold may move, and only deadlock-free sets. Thresholds are per
-model *replica*: with ``R_i`` replicas of model i (``set_replicas``, from the reporting
-replicas) the sets are deadlock-free iff ``sum_i R_i (B_i - 1) < N`` and throughput comes
-from the Monte Carlo model of sticky placement (``replicas.py``); a change of a count forces
-a re-solve, and a set the new counts make inadmissible is replaced even without a gain.
+``decide(profile)`` re-solves the Markov model when the statistics drifted (or when forced,
+or while a bounded move is still converging) and publishes per-model threshold lists indexed
+by the active-request count, with hysteresis (a new set must promise a real gain), a bound on
+how fast a threshold may move, and only deadlock-free sets; between tuned N the lists follow
+the fill rule of ``thresholds.ThresholdTable``. Thresholds are per model *replica*: with
+``R_i`` replicas of model i (``set_replicas``) the sets are deadlock-free iff
+``sum_i R_i (B_i - 1) < N`` and throughput comes from the Monte Carlo model of sticky
+placement (``replicas.py``); a change of a count forces a re-solve, and a set the new counts
+make inadmissible is replaced even without a gain. The outcome is a ``Decision``.
 
 SLO mode: in a closed system a request's mean speed at N active requests is T(B, N) / N, so
 at a given N the throughput-optimal B is also the speed-optimal one; what an SLO (minimum
 tokens per second per request) decides is how many requests may be active. The decision
 then carries ``max_concurrency``: the largest tuned N whose best B still meets the SLO, for
 the ingress to admit up to.
+
+The tuner (``tuner.py``) feeds it profiles built from the replicas' windows; it touches no
+I/O and no clock but ``Decision.at``.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.montecarlo import monte_carlo
-from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
+from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.search import resolve_method
-
-
-class WindowStats:
-    """One replica's routing and step-time statistics over the last ``window_s`` seconds.
-
-    Recording is on the decode loop's hot path (one move per request per step), so counts
-    are added into one-second buckets as they happen: a snapshot merges at most
-    ``window_s`` small buckets instead of walking every event of the window.
-    """
-
-    BUCKET_S = 1.0
-
-    def __init__(self, window_s: float = 60.0) -> None:
-        self.window_s = window_s
-        self._buckets: deque[tuple[float, dict[str, Any]]] = deque()  # (start, counts)
-
-    def _bucket(self, now: float | None) -> dict[str, Any]:
-        now = time.monotonic() if now is None else now
-        start = now - now % self.BUCKET_S
-        if not self._buckets or self._buckets[-1][0] != start:
-            self._buckets.append((start, {"moves": {}, "steps": {}, "active": {}}))
-        return self._buckets[-1][1]
-
-    @staticmethod
-    def _add(part: dict[str, list[float]], key: str, total: float) -> None:
-        entry = part.get(key)
-        if entry is None:
-            part[key] = [1, total]
-        else:
-            entry[0] += 1
-            entry[1] += total
-
-    def record_move(self, src: str, dst: str, committed: int, now: float | None = None) -> None:
-        self._add(self._bucket(now)["moves"], f"{src}->{dst}", committed)
-
-    def record_step(
-        self,
-        batch_size: int,
-        seconds: float,
-        now: float | None = None,
-        active: int | None = None,
-        num_tokens: int | None = None,
-    ) -> None:
-        """One step; ``active`` is the global active-request count N it ran under. A step
-        that computed more than two tokens per request (prefill chunks) counts towards N
-        but not towards the step-time table: the throughput model's steps are decodes and
-        short extends, and a prefill's cost would read as a slow batch size."""
-        bucket = self._bucket(now)
-        if num_tokens is None or num_tokens <= 2 * batch_size:
-            self._add(bucket["steps"], str(batch_size), seconds)
-        if active is not None:  # N -> [steps, batch rows] run under it
-            self._add(bucket["active"], str(active), batch_size)
-
-    def snapshot(self, now: float | None = None) -> dict[str, Any]:
-        now = time.monotonic() if now is None else now
-        while self._buckets and self._buckets[0][0] + self.BUCKET_S <= now - self.window_s:
-            self._buckets.popleft()
-        return merge_snapshots([counts for _, counts in self._buckets])
-
-
-def merge_snapshots(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    merged: dict[str, Any] = {"moves": {}, "steps": {}, "active": {}}
-    for snap in snapshots:
-        for part in ("moves", "steps", "active"):
-            for key, (n, total) in snap.get(part, {}).items():
-                entry = merged[part].setdefault(key, [0, 0])
-                entry[0] += n
-                entry[1] += total
-    return merged
-
-
-def step_means_ms(snapshot: Mapping[str, Any]) -> dict[int, float]:
-    """Mean step time (ms) per batch size in a (merged) snapshot."""
-    return {int(b): 1e3 * s / n for b, (n, s) in snapshot["steps"].items() if n}
-
-
-def build_profile(
-    per_model: Mapping[str, Sequence[Mapping[str, Any]]],
-    models: Sequence[str],
-    grain_ms: float,
-    min_moves: int = 50,
-    step_ms: Mapping[str, Mapping[int, float]] | None = None,
-) -> RoutingProfile | None:
-    """A profile from each model's replica snapshots; None while any model has fewer than
-    ``min_moves`` observed moves or no step times yet. ``step_ms`` (model -> batch -> ms)
-    replaces the snapshots' step times when given: step times are a property of the
-    hardware, so a caller may remember batch sizes the current window has not seen."""
-    merged = {m: merge_snapshots(per_model.get(m, ())) for m in models}
-    p, c, profiles = [], [], []
-    for src in models:
-        moves = merged[src]["moves"]
-        counts = [moves.get(f"{src}->{dst}", [0, 0]) for dst in models]
-        total = sum(n for n, _ in counts)
-        table = step_ms[src] if step_ms is not None else step_means_ms(merged[src])
-        points = sorted((int(b), float(ms)) for b, ms in table.items())
-        if total < min_moves or not points:
-            return None
-        p.append(tuple(n / total for n, _ in counts))
-        c.append(tuple(tok / n if n else 0.0 for n, tok in counts))
-        profiles.append(ModelProfile(src, tuple(points)))
-    return RoutingProfile(tuple(profiles), tuple(p), tuple(c), grain_ms)
 
 
 @dataclass
@@ -147,7 +45,9 @@ class Decision:
     at: float = field(default_factory=time.time)
 
 
-class ThresholdTuner:
+class ThresholdSolver:
+    """Profile in, per-model threshold lists out, with hysteresis (see module docstring)."""
+
     def __init__(
         self,
         models: Sequence[str],

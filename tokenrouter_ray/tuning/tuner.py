@@ -1,15 +1,16 @@
-"""The live threshold autoscaler: statistics in, threshold lists out.
+"""The live threshold tuner: replicas' statistics in, threshold lists out.
 
-``Autoscaler`` is the runtime-agnostic core of the tuner deployment (``deployments/tuner.py``)
-and of ``drive_local`` (the same loop over a ``LocalRuntime``'s sub-servers). Every model
-replica reports its ``WindowStats`` snapshot each ``period_s`` and gets back the threshold
-list it should run with (replicas pull; the tuner never needs to reach a replica). Each
-period the autoscaler merges the fresh reports into a ``RoutingProfile`` and hands it to
-``ThresholdTuner``, which re-solves when the statistics drift (or every ``resolve_every_s``)
-and moves thresholds with hysteresis, a bounded step, and only deadlock-free sets. The
-reporting replicas of each model are counted: thresholds are per replica and the
-deadlock-free sets depend on the counts (``sum_i R_i (B_i - 1) < N``), so a count that
-changes forces a re-solve.
+``TunerCore`` is the tuner without Ray: the core of the tuner deployment
+(``deployments/tuner.py``) and of ``drive_local`` (the same loop over a ``LocalRuntime``'s
+sub-servers); both run ``run_tuner``, the one tuner loop. Every model replica reports its
+``WindowStats`` snapshot (``runtime/window_stats.py``) each ``period_s`` and gets back the
+threshold list it should run with (replicas pull; the tuner never needs to reach a replica).
+Each period the core merges the fresh reports into a ``RoutingProfile`` (``build_profile``)
+and hands it to ``ThresholdSolver`` (``solver.py``), which re-solves when the statistics
+drift (or every ``resolve_every_s``) and moves thresholds with hysteresis, a bounded step,
+and only deadlock-free sets. The reporting replicas of each model are counted: thresholds
+are per replica and the deadlock-free sets depend on the counts (``sum_i R_i (B_i - 1) <
+N``), so a count that changes forces a re-solve.
 
 Routing probabilities and commits come from the current window only (they follow the
 traffic); step times are remembered per batch size across windows (they follow the
@@ -20,12 +21,17 @@ flat extrapolation below the smallest observed batch would make small thresholds
 slow as large ones and the tuner could never lower a threshold it had raised. A profile
 file (``tokenrouter-ray profile``) seeds the table before traffic arrives. Everything it
 decided, and why, is in ``status()``.
+
+Names: the *tuner* is this whole loop (config section ``tuner``, the ``Tuner`` deployment,
+``GET /v1/tokenrouter/tuner``); ``ThresholdSolver`` is its decision step; ``tokenrouter-ray
+tune`` solves the same model offline (``search.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,14 +40,16 @@ from typing import Any, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tokenrouter_ray.tuning.live import (
-    Decision,
-    ThresholdTuner,
-    build_profile,
-    merge_snapshots,
-    step_means_ms,
+from tokenrouter_ray.runtime.window_stats import merge_snapshots, step_means_ms
+from tokenrouter_ray.tuning.profile import (
+    ModelProfile,
+    RoutingProfile,
+    models_from_mapping,
+    read_profile_file,
 )
-from tokenrouter_ray.tuning.profile import RoutingProfile, models_from_mapping, read_profile_file
+from tokenrouter_ray.tuning.solver import Decision, ThresholdSolver
+
+logger = logging.getLogger(__name__)
 
 
 class TunerSpec(BaseModel):
@@ -84,7 +92,9 @@ class _Reporter(Protocol):  # what drive_local needs from a sub-server
     def set_batch_thresholds(self, thresholds: Sequence[int]) -> None: ...
 
 
-class Autoscaler:
+class TunerCore:
+    """Reports in, thresholds out: the tuner without Ray (see module docstring)."""
+
     def __init__(
         self,
         models: Sequence[str],
@@ -96,7 +106,7 @@ class Autoscaler:
         self.models = list(models)
         self.spec = spec
         self.clock = clock
-        self.tuner = ThresholdTuner(
+        self.solver = ThresholdSolver(
             self.models,
             concurrencies=spec.concurrencies,
             grain_ms=spec.grain_ms,
@@ -124,23 +134,23 @@ class Autoscaler:
 
     @property
     def thresholds(self) -> dict[str, list[int]]:
-        return self.tuner.thresholds
+        return self.solver.thresholds
 
     @property
     def last(self) -> Decision:
-        return self.tuner.last
+        return self.solver.last
 
     def report(self, model: str, replica: str, snapshot: dict[str, Any]) -> list[int]:
         """Store one replica's window; answer with the thresholds that model should use."""
         if model not in self.reports:
             raise ValueError(f"unknown model {model!r}; tuned models are {self.models}")
         self.reports[model][replica] = (self.clock(), snapshot)
-        return list(self.tuner.thresholds[model])
+        return list(self.solver.thresholds[model])
 
     def collect(self) -> RoutingProfile | None:
         """The profile of the fresh reports (older than 3 periods: a replica that went away).
         The number of fresh reporters per model is its replica count: a change (Serve
-        autoscaling, a restart) is passed to the tuner, which re-solves on its next decision
+        autoscaling, a restart) is passed to the solver, which re-solves on its next decision
         with ``sum_i R_i (B_i - 1) < N``."""
         now = self.clock()
         stale = now - 3 * self.spec.period_s
@@ -154,7 +164,7 @@ class Autoscaler:
                 counts[model] = len(replicas)
             self.step_ms[model].update(step_means_ms(window))
             merged[model] = [window]
-        if self.tuner.set_replicas(counts):
+        if self.solver.set_replicas(counts):
             self.replica_changes += 1
         top = max(self.spec.concurrencies)
         filled = {m: fill_step_times(self.step_ms[m], top) for m in self.models}
@@ -171,10 +181,10 @@ class Autoscaler:
         return decision
 
     def solve(self, profile: RoutingProfile | None) -> Decision:
-        """The tuner's decision. Touches neither reports nor history, so it may run in a
+        """The solver's decision. Touches neither reports nor history, so it may run in a
         worker thread while ``report`` and ``status`` keep answering on the event loop."""
         force = self.clock() - self._last_solve >= self.spec.resolve_every_s
-        return self.tuner.decide(profile, force=force)
+        return self.solver.decide(profile, force=force)
 
     def record(self, decision: Decision, profile: RoutingProfile | None) -> None:
         """Book-keeping of one period (on the event loop, next to ``status``)."""
@@ -196,12 +206,12 @@ class Autoscaler:
         """What the tuner decided and why, and the statistics it decided from (JSON)."""
         profile = self.profile
         return {
-            "thresholds": self.tuner.thresholds,
-            "last": _decision_json(self.tuner.last, profile),
+            "thresholds": self.solver.thresholds,
+            "last": _decision_json(self.solver.last, profile),
             "history": list(self.history),
             "decisions": self.decisions,
             "replicas": {m: sorted(r) for m, r in self.reports.items()},
-            "replica_counts": dict(self.tuner.replicas),  # what the last solve assumed
+            "replica_counts": dict(self.solver.replicas),  # what the last solve assumed
             "active_requests": self._active_histogram(),  # steps per N in the windows
             "step_ms": {
                 m: {str(b): round(t, 3) for b, t in sorted(v.items())}
@@ -209,6 +219,33 @@ class Autoscaler:
             },
             "spec": self.spec.model_dump(),
         }
+
+
+def build_profile(
+    per_model: Mapping[str, Sequence[Mapping[str, Any]]],
+    models: Sequence[str],
+    grain_ms: float,
+    min_moves: int = 50,
+    step_ms: Mapping[str, Mapping[int, float]] | None = None,
+) -> RoutingProfile | None:
+    """A profile from each model's replica snapshots; None while any model has fewer than
+    ``min_moves`` observed moves or no step times yet. ``step_ms`` (model -> batch -> ms)
+    replaces the snapshots' step times when given: step times are a property of the
+    hardware, so a caller may remember batch sizes the current window has not seen."""
+    merged = {m: merge_snapshots(per_model.get(m, ())) for m in models}
+    p, c, profiles = [], [], []
+    for src in models:
+        moves = merged[src]["moves"]
+        counts = [moves.get(f"{src}->{dst}", [0, 0]) for dst in models]
+        total = sum(n for n, _ in counts)
+        table = step_ms[src] if step_ms is not None else step_means_ms(merged[src])
+        points = sorted((int(b), float(ms)) for b, ms in table.items())
+        if total < min_moves or not points:
+            return None
+        p.append(tuple(n / total for n, _ in counts))
+        c.append(tuple(tok / n if n else 0.0 for n, tok in counts))
+        profiles.append(ModelProfile(src, tuple(points)))
+    return RoutingProfile(tuple(profiles), tuple(p), tuple(c), grain_ms)
 
 
 def fill_step_times(table: Mapping[int, float], top: int) -> dict[int, float]:
@@ -251,25 +288,52 @@ def _decision_json(decision: Decision, profile: RoutingProfile | None) -> dict[s
     return out
 
 
+async def run_tuner(
+    core: TunerCore,
+    stop: asyncio.Event,
+    gather: Callable[[], None] | None = None,
+    publish: Callable[[Decision, RoutingProfile | None], None] | None = None,
+) -> None:
+    """The tuner loop, shared by the Serve deployment and ``drive_local``: every
+    ``period_s`` until ``stop`` is set, ``gather`` reports (when the loop pulls them itself),
+    collect the fresh ones, re-solve in a worker thread (the event loop keeps answering
+    ``report`` and ``status``), record, and ``publish`` the decision. A period that raises is
+    logged and skipped: a bad window must not stop the tuner."""
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), core.spec.period_s)
+        if stop.is_set():
+            return
+        try:
+            if gather is not None:
+                gather()
+            profile = core.collect()
+            decision = await asyncio.to_thread(core.solve, profile)
+            core.record(decision, profile)
+            if publish is not None:
+                publish(decision, profile)
+        except Exception:
+            logger.exception("tuner: a period failed; keeping the current thresholds")
+
+
 async def drive_local(
-    autoscaler: Autoscaler,
+    core: TunerCore,
     servers: Iterable[_Reporter],
     stop: asyncio.Event,
     on_decision: Callable[[Decision], None] | None = None,
 ) -> None:
-    """The tuner loop over in-process sub-servers (a ``LocalRuntime``'s ``servers``)."""
+    """The tuner loop over in-process sub-servers (a ``LocalRuntime``'s ``servers``): it
+    pulls their windows and pushes the thresholds back each period."""
     servers = list(servers)
-    while not stop.is_set():
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), autoscaler.spec.period_s)
-        if stop.is_set():
-            return
+
+    def gather() -> None:
         for k, server in enumerate(servers):
-            autoscaler.report(server.name, f"local-{k}", server.stats.snapshot())
-        profile = autoscaler.collect()
-        decision = await asyncio.to_thread(autoscaler.solve, profile)
-        autoscaler.record(decision, profile)
+            core.report(server.name, f"local-{k}", server.stats.snapshot())
+
+    def publish(decision: Decision, profile: RoutingProfile | None) -> None:
         for server in servers:
-            server.set_batch_thresholds(autoscaler.thresholds[server.name])
+            server.set_batch_thresholds(core.thresholds[server.name])
         if on_decision is not None:
             on_decision(decision)
+
+    await run_tuner(core, stop, gather, publish)
