@@ -178,6 +178,7 @@ class Ingress:
             max_model_len=min(i["max_model_len"] for i in infos),
             vocab_size=min([len(self.tokenizer), *(i["vocab_size"] for i in infos)]),
         )
+        Metrics.ray(model_name=cfg.served_model_name)  # labels every Metrics.ray() here
         replica = serve.get_replica_context().replica_id.unique_id
         serve_directory = ServeDirectory(directory)
         key = await peer_key(serve_directory)

@@ -75,7 +75,7 @@ class ModelServer:
         replica = serve.get_replica_context().replica_id.unique_id
         self.directory = ServeDirectory(directory)
         key = await peer_key(self.directory)
-        metrics = Metrics.ray(policy=cfg.policy.name)  # exported by Ray's metrics agent
+        metrics = Metrics.ray(policy=cfg.policy.name, model_name=cfg.served_model_name)
         self.channel = make_channel(cfg.transport, model, replica, self.directory, key, metrics)
         await self.channel.start()
         self.peers = PeerBook(

@@ -64,13 +64,15 @@ def run(pair_dirs: dict[str, str]) -> dict:
                 "completions": completions,
                 "handoffs": runtime.handoffs,
                 "num_blocks": {s.name: s.engine.kv.pool.num_blocks for s in runtime.subservers},
+                "schedulers": {s.name: s.engine.scheduler for s in runtime.subservers},
             }
 
     return asyncio.run(go())
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    return registry.get_sample_value(name, labels) or 0.0
+    """A sample's value; ``model_name`` is the served name ("" in LocalRuntime tests)."""
+    return registry.get_sample_value(name, {"model_name": "", **labels}) or 0.0
 
 
 def test_counters_match_what_happened(run: dict) -> None:
@@ -81,20 +83,28 @@ def test_counters_match_what_happened(run: dict) -> None:
     assert set(pairs) == {("small", "large"), ("large", "small")}
     for (src, dst), n in pairs.items():
         labels = {"src_model": src, "dst_model": dst}
-        assert value(reg, "tokenrouter_handoffs_total", **labels, policy="bernoulli") == n
-        assert value(reg, "tokenrouter_handoff_tokens_count", **labels) == n
+        got = value(reg, "tokenrouter_routing_num_handoffs_total", **labels, policy="bernoulli")
+        assert got == n
+        assert value(reg, "tokenrouter_routing_handoff_tokens_count", **labels) == n
         tokens = sum(h.num_tokens for h in handoffs if (h.src, h.dst) == (src, dst))
-        assert value(reg, "tokenrouter_handoff_tokens_sum", **labels) == tokens
+        assert value(reg, "tokenrouter_routing_handoff_tokens_sum", **labels) == tokens
 
     for model in TWO:
         want = sum(c.counts.get(model, 0) for c in completions)
         assert want > 0
-        got = value(reg, "tokenrouter_committed_tokens_total", model=model, policy="bernoulli")
-        assert got == want
+        labels = {"model": model, "policy": "bernoulli"}
+        assert value(reg, "tokenrouter_routing_num_committed_tokens_total", **labels) == want
+        # escalating drops the token just sampled (the larger model regenerates it); going
+        # back keeps it: one dropped token per small -> large handoff, none on the large
+        escalations = pairs[("small", "large")] if model == "small" else 0
+        assert value(reg, "tokenrouter_routing_num_dropped_tokens_total", **labels) == escalations
 
     outputs = sum(len(c.token_ids) for c in completions)
-    assert value(reg, "tokenrouter_requests_total", finish_reason="length") == NUM_PROMPTS
-    assert value(reg, "tokenrouter_request_output_tokens_sum") == outputs
+    assert value(reg, "tokenrouter_generation_tokens_total") == outputs
+    assert value(reg, "tokenrouter_request_success_total", finished_reason="length") == NUM_PROMPTS
+    assert value(reg, "tokenrouter_request_generation_tokens_sum") == outputs
+    prompts = value(reg, "tokenrouter_request_prompt_tokens_sum")
+    assert prompts > 0 and value(reg, "tokenrouter_prompt_tokens_total") == prompts
     assert value(reg, "tokenrouter_request_handoffs_sum") == len(handoffs)
     assert value(reg, "tokenrouter_request_handoffs_sum") == sum(c.handoffs for c in completions)
     assert not [s for s in _samples(reg) if s.name.startswith("tokenrouter_errors")]
@@ -106,24 +116,49 @@ def test_histograms_and_gauges_have_observations(run: dict) -> None:
         assert value(reg, "tokenrouter_batch_size_count", model=model) > 0
         assert value(reg, "tokenrouter_step_seconds_count", model=model) > 0
         labels = {"model": model, "policy": "bernoulli"}
-        assert value(reg, "tokenrouter_route_seconds_count", **labels) > 0
+        assert value(reg, "tokenrouter_routing_decision_seconds_count", **labels) > 0
         assert value(reg, "tokenrouter_peer_latency_seconds_count", model=model) > 0
         # after the run every model is idle and its KV free
         assert value(reg, "tokenrouter_kv_blocks_total", model=model) == run["num_blocks"][model]
-        for gauge in ("kv_blocks_used", "requests_waiting", "requests_running"):
+        for gauge in (
+            "kv_blocks_used",
+            "kv_cache_usage_perc",
+            "num_requests_waiting",
+            "num_requests_running",
+            "num_requests_pending",
+        ):
             assert value(reg, f"tokenrouter_{gauge}", model=model) == 0
     assert value(reg, "tokenrouter_peer_latency_seconds_count", model="ingress") > 0
     # the large model's threshold held launches back
     assert value(reg, "tokenrouter_deferred_wait_seconds_count", model="large") > 0
-    assert reg.get_sample_value("tokenrouter_batch_threshold", {"model": "large"}) is not None
+    for model, sched in run["schedulers"].items():
+        assert value(reg, "tokenrouter_batch_threshold", model=model) == sched.threshold()
+        got = value(reg, "tokenrouter_deferred_timeouts_total", model=model)
+        assert got == sched.deferred_timeouts
+        assert value(reg, "tokenrouter_num_preemptions_total", model=model) == (
+            sched.num_preemptions
+        )
+    # the large model's 3 ms safety net fired as the last requests drained (N < B)
+    assert run["schedulers"]["large"].deferred_timeouts > 0
     n = NUM_PROMPTS
     for name in (
         "time_to_first_token_seconds",
         "e2e_request_latency_seconds",
-        "time_per_output_token_seconds",
+        "request_time_per_output_token_seconds",
+        "request_decode_time_seconds",
         "request_prompt_tokens",
     ):
         assert value(reg, f"tokenrouter_{name}_count") == n
+    # A model observes queue and prefill time when it samples a request's first output
+    # token: the entry model for every request, and the large model again for a request
+    # whose first token the small one escalated (dropped, so nothing was committed yet).
+    prompt_len = {c.request_id: c.prompt_len for c in run["completions"]}
+    regenerated = {
+        h.rid for h in run["handoffs"] if h.src == "small" and h.end == prompt_len[h.rid]
+    }
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds"):
+        assert value(reg, f"tokenrouter_{name}_count", model="small") == n
+        assert value(reg, f"tokenrouter_{name}_count", model="large") == len(regenerated)
     assert value(reg, "tokenrouter_inter_token_latency_seconds_count") > 0
     assert value(reg, "tokenrouter_ingress_active_requests") == 0
 
@@ -139,7 +174,7 @@ def test_scrape_names_are_the_definitions(run: dict) -> None:
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     names = {n for n in names if not n.endswith("_created")}
     assert names <= exported_names(prefix="")
-    assert "tokenrouter_handoffs_total" in names  # `_total` exactly once
+    assert "tokenrouter_routing_num_handoffs_total" in names  # `_total` exactly once
 
 
 def test_ray_backend_defines_the_same_metrics() -> None:
@@ -164,11 +199,25 @@ def test_ray_backend_defines_the_same_metrics() -> None:
             "dst_model",
             "policy",
             "type",
-            "finish_reason",
+            "finished_reason",  # vLLM's label name: stop, length, abort, error
+            "model_name",  # the served model name, on every metric
             "active_requests",  # the tuner's tuned N: a handful of configured values
             "outcome",  # tuner decision outcome: 4 values
             "reason",  # peer frame rejections: malformed, bad_mac, replay, undecodable
         }
+
+
+def test_model_name_labels_every_metric(monkeypatch: pytest.MonkeyPatch) -> None:
+    """model_name (vLLM's label) is last on every metric; a Serve replica's name, given once
+    to Metrics.ray(), labels its later Metrics.ray() calls (the ingress's error handlers)."""
+    assert all(d.labels[-1] == "model_name" for d in DEFINITIONS)
+    reg = CollectorRegistry()
+    Metrics(PrometheusBackend(reg), "r2r", model_name="app-a").error("ingress", "timeout")
+    labels = {"model": "ingress", "type": "timeout", "model_name": "app-a"}
+    assert reg.get_sample_value("tokenrouter_errors_total", labels) == 1
+    monkeypatch.setattr(Metrics, "_ray_model_name", "")
+    assert Metrics.ray(policy="r2r", model_name="app-b").model_name == "app-b"
+    assert Metrics.ray().model_name == "app-b"
 
 
 def test_ray_agent_keeps_total_once() -> None:
@@ -177,14 +226,16 @@ def test_ray_agent_keeps_total_once() -> None:
 
     class Agent:
         def collect(self):  # what Ray's metrics agent hands prometheus-client
-            family = CounterMetricFamily(RAY_PREFIX + "tokenrouter_handoffs_total", "", labels=[])
+            family = CounterMetricFamily(
+                RAY_PREFIX + "tokenrouter_routing_num_handoffs_total", "", labels=[]
+            )
             family.add_metric([], 3)
             yield family
 
     reg = CollectorRegistry()
     reg.register(Agent())
-    assert reg.get_sample_value("ray_tokenrouter_handoffs_total") == 3
-    assert "ray_tokenrouter_handoffs_total" in exported_names()
+    assert reg.get_sample_value("ray_tokenrouter_routing_num_handoffs_total") == 3
+    assert "ray_tokenrouter_routing_num_handoffs_total" in exported_names()
 
 
 def test_noop_metrics_accept_every_call() -> None:

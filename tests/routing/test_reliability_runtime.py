@@ -57,7 +57,7 @@ def test_an_unreachable_or_unknown_peer_fails_only_its_request(chain_dirs) -> No
     metrics = Metrics(PrometheusBackend(registry), policy="bernoulli")
 
     def errors(model: str, kind: str) -> float:
-        labels = {"model": model, "type": kind}
+        labels = {"model": model, "type": kind, "model_name": ""}
         return registry.get_sample_value("tokenrouter_errors_total", labels) or 0.0
 
     async def go() -> None:

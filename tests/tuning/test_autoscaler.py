@@ -196,7 +196,7 @@ def test_decisions_are_exported_as_metrics() -> None:
     metrics.tuner_decision(decision, auto.profile, spec.concurrencies)
 
     def value(name: str, **labels: str) -> float | None:
-        return registry.get_sample_value(name, labels)
+        return registry.get_sample_value(name, {"model_name": "", **labels})
 
     assert value("tokenrouter_tuner_decisions_total", outcome="waiting") == 1
     moved = "moved" if decision.changed else "kept"

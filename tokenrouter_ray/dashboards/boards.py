@@ -1,7 +1,8 @@
 """The three Grafana dashboards: overview (traffic, latency, errors), routing (who hands off
 to whom, routing fractions, handoff sizes) and scheduler (batches, queues, deferred launch,
 KV). Each ``build(prefix)`` returns the dashboard JSON as a dict; ``prefix`` is the metric
-name prefix of the exporter (``ray_`` for the Ray Serve deployments).
+name prefix of the exporter (``ray_`` for the Ray Serve deployments). Every query filters on
+``$model_name`` (one served app); the scheduler board also on ``$model``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from tokenrouter_ray.dashboards.panels import (
     dashboard,
     label_variable,
     matrix,
+    model_name_variable,
     quantiles,
     row,
     stat,
@@ -22,16 +24,19 @@ from tokenrouter_ray.dashboards.panels import (
 
 PAIR = ("src_model", "dst_model")
 PAIR_LEGEND = "{{src_model}} → {{dst_model}}"
+APP = 'model_name="$model_name"'
 
 
 def overview(prefix: str) -> dict[str, Any]:
-    q = Promql(prefix)
-    reqs, toks = "tokenrouter_requests_total", "tokenrouter_committed_tokens_total"
+    q = Promql(prefix, selector=APP)
+    reqs, toks = "tokenrouter_request_success_total", "tokenrouter_generation_tokens_total"
+    by_model = "tokenrouter_routing_num_committed_tokens_total"
     errors = "tokenrouter_errors_total"
     return dashboard(
         "tokenrouter-overview",
         "tokenrouter-ray / Overview",
-        "Request rate, token throughput, latency (TTFT, TPOT, ITL, end to end) and errors.",
+        "Request rate, token throughput, latency (TTFT, ITL, TPOT, request phases, end to "
+        "end) and errors.",
         [
             row("Traffic"),
             stat("Requests / s", q.rate(reqs), "reqps", "Requests (choices) ending per second."),
@@ -40,13 +45,22 @@ def overview(prefix: str) -> dict[str, Any]:
             stat("Errors / s", q.rate(errors), "short", "Errors anywhere (models, ingress)."),
             timeseries(
                 "Requests by finish reason",
-                [target(q.rate(reqs, ["finish_reason"]), "{{finish_reason}}")],
+                [target(q.rate(reqs, ["finished_reason"]), "{{finished_reason}}")],
                 "reqps",
                 stack=True,
             ),
             timeseries(
+                "Tokens / s",
+                [
+                    target(q.rate("tokenrouter_prompt_tokens_total"), "prompt"),
+                    target(q.rate(toks), "generation"),
+                ],
+                "short",
+                "Prompt tokens of the requests ended; output tokens as they are committed.",
+            ),
+            timeseries(
                 "Output tokens / s by model",
-                [target(q.rate(toks, ["model"]), "{{model}}")],
+                [target(q.rate(by_model, ["model"]), "{{model}}")],
                 "short",
                 "Committed tokens per second, by the model that produced them.",
                 stack=True,
@@ -60,7 +74,7 @@ def overview(prefix: str) -> dict[str, Any]:
             ),
             timeseries(
                 "Time per output token",
-                quantiles(q, "tokenrouter_time_per_output_token_seconds"),
+                quantiles(q, "tokenrouter_request_time_per_output_token_seconds"),
                 "s",
                 "Per request: (last token - first token) / (tokens - 1).",
             ),
@@ -76,11 +90,22 @@ def overview(prefix: str) -> dict[str, Any]:
                 "s",
             ),
             timeseries(
+                "Request phases",
+                [
+                    *quantiles(q, "tokenrouter_request_queue_time_seconds", legend="queue"),
+                    *quantiles(q, "tokenrouter_request_prefill_time_seconds", legend="prefill"),
+                    *quantiles(q, "tokenrouter_request_decode_time_seconds", legend="decode"),
+                ],
+                "s",
+                "Queue: arrival at the entry model to the start of the step that sampled the "
+                "first token; prefill: that step; decode: first to last token at the ingress.",
+            ),
+            timeseries(
                 "Tokens per request",
                 [
-                    target(q.mean("tokenrouter_request_output_tokens"), "output (mean)"),
+                    target(q.mean("tokenrouter_request_generation_tokens"), "output (mean)"),
                     target(q.mean("tokenrouter_request_prompt_tokens"), "prompt (mean)"),
-                    *quantiles(q, "tokenrouter_request_output_tokens", legend="output"),
+                    *quantiles(q, "tokenrouter_request_generation_tokens", legend="output"),
                 ],
                 "short",
             ),
@@ -97,20 +122,30 @@ def overview(prefix: str) -> dict[str, Any]:
                 "Model errors (step_failed, bad_message) and ingress errors "
                 "(<OpenAI type>_<HTTP status>, request_failed, protocol_error); peer-channel "
                 "frames rejected by authentication.",
+                width=24,
             ),
         ],
+        variables=[model_name_variable(prefix)],
     )
 
 
+def _as(label: str, source: str, expr: str) -> str:
+    """``expr`` with ``source``'s values copied into ``label`` (to join on it)."""
+    return f'label_replace({expr}, "{label}", "$1", "{source}", "(.*)")'
+
+
 def routing(prefix: str) -> dict[str, Any]:
-    q = Promql(prefix)
-    handoffs, toks = "tokenrouter_handoffs_total", "tokenrouter_committed_tokens_total"
+    q = Promql(prefix, selector=APP)
+    handoffs = "tokenrouter_routing_num_handoffs_total"
+    toks = "tokenrouter_routing_num_committed_tokens_total"
+    dropped = "tokenrouter_routing_num_dropped_tokens_total"
     per_model_commits = q.rate(toks, ["model"])
-    as_src = f'label_replace({per_model_commits}, "src_model", "$1", "model", "(.*)")'
+    per_model_dropped = q.rate(dropped, ["model"])
     return dashboard(
         "tokenrouter-routing",
         "tokenrouter-ray / Routing",
-        "Token-level routing: handoffs between models, routing fractions, handoff sizes.",
+        "Token-level routing: handoffs between models, routing fractions, dropped tokens, "
+        "handoff sizes and the cost of deciding.",
         [
             row("Handoffs"),
             matrix(
@@ -130,7 +165,8 @@ def routing(prefix: str) -> dict[str, Any]:
                 "Handoff probability per committed token (≈ p_ij)",
                 [
                     target(
-                        f"{q.rate(handoffs, PAIR)} / on (src_model) group_left {as_src}",
+                        f"{q.rate(handoffs, PAIR)} / on (src_model) group_left "
+                        f"{_as('src_model', 'model', per_model_commits)}",
                         PAIR_LEGEND,
                     )
                 ],
@@ -151,12 +187,43 @@ def routing(prefix: str) -> dict[str, Any]:
                 stack=True,
                 max_value=1,
             ),
+            row("Runs and dropped tokens"),
+            timeseries(
+                "Tokens per visit",
+                [
+                    target(
+                        f"{per_model_commits} / on (model) "
+                        f"{_as('model', 'src_model', q.rate(handoffs, ['src_model']))}",
+                        "{{model}}",
+                    )
+                ],
+                "short",
+                "Tokens a model commits per handoff it sends: the mean run length before "
+                "control moves on (as vLLM's mean acceptance length from its spec_decode "
+                "counters).",
+            ),
+            timeseries(
+                "Dropped-token fraction",
+                [
+                    target(
+                        f"{per_model_dropped} / on (model) "
+                        f"({per_model_dropped} + {per_model_commits})",
+                        "{{model}}",
+                    )
+                ],
+                "percentunit",
+                "Sampled tokens the policy dropped at a handoff for the receiver to "
+                "regenerate, over all tokens the model sampled (as 1 - acceptance rate).",
+                max_value=1,
+            ),
             row("Handoff sizes"),
             timeseries(
                 "Tokens per handoff",
                 [
-                    target(q.mean("tokenrouter_handoff_tokens", PAIR), f"mean {PAIR_LEGEND}"),
-                    *quantiles(q, "tokenrouter_handoff_tokens", PAIR, PAIR_LEGEND),
+                    target(
+                        q.mean("tokenrouter_routing_handoff_tokens", PAIR), f"mean {PAIR_LEGEND}"
+                    ),
+                    *quantiles(q, "tokenrouter_routing_handoff_tokens", PAIR, PAIR_LEGEND),
                 ],
                 "short",
                 "Suffix tokens a handoff carried (what the receiver had not seen).",
@@ -172,7 +239,7 @@ def routing(prefix: str) -> dict[str, Any]:
             row("Routing overhead"),
             timeseries(
                 "Routing decision time per step",
-                quantiles(q, "tokenrouter_route_seconds", ["model"], "{{model}}"),
+                quantiles(q, "tokenrouter_routing_decision_seconds", ["model"], "{{model}}"),
                 "s",
                 "Time in the policy's route() for one step's batch.",
             ),
@@ -183,12 +250,13 @@ def routing(prefix: str) -> dict[str, Any]:
                 "Receiver's clock minus the sender's sent_at (cross-node: includes skew).",
             ),
         ],
+        variables=[model_name_variable(prefix)],
     )
 
 
 def scheduler(prefix: str) -> dict[str, Any]:
-    q = Promql(prefix, selector='model=~"$model"')
-    t = Promql(prefix)  # tuner series without a model label
+    q = Promql(prefix, selector=f'{APP}, model=~"$model"')
+    t = Promql(prefix, selector=APP)  # tuner series without a model label
     model = ["model"]
     by_model = "{{model}}"
     return dashboard(
@@ -220,9 +288,15 @@ def scheduler(prefix: str) -> dict[str, Any]:
             timeseries(
                 "Queue depth",
                 [
-                    target(q.value("tokenrouter_requests_waiting", model), f"waiting {by_model}"),
-                    target(q.value("tokenrouter_requests_running", model), f"running {by_model}"),
-                    target(q.value("tokenrouter_requests_pending", model), f"pending {by_model}"),
+                    target(
+                        q.value("tokenrouter_num_requests_waiting", model), f"waiting {by_model}"
+                    ),
+                    target(
+                        q.value("tokenrouter_num_requests_running", model), f"running {by_model}"
+                    ),
+                    target(
+                        q.value("tokenrouter_num_requests_pending", model), f"pending {by_model}"
+                    ),
                 ],
                 "short",
                 "Waiting: queued for a step; running: in the batch; pending: handed to "
@@ -237,6 +311,13 @@ def scheduler(prefix: str) -> dict[str, Any]:
                 ],
                 "s",
                 "How long a step was held back by the threshold before it launched.",
+            ),
+            timeseries(
+                "Deferred-launch timeouts / s",
+                [target(q.rate("tokenrouter_deferred_timeouts_total", model), by_model)],
+                "short",
+                "Launches below B forced by max_defer_s: the safety net fired. Steady "
+                "non-zero means N or B is off (docs/tuning.md).",
             ),
             timeseries(
                 "Threshold B vs active requests N",
@@ -270,7 +351,7 @@ def scheduler(prefix: str) -> dict[str, Any]:
                         ),
                         "predicted at N={{active_requests}}",
                     ),
-                    target(t.rate("tokenrouter_committed_tokens_total"), "committed"),
+                    target(t.rate("tokenrouter_generation_tokens_total"), "committed"),
                 ],
                 "short",
                 "The Markov model's throughput for the published B; compare at the current N.",
@@ -305,14 +386,9 @@ def scheduler(prefix: str) -> dict[str, Any]:
             row("KV cache"),
             timeseries(
                 "KV usage",
-                [
-                    target(
-                        f"{q.value('tokenrouter_kv_blocks_used', model)} / "
-                        f"{q.value('tokenrouter_kv_blocks_total', model)}",
-                        by_model,
-                    )
-                ],
+                [target(q.value("tokenrouter_kv_cache_usage_perc", model, "max"), by_model)],
                 "percentunit",
+                "Fraction of KV blocks in use (the busiest replica).",
                 max_value=1,
             ),
             timeseries(
@@ -325,15 +401,16 @@ def scheduler(prefix: str) -> dict[str, Any]:
             ),
             timeseries(
                 "Preemptions / s",
-                [target(q.rate("tokenrouter_preemptions_total", model), by_model)],
+                [target(q.rate("tokenrouter_num_preemptions_total", model), by_model)],
                 "short",
                 "Requests whose KV was freed to make room (recomputed later).",
             ),
         ],
         variables=[
+            model_name_variable(prefix),
             label_variable(
-                "model", "model", Promql(prefix).name("tokenrouter_batch_size", "_count")
-            )
+                "model", "model", Promql(prefix, APP).series("tokenrouter_batch_size", "_count")
+            ),
         ],
     )
 

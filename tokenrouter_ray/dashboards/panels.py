@@ -198,9 +198,13 @@ def datasource_variable() -> dict[str, Any]:
     }
 
 
-def label_variable(name: str, label: str, series: str) -> dict[str, Any]:
-    """A multi-value variable over the values of ``label`` on ``series`` (All by default)."""
+def label_variable(name: str, label: str, series: str, multi: bool = True) -> dict[str, Any]:
+    """A variable over the values of ``label`` on ``series``: multi-value with All selected
+    by default, or (``multi=False``) one value, the first one found."""
     query = f"label_values({series}, {label})"
+    current: dict[str, Any] = (
+        {"selected": True, "text": ["All"], "value": ["$__all"]} if multi else {}
+    )
     return {
         "name": name,
         "label": label,
@@ -208,16 +212,23 @@ def label_variable(name: str, label: str, series: str) -> dict[str, Any]:
         "datasource": DATASOURCE,
         "query": {"query": query, "refId": f"{name}-values"},
         "definition": query,
-        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "current": current,
         "hide": 0,
         "refresh": 2,
-        "multi": True,
-        "includeAll": True,
-        "allValue": ".*",
+        "multi": multi,
+        "includeAll": multi,
+        "allValue": ".*" if multi else None,
         "sort": 1,
         "regex": "",
         "options": [],
     }
+
+
+def model_name_variable(prefix: str) -> dict[str, Any]:
+    """``$model_name``: the served model name (one app) every query of a board filters on,
+    so several apps can share one Prometheus."""
+    series = Promql(prefix).name("tokenrouter_batch_size", "_count")
+    return label_variable("model_name", "model_name", series, multi=False)
 
 
 # ------------------------------------------------------------------------ dashboard

@@ -5,8 +5,10 @@ A backend is built from ``DEFINITIONS`` and takes ``inc`` / ``set`` / ``observe`
 
 - ``PrometheusBackend``: prometheus-client instruments in a ``CollectorRegistry`` (the
   global one by default; tests inject a fresh one). The default outside Ray.
-- ``RayBackend``: ``ray.util.metrics`` instruments, exported by Ray's per-node metrics agent
-  (names gain Ray's ``ray_`` prefix there). Ray is imported here only, when one is built.
+- ``RayBackend``: ``ray.serve.metrics`` instruments, exported by Ray's per-node metrics agent
+  (names gain Ray's ``ray_`` prefix there; built inside a Serve replica they also carry its
+  ``deployment``, ``replica`` and ``application`` tags). Ray is imported here only, when one
+  is built.
 - ``NoopBackend``: drops everything.
 
 Both real backends name counters with their ``_total`` suffix: prometheus-client strips it
@@ -95,12 +97,13 @@ def ray_instrument_specs() -> list[dict[str, Any]]:
 
 
 class RayBackend:
-    """``ray.util.metrics`` instruments. They work in any process of a Ray job (values are
+    """``ray.serve.metrics`` instruments (``ray.util.metrics`` plus the replica's Serve tags,
+    at no measurable cost per call). They work in any process of a Ray job (values are
     dropped while Ray is not initialised); in a Serve replica they reach Prometheus through
     the node's metrics agent."""
 
     def __init__(self) -> None:
-        from ray.util import metrics as rm
+        from ray.serve import metrics as rm
 
         self.instruments: dict[str, Any] = {}
         for spec in ray_instrument_specs():

@@ -3,8 +3,17 @@ backends (prometheus-client and Ray) and for the Grafana dashboards.
 
 A ``MetricDef`` is a name, a kind, a help text, its label names and (histograms) its bucket
 boundaries. Names follow Prometheus conventions: base units (``_seconds``), ``_total`` on
-counters. Labels are low-cardinality only: model names, policy name, finish reason, error
-type; never request ids.
+counters. Where vLLM exports a metric with the same meaning, ours has vLLM's name after the
+``tokenrouter_`` prefix (``kv_cache_usage_perc``, ``inter_token_latency_seconds``,
+``request_queue_time_seconds``, ``prompt_tokens_total``, ``request_success_total`` with
+``finished_reason``, ...), so queries written for vLLM carry over by swapping the prefix. The
+routing counters are modelled on vLLM's speculative-decoding counters
+(``spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``): plain event
+and token counts whose ratios are the rates a dashboard shows.
+
+Every metric carries ``model_name`` (the served model name clients ask for, vLLM's label),
+last in its label order, so several apps can share one Prometheus. Labels are
+low-cardinality only: model names, policy name, finish reason, error type; never request ids.
 
 ``exported_names(prefix)`` is what a scraper sees: Ray's metrics agent puts ``ray_`` in
 front of every application metric; histograms appear as ``_bucket``/``_sum``/``_count``.
@@ -18,6 +27,7 @@ from typing import Literal
 Kind = Literal["counter", "gauge", "histogram"]
 
 RAY_PREFIX = "ray_"  # what Ray's metrics agent prepends on its Prometheus endpoint
+MODEL_NAME = "model_name"  # on every metric: the served model name (AppConfig.served_model_name)
 
 # Bucket presets. Ray rejects a boundary <= 0, so none starts at zero.
 LATENCY_BUCKETS = (
@@ -63,7 +73,7 @@ class MetricDef:
     name: str
     kind: Kind
     help: str
-    labels: tuple[str, ...] = ()
+    labels: tuple[str, ...] = ()  # model_name is always the last one
     buckets: tuple[float, ...] = ()
 
     def exported(self, prefix: str = "") -> tuple[str, ...]:
@@ -76,38 +86,57 @@ class MetricDef:
 
 def _counter(name: str, help: str, *labels: str) -> MetricDef:
     assert name.endswith("_total"), name
-    return MetricDef(name, "counter", help, labels)
+    return MetricDef(name, "counter", help, (*labels, MODEL_NAME))
 
 
 def _gauge(name: str, help: str, *labels: str) -> MetricDef:
-    return MetricDef(name, "gauge", help, labels)
+    return MetricDef(name, "gauge", help, (*labels, MODEL_NAME))
 
 
 def _histogram(name: str, help: str, buckets: tuple[float, ...], *labels: str) -> MetricDef:
-    return MetricDef(name, "histogram", help, labels, tuple(float(b) for b in buckets))
+    return MetricDef(
+        name, "histogram", help, (*labels, MODEL_NAME), tuple(float(b) for b in buckets)
+    )
 
 
-# ------------------------------------------------------------------ model sub-servers
+# ------------------------------------------------ routing (vLLM's spec_decode_* counters)
 HANDOFFS = _counter(
-    "tokenrouter_handoffs_total",
-    "Handoffs sent from one model to another.",
+    "tokenrouter_routing_num_handoffs_total",
+    "Handoffs sent from one model to another (as vLLM's spec_decode_num_drafts).",
     "src_model",
     "dst_model",
     "policy",
 )
 COMMITTED_TOKENS = _counter(
-    "tokenrouter_committed_tokens_total",
-    "Output tokens committed, by the model that produced them (routing fraction rho).",
+    "tokenrouter_routing_num_committed_tokens_total",
+    "Output tokens committed, by the model that produced them (routing fraction rho; as "
+    "vLLM's spec_decode_num_accepted_tokens).",
+    "model",
+    "policy",
+)
+DROPPED_TOKENS = _counter(
+    "tokenrouter_routing_num_dropped_tokens_total",
+    "Sampled tokens the policy dropped at a handoff for the receiver to regenerate (R2R: "
+    "the small model's token at the routed position; as a rejected draft token).",
     "model",
     "policy",
 )
 HANDOFF_TOKENS = _histogram(
-    "tokenrouter_handoff_tokens",
+    "tokenrouter_routing_handoff_tokens",
     "Tokens a handoff carried (the suffix the receiver had not seen).",
     COUNT_BUCKETS,
     "src_model",
     "dst_model",
 )
+ROUTE_SECONDS = _histogram(
+    "tokenrouter_routing_decision_seconds",
+    "Time in the routing policy's route() for one step's batch.",
+    FAST_BUCKETS,
+    "model",
+    "policy",
+)
+
+# ------------------------------------------------------------------ model sub-servers
 BATCH_SIZE = _histogram(
     "tokenrouter_batch_size", "Requests in one forward step.", BATCH_BUCKETS, "model"
 )
@@ -117,17 +146,28 @@ STEP_SECONDS = _histogram(
     LATENCY_BUCKETS,
     "model",
 )
-ROUTE_SECONDS = _histogram(
-    "tokenrouter_route_seconds",
-    "Time in the routing policy's route() for one step's batch.",
-    FAST_BUCKETS,
+QUEUE_SECONDS = _histogram(
+    "tokenrouter_request_queue_time_seconds",
+    "A request's arrival on a model to the start of the step that sampled its first output "
+    "token there (vLLM's WAITING phase; deferred launch included).",
+    LATENCY_BUCKETS,
     "model",
-    "policy",
+)
+PREFILL_SECONDS = _histogram(
+    "tokenrouter_request_prefill_time_seconds",
+    "The step that sampled a request's first output token (vLLM's PREFILL phase).",
+    LATENCY_BUCKETS,
+    "model",
 )
 DEFERRED_WAIT_SECONDS = _histogram(
     "tokenrouter_deferred_wait_seconds",
     "How long a launch was held back by the batch threshold before the step ran.",
     FAST_BUCKETS,
+    "model",
+)
+DEFERRED_TIMEOUTS = _counter(
+    "tokenrouter_deferred_timeouts_total",
+    "Launches below the threshold forced by max_defer_s (the safety net fired).",
     "model",
 )
 PEER_LATENCY_SECONDS = _histogram(
@@ -137,11 +177,13 @@ PEER_LATENCY_SECONDS = _histogram(
     "model",
 )
 REQUESTS_WAITING = _gauge(
-    "tokenrouter_requests_waiting", "Requests queued for a step (prefill or extend).", "model"
+    "tokenrouter_num_requests_waiting", "Requests queued for a step (prefill or extend).", "model"
 )
-REQUESTS_RUNNING = _gauge("tokenrouter_requests_running", "Requests in the running batch.", "model")
+REQUESTS_RUNNING = _gauge(
+    "tokenrouter_num_requests_running", "Requests in the running batch.", "model"
+)
 REQUESTS_PENDING = _gauge(
-    "tokenrouter_requests_pending", "Requests handed to another model, KV kept here.", "model"
+    "tokenrouter_num_requests_pending", "Requests handed to another model, KV kept here.", "model"
 )
 BATCH_THRESHOLD = _gauge(
     "tokenrouter_batch_threshold", "Current deferred-launch threshold B of the model.", "model"
@@ -151,10 +193,20 @@ ACTIVE_REQUESTS = _gauge(
     "Global active-request count N as this model last heard it (indexes the thresholds).",
     "model",
 )
+KV_USAGE = _gauge(
+    "tokenrouter_kv_cache_usage_perc",
+    "Fraction of KV-cache blocks in use (0 to 1).",
+    "model",
+)
 KV_BLOCKS_USED = _gauge("tokenrouter_kv_blocks_used", "KV-cache blocks in use.", "model")
 KV_BLOCKS_TOTAL = _gauge("tokenrouter_kv_blocks_total", "KV-cache blocks in the pool.", "model")
 PREEMPTIONS = _counter(
-    "tokenrouter_preemptions_total", "Requests preempted (KV freed, recomputed later).", "model"
+    "tokenrouter_num_preemptions_total",
+    "Requests preempted (KV freed, recomputed later).",
+    "model",
+)
+GENERATION_TOKENS = _counter(
+    "tokenrouter_generation_tokens_total", "Output tokens committed, all models together."
 )
 ERRORS = _counter(
     "tokenrouter_errors_total",
@@ -172,7 +224,12 @@ PEER_REJECTED = _counter(
 
 # ------------------------------------------------------------------------ ingress
 REQUESTS = _counter(
-    "tokenrouter_requests_total", "Requests (choices) ended, by finish reason.", "finish_reason"
+    "tokenrouter_request_success_total",
+    "Requests (choices) ended, by finish reason (as vLLM's, errors and aborts included).",
+    "finished_reason",
+)
+PROMPT_TOKENS_TOTAL = _counter(
+    "tokenrouter_prompt_tokens_total", "Prompt tokens of the requests ended."
 )
 INGRESS_ACTIVE_REQUESTS = _gauge(
     "tokenrouter_ingress_active_requests", "Requests the ingress holds right now."
@@ -188,9 +245,14 @@ INTER_TOKEN_SECONDS = _histogram(
     (*FAST_BUCKETS, 2.5, 5.0, 10.0),
 )
 TPOT_SECONDS = _histogram(
-    "tokenrouter_time_per_output_token_seconds",
+    "tokenrouter_request_time_per_output_token_seconds",
     "Per request: (last token - first token) / (output tokens - 1).",
     (*FAST_BUCKETS, 2.5, 5.0, 10.0),
+)
+DECODE_SECONDS = _histogram(
+    "tokenrouter_request_decode_time_seconds",
+    "Per request: first to last output token at the ingress (vLLM's DECODE phase).",
+    (*LATENCY_BUCKETS, 120.0, 300.0),
 )
 E2E_SECONDS = _histogram(
     "tokenrouter_e2e_request_latency_seconds",
@@ -198,7 +260,7 @@ E2E_SECONDS = _histogram(
     (*LATENCY_BUCKETS, 120.0, 300.0),
 )
 OUTPUT_TOKENS = _histogram(
-    "tokenrouter_request_output_tokens", "Output tokens per request.", COUNT_BUCKETS
+    "tokenrouter_request_generation_tokens", "Output tokens per request.", COUNT_BUCKETS
 )
 PROMPT_TOKENS = _histogram(
     "tokenrouter_request_prompt_tokens", "Prompt tokens per request.", COUNT_BUCKETS
@@ -240,27 +302,35 @@ TUNER_MAX_CONCURRENCY = _gauge(
 DEFINITIONS: tuple[MetricDef, ...] = (
     HANDOFFS,
     COMMITTED_TOKENS,
+    DROPPED_TOKENS,
     HANDOFF_TOKENS,
+    ROUTE_SECONDS,
     BATCH_SIZE,
     STEP_SECONDS,
-    ROUTE_SECONDS,
+    QUEUE_SECONDS,
+    PREFILL_SECONDS,
     DEFERRED_WAIT_SECONDS,
+    DEFERRED_TIMEOUTS,
     PEER_LATENCY_SECONDS,
     REQUESTS_WAITING,
     REQUESTS_RUNNING,
     REQUESTS_PENDING,
     BATCH_THRESHOLD,
     ACTIVE_REQUESTS,
+    KV_USAGE,
     KV_BLOCKS_USED,
     KV_BLOCKS_TOTAL,
     PREEMPTIONS,
+    GENERATION_TOKENS,
     ERRORS,
     PEER_REJECTED,
     REQUESTS,
+    PROMPT_TOKENS_TOTAL,
     INGRESS_ACTIVE_REQUESTS,
     TTFT_SECONDS,
     INTER_TOKEN_SECONDS,
     TPOT_SECONDS,
+    DECODE_SECONDS,
     E2E_SECONDS,
     OUTPUT_TOKENS,
     PROMPT_TOKENS,

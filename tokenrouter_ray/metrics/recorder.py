@@ -2,26 +2,29 @@
 
 Sub-servers, the ingress core and the deployments call these methods at the few places
 where something happens (a step, a commit, a handoff, a message, a request's end); the
-method turns it into ``inc``/``set``/``observe`` on the definitions in ``definitions.py``.
-One ``Metrics`` is cheap (a backend reference and the policy name); backends are built once
-per process.
+method turns it into ``inc``/``set``/``observe`` on the definitions in ``definitions.py``,
+with the served model name appended as the ``model_name`` label. One ``Metrics`` is cheap (a
+backend reference, the policy and the served model name); backends are built once per
+process.
 
     metrics = Metrics(PrometheusBackend(CollectorRegistry()), policy="r2r")   # tests
-    metrics = Metrics(policy="r2r")              # prometheus-client, global registry
-    metrics = Metrics.ray(policy="r2r")          # inside Ray Serve deployments
+    metrics = Metrics(policy="r2r", model_name="tokenrouter")   # prometheus-client, global
+    metrics = Metrics.ray(policy="r2r", model_name="tokenrouter")   # in Ray Serve deployments
     metrics = Metrics.noop()
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 from tokenrouter_ray.metrics import definitions as m
 from tokenrouter_ray.metrics.backends import Backend, NoopBackend, default_backend, ray_backend
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import Engine
+    from tokenrouter_ray.engine.request import Request
     from tokenrouter_ray.tuning.profile import RoutingProfile
     from tokenrouter_ray.tuning.solver import Decision
 
@@ -29,78 +32,130 @@ INGRESS = "ingress"  # the `model` label of errors and peer latency seen at the 
 
 
 class Metrics:
-    def __init__(self, backend: Backend | None = None, policy: str = "") -> None:
+    # The served model name `Metrics.ray()` uses when not given one: a Serve replica
+    # process belongs to one app, so the name its constructor passed once also labels the
+    # calls that do not know it (the ingress's exception handlers).
+    _ray_model_name: ClassVar[str] = ""
+
+    def __init__(
+        self, backend: Backend | None = None, policy: str = "", model_name: str = ""
+    ) -> None:
         self.backend: Backend = default_backend() if backend is None else backend
         self.policy = policy
-        self._preemptions: dict[str, int] = {}  # model -> scheduler count already exported
+        self.model_name = model_name
+        # model -> scheduler counts already exported (the scheduler keeps running totals)
+        self._preemptions: dict[str, int] = {}
+        self._deferred_timeouts: dict[str, int] = {}
 
     @classmethod
-    def ray(cls, policy: str = "") -> Metrics:
-        return cls(ray_backend(), policy)
+    def ray(cls, policy: str = "", model_name: str | None = None) -> Metrics:
+        if model_name is not None:
+            cls._ray_model_name = model_name
+        return cls(ray_backend(), policy, cls._ray_model_name)
 
     @classmethod
     def noop(cls) -> Metrics:
         return cls(NoopBackend())
 
+    def _inc(self, metric: m.MetricDef, value: float, *labels: str) -> None:
+        self.backend.inc(metric, value, (*labels, self.model_name))
+
+    def _set(self, metric: m.MetricDef, value: float, *labels: str) -> None:
+        self.backend.set(metric, value, (*labels, self.model_name))
+
+    def _observe(self, metric: m.MetricDef, value: float, *labels: str) -> None:
+        self.backend.observe(metric, value, (*labels, self.model_name))
+
     # -------------------------------------------------------------- sub-servers
     def handoff(self, src: str, dst: str, num_tokens: int) -> None:
-        self.backend.inc(m.HANDOFFS, 1, (src, dst, self.policy))
-        self.backend.observe(m.HANDOFF_TOKENS, num_tokens, (src, dst))
+        self._inc(m.HANDOFFS, 1, src, dst, self.policy)
+        self._observe(m.HANDOFF_TOKENS, num_tokens, src, dst)
 
-    def committed(self, model: str, num_tokens: int) -> None:
+    def committed(self, model: str, num_tokens: int, num_dropped: int = 0) -> None:
+        """One step's commit on ``model``: tokens kept, and sampled tokens the policy dropped
+        at a handoff (the receiver regenerates them)."""
         if num_tokens:
-            self.backend.inc(m.COMMITTED_TOKENS, num_tokens, (model, self.policy))
+            self._inc(m.COMMITTED_TOKENS, num_tokens, model, self.policy)
+            self._inc(m.GENERATION_TOKENS, num_tokens)
+        if num_dropped:
+            self._inc(m.DROPPED_TOKENS, num_dropped, model, self.policy)
 
     def step(
-        self, model: str, batch_size: int, seconds: float, route_seconds: float | None
+        self,
+        model: str,
+        batch_size: int,
+        seconds: float,
+        route_seconds: float | None,
+        sampled: Sequence[Request] = (),
     ) -> None:
-        """One launched step; ``route_seconds`` is None when no row sampled (nothing routed)."""
-        self.backend.observe(m.BATCH_SIZE, batch_size, (model,))
-        self.backend.observe(m.STEP_SECONDS, seconds, (model,))
+        """One launched step; ``route_seconds`` is None when no row sampled (nothing routed).
+
+        ``sampled``: the engine requests of the rows that sampled, before the commit. A row
+        sampling its request's first output token ends the request's queue and prefill
+        phases on this model: queued from its arrival here to this step's start, prefilled
+        during this step. That is the entry model for every request, and also the model an
+        escalated first token went to (the entry's token was dropped, so later visits
+        otherwise carry output already).
+        """
+        self._observe(m.BATCH_SIZE, batch_size, model)
+        self._observe(m.STEP_SECONDS, seconds, model)
         if route_seconds is not None:
-            self.backend.observe(m.ROUTE_SECONDS, route_seconds, (model, self.policy))
+            self._observe(m.ROUTE_SECONDS, route_seconds, model, self.policy)
+        started = time.monotonic() - seconds - (route_seconds or 0.0)
+        for request in sampled:
+            if request.num_tokens == request.num_prompt_tokens:
+                self._observe(m.QUEUE_SECONDS, max(0.0, started - request.arrival_time), model)
+                self._observe(m.PREFILL_SECONDS, seconds, model)
 
     def deferred_wait(self, model: str, seconds: float) -> None:
-        self.backend.observe(m.DEFERRED_WAIT_SECONDS, seconds, (model,))
+        self._observe(m.DEFERRED_WAIT_SECONDS, seconds, model)
 
     def peer_message(self, model: str, sent_at_ns: int) -> None:
         """One received frame's one-way latency (clamped at 0 against clock skew)."""
         seconds = max(0, time.time_ns() - sent_at_ns) / 1e9
-        self.backend.observe(m.PEER_LATENCY_SECONDS, seconds, (model,))
+        self._observe(m.PEER_LATENCY_SECONDS, seconds, model)
 
     def engine_state(self, model: str, engine: Engine) -> None:
-        """Queue depths, threshold, active count, KV usage and new preemptions."""
+        """Queue depths, threshold, active count, KV usage, new preemptions and new
+        deferred-launch timeouts."""
         sched, pool = engine.scheduler, engine.kv.pool
-        labels = (model,)
-        self.backend.set(m.REQUESTS_WAITING, len(sched.waiting), labels)
-        self.backend.set(m.REQUESTS_RUNNING, len(sched.running), labels)
-        self.backend.set(m.REQUESTS_PENDING, len(sched.pending), labels)
-        self.backend.set(m.BATCH_THRESHOLD, sched.threshold(), labels)
+        self._set(m.REQUESTS_WAITING, len(sched.waiting), model)
+        self._set(m.REQUESTS_RUNNING, len(sched.running), model)
+        self._set(m.REQUESTS_PENDING, len(sched.pending), model)
+        self._set(m.BATCH_THRESHOLD, sched.threshold(), model)
         n = sched.active_requests if sched.active_requests is not None else sched.num_active
-        self.backend.set(m.ACTIVE_REQUESTS, n, labels)
-        self.backend.set(m.KV_BLOCKS_USED, pool.num_used_blocks, labels)
-        self.backend.set(m.KV_BLOCKS_TOTAL, pool.num_blocks, labels)
-        seen = self._preemptions.get(model, 0)
-        if sched.num_preemptions > seen:
-            self.backend.inc(m.PREEMPTIONS, sched.num_preemptions - seen, labels)
-        self._preemptions[model] = sched.num_preemptions
+        self._set(m.ACTIVE_REQUESTS, n, model)
+        used, total = pool.num_used_blocks, pool.num_blocks
+        self._set(m.KV_USAGE, used / total if total else 0.0, model)
+        self._set(m.KV_BLOCKS_USED, used, model)
+        self._set(m.KV_BLOCKS_TOTAL, total, model)
+        self._count_new(m.PREEMPTIONS, self._preemptions, model, sched.num_preemptions)
+        self._count_new(
+            m.DEFERRED_TIMEOUTS, self._deferred_timeouts, model, sched.deferred_timeouts
+        )
+
+    def _count_new(self, metric: m.MetricDef, seen: dict[str, int], model: str, now: int) -> None:
+        """Export the growth of a running total kept elsewhere (the scheduler's)."""
+        if now > seen.get(model, 0):
+            self._inc(metric, now - seen.get(model, 0), model)
+        seen[model] = now
 
     def error(self, model: str, kind: str) -> None:
-        self.backend.inc(m.ERRORS, 1, (model, kind))
+        self._inc(m.ERRORS, 1, model, kind)
 
     def peer_rejected(self, model: str, reason: str) -> None:
         """A peer-channel frame dropped unread (malformed, bad_mac, replay)."""
-        self.backend.inc(m.PEER_REJECTED, 1, (model, reason))
+        self._inc(m.PEER_REJECTED, 1, model, reason)
 
     # ------------------------------------------------------------------ ingress
     def ingress_active(self, num_active: int) -> None:
-        self.backend.set(m.INGRESS_ACTIVE_REQUESTS, num_active, ())
+        self._set(m.INGRESS_ACTIVE_REQUESTS, num_active)
 
     def first_token(self, seconds: float) -> None:
-        self.backend.observe(m.TTFT_SECONDS, seconds, ())
+        self._observe(m.TTFT_SECONDS, seconds)
 
     def inter_token(self, seconds: float) -> None:
-        self.backend.observe(m.INTER_TOKEN_SECONDS, seconds, ())
+        self._observe(m.INTER_TOKEN_SECONDS, seconds)
 
     def request_done(
         self,
@@ -111,13 +166,19 @@ class Metrics:
         handoffs: int,
         tpot_seconds: float | None,
     ) -> None:
-        self.backend.inc(m.REQUESTS, 1, (finish_reason,))
-        self.backend.observe(m.E2E_SECONDS, e2e_seconds, ())
-        self.backend.observe(m.PROMPT_TOKENS, prompt_tokens, ())
-        self.backend.observe(m.OUTPUT_TOKENS, output_tokens, ())
-        self.backend.observe(m.REQUEST_HANDOFFS, handoffs, ())
+        """A request (choice) released; its decode time is first to last token, which is
+        ``tpot * (output_tokens - 1)`` (0 for a one-token answer)."""
+        self._inc(m.REQUESTS, 1, finish_reason)
+        self._inc(m.PROMPT_TOKENS_TOTAL, prompt_tokens)
+        self._observe(m.E2E_SECONDS, e2e_seconds)
+        self._observe(m.PROMPT_TOKENS, prompt_tokens)
+        self._observe(m.OUTPUT_TOKENS, output_tokens)
+        self._observe(m.REQUEST_HANDOFFS, handoffs)
         if tpot_seconds is not None:
-            self.backend.observe(m.TPOT_SECONDS, tpot_seconds, ())
+            self._observe(m.TPOT_SECONDS, tpot_seconds)
+            self._observe(m.DECODE_SECONDS, tpot_seconds * (output_tokens - 1))
+        elif output_tokens == 1:
+            self._observe(m.DECODE_SECONDS, 0.0)
 
     # -------------------------------------------------------------------- tuner
     def tuner_decision(
@@ -130,17 +191,17 @@ class Metrics:
             outcome = "kept"
         else:
             outcome = "steady" if profile is not None else "waiting"
-        self.backend.inc(m.TUNER_DECISIONS, 1, (outcome,))
+        self._inc(m.TUNER_DECISIONS, 1, outcome)
         for model, table in decision.thresholds.items():
             for n in tuned:
-                self.backend.set(m.TUNER_THRESHOLD, table[n], (model, str(n)))
+                self._set(m.TUNER_THRESHOLD, table[n], model, str(n))
         if decision.solved:
             for n, scores in decision.predicted.items():
                 label = ",".join(f"{k}={decision.thresholds[k][n]}" for k in decision.thresholds)
                 if label in scores:
-                    self.backend.set(m.TUNER_PREDICTED, scores[label], (str(n),))
-        self.backend.set(m.TUNER_MAX_CONCURRENCY, decision.max_concurrency or 0, ())
+                    self._set(m.TUNER_PREDICTED, scores[label], str(n))
+        self._set(m.TUNER_MAX_CONCURRENCY, decision.max_concurrency or 0)
         if profile is not None:
             for i, src in enumerate(profile.names):
                 for j, dst in enumerate(profile.names):
-                    self.backend.set(m.TUNER_ROUTE_PROB, profile.route_prob[i][j], (src, dst))
+                    self._set(m.TUNER_ROUTE_PROB, profile.route_prob[i][j], src, dst)

@@ -338,7 +338,9 @@ class SubServer:
         with torch.inference_mode():
             destinations = self.policy.route(batch).tolist()
         route_seconds = time.perf_counter() - t0
-        self.metrics.step(self.name, result.batch_size, result.timings.total, route_seconds)
+        self.metrics.step(
+            self.name, result.batch_size, result.timings.total, route_seconds, requests
+        )
         return result, destinations
 
     def _commit(self, result: StepResult, destinations: list[int]) -> list[PeerReq]:
@@ -397,7 +399,7 @@ class SubServer:
                 self._finished(tracked, "error", out, error=error)
             else:
                 self.engine.abort(rid)
-        self.metrics.committed(self.name, committed)
+        self.metrics.committed(self.name, committed, len(drop))
         return out
 
     def _count(self, tracked: Tracked, n: int) -> None:
