@@ -28,7 +28,7 @@ def run(sched: Scheduler, now: float = 0.0) -> dict[str, int]:
     """Schedule once and apply the result as the engine would (one sampled token each)."""
     out = sched.schedule(now)
     for c in out.chunks:
-        c.request.num_computed_tokens += c.num_tokens
+        c.request.advance_computed(c.num_tokens)
         if c.samples:
             c.request.token_ids.append(0)
     return {c.request.request_id: c.num_tokens for c in out.chunks}
@@ -58,7 +58,7 @@ def test_long_prompt_is_chunked_by_the_token_budget_and_samples_once() -> None:
         (chunk,) = out.chunks
         sizes.append(chunk.num_tokens)
         samples.append(chunk.samples)
-        r.num_computed_tokens += chunk.num_tokens
+        r.advance_computed(chunk.num_tokens)
     assert sizes == [32, 32, 32, 4]
     assert samples == [False, False, False, True]
 

@@ -95,13 +95,13 @@ class KVCacheManager:
         if keep < len(request.block_ids):
             self.pool.free(request.block_ids[keep:])
             del request.block_ids[keep:]
-        request.num_computed_tokens = min(request.num_computed_tokens, num_tokens)
+        request.keep_computed(num_tokens)
 
     def free(self, request: Request) -> None:
         if request.block_ids:
             self.pool.free(request.block_ids)
             request.block_ids = []
-        request.num_computed_tokens = 0
+        request.keep_computed(0)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ a serving loop.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -86,14 +86,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._uncommitted: StepResult | None = None
         self.deferred_until: float | None = None  # set when the launch threshold held a step
-        cfg = runner.model.config
-        limit = getattr(cfg, "max_position_embeddings", None) or self.kv.capacity_tokens
+        limit = runner.max_positions or self.kv.capacity_tokens
         self.max_model_len = min(config.max_model_len or limit, limit, self.kv.capacity_tokens)
-        self.vocab_size = runner.model.get_input_embeddings().num_embeddings
-        eos = getattr(runner.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = cfg.eos_token_id
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.vocab_size: int = runner.vocab_size
+        self.eos_token_ids: frozenset[int] = runner.eos_token_ids
 
     @classmethod
     def from_config(cls, config: EngineConfig, launcher: WorkerLauncher | None = None) -> Engine:
@@ -172,9 +168,9 @@ class Engine:
         if not 0 < anchor <= request.num_tokens:
             raise ValueError(f"anchor {anchor} outside 1..{request.num_tokens} for {request_id!r}")
         if anchor < request.num_tokens:
-            del request.token_ids[anchor:]
+            request.truncate(anchor)
             self.kv.truncate(request, anchor)
-        request.token_ids.extend(new_token_ids)
+        request.append_tokens(new_token_ids)
         if request.num_tokens >= self.max_model_len:
             self._finish(request, RequestStatus.FINISHED_LENGTH)
             return
@@ -197,6 +193,22 @@ class Engine:
         request = self._live(request_id)
         if request is not None:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def keep_outputs(self, logits: bool = False, hidden: bool = False) -> None:
+        """Also keep next-token logits / last hidden states in every ``StepResult`` (a
+        routing policy reads them); what is already kept stays kept."""
+        self.runner.keep_logits |= logits
+        self.runner.keep_hidden |= hidden
+
+    @property
+    def embed_tokens(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Token ids -> this model's input embeddings (for policies that read them)."""
+        return self.runner.embed_tokens
+
+    def sequence(self, request_id: str) -> Sequence[int]:
+        """The request's token ids as this model holds them (prompt + output); read-only
+        (a view of the request's own list, not a copy: handoffs slice it every step)."""
+        return self.requests[request_id].token_ids
 
     def set_active_requests(self, n: int | None) -> None:
         """The global number of active requests, for deferred-launch thresholds."""
@@ -244,7 +256,7 @@ class Engine:
         timings = StepTimings(schedule=time.perf_counter() - t0)
         result = self.runner.execute(out, timings)
         for chunk in out.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+            chunk.request.advance_computed(chunk.num_tokens)
         self._uncommitted = result
         return result
 
@@ -265,7 +277,7 @@ class Engine:
             if request is None:
                 continue
             new = [] if rid in drop else [token]
-            request.token_ids.extend(new)
+            request.append_tokens(new)
             status = self._stop_status(request, new)
             if status is not None:
                 self._finish(request, status)

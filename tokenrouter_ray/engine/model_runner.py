@@ -12,6 +12,7 @@ eagerly when ``static_batches`` asks for it (the CPU tests do, to check it token
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +49,7 @@ def model_footprint(model: PreTrainedModel) -> ModelFootprint:
             cfg.num_hidden_layers, kv_heads, head_dim, dtype_bytes
         ),
     )
+
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import EngineConfig
@@ -188,6 +190,28 @@ class ModelRunner:
             use_flash=self.use_flash,
             scratch_block=self.scratch_block,
         )
+
+    # ------------------------------------------- what the engine reads of its model
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().num_embeddings
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.model.config.eos_token_id
+        return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's position limit, if its config states one."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    @property
+    def embed_tokens(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Token ids -> input embeddings (for policies that read them)."""
+        return self.model.get_input_embeddings()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, timings: StepTimings) -> StepResult:

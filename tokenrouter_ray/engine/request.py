@@ -1,14 +1,18 @@
 """One request as one engine sees it: its tokens, its KV bookkeeping and its status.
 
 Requests enter through ``Engine.add_request`` and leave when they reach a finished
-status. The scheduler moves them between statuses and advances ``num_computed_tokens``;
-the engine appends tokens (sampled here or received from a peer model).
+status. A request owns its token list and its computed count, and changes them only
+through its methods: ``append_tokens`` (sampled here or received from a peer model),
+``truncate`` (tokens past an anchor that another model replaced), ``advance_computed``
+(the runner computed KV for a chunk) and ``keep_computed`` (KV past a point was freed).
+The scheduler moves requests between statuses; the KV cache manager owns ``block_ids``.
 """
 
 from __future__ import annotations
 
 import enum
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -86,9 +90,31 @@ class Request:
             )
         self.runnable_since = self.arrival_time
 
+    # ----------------------------------------------------------------- its tokens
+    def append_tokens(self, token_ids: Sequence[int]) -> None:
+        """Extend the sequence (a sampled token, or the suffix a peer model sent)."""
+        self.token_ids.extend(token_ids)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens (an anchor: what follows was replaced)."""
+        del self.token_ids[num_tokens:]
+        self.keep_computed(num_tokens)
+
+    def advance_computed(self, num_tokens: int) -> None:
+        """KV for the next ``num_tokens`` tokens was computed."""
+        self.num_computed_tokens += num_tokens
+
+    def keep_computed(self, num_tokens: int) -> None:
+        """KV past the first ``num_tokens`` positions no longer counts (freed or stale)."""
+        self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
 
     @property
     def num_output_tokens(self) -> int:

@@ -45,6 +45,30 @@ class RouteBatch:
     seeds: Sequence[int]  # per-request seeds (for seeded random policies)
     embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # token ids -> embeddings
 
+    @classmethod
+    def of_step(
+        cls,
+        model: int,
+        step: StepResult,
+        prev_tokens: Sequence[int],
+        is_first: Sequence[bool],
+        seeds: Sequence[int],
+        embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> RouteBatch:
+        """The batch for one step of model ``model``: per-row facts come in as host lists
+        (one per row of ``step``) and go to the step's device here, so the runtime that
+        calls this needs no torch."""
+        dev = step.sampled.device
+        return cls(
+            model=model,
+            step=step,
+            positions=torch.tensor(step.positions, device=dev),
+            prev_tokens=torch.tensor(list(prev_tokens), device=dev),
+            is_first=torch.tensor(list(is_first), device=dev),
+            seeds=seeds,
+            embed=embed,
+        )
+
     @property
     def size(self) -> int:
         return len(self.step.request_ids)
@@ -94,6 +118,11 @@ class Policy(ABC):
     @abstractmethod
     def route(self, batch: RouteBatch) -> torch.Tensor:
         """(B,) long destination model index per row, on ``batch.device``."""
+
+    def route_step(self, batch: RouteBatch) -> list[int]:
+        """``route`` without autograd; only the index vector leaves the device."""
+        with torch.inference_mode():
+            return self.route(batch).tolist()
 
     def send(self, request: RequestView, dst: int) -> Send:
         """Default: escalating to a larger model drops the token it will regenerate;

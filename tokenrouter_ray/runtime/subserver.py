@@ -22,19 +22,17 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from tokenrouter_ray.engine.engine import Engine
-from tokenrouter_ray.engine.outputs import StepResult
+from tokenrouter_ray.engine.outputs import RequestOutput, StepResult
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import FinishSummary, MsgKind, PeerReq, RequestLedger, RouteState
-from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch
+from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, Send
 from tokenrouter_ray.runtime.tracking import Tracked, engine_sampling
-from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
+from tokenrouter_ray.tuning.live import WindowStats
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +85,8 @@ class SubServer:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
-        runner = engine.runner
-        runner.keep_logits |= policy.needs_logits
-        runner.keep_hidden |= policy.needs_hidden
-        embeddings = runner.model.get_input_embeddings()
-        self._embed = embeddings if policy.needs_embeddings else None
+        engine.keep_outputs(logits=policy.needs_logits, hidden=policy.needs_hidden)
+        self._embed = engine.embed_tokens if policy.needs_embeddings else None
 
     @property
     def endpoint(self) -> str:
@@ -322,48 +317,54 @@ class SubServer:
             self.metrics.step(self.name, result.batch_size, result.timings.total, None)
             return result, []
         requests = [self.engine.requests[rid] for rid in result.request_ids]
-        dev = result.sampled.device
-        batch = RouteBatch(
-            model=self.index,
-            step=result,
-            positions=torch.tensor(result.positions, device=dev),
-            prev_tokens=torch.tensor([r.token_ids[-1] for r in requests], device=dev),
-            is_first=torch.tensor(
-                [r.num_tokens == r.num_prompt_tokens for r in requests], device=dev
-            ),
+        batch = RouteBatch.of_step(
+            self.index,
+            result,
+            prev_tokens=[r.last_token_id for r in requests],
+            is_first=[r.num_output_tokens == 0 for r in requests],
             seeds=[r.seed for r in requests],
             embed=self._embed,
         )
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            destinations = self.policy.route(batch).tolist()
+        destinations = self.policy.route_step(batch)
         route_seconds = time.perf_counter() - t0
-        self.metrics.step(
-            self.name, result.batch_size, result.timings.total, route_seconds, requests
-        )
+        self.metrics.step(self.name, result.batch_size, result.timings.total, route_seconds)
         return result, destinations
 
     def _commit(self, result: StepResult, destinations: list[int]) -> list[PeerReq]:
-        drop: set[str] = set()
-        leaving: dict[str, tuple[int, dict]] = {}
-        failed: dict[str, str] = {}  # rid -> error: policy.send or the handoff raised
+        """After a step: the policy's decisions, the tuner's statistics, the engine's
+        commit, then the messages that report it (COMMIT, HANDOFF, FINISHED)."""
+        leaving, failed = self._decide(result, destinations)
+        drop = {rid for rid, (_, send) in leaving.items() if send.drop_sampled}
+        self._record_step(result, destinations, drop)
+        outputs = self.engine.commit(result, drop=drop, pause=leaving.keys())
+        out, committed = self._report(outputs, result, leaving, failed)
+        self._fail_requests(failed, out)
+        self.metrics.committed(self.name, committed)
+        return out
+
+    def _decide(
+        self, result: StepResult, destinations: list[int]
+    ) -> tuple[dict[str, tuple[int, Send]], dict[str, str]]:
+        """The policy's ``send`` for every row routed elsewhere: rid -> (destination, Send).
+        A row whose ``send`` raises stays here and is reported in the second map (rid ->
+        error): its request ends with an error once its token is committed."""
+        leaving: dict[str, tuple[int, Send]] = {}
+        failed: dict[str, str] = {}
         for rid, position, dst in zip(
             result.request_ids, result.positions, destinations, strict=True
         ):
             if dst == self.index:
                 continue
             try:
-                tracked = self.tracked[rid]
-                send = self.policy.send(
-                    RequestView(rid, self.index, position, tracked.policy_state), dst
-                )
+                view = RequestView(rid, self.index, position, self.tracked[rid].policy_state)
+                leaving[rid] = (dst, self.policy.send(view, dst))
             except Exception as exc:
                 failed[rid] = f"routing to {self.models[dst]} failed: {exc!r}"
-                continue
-            if send.drop_sampled:
-                drop.add(rid)
-            leaving[rid] = (dst, send.extras)
-        positions = dict(zip(result.request_ids, result.positions, strict=True))
+        return leaving, failed
+
+    def _record_step(self, result: StepResult, destinations: list[int], drop: set[str]) -> None:
+        """The step and every row's move into the threshold tuner's statistics window."""
         now = time.monotonic()
         active = self.active_requests or self.engine.scheduler.num_active
         self.stats.record_step(
@@ -371,9 +372,21 @@ class SubServer:
         )
         for rid, dst in zip(result.request_ids, destinations, strict=True):
             self.stats.record_move(self.name, self.models[dst], int(rid not in drop), now)
+
+    def _report(
+        self,
+        outputs: list[RequestOutput],
+        result: StepResult,
+        leaving: dict[str, tuple[int, Send]],
+        failed: dict[str, str],
+    ) -> tuple[list[PeerReq], int]:
+        """The messages for one commit: COMMIT (new tokens) and FINISHED to the ingress,
+        HANDOFF for requests leaving. A handoff that cannot be built adds its request to
+        ``failed``. Returns the messages and how many tokens were committed."""
+        positions = dict(zip(result.request_ids, result.positions, strict=True))
         out: list[PeerReq] = []
         committed = 0
-        for o in self.engine.commit(result, drop=drop, pause=leaving.keys()):
+        for o in outputs:
             rid = o.request_id
             try:
                 tracked = self.tracked[rid]
@@ -386,11 +399,13 @@ class SubServer:
                 if o.finished:
                     self._finished(tracked, o.finish_reason, out)
                 elif rid in leaving:
-                    dst, extras = leaving[rid]
-                    sequence = self.engine.requests[rid].token_ids
-                    out.append(self._handoff(tracked, sequence, dst, extras))
+                    dst, send = leaving[rid]
+                    out.append(self._handoff(tracked, self.engine.sequence(rid), dst, send.extras))
             except Exception as exc:  # e.g. no replica of the destination is known
                 failed[rid] = f"handing {rid} on failed: {exc!r}"
+        return out, committed
+
+    def _fail_requests(self, failed: dict[str, str], out: list[PeerReq]) -> None:
         for rid, error in failed.items():
             logger.warning("%s: %s", self.name, error)
             self.metrics.error(self.name, "request_failed")
@@ -399,13 +414,13 @@ class SubServer:
                 self._finished(tracked, "error", out, error=error)
             else:
                 self.engine.abort(rid)
-        self.metrics.committed(self.name, committed, len(drop))
-        return out
 
     def _count(self, tracked: Tracked, n: int) -> None:
         tracked.counts[self.name] = tracked.counts.get(self.name, 0) + n
 
-    def _handoff(self, tracked: Tracked, sequence: list[int], dst: int, extras: dict) -> PeerReq:
+    def _handoff(
+        self, tracked: Tracked, sequence: Sequence[int], dst: int, extras: dict
+    ) -> PeerReq:
         model = self.models[dst]
         first_visit = not tracked.anchors.visited(model)
         anchor, suffix = tracked.anchors.suffix_for(model, sequence)

@@ -35,7 +35,6 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -61,29 +60,6 @@ PROB_TOLERANCE = 1e-9
 
 
 # --------------------------------------------------------------------------- the runner
-class _SimEmbeddings:
-    def __init__(self, num_embeddings: int) -> None:
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = SIM_HIDDEN_SIZE
-
-
-class _SimModel:
-    """Just the attributes ``Engine`` and ``SubServer`` read from a model."""
-
-    def __init__(self, vocab_size: int, max_position_embeddings: int) -> None:
-        self.config = SimpleNamespace(
-            max_position_embeddings=max_position_embeddings,
-            eos_token_id=None,
-            vocab_size=vocab_size,
-            hidden_size=SIM_HIDDEN_SIZE,
-        )
-        self.generation_config = SimpleNamespace(eos_token_id=None)
-        self._embeddings = _SimEmbeddings(vocab_size)
-
-    def get_input_embeddings(self) -> _SimEmbeddings:
-        return self._embeddings
-
-
 @dataclass
 class SimStats:
     """What a ``SimRunner`` did: steps, batch sizes, simulated busy time, idle gaps."""
@@ -126,7 +102,9 @@ class SimRunner:
         if not 0 <= token_id < vocab_size:
             raise ValueError(f"token_id {token_id} outside the vocabulary 0..{vocab_size - 1}")
         self.step_seconds = step_seconds
-        self.model = _SimModel(vocab_size, max_position_embeddings)
+        self.vocab_size = vocab_size  # what the engine reads of a runner's model
+        self.max_positions = max_position_embeddings
+        self.eos_token_ids: frozenset[int] = frozenset()
         self.token_id = token_id
         self.sleep_bias_s = sleep_bias_s
         self.keep_logits = keep_logits
@@ -135,6 +113,10 @@ class SimRunner:
         self.adaptive = adaptive
         self.stats = SimStats()
         self._last_end: float | None = None
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Zero embeddings (policies that read embeddings see a constant)."""
+        return torch.zeros((*token_ids.shape, SIM_HIDDEN_SIZE))
 
     def reset_stats(self) -> None:
         self.stats = SimStats()
@@ -154,7 +136,7 @@ class SimRunner:
             self.sleep_bias_s = min(max(0.0, self.sleep_bias_s + 0.2 * error), duration / 2)
         n = len(sampling)
         tokens = [self.token_id] * n
-        logits = torch.zeros((n, self.model.config.vocab_size)) if self.keep_logits else None
+        logits = torch.zeros((n, self.vocab_size)) if self.keep_logits else None
         hidden = torch.zeros((n, SIM_HIDDEN_SIZE)) if self.keep_hidden else None
         stats = self.stats
         if self.record_gaps and self._last_end is not None:

@@ -37,7 +37,6 @@ from tokenrouter_ray.routing.training.data import (
     chat_prompts,
     check_model_dir,
     encode_prompts,
-    eos_token_ids,
     labels,
     load_feature_model,
     run_engine,
@@ -300,10 +299,10 @@ def build_data(
     t0 = time.perf_counter()
     small = load_feature_model(small_dir, opts.small_layers, opts.device)
     large = load_feature_model(large_dir, None, opts.device) if policy == "co_llm" else None
-    if small.config.vocab_size != engine.runner.model.config.vocab_size:
+    if small.config.vocab_size != engine.vocab_size:
         raise UserFacingError(
             f"the small model's vocabulary ({small.config.vocab_size}) differs from the large "
-            f"model's ({engine.runner.model.config.vocab_size}): they must share a tokenizer"
+            f"model's ({engine.vocab_size}): they must share a tokenizer"
         )
     data = teacher_forced_features(
         small, sequences, [len(p) for p in prompts], opts.top_k, large, opts.token_budget,
@@ -312,7 +311,7 @@ def build_data(
     seconds["seconds_features"] = time.perf_counter() - t0
     if policy == "r2r" and opts.verify_steps > 0:
         t0 = time.perf_counter()
-        eos = eos_token_ids(engine.runner.model)
+        eos = set(engine.eos_token_ids)
         target = verify_divergences(
             partial(run_engine, engine, desc="verify", progress=opts.progress),
             sequences, data, opts.verify_steps, eos,
