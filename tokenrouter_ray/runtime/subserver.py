@@ -31,8 +31,8 @@ from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import FinishSummary, MsgKind, PeerReq, RequestLedger, RouteState
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, Send
 from tokenrouter_ray.runtime.tracking import Tracked, engine_sampling
+from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
-from tokenrouter_ray.tuning.live import WindowStats
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +328,9 @@ class SubServer:
         t0 = time.perf_counter()
         destinations = self.policy.route_step(batch)
         route_seconds = time.perf_counter() - t0
-        self.metrics.step(self.name, result.batch_size, result.timings.total, route_seconds)
+        self.metrics.step(
+            self.name, result.batch_size, result.timings.total, route_seconds, requests
+        )
         return result, destinations
 
     def _commit(self, result: StepResult, destinations: list[int]) -> list[PeerReq]:
@@ -340,7 +342,7 @@ class SubServer:
         outputs = self.engine.commit(result, drop=drop, pause=leaving.keys())
         out, committed = self._report(outputs, result, leaving, failed)
         self._fail_requests(failed, out)
-        self.metrics.committed(self.name, committed)
+        self.metrics.committed(self.name, committed, len(drop))
         return out
 
     def _decide(
