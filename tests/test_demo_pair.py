@@ -14,10 +14,11 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
     LlamaForCausalLM,
 )
 
+from tests.tiny_models import TINY as TINY_SHAPE
+from tests.tiny_models import tiny_model
 from tokenrouter_ray.demo.small import (
     TEMPLATES,
     TOPICS,
@@ -31,25 +32,14 @@ from tokenrouter_ray.demo.small import (
     teacher_samples,
 )
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=5,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+# The shared tiny shape, deeper (the small model is a prefix of its layers), tied as SmolLM2.
+TINY = {**TINY_SHAPE, "num_hidden_layers": 5, "max_position_embeddings": 256}
+TINY |= {"tie_word_embeddings": True}
 
 
 @pytest.fixture(scope="module")
 def tiny_large() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.float64).eval()
+    return tiny_model("llama", 0, **TINY).to(torch.float64)
 
 
 def _layer_outputs(model: LlamaForCausalLM, ids: torch.Tensor) -> list[torch.Tensor]:

@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from tests.routing.test_import_router import reference_router, save_r2r_checkpoint
+from tests.tiny_models import tiny_model
 from tokenrouter_ray.cli import main
 from tokenrouter_ray.config import CONF_DIR, ConfigError, compose_config
 
@@ -72,18 +73,15 @@ def test_missing_router_is_one_clear_error_at_build(monkeypatch, tmp_path: Path)
 
 def save_tiny_qwen3(path: Path, tokenizer_dir: Path, layers: int, seed: int) -> torch.nn.Module:
     """A random-weight Qwen3 (the flagship's architecture) at toy size, with a real tokenizer."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    model = tiny_model(
+        "qwen3", seed,
+        vocab_size=len(tokenizer), num_hidden_layers=layers, max_position_embeddings=1024,
+        initializer_range=0.2, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    model = Qwen3ForCausalLM(config).eval()
     model.save_pretrained(path)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():

@@ -7,43 +7,17 @@ and unbatched math from flipping an argmax, so exactness tests hold by construct
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import AutoModelForCausalLM
 
+from tests.tiny_models import TINY, save_tiny
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
-
-
-def save_tiny(path: Path, arch: str, seed: int = 0) -> str:
-    torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**TINY))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **TINY))
-    model.to(torch.float64).save_pretrained(path)
-    return str(path)
+# The shared tiny shape (tests/tiny_models.py), re-exported for the tests that import it here.
+__all__ = ["TINY", "greedy_reference", "make_engine", "save_tiny"]
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen3"])

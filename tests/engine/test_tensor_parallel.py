@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from tests.engine.conftest import TINY, make_engine
+from tests.engine.conftest import make_engine
+from tests.tiny_models import save_tiny
 from tokenrouter_ray.config import ModelSpec
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.model_runner import ModelRunner, model_footprint
@@ -37,10 +37,7 @@ from tokenrouter_ray.errors import ModelLoadError
 
 
 def save_qwen3(path: Path, **overrides: object) -> str:
-    torch.manual_seed(0)
-    cfg = Qwen3Config(**{**TINY, "head_dim": 16, **overrides})
-    Qwen3ForCausalLM(cfg).to(torch.float64).save_pretrained(path)
-    return str(path)
+    return save_tiny(path, "qwen3", 0, **overrides)
 
 
 @pytest.fixture(scope="module")

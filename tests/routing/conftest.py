@@ -8,18 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
-from tests.engine.conftest import TINY, make_engine
+from tests.engine.conftest import make_engine
+from tests.tiny_models import save_tiny
 
 MODEL_NAMES = ["small", "mid", "large"]
 
 
 def save_chain_model(path: Path, layers: int, seed: int) -> str:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**TINY, "num_hidden_layers": layers, "initializer_range": 0.4})
-    LlamaForCausalLM(cfg).to(torch.float64).save_pretrained(path)
-    return str(path)
+    return save_tiny(path, "llama", seed, num_hidden_layers=layers, initializer_range=0.4)
 
 
 @pytest.fixture(scope="session")

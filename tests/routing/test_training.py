@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.engine.conftest import TINY
+from tests.tiny_models import tiny_model
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.errors import UserFacingError
@@ -69,9 +68,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     with lm_head rows of tokens a and b exchanged, so it disagrees with ``large`` exactly
     where the large model's greedy token is a or b (a: its most frequent output token)."""
     root = tmp_path_factory.mktemp("training_pair")
-    torch.manual_seed(5)
-    cfg = LlamaConfig(**{**TINY, "initializer_range": 0.4})
-    model = LlamaForCausalLM(cfg).float().eval()
+    model = tiny_model("llama", seed=5, initializer_range=0.4).float()
     model.save_pretrained(root / "large")
     outputs = engine(str(root / "large")).generate(
         make_prompts(), SamplingParams(max_tokens=MAX_TOKENS)

@@ -1,0 +1,68 @@
+"""The one tiny random-weight model shape every test builds from.
+
+``TINY`` is the shape (128-token vocabulary, 64 wide, 2 layers, 4 query / 2 KV heads, no
+special tokens); ``tiny_config(arch, **changes)`` makes a transformers config of it for
+``llama`` or ``qwen3`` (Qwen3 with ``head_dim`` 16), and ``save_tiny`` writes a seeded model
+to a directory, which the engine then loads through its own code path. Tests that need a
+variant (more layers, tied embeddings, a real tokenizer's vocabulary) pass the changes
+instead of writing the shape again. Fixtures over it live in ``tests/engine/conftest.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TINY: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+}
+
+
+def tiny_config(arch: str = "llama", **changes: Any) -> PretrainedConfig:
+    """The tiny shape as a ``llama`` or ``qwen3`` config, with ``changes`` applied."""
+    config_cls, _, extra = ARCHS[arch]
+    return config_cls(**{**TINY, **extra, **changes})
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **changes: Any) -> PreTrainedModel:
+    """A seeded random-weight model of the tiny shape (float32, train mode off)."""
+    _, model_cls, _ = ARCHS[arch]
+    config = tiny_config(arch, **changes)
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+def save_tiny(
+    path: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    **changes: Any,
+) -> str:
+    """Save a seeded tiny model (``dtype``: float64 by default, so batched and unbatched
+    math cannot flip an argmax) to ``path``; returns the path as a string."""
+    tiny_model(arch, seed, **changes).to(dtype).save_pretrained(path)
+    return str(path)
