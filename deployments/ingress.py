@@ -317,11 +317,6 @@ class Ingress:
         self, prepared: PreparedRequest, timeout_s: float | None
     ) -> list[tuple[str, str]]:
         sampling = prepared.sampling
-        if sampling.min_p or sampling.repetition_penalty != 1.0:
-            raise InvalidRequestError(
-                "min_p and repetition_penalty are not supported yet.",
-                param="min_p" if sampling.min_p else "repetition_penalty",
-            )
         limit = min(self.cfg.ingress.max_active_requests, self.slo_cap or 1 << 30)
         if self.core.num_active + sampling.n > limit:
             raise OverloadedError("Too many requests in flight; retry shortly.", retry_after_s=1)

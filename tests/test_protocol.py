@@ -36,11 +36,11 @@ extra_value = st.recursive(scalar, lambda inner: st.lists(inner, max_size=4), ma
 samplings = st.builds(
     SamplingSpec,
     temperature=st.floats(0, 2),
-    top_p=st.floats(0, 1),
+    top_p=st.floats(0, 1, exclude_min=True),
     top_k=st.integers(0, 1000),
     seed=st.none() | int64,
     max_tokens=st.integers(1, 1 << 20),
-    stop_token_ids=st.lists(token, max_size=4),
+    stop_token_ids=st.lists(token, max_size=4).map(tuple),
 )
 
 
@@ -139,6 +139,18 @@ def test_route_state_and_summary_are_typed_on_the_wire() -> None:
     done = PeerReq("r", "large/0", "ingress/0", MsgKind.FINISHED, 3, anchor=9,
                    summary=FinishSummary({"large": 1}, handoffs=1, error="boom"))  # fmt: skip
     assert decode(encode(done)).summary.error == "boom"
+
+
+def test_sampling_is_the_engines_type_and_checked_on_decode() -> None:
+    from tokenrouter_ray.engine.request import SamplingParams
+
+    assert SamplingSpec is SamplingParams  # one type from the OpenAI layer to the sampler
+    m = PeerReq("r", "ingress/0", "small/0", MsgKind.NEW, 0, [1], sampling=SamplingSpec())
+    assert decode(encode(m)).sampling == SamplingSpec(temperature=0.0, max_tokens=16)
+    raw = msgspec.msgpack.decode(encode(m))
+    raw[10][1] = 0.0  # top_p = 0 samples nothing: the frame is refused, not run
+    with pytest.raises(ProtocolError, match="top_p"):
+        decode(msgspec.msgpack.encode(raw))
 
 
 def test_sent_at_defaults_to_wall_clock_ns() -> None:

@@ -17,7 +17,8 @@ correct without a global barrier (DESIGN.md §3):
   position, so commits from different models that arrive out of order are not lost.
 - `check_shared_tokenizer` runs at start-up: token ids travel, so all models must agree on them.
 
-Nothing here imports Ray, ZeroMQ or torch.
+Nothing here imports Ray, ZeroMQ or torch (`engine.request`, for the sampling type, is
+torch-free).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.errors import UserFacingError
 
 PROTOCOL_VERSION = 2
@@ -44,7 +46,8 @@ rejects versions it does not speak with `ProtocolError`.
 
 v2: `RouteState` and `FinishSummary` replaced the string keys runtime state rode under in
 `extras` ("ingress", "prompt_len", "anchors", "endpoints", "counts", "handoffs",
-"deadline", "error"); `extras` holds policy extras only.
+"deadline", "error"); `extras` holds policy extras only. `SamplingSpec` is the engine's
+`SamplingParams` (min_p, min_tokens and repetition_penalty, never applied, are gone).
 """
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -72,19 +75,9 @@ class MsgKind(IntEnum):
         return self >= MsgKind.FINISHED
 
 
-class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
-    """Sampling parameters, sent once, with a request's first visit to a model."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k filtering
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 256
-    min_tokens: int = 0
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0
+SamplingSpec = SamplingParams
+"""Sampling parameters, sent once, with a request's first visit to a model: the engine's
+own `SamplingParams` (one type, one set of defaults, end to end)."""
 
 
 class RouteState(msgspec.Struct, array_like=True, frozen=True):

@@ -45,12 +45,12 @@ def test_completion_prompt_is_tokenized(demo_tokenizer: Any) -> None:
 
 def test_sampling_options_carry_every_field(demo_tokenizer: Any) -> None:
     s = completion(
-        demo_tokenizer, temperature=0, top_p=0.9, top_k=40, min_p=0.05, seed=7, stop=["\n", "##"],
+        demo_tokenizer, temperature=0, top_p=0.9, top_k=40, min_p=0, seed=7, stop=["\n", "##"],
         n=3, stream=True, stream_options={"include_usage": True}, ignore_eos=True,
-        stop_token_ids=[2], repetition_penalty=1.1, max_tokens=8,
+        stop_token_ids=[2], repetition_penalty=1, max_tokens=8,
     ).sampling  # fmt: skip
     assert s == SamplingOptions(
-        max_tokens=8, temperature=0.0, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+        max_tokens=8, temperature=0.0, top_p=0.9, top_k=40,
         seed=7, stop=("\n", "##"), stop_token_ids=(2,), ignore_eos=True, n=3, stream=True,
         include_usage=True,
     )  # fmt: skip
@@ -60,9 +60,24 @@ def test_to_spec_gives_each_choice_its_own_seed() -> None:
     options = SamplingOptions(max_tokens=5, seed=10, n=2, stop_token_ids=(2,), top_k=3)
     specs = [options.to_spec(i) for i in range(2)]
     assert [s.seed for s in specs] == [10, 11]
-    assert specs[0].max_tokens == 5 and specs[0].stop_token_ids == [2] and specs[0].top_k == 3
+    assert specs[0].max_tokens == 5 and specs[0].stop_token_ids == (2,) and specs[0].top_k == 3
     assert SamplingOptions(max_tokens=1, seed=-1).to_spec(0).seed == (1 << 63) - 1
     assert SamplingOptions(max_tokens=1).to_spec(1).seed is None  # the ingress picks one
+
+
+@pytest.mark.parametrize(
+    "field, value", [("min_p", 0.05), ("repetition_penalty", 1.1), ("repetition_penalty", 0.9)]
+)
+def test_unimplemented_sampling_fields_are_refused_not_dropped(
+    demo_tokenizer: Any, field: str, value: float
+) -> None:
+    """One rule for every path (Serve and in-process): the engine has no min-p filter or
+    repetition penalty, so asking for one is a 400 naming the field, never ignored."""
+    for prepare in (completion, chat):
+        with pytest.raises(InvalidRequestError) as caught:
+            prepare(demo_tokenizer, **{field: value})
+        assert caught.value.status_code == 400 and caught.value.param == field
+    assert completion(demo_tokenizer, min_p=0.0, repetition_penalty=1.0).sampling.max_tokens
 
 
 def test_max_tokens_null_means_rest_of_context(demo_tokenizer: Any) -> None:

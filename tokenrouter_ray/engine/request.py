@@ -15,6 +15,8 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that ``status > PENDING`` means finished (one comparison)."""
@@ -38,15 +40,20 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 }
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling; ``temperature == 0`` is greedy."""
+class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
+    """Per-request sampling; ``temperature == 0`` is greedy.
+
+    The one sampling type from the OpenAI layer to the sampler: the OpenAI layer builds it
+    (``SamplingOptions.to_spec``), it travels on a request's first visit to each model
+    (``PeerReq.sampling``; the protocol calls it ``SamplingSpec``), and the engine samples
+    and stops by it. Invalid values raise ``ValueError`` (on decode: ``ProtocolError``).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
     max_tokens: int = 16
-    seed: int | None = None
+    seed: int | None = None  # None: drawn once when the request is admitted
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 

@@ -219,8 +219,10 @@ class _SamplingRequest(_Lenient):
     top_k: int | None = Field(  # bounded: the NEW message carries it as a 64-bit integer
         None, ge=0, le=INT64_MAX, description="Extension: top-k filter; 0 or null = off."
     )
-    min_p: float | None = Field(None, ge=0, le=1, description="Extension: min-p filter.")
-    repetition_penalty: float | None = Field(None, gt=0, le=10, description="Extension: 1 = off.")
+    min_p: float | None = Field(None, ge=0, le=1, description="Extension: only 0 (off).")
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=10, description="Extension: only 1 (off)."
+    )
     ignore_eos: bool | None = Field(None, description="Extension: keep generating past EOS.")
     timeout: object = Field(  # checked by the ingress (deployments/ingress.py, _timeout_of)
         None, description="Extension: seconds until the request ends with an error."

@@ -52,14 +52,14 @@ class RequestLimits(BaseModel):
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Everything about how to generate, from either request kind, defaults resolved."""
+    """Everything about how to generate, from either request kind, with OpenAI's defaults
+    resolved (temperature 1); ``to_spec`` gives the one sampling type the engine runs by,
+    the rest (stop strings, ``n``, streaming) is the ingress's."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -79,12 +79,10 @@ class SamplingOptions:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            min_p=self.min_p,
             seed=seed,
             max_tokens=self.max_tokens,
-            stop_token_ids=list(self.stop_token_ids),
+            stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            repetition_penalty=self.repetition_penalty,
         )
 
 
@@ -204,13 +202,20 @@ def _max_tokens(
 def _sampling(
     request: CompletionRequest | ChatCompletionRequest, max_tokens: int
 ) -> SamplingOptions:
+    # Accepted by the schema (vLLM's extensions) but not implemented: refused on every
+    # path rather than dropped (the engine has no min-p filter or repetition penalty).
+    for name, off in (("min_p", 0.0), ("repetition_penalty", 1.0)):
+        if getattr(request, name) not in (None, off):
+            raise InvalidRequestError(
+                f"'{name}' is not supported (only {off}, the default).",
+                param=name,
+                code="unsupported_value",
+            )
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=_default(request.temperature, 1.0),
         top_p=_default(request.top_p, 1.0),
         top_k=_default(request.top_k, 0),
-        min_p=_default(request.min_p, 0.0),
-        repetition_penalty=_default(request.repetition_penalty, 1.0),
         seed=request.seed,
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids or ()),

@@ -30,7 +30,7 @@ from tokenrouter_ray.engine.outputs import RequestOutput, StepResult
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import FinishSummary, MsgKind, PeerReq, RequestLedger, RouteState
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, Send
-from tokenrouter_ray.runtime.tracking import Tracked, engine_sampling
+from tokenrouter_ray.runtime.tracking import Tracked
 from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
 
@@ -181,7 +181,7 @@ class SubServer:
             tracked = Tracked.from_route(rid, route, msg.sampling, msg.handoff_seq)
             tracked.endpoints[self.name] = self.endpoint
             self.engine.add_request(
-                rid, msg.tokens, engine_sampling(msg.sampling), num_prompt_tokens=route.prompt_len
+                rid, msg.tokens, msg.sampling, num_prompt_tokens=route.prompt_len
             )
             self.tracked[rid] = tracked
             return
@@ -204,7 +204,7 @@ class SubServer:
             self.engine.resume(rid, tokens, anchor=msg.anchor)
         elif msg.anchor == 0:
             self.engine.add_request(
-                rid, tokens, engine_sampling(tracked.sampling), num_prompt_tokens=tracked.prompt_len
+                rid, tokens, tracked.sampling, num_prompt_tokens=tracked.prompt_len
             )
         else:
             raise ValueError(f"extend at {msg.anchor} but this replica holds no state")

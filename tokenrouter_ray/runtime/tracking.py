@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.protocol import Anchors, FinishSummary, RouteState, SamplingSpec
 
 
@@ -57,16 +56,3 @@ class Tracked:
 
     def summary(self, error: str | None = None) -> FinishSummary:
         return FinishSummary(counts=dict(self.counts), handoffs=self.handoffs, error=error)
-
-
-def engine_sampling(spec: SamplingSpec) -> SamplingParams:
-    """The engine's sampling parameters from the wire spec (seed always resolved)."""
-    return SamplingParams(
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=spec.top_k,
-        max_tokens=spec.max_tokens,
-        seed=spec.seed,
-        stop_token_ids=tuple(spec.stop_token_ids),
-        ignore_eos=spec.ignore_eos,
-    )
