@@ -17,7 +17,7 @@ import pytest
 
 from tokenrouter_ray.cli import main
 from tokenrouter_ray.dashboards import render, to_json
-from tokenrouter_ray.metrics import DEFINITIONS, RAY_PREFIX, exported_names
+from tokenrouter_ray.metrics import BY_NAME, DEFINITIONS, RAY_PREFIX, MetricDef, exported_names
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKED_IN = REPO / "k8s" / "dashboards"
@@ -121,6 +121,33 @@ def test_structure(boards: dict[str, dict]) -> None:
             if panel["type"] != "row":
                 assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
                 assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
+
+
+_SELECTED = re.compile(r"\b(ray_tokenrouter_\w+)(\{[^}]*\})?")
+
+
+def _definition(series: str) -> MetricDef:
+    name = series.removeprefix(RAY_PREFIX)
+    for suffix in ("_bucket", "_sum", "_count"):
+        if name.removesuffix(suffix) in BY_NAME:
+            return BY_NAME[name.removesuffix(suffix)]
+    return BY_NAME[name]
+
+
+def test_every_query_is_one_app(boards: dict[str, dict]) -> None:
+    """Every series a board reads is filtered on the `$model_name` variable (one served app,
+    so several apps can share a Prometheus), and the scheduler board's on `$model` too."""
+    for name, board in boards.items():
+        variables = {v["name"]: v for v in board["templating"]["list"]}
+        assert variables["model_name"]["multi"] is False
+        assert variables["model_name"]["query"]["query"].startswith("label_values(ray_")
+        for expr in _exprs(board):
+            selected = _SELECTED.findall(expr)
+            assert selected, expr
+            for metric, matchers in selected:
+                assert 'model_name="$model_name"' in matchers, f"{name}: {metric} in {expr}"
+                if name == "scheduler.json" and "model" in _definition(metric).labels:
+                    assert 'model=~"$model"' in matchers, f"{name}: {metric} in {expr}"
 
 
 def test_prefix_is_configurable() -> None:
