@@ -246,7 +246,9 @@ def test_every_dashboard_query_returns_data(
             f"  {board} / {title}: {expr}" for board, title, expr in empty
         )
         # Serve's tags come with ray.serve.metrics; model_name with every metric
-        (sample,) = prometheus.query('ray_tokenrouter_batch_size_count{model="small"}')
+        (sample,) = prometheus.query(
+            f'ray_tokenrouter_batch_size_count{{model_name="{SERVED}", model="small"}}'
+        )
         labels = sample["metric"]
         assert labels["model_name"] == SERVED and labels["application"] == APP
         assert labels["deployment"] and labels["replica"]
