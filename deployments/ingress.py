@@ -1,8 +1,9 @@
 """The OpenAI HTTP ingress (FastAPI inside Serve): parse, tokenize, submit, stream.
 
-A request is validated and tokenized (``tokenrouter_ray.openai``), admitted (503 past
-``max_active_requests``), and submitted ``n`` times as NEW PeerReqs to the least-loaded
-replica of the entry model. Commits come back over this replica's peer channel from
+A request is validated and tokenized (``tokenrouter_ray.openai``), then answered by an
+``IngressServer`` (``tokenrouter_ray/runtime/ingress.py``, no Ray in it): admitted (503
+past ``max_active_requests``), and submitted ``n`` times as NEW PeerReqs to the
+least-loaded replica of the entry model. Commits come back over this replica's peer channel from
 whichever model committed; ``IngressCore`` orders them and the incremental detokenizer turns
 them into text (stop strings cut the text and abort the request everywhere). A client
 disconnect or cancellation aborts every choice on every model (the cleanup never awaits, so
@@ -23,11 +24,8 @@ request is re-created from its committed sequence on the replicas that remain or
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,34 +40,18 @@ from deployments.peers import PeerBook, make_channel, peer_key
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.metrics import INGRESS, Metrics
 from tokenrouter_ray.openai.auth import ApiKeyMiddleware
-from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
 from tokenrouter_ray.openai.errors import (
     InvalidRequestError,
     NotFoundError,
     OpenAIError,
-    OverloadedError,
-    RequestFailedError,
-    RequestTimeoutError,
-    ServiceUnavailableError,
     as_openai_error,
     error_response,
     from_json_error,
 )
-from tokenrouter_ray.openai.responses import (
-    ChoiceResult,
-    build_chat_completion,
-    build_completion,
-    finish_reason,
-)
 from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenrouter_ray.openai.sse import (
-    SSE_DONE,
     SSE_HEADERS,
     SSE_MEDIA_TYPE,
-    ChatStream,
-    CompletionStream,
-    merge_choice_streams,
-    sse_error,
 )
 from tokenrouter_ray.openai.validation import (
     PreparedRequest,
@@ -79,7 +61,7 @@ from tokenrouter_ray.openai.validation import (
     prepare_chat,
     prepare_completion,
 )
-from tokenrouter_ray.runtime.ingress import Completion, IngressCore
+from tokenrouter_ray.runtime.ingress import IngressCore, IngressServer, StreamedChoices
 
 logger = logging.getLogger("ray.serve")
 MAX_TIMEOUT_S = 24 * 3600.0
@@ -119,15 +101,6 @@ def _timeout_of(data: Any) -> float | None:
             f"'timeout' must be in (0, {MAX_TIMEOUT_S:.0f}] seconds.", param="timeout"
         )
     return float(value)
-
-
-def _choice_error(done: Completion) -> OpenAIError:
-    """The OpenAI error a failed choice ends with."""
-    if done.error_kind == "timeout":
-        return RequestTimeoutError(f"The request timed out: {done.error}.")
-    if done.error_kind == "unavailable":
-        return ServiceUnavailableError(f"The request could not be completed: {done.error}.")
-    return RequestFailedError(f"The request failed: {done.error}.")
 
 
 class _ChoicesResponse(StreamingResponse):
@@ -199,9 +172,15 @@ class Ingress:
         )
         await self.peers.start(wait_for_all=True)
         await self.core.start()
-        self.entry_load: dict[str, int] = {}
-        self.entry_total: dict[str, int] = {}
-        self._ids = itertools.count()
+        self.server = IngressServer(
+            self.core,
+            self.tokenizer,
+            cfg.served_model_name,
+            entries=lambda: self.peers.by_model[cfg.model_names[0]],
+            endpoints_for=self._endpoints_for,
+            max_active=self._max_active,
+            unavailable=self._unavailable,
+        )
         self._slo = asyncio.create_task(self._follow_slo()) if cfg.tuner.min_tokens_per_s else None
 
     # ------------------------------------------------------------------ routes
@@ -235,7 +214,7 @@ class Ingress:
                 models[name] = {"error": repr(exc)}
         return {
             "active_requests": self.core.num_active,
-            "entry_requests": self.entry_total,
+            "entry_requests": self.server.entry_total,
             "endpoints": self.peers.by_model,
             "recoveries": self.recoveries[-20:],
             "models": models,
@@ -309,157 +288,31 @@ class Ingress:
         return {m: self.peers.sticky(m, rid) for m in self.cfg.model_names[1:]}
 
     # ---------------------------------------------------------------- serving
+    # Admission, entry load-balancing and the per-choice loop live in ``IngressServer``
+    # (tokenrouter_ray/runtime/ingress.py); this class adds what only Serve knows.
     def _entry(self) -> str:
-        options = self.peers.by_model[self.cfg.model_names[0]]
-        return min(options, key=lambda e: self.entry_load.get(e, 0))
+        return self.server.entry()
 
-    async def _submit(
-        self, prepared: PreparedRequest, timeout_s: float | None
-    ) -> list[tuple[str, str]]:
-        sampling = prepared.sampling
-        limit = min(self.cfg.ingress.max_active_requests, self.slo_cap or 1 << 30)
-        if self.core.num_active + sampling.n > limit:
-            raise OverloadedError("Too many requests in flight; retry shortly.", retry_after_s=1)
+    def _max_active(self) -> int:
+        """Admission limit: the configured cap, or the tuner's SLO cap when lower."""
+        return min(self.cfg.ingress.max_active_requests, self.slo_cap or 1 << 30)
+
+    def _unavailable(self) -> str | None:
+        """The models without a healthy replica (or recovery in progress); None: none."""
         missing = self.peers.missing()
         if missing or (self._recovery is not None and not self._recovery.done()):
-            raise ServiceUnavailableError(
-                f"Model(s) {', '.join(missing) or 'being recovered'} have no healthy replica "
-                "right now; retry shortly.",
-                code="model_unavailable",
-            )
-        base = f"req-{time.time_ns():x}-{next(self._ids)}"
-        submitted = []
-        try:
-            for i in range(sampling.n):
-                rid, entry = f"{base}-{i}", self._entry()
-                self.entry_load[entry] = self.entry_load.get(entry, 0) + 1  # before the await
-                try:
-                    await self.core.submit(
-                        rid,
-                        prepared.prompt_token_ids,
-                        sampling.to_spec(i),
-                        entry,
-                        timeout_s=timeout_s,
-                        endpoints=self._endpoints_for(rid),
-                    )
-                except BaseException:
-                    self.entry_load[entry] -= 1
-                    raise
-                self.entry_total[entry] = self.entry_total.get(entry, 0) + 1
-                submitted.append((rid, entry))
-        except BaseException as exc:  # incl. cancellation: free the choices already sent
-            for rid, entry in submitted:
-                self.entry_load[entry] -= 1
-                self.core.abort_nowait(rid)
-                self.core.release(rid)
-            if isinstance(exc, OpenAIError) or not isinstance(exc, Exception):
-                raise
-            logger.warning("ingress: submitting failed: %r", exc)
-            raise ServiceUnavailableError(
-                "The entry model cannot take requests right now; retry shortly.",
-                code="model_unavailable",
-            ) from exc
-        return submitted
-
-    async def _choice(
-        self,
-        index: int,
-        rid: str,
-        entry: str,
-        prepared: PreparedRequest,
-        pieces: asyncio.Queue | None,
-    ) -> ChoiceResult:
-        detok = IncrementalDetokenizer(
-            self.tokenizer, stop=prepared.sampling.stop, prompt_token_ids=prepared.prompt_token_ids
-        )
-        try:
-            async for tokens in self.core.stream(rid):
-                text = detok.push(tokens)
-                if text and pieces is not None:
-                    pieces.put_nowait((index, text))
-                if detok.stopped:
-                    self.core.abort_nowait(rid, reason="stop")
-                    break
-        finally:  # no await here: a cancelled task (client gone) must still clean up
-            done = self._close_choice(rid, entry)
-        assert done is not None  # only this finally or the task's done callback close it
-        if done.error is not None:
-            raise _choice_error(done)
-        tail = detok.finish()
-        if tail and pieces is not None:
-            pieces.put_nowait((index, tail))
-        reason = finish_reason(done.finish_reason, stopped_by_string=detok.stopped)
-        return ChoiceResult(
-            index,
-            detok.text,
-            reason,
-            detok.num_tokens,
-            ChoiceResult.routing_of(done.counts, done.handoffs),
-        )
-
-    def _start_choices(
-        self,
-        submitted: list[tuple[str, str]],
-        prepared: PreparedRequest,
-        pieces: asyncio.Queue | None,
-    ) -> list[asyncio.Task]:
-        """One task per choice. Each also closes its request when the task ends: a task
-        cancelled before it first ran never enters ``_choice``'s ``finally``."""
-        tasks = []
-        for i, (rid, entry) in enumerate(submitted):
-            task = asyncio.ensure_future(self._choice(i, rid, entry, prepared, pieces))
-            task.add_done_callback(lambda _, rid=rid, entry=entry: self._close_choice(rid, entry))
-            tasks.append(task)
-        return tasks
-
-    def _close_choice(self, rid: str, entry: str) -> Completion | None:
-        """Abort (a no-op once complete) and release a choice, once; None if already."""
-        if rid not in self.core.live:
-            return None
-        self.entry_load[entry] -= 1
-        self.core.abort_nowait(rid)
-        return self.core.release(rid)
+            return ", ".join(missing) or "being recovered"
+        return None
 
     async def _respond(
         self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
     ) -> Response:
-        submitted = await self._submit(prepared, timeout_s)
-        prompt_len = len(prepared.prompt_token_ids)
-        name = self.cfg.served_model_name
-        if not prepared.sampling.stream:
-            tasks = self._start_choices(submitted, prepared, None)
-            try:
-                choices = await asyncio.gather(*tasks)
-            finally:
-                for task in tasks:
-                    task.cancel()
-            build = build_chat_completion if chat else build_completion
-            return JSONResponse(build(name, prompt_len, choices).model_dump(mode="json"))
-        stream_cls = ChatStream if chat else CompletionStream
-        stream = stream_cls(
-            name, prepared.sampling.n, include_usage=prepared.sampling.include_usage
-        )
-        pieces: asyncio.Queue = asyncio.Queue()
-        # Started now: the body may never be iterated if the client leaves first.
-        tasks = self._start_choices(submitted, prepared, pieces)
-        body = self._sse(stream, tasks, pieces, prompt_len)
-        return _ChoicesResponse(tasks, body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
-
-    async def _sse(
-        self,
-        stream: Any,
-        tasks: list[asyncio.Future],
-        pieces: asyncio.Queue,
-        prompt_len: int,
-    ) -> AsyncIterator[bytes]:
-        frames = merge_choice_streams(stream, tasks, pieces, prompt_len)
-        try:
-            async with contextlib.aclosing(frames):  # a disconnect aborts the choices now
-                async for frame in frames:
-                    yield frame
-        except Exception as exc:  # never a cut connection: the error event, then [DONE]
-            logger.exception("ingress: stream failed")
-            yield sse_error(exc) + SSE_DONE
+        result = await self.server.respond(prepared, chat, timeout_s)
+        if isinstance(result, StreamedChoices):
+            return _ChoicesResponse(
+                result.tasks, result.body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS
+            )
+        return JSONResponse(result.model_dump(mode="json"))
 
     async def __del__(self) -> None:
         if self._slo is not None:

@@ -333,38 +333,3 @@ def test_killed_replica_requests_are_recreated_and_the_app_serves_on(
     state = wait_clean(app)
     assert all(m["alive"] for m in state["models"].values())
     print(f"kill -> all 8 done {recovered_s:.1f} s; recoveries {recoveries}; health {healthy_s}")
-
-
-def test_a_choice_cancelled_before_it_ever_ran_is_still_closed(served_chain_dirs) -> None:
-    """The race the cancellation test found: Serve cancels the handler right after admission,
-    before the choice task's first step, so ``_choice``'s ``finally`` never runs."""
-    import asyncio
-
-    from deployments.ingress import Ingress
-    from tests.routing.conftest import chain_engines
-    from tokenrouter_ray.openai.validation import PreparedRequest, SamplingOptions
-    from tokenrouter_ray.protocol import SamplingSpec
-    from tokenrouter_ray.routing.policy import build_policy
-    from tokenrouter_ray.runtime.local import LocalRuntime
-
-    async def go() -> None:
-        policy = build_policy("bernoulli", {"p": 0.5}, TWO)
-        async with LocalRuntime(chain_engines(served_chain_dirs, TWO), policy) as rt:
-            ingress = object.__new__(Ingress.func_or_class)  # the class under Serve's wrapper
-            ingress.core, ingress.entry_load = rt.ingress, {"small/0": 0}
-            spec = SamplingSpec(temperature=0.0, max_tokens=100, seed=1, ignore_eos=True)
-            prepared = PreparedRequest("tokenrouter", [1, 2, 3], SamplingOptions(max_tokens=100))
-            submitted = []
-            for i in range(3):
-                await rt.ingress.submit(f"r{i}", [1, 2, 3], spec)
-                ingress.entry_load["small/0"] += 1
-                submitted.append((f"r{i}", "small/0"))
-            tasks = ingress._start_choices(submitted, prepared, None)
-            for task in tasks:
-                task.cancel()  # before any of them first runs
-            await asyncio.gather(*tasks, return_exceptions=True)
-            assert rt.ingress.num_active == 0 and ingress.entry_load == {"small/0": 0}
-            await rt.wait_idle()
-            assert all(not s.engine.requests for s in rt.subservers)
-
-    asyncio.run(go())

@@ -5,14 +5,13 @@ API-key middleware) served in-process, without Ray: the class-based routes get a
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.protocol import MsgKind, PeerReq, encode_batch
-from tokenrouter_ray.runtime.ingress import Completion
+from tokenrouter_ray.runtime.ingress import Completion, IngressServer
 
 SERVED = "tokenrouter"
 MAX_MODEL_LEN = 64
@@ -85,9 +84,9 @@ def ingress_app(tokenizer: Any) -> tuple[Any, Any]:
     obj.recoveries = []
     obj._lost = set()
     obj._recovery = None
-    obj.entry_load = {}
-    obj.entry_total = {}
-    obj._ids = itertools.count()
+    obj.server = IngressServer(
+        obj.core, tokenizer, SERVED, entries=lambda: obj.peers.by_model["small"]
+    )
     obj._slo = None
     for dep in _self_dependencies(app):
         app.dependency_overrides[dep] = lambda: obj

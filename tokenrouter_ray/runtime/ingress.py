@@ -1,10 +1,13 @@
-"""The ingress side of the protocol: submit requests, assemble commits, abort, recover.
+"""The ingress side of the protocol: submit requests, assemble commits, abort, recover;
+and the OpenAI flow on top of it (admission, entry load-balancing, one loop per choice).
 
 ``IngressCore`` is the single holder of each request's committed output. It sends NEW to
 the entry model, orders COMMITs from whichever model committed (``CommitLog``), completes a
 request once FINISHED arrived *and* every committed token up to the final length is in, and
 broadcasts ABORT to every model endpoint (receivers that never held the request ignore it).
-The OpenAI server and ``LocalRuntime`` both drive it.
+``IngressServer`` (at the end) drives it for the OpenAI API: the Serve ingress
+(``deployments/ingress.py``) is HTTP routes around one; ``LocalRuntime`` drives the core
+directly. Neither needs Ray.
 
 Reliability rules (docs/reliability.md):
 - cleanup never awaits: ``abort_nowait`` and ``release`` change state at once and the ABORT
@@ -23,16 +26,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from tokenrouter_ray.metrics import INGRESS, Metrics
+from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
+from tokenrouter_ray.openai.errors import (
+    OpenAIError,
+    OverloadedError,
+    RequestFailedError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
+from tokenrouter_ray.openai.responses import (
+    ChatCompletion,
+    ChoiceResult,
+    build_chat_completion,
+    build_completion,
+    finish_reason,
+)
+from tokenrouter_ray.openai.responses import Completion as TextCompletion
+from tokenrouter_ray.openai.sse import (
+    SSE_DONE,
+    ChatStream,
+    CompletionStream,
+    merge_choice_streams,
+    sse_error,
+)
+from tokenrouter_ray.openai.validation import PreparedRequest
 from tokenrouter_ray.protocol import (
     CommitLog,
     FinishSummary,
@@ -395,3 +423,210 @@ def _holders(entry: str, assigned: Mapping[str, str] | None) -> set[str] | None:
     """The endpoints a request can be on: its entry and the replicas it was told to use
     (None when it was not told: a model may pick any replica then)."""
     return {entry, *assigned.values()} if assigned else None
+
+
+# --------------------------------------------------------------------------- OpenAI flow
+def choice_error(done: Completion) -> OpenAIError:
+    """The OpenAI error a failed choice ends with."""
+    if done.error_kind == "timeout":
+        return RequestTimeoutError(f"The request timed out: {done.error}.")
+    if done.error_kind == "unavailable":
+        return ServiceUnavailableError(f"The request could not be completed: {done.error}.")
+    return RequestFailedError(f"The request failed: {done.error}.")
+
+
+@dataclass
+class StreamedChoices:
+    """A streaming answer: the SSE body, and the choice tasks to cancel however the
+    response ends (a client that leaves before the first byte never starts the body)."""
+
+    tasks: list[asyncio.Future]
+    body: AsyncIterator[bytes]
+
+
+class IngressServer:
+    """The OpenAI side of an ingress over an ``IngressCore``, with no Ray and no HTTP in it.
+
+    - admission: 503 ``OverloadedError`` when ``n`` more choices would pass ``max_active()``,
+      503 ``model_unavailable`` while ``unavailable()`` names a model without a replica;
+    - entry load-balancing: each choice goes to the least loaded replica of the entry
+      model (``entries()``), counted before the await so concurrent submits spread;
+    - the per-choice loop: committed tokens -> incremental detokenizer -> text pieces; a
+      stop string aborts the choice everywhere; a failed choice is its OpenAI error.
+
+    ``respond`` answers a prepared request: the response object, or ``StreamedChoices``.
+    ``deployments/ingress.py`` puts HTTP routes around it; tests drive it over
+    ``LocalRuntime`` on CPU.
+    """
+
+    def __init__(
+        self,
+        core: IngressCore,
+        tokenizer: Any,
+        served_model_name: str,
+        entries: Callable[[], Sequence[str]],
+        endpoints_for: Callable[[str], Mapping[str, str]] | None = None,
+        max_active: Callable[[], int] = lambda: 1 << 30,
+        unavailable: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.entries = entries
+        self.endpoints_for = endpoints_for
+        self.max_active = max_active
+        self.unavailable = unavailable
+        self.entry_load: dict[str, int] = {}  # choices in flight per entry replica
+        self.entry_total: dict[str, int] = {}  # choices ever sent per entry replica
+        self._ids = itertools.count()
+
+    def entry(self) -> str:
+        """The least loaded replica of the entry model."""
+        return min(self.entries(), key=lambda e: self.entry_load.get(e, 0))
+
+    async def respond(
+        self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
+    ) -> ChatCompletion | TextCompletion | StreamedChoices:
+        submitted = await self.submit(prepared, timeout_s)
+        prompt_len = len(prepared.prompt_token_ids)
+        name = self.served_model_name
+        if not prepared.sampling.stream:
+            tasks = self.start_choices(submitted, prepared, None)
+            try:
+                choices = await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+            build = build_chat_completion if chat else build_completion
+            return build(name, prompt_len, choices)
+        stream_cls = ChatStream if chat else CompletionStream
+        stream = stream_cls(
+            name, prepared.sampling.n, include_usage=prepared.sampling.include_usage
+        )
+        pieces: asyncio.Queue = asyncio.Queue()
+        # Started now: the body may never be iterated if the client leaves first.
+        tasks = self.start_choices(submitted, prepared, pieces)
+        return StreamedChoices(tasks, self._sse(stream, tasks, pieces, prompt_len))
+
+    async def submit(
+        self, prepared: PreparedRequest, timeout_s: float | None = None
+    ) -> list[tuple[str, str]]:
+        """Admit the request and send its ``n`` choices: [(request id, entry endpoint)]."""
+        sampling = prepared.sampling
+        if self.core.num_active + sampling.n > self.max_active():
+            raise OverloadedError("Too many requests in flight; retry shortly.", retry_after_s=1)
+        missing = self.unavailable()
+        if missing is not None:
+            raise ServiceUnavailableError(
+                f"Model(s) {missing} have no healthy replica right now; retry shortly.",
+                code="model_unavailable",
+            )
+        base = f"req-{time.time_ns():x}-{next(self._ids)}"
+        submitted = []
+        try:
+            for i in range(sampling.n):
+                rid, entry = f"{base}-{i}", self.entry()
+                self.entry_load[entry] = self.entry_load.get(entry, 0) + 1  # before the await
+                try:
+                    await self.core.submit(
+                        rid,
+                        prepared.prompt_token_ids,
+                        sampling.to_spec(i),
+                        entry,
+                        timeout_s=timeout_s,
+                        endpoints=self.endpoints_for(rid) if self.endpoints_for else None,
+                    )
+                except BaseException:
+                    self.entry_load[entry] -= 1
+                    raise
+                self.entry_total[entry] = self.entry_total.get(entry, 0) + 1
+                submitted.append((rid, entry))
+        except BaseException as exc:  # incl. cancellation: free the choices already sent
+            for rid, entry in submitted:
+                self.entry_load[entry] -= 1
+                self.core.abort_nowait(rid)
+                self.core.release(rid)
+            if isinstance(exc, OpenAIError) or not isinstance(exc, Exception):
+                raise
+            logger.warning("ingress: submitting failed: %r", exc)
+            raise ServiceUnavailableError(
+                "The entry model cannot take requests right now; retry shortly.",
+                code="model_unavailable",
+            ) from exc
+        return submitted
+
+    async def choice(
+        self,
+        index: int,
+        rid: str,
+        entry: str,
+        prepared: PreparedRequest,
+        pieces: asyncio.Queue | None,
+    ) -> ChoiceResult:
+        """One choice to its end: text pieces to ``pieces`` (streaming), the result back."""
+        detok = IncrementalDetokenizer(
+            self.tokenizer, stop=prepared.sampling.stop, prompt_token_ids=prepared.prompt_token_ids
+        )
+        try:
+            async for tokens in self.core.stream(rid):
+                text = detok.push(tokens)
+                if text and pieces is not None:
+                    pieces.put_nowait((index, text))
+                if detok.stopped:
+                    self.core.abort_nowait(rid, reason="stop")
+                    break
+        finally:  # no await here: a cancelled task (client gone) must still clean up
+            done = self.close_choice(rid, entry)
+        assert done is not None  # only this finally or the task's done callback close it
+        if done.error is not None:
+            raise choice_error(done)
+        tail = detok.finish()
+        if tail and pieces is not None:
+            pieces.put_nowait((index, tail))
+        reason = finish_reason(done.finish_reason, stopped_by_string=detok.stopped)
+        return ChoiceResult(
+            index,
+            detok.text,
+            reason,
+            detok.num_tokens,
+            ChoiceResult.routing_of(done.counts, done.handoffs),
+        )
+
+    def start_choices(
+        self,
+        submitted: list[tuple[str, str]],
+        prepared: PreparedRequest,
+        pieces: asyncio.Queue | None,
+    ) -> list[asyncio.Task]:
+        """One task per choice. Each also closes its request when the task ends: a task
+        cancelled before it first ran never enters ``choice``'s ``finally``."""
+        tasks = []
+        for i, (rid, entry) in enumerate(submitted):
+            task = asyncio.ensure_future(self.choice(i, rid, entry, prepared, pieces))
+            task.add_done_callback(lambda _, rid=rid, entry=entry: self.close_choice(rid, entry))
+            tasks.append(task)
+        return tasks
+
+    def close_choice(self, rid: str, entry: str) -> Completion | None:
+        """Abort (a no-op once complete) and release a choice, once; None if already."""
+        if rid not in self.core.live:
+            return None
+        self.entry_load[entry] -= 1
+        self.core.abort_nowait(rid)
+        return self.core.release(rid)
+
+    async def _sse(
+        self,
+        stream: ChatStream | CompletionStream,
+        tasks: list[asyncio.Future],
+        pieces: asyncio.Queue,
+        prompt_len: int,
+    ) -> AsyncIterator[bytes]:
+        frames = merge_choice_streams(stream, tasks, pieces, prompt_len)
+        try:
+            async with contextlib.aclosing(frames):  # a disconnect aborts the choices now
+                async for frame in frames:
+                    yield frame
+        except Exception as exc:  # never a cut connection: the error event, then [DONE]
+            logger.exception("ingress: stream failed")
+            yield sse_error(exc) + SSE_DONE
