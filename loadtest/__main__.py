@@ -1,0 +1,148 @@
+"""``python -m loadtest``: the paper's comparison on the served system, one entry point.
+
+    python -m loadtest --preset quick                # demo pair, 2-core CPU, <= 10 minutes
+    python -m loadtest --preset paper --small DIR --large DIR --app-overrides ...   # GPU
+
+Brings each system up in turn (tokenrouter tuned, Eager-Async, Step-Sync, Std. Serving on
+stock ``transformers serve`` / vLLM, each model alone), drives it with the preset's closed-
+and open-loop load over the HTTP API, and writes ``<out>/results.json``, ``<out>/results.md``
+and PNG plots (``bench`` extra). Targets are printed PASS / MISS; they never fail the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+
+import yaml
+
+from loadtest.common import command, machine
+from loadtest.report import markdown_table, plots, targets
+from loadtest.run import ALL_SYSTEMS, PRESETS, run_bench
+from loadtest.systems import Bench, wait_ready
+
+
+def local_yaml_overrides(path: str = "conf/local.yaml") -> list[str]:
+    """The overrides ``serve run conf/local.yaml`` deploys (the tuned demo app)."""
+    with open(path) as f:
+        return list(yaml.safe_load(f)["applications"][0]["args"]["overrides"])
+
+
+def with_policy(overrides: list[str], p: float) -> list[str]:
+    keep = [o for o in overrides if not o.startswith("policy")]
+    return [*keep, "policy=bernoulli", f"policy.options.p={p}"]
+
+
+def ray_serve_deploy(http_port: int) -> object:
+    """A deploy function on a Ray cluster started here on first use (Serve HTTP on
+    ``http_port``)."""
+
+    @contextlib.contextmanager
+    def deploy(overrides: list[str], name: str) -> Iterator[str]:
+        import ray
+        from ray import serve
+
+        from deployments.app import build_app
+
+        if not ray.is_initialized():
+            ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+            serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        serve.run(build_app({"overrides": overrides}), name=name, route_prefix=f"/{name}")
+        url = f"http://127.0.0.1:{http_port}/{name}/v1"
+        try:
+            wait_ready(url)
+            yield url
+        finally:
+            serve.delete(name)
+
+    return deploy
+
+
+def write_outputs(result: dict, out_dir: str, header: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    table = markdown_table(result["rows"])
+    checks = targets(result)
+    pngs = plots(result, os.path.join(out_dir, "loadtest"))
+    md = [header, "", table, "", "Targets (they never fail the run):", ""]
+    md += [f"- {c}" for c in checks]
+    if result["errors"]:
+        md += ["", "Systems that failed:", ""] + [
+            f"- {k}: {v}" for k, v in result["errors"].items()
+        ]
+    md += ["", *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs]]
+    text = "\n".join(md) + "\n"
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    parser.add_argument("--systems", default=None, help=f"comma list of {', '.join(ALL_SYSTEMS)}")
+    parser.add_argument("--concurrency", default=None, help="override the preset's N list")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--time-limit", type=float, default=None, help="seconds per level")
+    parser.add_argument("--p", type=float, default=0.35, help="bernoulli routing probability")
+    parser.add_argument("--small", default=None, help="small model dir (default: the demo's)")
+    parser.add_argument("--large", default=None, help="large model dir (default: the demo's)")
+    parser.add_argument(
+        "--app-overrides",
+        nargs="*",
+        default=None,
+        help="tuned app overrides (default: conf/local.yaml's)",
+    )
+    parser.add_argument("--serve-port", type=int, default=18230)
+    parser.add_argument("--port-base", type=int, default=18220)
+    parser.add_argument("--out", default="loadtest-results")
+    args = parser.parse_args()
+
+    preset = PRESETS[args.preset]
+    if args.systems:
+        preset = replace(preset, systems=args.systems.split(","))
+    if args.concurrency:
+        preset = replace(preset, concurrency=[int(n) for n in args.concurrency.split(",")])
+    if args.max_tokens:
+        preset = replace(preset, max_tokens=args.max_tokens)
+    if args.time_limit:
+        preset = replace(preset, time_limit_s=args.time_limit)
+    small, large = args.small, args.large
+    if small is None or large is None:
+        from tokenrouter_ray.demo import built_artifact  # `tokenrouter-ray prepare-demo` builds
+
+        large, small = large or built_artifact("large"), small or built_artifact("small")
+    overrides = with_policy(args.app_overrides or local_yaml_overrides(), args.p)
+    os.makedirs(args.out, exist_ok=True)
+    bench = Bench(
+        small,
+        large,
+        args.p,
+        overrides,
+        ray_serve_deploy(args.serve_port),
+        log_dir=args.out,
+        port_base=args.port_base,
+    )
+    header = (
+        f"machine: {machine()}\nreproduce: {command()}\npreset: {args.preset} {preset}\n"
+        f"policy: bernoulli(p={args.p}); tuned app overrides: {overrides}"
+    )
+    print(header, flush=True)
+    result = run_bench(bench, preset)
+    result |= {
+        "machine": machine(),
+        "command": command(),
+        "preset": args.preset,
+        "length_n": preset.length_n,
+    }
+    print(write_outputs(result, args.out, header))
+    print(f"wall time: {result['wall_s']:.0f} s; results in {args.out}/")
+
+
+if __name__ == "__main__":
+    main()

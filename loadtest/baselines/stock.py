@@ -1,0 +1,64 @@
+"""Stock servers, not ours: ``transformers serve --continuous-batching`` (in transformers,
+CPU-capable) pinned to one model, or vLLM's OpenAI server on a GPU host when installed.
+
+They speak the legacy ``/v1/completions`` API with a text prompt: no token ids in, no
+logprobs out (``transformers serve`` ignores ``logprobs``), which is what an external
+dispatcher gets from them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+from loadtest.baselines.api import ServerProcess, start_server
+
+
+def stock_command(
+    model: str, port: int, device: str = "cpu", kind: str = "auto", kv_blocks: int = 512
+) -> list[str]:
+    """The command that serves ``model`` on ``port``: vLLM on a GPU when present, else
+    ``transformers serve --continuous-batching`` with ``kv_blocks`` blocks of 32 tokens
+    (left to itself on a CPU it sizes its KV cache to about half the machine's memory, so
+    two of them do not fit on 24 GiB)."""
+    if kind == "vllm" or (
+        kind == "auto" and device != "cpu" and importlib.util.find_spec("vllm") is not None
+    ):
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+        ]
+    exe = shutil.which("transformers") or str(Path(sys.executable).parent / "transformers")
+    return [
+        exe,
+        "serve",
+        "--continuous-batching",
+        "--cb-num-blocks",
+        str(kv_blocks),
+        "--cb-block-size",
+        "32",
+        "--device",
+        device,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        model,
+    ]
+
+
+def start_stock(
+    name: str, model: str, port: int, log_dir: str, device: str = "cpu"
+) -> ServerProcess:
+    return start_server(name, stock_command(model, port, device), port, log_dir, "/v1/models")

@@ -1,0 +1,202 @@
+"""The load generator: closed- or open-loop streaming chat requests against one OpenAI base
+URL, with the official ``openai`` client, bounded in requests and in time.
+
+Every system under test speaks the same API (``/v1/chat/completions``, streaming, with the
+``seed`` and ``ignore_eos`` extensions and a ``routing`` object in the final usage chunk),
+so the harness measures every one of them the same way, as a user sees it. A request still
+streaming at the time limit is cancelled and counted with the tokens it had received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import openai
+from tqdm import tqdm
+
+from loadtest.workloads import Workload
+
+
+@dataclass
+class Record:
+    """One request as the client saw it (times in seconds from the run's start)."""
+
+    index: int  # the k-th request of the run: prompt k of the workload, seed spec.seed + k
+    start: float
+    first: float | None = None
+    end: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    tokens: int = 0
+    text: str = ""
+    routing: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+    error: str | None = None
+
+
+@dataclass
+class LoadSpec:
+    workload: Workload
+    concurrency: int = 1  # closed loop: clients; ignored when rate is set
+    rate: float | None = None  # open loop: Poisson arrivals per second
+    max_requests: int = 16
+    time_limit_s: float = 60.0
+    max_tokens: int | None = None  # overrides the workload's cap
+    seed: int = 7
+    ignore_eos: bool = True
+
+
+async def one_request(
+    client: openai.AsyncOpenAI,
+    model: str,
+    spec: LoadSpec,
+    k: int,
+    t0: float,
+    count_tokens: Callable[[str], int] | None = None,
+) -> Record:
+    record = Record(index=k, start=time.perf_counter() - t0)
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=spec.workload.request(k),
+            max_tokens=spec.max_tokens or spec.workload.max_tokens,
+            temperature=0,
+            seed=spec.seed + k,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": spec.ignore_eos},
+        )
+        async for chunk in stream:
+            now = time.perf_counter() - t0
+            if chunk.choices and chunk.choices[0].delta.content:
+                record.first = record.first if record.first is not None else now
+                record.chunk_times.append(now)
+                record.text += chunk.choices[0].delta.content
+            if chunk.usage is not None:
+                record.tokens = chunk.usage.completion_tokens
+                record.routing = (chunk.model_extra or {}).get("routing") or {}
+        record.finished = True
+    except asyncio.CancelledError:
+        record.error = "time limit"
+    except openai.APIError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    record.end = time.perf_counter() - t0
+    if not record.finished:  # cut: count what it had received
+        record.tokens = count_tokens(record.text) if count_tokens else len(record.chunk_times)
+    return record
+
+
+async def run_load(
+    base_url: str,
+    spec: LoadSpec,
+    model: str = "tokenrouter",
+    desc: str = "",
+    progress: bool = True,
+    count_tokens: Callable[[str], int] | None = None,
+) -> dict[str, Any]:
+    """Run one load level; returns the summary (``summarize``) with the raw records.
+    ``count_tokens(text)`` counts the tokens of a request cut at the time limit (default:
+    one per received chunk)."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=900)
+    records: list[Record] = []
+    t0 = time.perf_counter()
+    deadline = t0 + spec.time_limit_s
+    issued = 0
+    tasks: set[asyncio.Task] = set()
+
+    bar = tqdm(total=spec.max_requests, desc=desc, unit="req", leave=False, disable=not progress)
+
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled():  # cancelled before it started: nothing was sent
+            records.append(task.result())
+            bar.update()
+
+    def launch() -> asyncio.Task:
+        nonlocal issued
+        task = asyncio.ensure_future(one_request(client, model, spec, issued, t0, count_tokens))
+        issued += 1
+        tasks.add(task)
+        task.add_done_callback(done)
+        return task
+
+    async def closed_client() -> None:
+        while issued < spec.max_requests and time.perf_counter() < deadline:
+            await launch()
+
+    async def open_arrivals() -> None:
+        rng = random.Random(spec.seed)
+        next_at = t0
+        while issued < spec.max_requests:
+            next_at += rng.expovariate(spec.rate)
+            if next_at >= deadline:
+                return
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            launch()
+        await asyncio.gather(*list(tasks), return_exceptions=True)
+
+    drivers = [open_arrivals()] if spec.rate else [closed_client() for _ in range(spec.concurrency)]
+    driver = asyncio.gather(*drivers)
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(driver, timeout=max(0.1, deadline - time.perf_counter()))
+    if tasks:  # past the time limit: cut what is still streaming
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*list(tasks), return_exceptions=True)
+    await asyncio.sleep(0)  # let the last done-callbacks run
+    elapsed = time.perf_counter() - t0
+    bar.close()
+    await client.close()
+    return summarize(records, elapsed) | {"records": [asdict(r) for r in records]}
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": math.nan, "p90": math.nan, "p99": math.nan}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def summarize(records: list[Record], elapsed: float) -> dict[str, Any]:
+    """Output tokens/s, per-request tokens/s, TTFT / inter-token / end-to-end latency
+    percentiles, handoffs per request and tokens per model."""
+    done = [r for r in records if r.finished]
+    tokens = sum(r.tokens for r in records)
+    itl = [b - a for r in records for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    per_request = [
+        r.tokens / (r.end - r.start) for r in done if r.end is not None and r.end > r.start
+    ]
+    per_model: dict[str, int] = {}
+    for r in done:
+        for name, n in (r.routing.get("tokens_per_model") or {}).items():
+            per_model[name] = per_model.get(name, 0) + int(n)
+    return {
+        "elapsed_s": elapsed,
+        "requests": len(records),
+        "finished": len(done),
+        "errors": sorted({r.error for r in records if r.error and r.error != "time limit"}),
+        "cut_at_time_limit": sum(r.error == "time limit" for r in records),
+        "output_tokens": tokens,
+        "tok_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "per_request_tok_s": statistics.fmean(per_request) if per_request else math.nan,
+        "ttft_s": percentiles([r.first - r.start for r in records if r.first is not None]),
+        "itl_s": percentiles(itl),
+        "e2e_s": percentiles([r.end - r.start for r in done if r.end is not None]),
+        "handoffs_per_request": (
+            statistics.fmean(float(r.routing.get("handoffs", 0)) for r in done)
+            if done
+            else math.nan
+        ),
+        "tokens_per_model": dict(sorted(per_model.items())),
+    }

@@ -1,0 +1,195 @@
+"""A run's results as a Markdown table, target checks (PASS / MISS, never an error) and
+matplotlib plots: throughput vs N per system, latency CDFs, throughput vs output length.
+
+matplotlib comes with the optional ``bench`` extra (``pip install -e '.[bench]'``); without
+it the tables and JSON are still written and the plots are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+TARGET_N = 8
+
+
+def _ms(x: float) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x * 1e3:.0f}"
+
+
+def _share(tokens: dict[str, int]) -> str:
+    total = sum(tokens.values())
+    return ", ".join(f"{m} {n / total:.0%}" for m, n in tokens.items()) if total else "–"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| system | load | max tok | tok/s | per-req tok/s | TTFT p50/p90/p99 ms "
+        "| ITL p50/p99 ms | e2e p50/p90/p99 ms | handoffs/req | tokens by model "
+        "| finished | deferred timeouts |\n"
+        "|---|---|---:|---:|---:|---|---|---|---:|---|---|---:|"
+    )
+    lines = [head]
+    for r in rows:
+        load = f"rate {r['rate']}/s" if r["rate"] else f"N={r['concurrency']}"
+        t, i, e = r["ttft_s"], r["itl_s"], r["e2e_s"]
+        lines.append(
+            f"| {r['label']} | {load} | {r['max_tokens']} | {r['tok_s']:.1f} "
+            f"| {r['per_request_tok_s']:.1f} | {_ms(t['p50'])}/{_ms(t['p90'])}/{_ms(t['p99'])} "
+            f"| {_ms(i['p50'])}/{_ms(i['p99'])} | {_ms(e['p50'])}/{_ms(e['p90'])}/{_ms(e['p99'])} "
+            f"| {r['handoffs_per_request']:.1f} | {_share(r['tokens_per_model'])} "
+            f"| {r['finished']}/{r['requests']} | {r.get('deferred_timeouts', '–')} |"
+        )
+    return "\n".join(lines)
+
+
+def _closed(
+    rows: list[dict[str, Any]], system: str, n: int, max_tokens: int | None = None
+) -> dict | None:
+    for r in rows:
+        if (
+            r["system"] == system
+            and r["concurrency"] == n
+            and r["mode"] in ("closed", "length")
+            and (max_tokens is None or r["max_tokens"] == max_tokens)
+        ):
+            return r
+    return None
+
+
+def targets(result: dict[str, Any], n: int = TARGET_N) -> list[str]:
+    """The issue's targets on this run, each PASS / MISS / n/a with its figures."""
+    rows = result["rows"]
+    base = min((r["max_tokens"] for r in rows if r["mode"] == "closed"), default=None)
+    ours = _closed(rows, "tokenrouter", n, base)
+    out = []
+
+    def ratio(name: str, other: str, need: float) -> None:
+        theirs = _closed(rows, other, n, base)
+        if ours is None or theirs is None or theirs["tok_s"] == 0:
+            out.append(f"n/a  {name}: not measured at N={n}")
+            return
+        x = ours["tok_s"] / theirs["tok_s"]
+        verdict = "PASS" if x >= need else "MISS"
+        out.append(
+            f"{verdict} {name}: {ours['tok_s']:.1f} vs {theirs['tok_s']:.1f} tok/s = {x:.2f}x "
+            f"(target >= {need}x)"
+        )
+
+    ratio("tokenrouter vs Std. Serving", "std_serving", 5.0)
+    ratio("tokenrouter vs Step-Sync", "step_sync", 1.5)
+    ratio("tuned vs Eager-Async", "eager_async", 1.0)
+    for system in ("tokenrouter", "std_serving"):
+        lengths = sorted(
+            r["max_tokens"] for r in rows if r["system"] == system and r["concurrency"] == n
+        )
+        if len(lengths) >= 2:
+            short = _closed(rows, system, n, lengths[0])
+            long = _closed(rows, system, n, lengths[-1])
+            keep = long["tok_s"] / short["tok_s"] if short["tok_s"] else math.nan
+            verdict = ("PASS" if keep >= 0.85 else "MISS") if system == "tokenrouter" else "info"
+            out.append(
+                f"{verdict} {system} throughput at max_tokens {lengths[-1]} = {keep:.0%} of "
+                f"that at {lengths[0]} (target >= 85 % for tokenrouter)"
+            )
+    timeouts = [r["deferred_timeouts"] for r in rows if "deferred_timeouts" in r]
+    if timeouts:
+        verdict = "PASS" if sum(timeouts) == 0 else "MISS"
+        out.append(f"{verdict} deferred-timeout count: {sum(timeouts)} (target 0)")
+    else:
+        out.append("n/a  deferred-timeout count: the app does not report it")
+    return out
+
+
+def plots(result: dict[str, Any], prefix: str) -> list[str]:
+    """PNG files written (empty, with a printed note, when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install -e '.[bench]')")
+        return []
+    rows = result["rows"]
+    written = []
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    labels = {r["system"]: r["label"] for r in rows}
+    base = min((r["max_tokens"] for r in rows if r["mode"] == "closed"), default=None)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in systems:
+        pts = sorted(
+            (r["concurrency"], r["tok_s"])
+            for r in rows
+            if r["system"] == s and r["mode"] == "closed" and r["max_tokens"] == base
+        )
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=labels[s])
+    ax.set(
+        xlabel="concurrent clients N",
+        ylabel="output tokens/s",
+        title=f"Throughput vs N ({base}-token answers)",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    written.append(_save(fig, f"{prefix}_throughput.png"))
+
+    n_max = max((r["concurrency"] or 0 for r in rows if r["mode"] == "closed"), default=0)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for s in systems:
+        row = _closed(rows, s, n_max, base)
+        if row is None:
+            continue
+        for ax, key in zip(axes, ("ttft", "e2e"), strict=True):
+            values = _latencies(row, key)
+            if values:
+                ys = [(k + 1) / len(values) for k in range(len(values))]
+                ax.step(values, ys, where="post", label=labels[s])
+    for ax, title in zip(axes, ("time to first token", "end-to-end latency"), strict=True):
+        ax.set(xlabel="seconds", ylabel="fraction of requests", title=f"{title}, N={n_max}")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    written.append(_save(fig, f"{prefix}_latency_cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = False
+    for s in systems:
+        pts = sorted(
+            (r["max_tokens"], r["tok_s"])
+            for r in rows
+            if r["system"] == s
+            and r["mode"] in ("closed", "length")
+            and r["concurrency"] == result.get("length_n", TARGET_N)
+        )
+        if len(pts) >= 2:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=labels[s])
+            drawn = True
+    if drawn:
+        ax.set_xscale("log", base=2)
+        ax.set(
+            xlabel="max output tokens",
+            ylabel="output tokens/s",
+            title="Throughput vs max output length",
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(_save(fig, f"{prefix}_lengths.png"))
+    plt.close("all")
+    return written
+
+
+def _latencies(row: dict[str, Any], key: str) -> list[float]:
+    out = []
+    for rec in row.get("records", []):
+        if key == "ttft" and rec["first"] is not None:
+            out.append(rec["first"] - rec["start"])
+        elif key == "e2e" and rec["finished"] and rec["end"] is not None:
+            out.append(rec["end"] - rec["start"])
+    return sorted(out)
+
+
+def _save(fig: Any, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

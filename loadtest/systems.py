@@ -1,0 +1,220 @@
+"""The systems compared, each brought up for its measurement and torn down after it:
+
+1. ``tokenrouter``: the served app with tuned deferred batching (the app's overrides, e.g.
+   ``conf/local.yaml``'s with the live tuner), policy ``bernoulli(p)``.
+2. ``eager_async``: the same app with every threshold 1 and the tuner off (a config
+   override, not a code path).
+3. ``step_sync``: both models in one lock-step loop on our engine (``baselines/step_sync``).
+4. ``std_serving``: one stock ``transformers serve --continuous-batching`` per model and the
+   external per-token dispatcher (``baselines/dispatcher``).
+5. ``large_alone`` / ``small_alone``: one model on our engine; ``large_stock``: the large
+   model alone on its stock server (the "could I just serve the large model?" reference).
+
+Each ``up()`` is a context manager yielding the OpenAI base URL (``.../v1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from loadtest.baselines.api import ServerProcess, ThreadServer, python_module, start_server
+from loadtest.baselines.stock import start_stock
+
+ServeDeploy = Callable[[list[str], str], contextlib.AbstractContextManager[str]]
+
+
+@dataclass
+class Bench:
+    """What every system needs: the model pair, the policy, ports, and how to deploy an app."""
+
+    small_dir: str
+    large_dir: str
+    p: float
+    app_overrides: list[str]  # the tuned app (policy bernoulli(p) included)
+    deploy: ServeDeploy  # (overrides, app name) -> context manager yielding the v1 URL
+    log_dir: str
+    port_base: int = 18220  # stock small, stock large, dispatcher, step-sync: +0..+3
+    dtype: str = "auto"
+    memory_budget_gb: float = 1.5
+    in_process: bool = False  # baseline servers on threads here (tests), not processes
+    stock: dict[str, ServerProcess] = field(default_factory=dict)
+    _tokenizer: Any = None
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of a text (a request cut at the time limit), with the pair's tokenizer."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.large_dir)
+        return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def eager_overrides(self) -> list[str]:
+        keep = [o for o in self.app_overrides if not o.lstrip("+~").startswith("tuner")]
+        return [*keep, "tuner=static", "scheduler.batch_thresholds=[1]"]
+
+    def stock_server(self, which: str) -> ServerProcess:
+        """One stock server per model, shared by every system that uses it, kept up until
+        ``close()`` (loading a model and its first continuous batch take seconds)."""
+        if which not in self.stock:
+            model = self.small_dir if which == "small" else self.large_dir
+            port = self.port_base + (0 if which == "small" else 1)
+            self.stock[which] = start_stock(f"stock_{which}", model, port, self.log_dir)
+            self.count_tokens("")  # loads the tokenizer
+            warm_stock(self.stock[which].url, self._tokenizer.decode(list(range(5, 9))))
+        return self.stock[which]
+
+    def close(self) -> None:
+        for server in self.stock.values():
+            server.stop()
+        self.stock.clear()
+
+
+def warm_stock(url: str, prompt: str) -> None:
+    """The first request builds the continuous-batching manager, and its generation config
+    becomes the one every later request shares (``transformers serve`` has no per-request
+    config in that mode yet): greedy, EOS off, as the benchmark's requests."""
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    config = json.dumps({"do_sample": False, "eos_token_id": None})
+    body = {
+        "model": model,
+        "prompt": prompt,  # any text the tokenizer maps into the model's vocabulary
+        "max_tokens": 2,
+        "temperature": 0,
+        "generation_config": config,
+    }
+    httpx.post(f"{url}/v1/completions", json=body, timeout=300).raise_for_status()
+
+
+@contextlib.contextmanager
+def serve_app(bench: Bench, overrides: list[str], name: str) -> Iterator[str]:
+    with bench.deploy(overrides, name) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def process(server: ServerProcess | ThreadServer) -> Iterator[str]:
+    try:
+        yield f"{server.url}/v1"
+    finally:
+        server.stop()
+
+
+def step_sync_server(bench: Bench, models: list[str], name: str) -> ServerProcess | ThreadServer:
+    port = bench.port_base + 3
+    if bench.in_process:
+        from loadtest.baselines import step_sync
+
+        app = step_sync.build_app(models, bench.p, bench.dtype, bench.memory_budget_gb)
+        return ThreadServer(name, app, port)
+    argv = python_module(
+        "loadtest.baselines.step_sync",
+        "--models",
+        ",".join(models),
+        "--p",
+        str(bench.p),
+        "--dtype",
+        bench.dtype,
+        "--memory-budget-gb",
+        str(bench.memory_budget_gb),
+        "--port",
+        str(port),
+    )
+    return start_server(name, argv, port, bench.log_dir)
+
+
+def dispatcher(
+    bench: Bench, urls: dict[str, str], p: float, name: str
+) -> ServerProcess | ThreadServer:
+    port = bench.port_base + 2
+    if bench.in_process:
+        from loadtest.baselines.dispatcher import build_app
+
+        return ThreadServer(name, build_app(urls, bench.large_dir, p), port)
+    argv = python_module(
+        "loadtest.baselines.dispatcher",
+        "--small-url",
+        urls["small"],
+        "--large-url",
+        urls["large"],
+        "--tokenizer",
+        bench.large_dir,
+        "--p",
+        str(p),
+        "--port",
+        str(port),
+    )
+    return start_server(name, argv, port, bench.log_dir)
+
+
+def dispatcher_server(bench: Bench) -> ServerProcess | ThreadServer:
+    small, large = bench.stock_server("small"), bench.stock_server("large")
+    return dispatcher(bench, {"small": small.url, "large": large.url}, bench.p, "dispatcher")
+
+
+@contextlib.contextmanager
+def stock_alone(bench: Bench, which: str) -> Iterator[str]:
+    """A stock server behind the dispatcher, which never hands off."""
+    url = bench.stock_server(which).url
+    p = 1.0 if which == "large" else 0.0  # every position to that model, in one request
+    with process(dispatcher(bench, {"small": url, "large": url}, p, f"{which}_stock")) as v1:
+        yield v1
+
+
+SYSTEMS: dict[str, tuple[str, Callable[[Bench], contextlib.AbstractContextManager[str]]]] = {
+    "tokenrouter": (
+        "tokenrouter (tuned)",
+        lambda b: serve_app(b, b.app_overrides, "lt_tokenrouter"),
+    ),
+    "eager_async": ("Eager-Async", lambda b: serve_app(b, b.eager_overrides(), "lt_eager")),
+    "step_sync": (
+        "Step-Sync",
+        lambda b: process(step_sync_server(b, [b.small_dir, b.large_dir], "step_sync")),
+    ),
+    "std_serving": ("Std. Serving", lambda b: process(dispatcher_server(b))),
+    "large_alone": (
+        "large alone (our engine)",
+        lambda b: process(step_sync_server(b, [b.large_dir], "large_alone")),
+    ),
+    "small_alone": (
+        "small alone (our engine)",
+        lambda b: process(step_sync_server(b, [b.small_dir], "small_alone")),
+    ),
+    "large_stock": ("large alone (stock server)", lambda b: stock_alone(b, "large")),
+}
+
+
+def app_status(url: str) -> dict[str, Any]:
+    """What a tokenrouter app reports about itself (tuner thresholds, deferred timeouts);
+    empty for the baselines."""
+    out: dict[str, Any] = {}
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        r = httpx.get(f"{url}/tokenrouter/tuner", timeout=10)
+        if r.status_code == 200:
+            status = r.json()
+            out["tuner_thresholds"] = status.get("thresholds")
+            out["tuner_moves"] = [h.get("reason") for h in status.get("history", [])]
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        r = httpx.get(f"{url}/tokenrouter/stats", timeout=10)
+        if r.status_code == 200:
+            models = r.json().get("models", {})
+            timeouts = [m.get("deferred_timeouts") for m in models.values()]
+            if timeouts and all(t is not None for t in timeouts):
+                out["deferred_timeouts"] = sum(timeouts)
+    return out
+
+
+def wait_ready(url: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/models", timeout=5).status_code < 500:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout_s} s")
