@@ -57,9 +57,13 @@ def _closed(
     return None
 
 
-def targets(result: dict[str, Any], n: int = TARGET_N) -> list[str]:
-    """The issue's targets on this run, each PASS / MISS / n/a with its figures."""
+def targets(result: dict[str, Any], n: int | None = None) -> list[str]:
+    """The issue's targets on this run, each PASS / MISS / n/a with its figures, at N = 8
+    (or the largest N the run measured)."""
     rows = result["rows"]
+    measured = {r["concurrency"] for r in rows if r["mode"] == "closed"}
+    if n is None:
+        n = TARGET_N if TARGET_N in measured or not measured else max(measured)
     base = min((r["max_tokens"] for r in rows if r["mode"] == "closed"), default=None)
     ours = _closed(rows, "tokenrouter", n, base)
     out = []
