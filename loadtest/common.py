@@ -22,9 +22,8 @@ def machine() -> str:
 
 
 def command() -> str:
-    return "python -m " + " ".join(
-        shlex.quote(a) for a in [sys.modules["__main__"].__spec__.name, *sys.argv[1:]]
-    )
+    module = sys.modules["__main__"].__spec__.name.removesuffix(".__main__")
+    return "python -m " + " ".join(shlex.quote(a) for a in [module, *sys.argv[1:]])
 
 
 QUESTIONS = [
