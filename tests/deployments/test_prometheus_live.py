@@ -39,6 +39,7 @@ SERVED = "live-demo"
 SCRAPE_S = 1
 DEADLINE_S = 90  # after the traffic: Ray exports every few seconds, then two scrapes
 SMALL_KV_BLOCKS, BLOCK = 6, 16
+TOPICS = ["tides", "rainbows", "volcanoes", "magnets"]  # one streamed request each
 
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None or shutil.which("promtool") is None,
@@ -88,6 +89,16 @@ class Prometheus:
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         return self.get("/api/v1/query", query=expr)["result"]
+
+    def eventually(self, expr: str, want: Callable[[float], bool], timeout_s: float = 30) -> float:
+        """The value of a one-series ``expr`` once ``want`` holds (the last one otherwise)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = self.query(expr)
+            got = float(result[0]["value"][1]) if len(result) == 1 else float("nan")
+            if want(got) or time.monotonic() > deadline:
+                return got
+            time.sleep(1)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +167,6 @@ def panel_queries() -> list[tuple[str, str, str]]:
 
 def send_traffic(base_url: str) -> None:
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
-    topics = ["tides", "rainbows", "volcanoes", "magnets"]
 
     def ask(topic: str) -> None:
         messages = [{"role": "user", "content": f"Explain {topic} in one short paragraph."}]
@@ -169,8 +179,8 @@ def send_traffic(base_url: str) -> None:
         client.chat.completions.create(
             model=SERVED, messages=[{"role": "user", "content": "hi"}], temperature=-1
         )
-    with ThreadPoolExecutor(len(topics)) as pool:
-        list(pool.map(ask, topics))
+    with ThreadPoolExecutor(len(TOPICS)) as pool:
+        list(pool.map(ask, TOPICS))
 
 
 def send_garbage_frame() -> None:
@@ -245,6 +255,14 @@ def test_every_dashboard_query_returns_data(
         assert not empty, "panels without data:\n" + "\n".join(
             f"  {board} / {title}: {expr}" for board, title, expr in empty
         )
+        # the counts are what happened: four requests, one garbage frame, preemptions
+        app = f'model_name="{SERVED}"'
+        ended = f"sum(ray_tokenrouter_request_success_total{{{app}}})"
+        assert prometheus.eventually(ended, lambda v: v == len(TOPICS)) == len(TOPICS)
+        rejected = f'sum(ray_tokenrouter_peer_rejected_total{{{app}, reason="malformed"}})'
+        assert prometheus.eventually(rejected, lambda v: v == 1) == 1
+        preempted = f'sum(ray_tokenrouter_num_preemptions_total{{{app}, model="small"}})'
+        assert prometheus.eventually(preempted, lambda v: v > 0) > 0
         # Serve's tags come with ray.serve.metrics; model_name with every metric
         (sample,) = prometheus.query(
             f'ray_tokenrouter_batch_size_count{{model_name="{SERVED}", model="small"}}'
