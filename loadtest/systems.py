@@ -62,12 +62,13 @@ class Bench:
     def stock_server(self, which: str) -> ServerProcess:
         """One stock server per model, shared by every system that uses it, kept up until
         ``close()`` (loading a model and its first continuous batch take seconds)."""
-        if which not in self.stock:
-            model = self.small_dir if which == "small" else self.large_dir
-            port = self.port_base + (0 if which == "small" else 1)
-            self.stock[which] = start_stock(f"stock_{which}", model, port, self.log_dir)
+        if not self.stock:  # both at once: their start-ups overlap
+            models = {"small": self.small_dir, "large": self.large_dir}
+            ports = {"small": self.port_base, "large": self.port_base + 1}
+            self.stock = start_stock(models, ports, self.log_dir)
             self.count_tokens("")  # loads the tokenizer
-            warm_stock(self.stock[which].url, self._tokenizer.decode(list(range(5, 9))))
+            for server in self.stock.values():
+                warm_stock(server.url, self._tokenizer.decode(list(range(5, 9))))
         return self.stock[which]
 
     def close(self) -> None:

@@ -150,16 +150,10 @@ class ServerProcess:
                 self.proc.wait(10)
 
 
-def start_server(
-    name: str,
-    argv: Sequence[str],
-    port: int,
-    log_dir: str,
-    health: str = "/health",
-    timeout_s: float = 300.0,
-    env: dict[str, str] | None = None,
+def launch_server(
+    name: str, argv: Sequence[str], port: int, log_dir: str, env: dict[str, str] | None = None
 ) -> ServerProcess:
-    """Start ``argv`` in its own process group, wait until ``health`` answers 200."""
+    """Start ``argv`` in its own process group (``wait_healthy`` waits for it)."""
     log = os.path.join(log_dir, f"{name}.log")
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -169,21 +163,32 @@ def start_server(
             start_new_session=True,
             env={**os.environ, **(env or {})},
         )
-    server = ServerProcess(name, f"http://127.0.0.1:{port}", proc, log)
+    return ServerProcess(name, f"http://127.0.0.1:{port}", proc, log)
+
+
+def wait_healthy(server: ServerProcess, health: str = "/health", timeout_s: float = 300.0) -> None:
+    """Until ``health`` answers 200; a server that exits or stays down is stopped and named
+    in the error with its log's tail."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
+    while time.monotonic() < deadline and server.proc.poll() is None:
         try:
             if httpx.get(server.url + health, timeout=2).status_code == 200:
-                return server
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     server.stop()
-    with open(log) as f:
+    with open(server.log) as f:
         tail = f.read()[-3000:]
-    raise RuntimeError(f"{name} did not come up on port {port}:\n{tail}")
+    raise RuntimeError(f"{server.name} did not come up at {server.url}:\n{tail}")
+
+
+def start_server(
+    name: str, argv: Sequence[str], port: int, log_dir: str, health: str = "/health"
+) -> ServerProcess:
+    server = launch_server(name, argv, port, log_dir)
+    wait_healthy(server, health)
+    return server
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from loadtest.baselines.api import ServerProcess, start_server
+from loadtest.baselines.api import ServerProcess, launch_server, wait_healthy
 
 
 def stock_command(
@@ -59,6 +59,20 @@ def stock_command(
 
 
 def start_stock(
-    name: str, model: str, port: int, log_dir: str, device: str = "cpu"
-) -> ServerProcess:
-    return start_server(name, stock_command(model, port, device), port, log_dir, "/v1/models")
+    models: dict[str, str], ports: dict[str, int], log_dir: str, device: str = "cpu"
+) -> dict[str, ServerProcess]:
+    """One stock server per model (``name -> directory``), started side by side."""
+    servers = {
+        name: launch_server(
+            f"stock_{name}", stock_command(model, ports[name], device), ports[name], log_dir
+        )
+        for name, model in models.items()
+    }
+    try:
+        for server in servers.values():
+            wait_healthy(server, "/v1/models")
+    except Exception:
+        for server in servers.values():
+            server.stop()
+        raise
+    return servers
