@@ -21,15 +21,15 @@ import math
 import time
 
 from loadtest.common import command, machine
-from tokenrouter_ray.thresholds import is_admissible
-from tokenrouter_ray.tuning.examples import paper_r2r
-from tokenrouter_ray.tuning.montecarlo import monte_carlo
-from tokenrouter_ray.tuning.search import threshold_lists, tune
-from tokenrouter_ray.tuning.sim_backend import (
+from tokenrouter_ray.simulation.backend import (
     ClosedLoop,
     calibrate_sleep_bias,
     measure_closed_loop,
 )
+from tokenrouter_ray.thresholds import is_admissible
+from tokenrouter_ray.tuning.examples import paper_r2r
+from tokenrouter_ray.tuning.montecarlo import monte_carlo
+from tokenrouter_ray.tuning.search import threshold_lists, tune
 
 
 def main() -> None:

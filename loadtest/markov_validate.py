@@ -2,7 +2,7 @@
 
 The paper's R2R setting (p(small->large) = 0.35, 6.0 / 27.9 ms, B_small = 1): for every N in
 ``--concurrency`` and every admissible B_large (1..N), run ``LocalRuntime`` over simulated
-engines (``tokenrouter_ray.tuning.sim_backend``: the real scheduler, sub-servers and
+engines (``tokenrouter_ray.simulation.backend``: the real scheduler, sub-servers and
 protocol, steps that sleep for the profiled time) with N requests in a closed loop, and
 compare the measured committed tokens/s with the exact chain's prediction. Prints the
 per-point table and the per-N summary (predicted vs measured best B, whether the predicted
@@ -22,14 +22,14 @@ import time
 
 from loadtest.common import command, machine
 from loadtest.markov_plot import plot
-from tokenrouter_ray.tuning.examples import PAPER_CONCURRENCIES, paper_r2r
-from tokenrouter_ray.tuning.validate import (
+from tokenrouter_ray.simulation.validate import (
     DEFAULT_WINDOWS_S,
     QUICK_WINDOWS_S,
     ValidationPoint,
     format_validation,
     validate,
 )
+from tokenrouter_ray.tuning.examples import PAPER_CONCURRENCIES, paper_r2r
 
 
 # ------------------------------------------------------------------------------ main

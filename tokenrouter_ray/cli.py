@@ -18,8 +18,9 @@ COMMAND_MODULES = (
     "tokenrouter_ray.demo.commands",
     "tokenrouter_ray.routing.importing",
     "tokenrouter_ray.routing.training.commands",
+    "tokenrouter_ray.simulation.commands",
     "tokenrouter_ray.tuning.commands",
-    "tokenrouter_ray.tuning.profiler",
+    "tokenrouter_ray.tuning.step_times",
 )
 
 

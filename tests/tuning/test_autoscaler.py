@@ -11,10 +11,10 @@ import time
 import pytest
 
 from tokenrouter_ray.runtime.window_stats import WindowStats
+from tokenrouter_ray.simulation.backend import ClosedLoop, calibrate_sleep_bias
 from tokenrouter_ray.thresholds import is_admissible
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
-from tokenrouter_ray.tuning.sim_backend import ClosedLoop, calibrate_sleep_bias
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec, drive_local, fill_step_times
 
 MODELS = ["small", "large"]

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from tokenrouter_ray.engine.request import SamplingParams
+from tokenrouter_ray.simulation.backend import ClosedLoop, calibrate_sleep_bias, sim_engine
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.search import threshold_lists, tune
-from tokenrouter_ray.tuning.sim_backend import ClosedLoop, calibrate_sleep_bias, sim_engine
 
 
 def _tuned_lists(top: int) -> tuple[list[int], list[int]]:

@@ -9,7 +9,7 @@ import pytest
 from tests.engine.conftest import make_engine, save_tiny
 from tokenrouter_ray import cli
 from tokenrouter_ray.tuning.profile import load_profile
-from tokenrouter_ray.tuning.profiler import measure_step_times
+from tokenrouter_ray.tuning.step_times import measure_step_times
 
 
 @pytest.fixture(scope="module")

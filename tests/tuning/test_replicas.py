@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tokenrouter_ray.runtime.window_stats import WindowStats
+from tokenrouter_ray.simulation.backend import ClosedLoop, calibrate_sleep_bias
 from tokenrouter_ray.thresholds import check_admissible, is_admissible
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.markov import throughput
@@ -18,7 +19,6 @@ from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig, monte_carlo, mon
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.replicas import binding
 from tokenrouter_ray.tuning.search import candidates, resolve_method, sweep
-from tokenrouter_ray.tuning.sim_backend import ClosedLoop, calibrate_sleep_bias
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec
 

@@ -12,17 +12,17 @@ import torch
 from tokenrouter_ray import cli
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.errors import UserFacingError
-from tokenrouter_ray.tuning import commands
-from tokenrouter_ray.tuning.examples import escalation_chain, paper_r2r
-from tokenrouter_ray.tuning.markov import throughput
-from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
-from tokenrouter_ray.tuning.sim_backend import (
+from tokenrouter_ray.simulation import commands
+from tokenrouter_ray.simulation.backend import (
     SIM_VOCAB_SIZE,
     escalation_probability,
     measure_closed_loop,
     profile_step_seconds,
     sim_engine,
 )
+from tokenrouter_ray.tuning.examples import escalation_chain, paper_r2r
+from tokenrouter_ray.tuning.markov import throughput
+from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 
 
 def _two_models(small_ms: float, large_ms: float, q: float) -> RoutingProfile:

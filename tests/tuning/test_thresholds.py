@@ -9,6 +9,7 @@ import pytest
 
 from tokenrouter_ray.engine.block_pool import KVCacheManager
 from tokenrouter_ray.engine.scheduler import Scheduler, SchedulerConfig
+from tokenrouter_ray.simulation.backend import thresholds_table
 from tokenrouter_ray.thresholds import (
     ThresholdTable,
     check_admissible,
@@ -18,7 +19,6 @@ from tokenrouter_ray.thresholds import (
 )
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.search import threshold_lists, tune
-from tokenrouter_ray.tuning.sim_backend import thresholds_table
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 
 

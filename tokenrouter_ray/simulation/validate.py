@@ -34,10 +34,10 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from tokenrouter_ray.simulation.backend import SimMeasurement, measure_closed_loop
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.search import candidates
-from tokenrouter_ray.tuning.sim_backend import SimMeasurement, measure_closed_loop
 
 DEFAULT_WINDOWS_S = {1: 6.0, 2: 4.0, 4: 4.0, 8: 5.0, 16: 6.0}
 QUICK_WINDOWS_S = {1: 1.5, 2: 1.5, 4: 1.5, 8: 2.0, 16: 2.0}

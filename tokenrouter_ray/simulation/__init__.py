@@ -1,0 +1,9 @@
+"""The real runtime on simulated models: capacity planning and checks of the throughput model.
+
+``backend`` is a model backend that computes nothing (``SimRunner`` sleeps for a profiled
+step time) under the production engine, scheduler, sub-servers and protocol, wired by
+``LocalRuntime``; ``ClosedLoop`` and ``measure_closed_loop`` drive it. ``validate`` sweeps
+thresholds on it and sets the measured throughput beside the Markov model's prediction
+(``loadtest/markov_validate.py``), and ``commands`` is the ``tokenrouter-ray simulate`` CLI.
+The throughput model itself lives in ``tuning``; this package only measures.
+"""

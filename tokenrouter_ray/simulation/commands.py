@@ -1,0 +1,188 @@
+"""``tokenrouter-ray simulate``: the real runtime on simulated models, next to the prediction.
+
+The statistics come in as ``tune`` takes them (a profile file or inline ``--step-ms``,
+``--route-prob``, ``--commit``; ``tuning/commands.py`` parses them); ``--thresholds`` or
+``--thresholds-in`` say which B to run at each ``--concurrency`` N (B at N read from a
+threshold list by ``ThresholdTable``'s lookup rule; inadmissible B skipped). Each point runs
+``backend.measure_closed_loop`` and prints measured tokens/s beside the Markov prediction
+(a table, or JSON with ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from itertools import product
+from pathlib import Path
+
+from tokenrouter_ray.errors import UserFacingError
+from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
+from tokenrouter_ray.tuning.commands import _add_statistics, _int_list, _pairs, build_profile
+from tokenrouter_ray.tuning.profile import RoutingProfile
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "simulate",
+        help="measure throughput of the real runtime on simulated engines (profiled step times)",
+        description=(
+            "Run LocalRuntime (the real scheduler, sub-servers and protocol) on engines that "
+            "sleep for the profiled step time, N requests in a closed loop, and print the "
+            "measured committed tokens/s next to the Markov prediction. Two models only: the "
+            "first escalates to the second with p(small->large) (bernoulli policy), the "
+            "second writes one token and hands back; --commit defaults to that "
+            "(small:small=1, large:small=1)."
+        ),
+    )
+    _add_statistics(parser)
+    parser.add_argument("--concurrency", default="4", help="active-request counts N, e.g. 1,4,16")
+    parser.add_argument(
+        "--thresholds",
+        help="B per model, one value, a list or a range per model, e.g. small=1,large=1,2,3 "
+        "or large=1-4 or large=all (1..N); models not named use 1; inadmissible B are skipped",
+    )
+    parser.add_argument(
+        "--thresholds-in", type=Path, help="{model: [B at N=0..]} JSON, as tune --thresholds-out"
+    )
+    parser.add_argument("--window-s", type=float, default=5.0, help="measurement window (s)")
+    parser.add_argument("--warmup-s", type=float, default=1.0, help="warm-up before it (s)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="run every step this many times slower (less relative runtime overhead); "
+        "throughput is reported in the profile's time base",
+    )
+    parser.add_argument("--max-defer-s", type=float, default=1.0, help="scheduler max_defer_s")
+    parser.add_argument("--seed", type=int, default=0, help="request seeds (routing draws)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(func=run_simulate)
+
+
+def _threshold_values(text: str, n: int, what: str) -> list[int]:
+    values: list[int] = []
+    for item in text.split("|"):
+        item = item.strip()
+        if item == "all":
+            values += list(range(1, n + 1))
+        else:
+            values += _int_list(item, what)
+    return sorted(set(values))
+
+
+def _threshold_spec(text: str | None, names: tuple[str, ...]) -> dict[str, str]:
+    """``small=1,large=1,2,3`` to ``{"small": "1", "large": "1|2|3"}`` (bare items continue
+    the previous model's list)."""
+    spec: dict[str, list[str]] = {}
+    current: str | None = None
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if sep:
+            current = key.strip()
+            if current not in names:
+                raise UserFacingError(
+                    f"--thresholds: unknown model {current!r} (models: {list(names)})"
+                )
+            spec.setdefault(current, []).append(value.strip())
+        elif current is None:
+            raise UserFacingError(f"--thresholds: expected name=B, got {item!r}")
+        else:
+            spec[current].append(key.strip())
+    return {k: "|".join(v) for k, v in spec.items()}
+
+
+def _simulation_points(args: argparse.Namespace, profile: RoutingProfile, n: int) -> list[tuple]:
+    names = profile.names
+    if args.thresholds_in is not None:
+        try:
+            lists = json.loads(args.thresholds_in.read_text())
+            point = tuple(
+                ThresholdTable.of(lists[name]).at(n) if name in lists else 1 for name in names
+            )
+        except (OSError, ValueError, TypeError, KeyError, IndexError) as exc:
+            raise UserFacingError(
+                f"--thresholds-in: cannot read {args.thresholds_in}: {exc}"
+            ) from None
+        return [point] if is_admissible(n, point) else []
+    spec = _threshold_spec(args.thresholds, names)
+    per_model = [
+        _threshold_values(spec[name], n, "--thresholds") if name in spec else [1] for name in names
+    ]
+    return [b for b in product(*per_model) if is_admissible(n, b)]
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from tokenrouter_ray.simulation.backend import escalation_probability, measure_closed_loop
+    from tokenrouter_ray.tuning.markov import throughput
+
+    if args.thresholds and args.thresholds_in:
+        raise UserFacingError("give --thresholds or --thresholds-in, not both")
+    if args.commit is None and args.profile is None and args.step_ms:
+        names = list(_pairs(args.step_ms, "--step-ms"))
+        if len(names) == 2:
+            args.commit = f"{names[0]}:{names[0]}=1,{names[1]}:{names[0]}=1"
+    profile = build_profile(args)
+    try:
+        escalation_probability(profile)
+    except ValueError as exc:
+        raise UserFacingError(str(exc)) from None
+    if not args.window_s > 0 or args.warmup_s < 0 or not args.time_scale > 0:
+        raise UserFacingError("--window-s and --time-scale must be > 0, --warmup-s >= 0")
+    concurrencies = _int_list(args.concurrency, "--concurrency")
+    plan = {n: _simulation_points(args, profile, n) for n in concurrencies}
+    if not any(plan.values()):
+        raise UserFacingError("no admissible thresholds: need sum(B_i - 1) < N")
+    names = profile.names
+    results = []
+    if not args.json:
+        steps = " / ".join(f"{m.name} {m.step_time_ms(1):g} ms" for m in profile.models)
+        print(
+            f"simulated runtime: {steps}"
+            f", p({names[0]}->{names[1]}) = {profile.route_prob[0][1]:g}, time scale "
+            f"x{args.time_scale:g}, window {args.window_s:g} s after {args.warmup_s:g} s warm-up"
+        )
+        print(
+            f"  {'N':>4}  {'B':<18} {'predicted':>10} {'measured':>10} {'diff':>7}"
+            f"  {'p^':>6} {'pred@p^':>9}  mean batch"
+        )
+    for n, points in plan.items():
+        if not points:
+            print(f"  {n:>4}  (no admissible thresholds given: need sum(B_i - 1) < N)")
+            continue
+        for b in points:
+            meas = measure_closed_loop(
+                profile, n, b,
+                window_s=args.window_s, warmup_s=args.warmup_s, time_scale=args.time_scale,
+                seed=args.seed, max_defer_s=args.max_defer_s,
+            )  # fmt: skip
+            predicted = throughput(profile, n, b).throughput
+            realized = throughput(meas.realized_profile(profile), n, b).throughput
+            label = ",".join(f"{name}={v}" for name, v in zip(names, b, strict=True))
+            entry = {
+                "n": n,
+                "thresholds": dict(zip(names, b, strict=True)),
+                "predicted": round(predicted, 3),
+                "measured": round(meas.throughput, 3),
+                "escalation_rate": round(meas.escalation_rate, 4),
+                "predicted_at_realized": round(realized, 3),
+                "mean_batch": dict(zip(names, (round(x, 3) for x in meas.mean_batch), strict=True)),
+                "steps": dict(zip(names, meas.steps, strict=True)),
+                "window_s": round(meas.window_s, 3),
+            }
+            results.append(entry)
+            if not args.json:
+                diff = 100 * (meas.throughput - predicted) / predicted
+                batches = " ".join(f"{x:.2f}" for x in meas.mean_batch)
+                print(
+                    f"  {n:>4}  {label:<18} {predicted:10.1f} {meas.throughput:10.1f} "
+                    f"{diff:+6.1f}%  {meas.escalation_rate:6.3f} {realized:9.1f}  {batches}",
+                    flush=True,
+                )
+    if args.json:
+        json.dump(results, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    return 0
