@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.errors import ModelLoadError, UserFacingError
+from tokenrouter_ray.prompts import TOPICS
 
 POLICY_LABELS = {
     "r2r": "small greedy token != large token (divergence)",
@@ -44,16 +45,6 @@ POLICY_LABELS = {
 COLLM_MARGIN = 1e-4  # nats: float noise between equal predictions is not a preference
 
 # ----------------------------------------------------------------------------- prompts
-TOPICS = (
-    "photosynthesis", "black holes", "the French Revolution", "machine learning",
-    "climate change", "the human heart", "volcanoes", "the stock market", "honeybees",
-    "the Roman Empire", "quantum computing", "coffee", "the Internet", "vaccines",
-    "the Moon landing", "chess", "recycling", "the water cycle", "electric cars",
-    "Shakespeare", "the Great Wall of China", "sleep", "prime numbers", "rainbows",
-    "the printing press", "dinosaurs", "solar panels", "the immune system", "jazz music",
-    "plate tectonics", "bread baking", "the Olympic Games", "DNA", "friendship",
-    "time management", "the ocean", "gravity", "democracy", "bicycles", "mountains",
-)  # fmt: skip
 TEMPLATES = (
     "Explain {t} in simple terms.",
     "Give me three interesting facts about {t}.",
@@ -94,7 +85,9 @@ STYLES = ("", " Answer briefly.", " Use an example.", " Answer as a numbered lis
 def chat_prompts(n: int, seed: int = 0) -> list[str]:
     """``n`` varied user prompts (templates x topics, some arithmetic and code), no I/O.
 
-    Distinct up to ~2,500; past that the list repeats (``train_router`` drops repeats).
+    Topics are the demo builder's (``tokenrouter_ray.prompts.TOPICS``). Distinct up to
+    ~18,000 (~4,500 before the style suffixes); past that the list repeats
+    (``train_router`` drops repeats).
     """
     rng = random.Random(seed)
     base = [
