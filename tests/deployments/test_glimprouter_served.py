@@ -49,7 +49,7 @@ def glimp_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def prompts() -> list[list[int]]:
-    return [[(7 * i + j) % 128 for j in range(3 + 2 * i)] for i in range(6)]
+    return [[(7 * i + j) % 128 for j in range(3 + 2 * i)] for i in range(4)]
 
 
 def ids_of(text: str) -> list[int]:
@@ -81,7 +81,7 @@ def test_glimprouter_served_with_its_shipped_config(serve_http, glimp_dirs) -> N
 
     async def local() -> list:
         async with LocalRuntime(chain_engines(glimp_dirs, TWO), policy) as runtime:
-            spec = SamplingSpec(temperature=0.0, max_tokens=24, seed=0)
+            spec = SamplingSpec(temperature=0.0, max_tokens=16, seed=0)
             return await runtime.complete_all(prompts(), spec)
 
     expected = asyncio.run(local())
@@ -89,7 +89,7 @@ def test_glimprouter_served_with_its_shipped_config(serve_http, glimp_dirs) -> N
     try:
         client = openai.OpenAI(base_url=f"{serve_http}/glimp/v1", api_key="none", max_retries=0)
         got = [
-            client.completions.create(model="tokenrouter", prompt=p, max_tokens=24, temperature=0)
+            client.completions.create(model="tokenrouter", prompt=p, max_tokens=16, temperature=0)
             for p in prompts()
         ]
     finally:
@@ -98,5 +98,5 @@ def test_glimprouter_served_with_its_shipped_config(serve_http, glimp_dirs) -> N
         assert ids_of(response.choices[0].text) == want.token_ids
         assert response.model_extra["routing"]["tokens_per_model"] == want.counts
     # both models wrote, and the large model handed steps back: routing really ran
-    assert sum(w.handoffs for w in expected) >= 6
+    assert sum(w.handoffs for w in expected) >= 20
     assert any(w.counts.get("small") and w.counts.get("large") for w in expected)
