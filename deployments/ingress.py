@@ -37,8 +37,9 @@ from ray.serve.handle import DeploymentHandle
 from deployments.directory import ServeDirectory
 from deployments.model_server import load_tokenizer
 from deployments.peers import PeerBook, make_channel, peer_key
+from deployments.ray_metrics import ray_metrics
 from tokenrouter_ray.config import AppConfig
-from tokenrouter_ray.metrics import INGRESS, Metrics
+from tokenrouter_ray.metrics import INGRESS
 from tokenrouter_ray.openai.auth import ApiKeyMiddleware
 from tokenrouter_ray.openai.errors import (
     InvalidRequestError,
@@ -70,7 +71,7 @@ app = FastAPI(title="tokenrouter-ray", docs_url=None, redoc_url=None)
 
 
 def _count_rejected_key() -> None:
-    Metrics.ray().error(INGRESS, "invalid_request_error_401")
+    ray_metrics().error(INGRESS, "invalid_request_error_401")
 
 
 # Optional API keys (TOKENROUTER_API_KEYS): every route but /health, 401 envelope; off if unset.
@@ -126,7 +127,7 @@ async def _openai_errors(_: Request, exc: Exception) -> JSONResponse:
     status, body = error_response(exc)
     if status >= 500 and not isinstance(exc, OpenAIError):
         logger.error("ingress: unexpected error", exc_info=exc)
-    Metrics.ray().error(INGRESS, f"{as_openai_error(exc).error_type}_{status}")  # bounded
+    ray_metrics().error(INGRESS, f"{as_openai_error(exc).error_type}_{status}")  # bounded
     return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
 
@@ -151,18 +152,18 @@ class Ingress:
             max_model_len=min(i["max_model_len"] for i in infos),
             vocab_size=min([len(self.tokenizer), *(i["vocab_size"] for i in infos)]),
         )
-        Metrics.ray(model_name=cfg.served_model_name)  # labels every Metrics.ray() here
+        ray_metrics(model_name=cfg.served_model_name)  # labels every ray_metrics() here
         replica = serve.get_replica_context().replica_id.unique_id
         serve_directory = ServeDirectory(directory)
         key = await peer_key(serve_directory)
         self.channel = make_channel(
-            cfg.transport, "ingress", replica, serve_directory, key, Metrics.ray()
+            cfg.transport, "ingress", replica, serve_directory, key, ray_metrics()
         )
         await self.channel.start()
         self.models = models
         self.timeout_s = cfg.ingress.request_timeout_s
         self.core = IngressCore(
-            self.channel, self._entry, self.peers_all, Metrics.ray(), timeout_s=self.timeout_s
+            self.channel, self._entry, self.peers_all, ray_metrics(), timeout_s=self.timeout_s
         )
         self.recoveries: list[dict[str, Any]] = []
         self._lost: set[str] = set()

@@ -21,10 +21,10 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.directory import ServeDirectory
 from deployments.peers import PeerBook, make_channel, peer_key
+from deployments.ray_metrics import ray_metrics
 from deployments.tp_workers import RayWorkerLauncher
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
-from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.routing.policy import build_policy, policy_class
 from tokenrouter_ray.runtime.subserver import SubServer
 
@@ -75,7 +75,7 @@ class ModelServer:
         replica = serve.get_replica_context().replica_id.unique_id
         self.directory = ServeDirectory(directory)
         key = await peer_key(self.directory)
-        metrics = Metrics.ray(policy=cfg.policy.name, model_name=cfg.served_model_name)
+        metrics = ray_metrics(policy=cfg.policy.name, model_name=cfg.served_model_name)
         self.channel = make_channel(cfg.transport, model, replica, self.directory, key, metrics)
         await self.channel.start()
         self.peers = PeerBook(

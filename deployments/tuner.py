@@ -20,8 +20,8 @@ from typing import Any
 
 from ray import serve
 
+from deployments.ray_metrics import ray_metrics
 from tokenrouter_ray.config import AppConfig
-from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.solver import Decision
 from tokenrouter_ray.tuning.tuner import TunerCore, run_tuner
@@ -36,7 +36,7 @@ class Tuner:
         initial = {m: cfg.scheduler_for(m).batch_thresholds for m in cfg.model_names}
         replicas = {m: spec.num_replicas for m, spec in cfg.models.items()}  # until reports
         self.core = TunerCore(cfg.model_names, cfg.tuner, initial, replicas=replicas)
-        self.metrics = Metrics.ray(policy=cfg.policy.name, model_name=cfg.served_model_name)
+        self.metrics = ray_metrics(policy=cfg.policy.name, model_name=cfg.served_model_name)
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(
             run_tuner(self.core, self._stop, publish=self._publish), name="tuner"

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
+from deployments import ray_metrics as ray_layer
+from deployments.ray_metrics import RayBackend, ray_instrument_specs
 from tests.engine.conftest import make_engine
 from tests.routing.conftest import save_chain_model
 from tokenrouter_ray.metrics import (
@@ -20,9 +22,7 @@ from tokenrouter_ray.metrics import (
     RAY_PREFIX,
     Metrics,
     PrometheusBackend,
-    RayBackend,
     exported_names,
-    ray_instrument_specs,
 )
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
@@ -209,15 +209,15 @@ def test_ray_backend_defines_the_same_metrics() -> None:
 
 def test_model_name_labels_every_metric(monkeypatch: pytest.MonkeyPatch) -> None:
     """model_name (vLLM's label) is last on every metric; a Serve replica's name, given once
-    to Metrics.ray(), labels its later Metrics.ray() calls (the ingress's error handlers)."""
+    to ray_metrics(), labels its later ray_metrics() calls (the ingress's error handlers)."""
     assert all(d.labels[-1] == "model_name" for d in DEFINITIONS)
     reg = CollectorRegistry()
     Metrics(PrometheusBackend(reg), "r2r", model_name="app-a").error("ingress", "timeout")
     labels = {"model": "ingress", "type": "timeout", "model_name": "app-a"}
     assert reg.get_sample_value("tokenrouter_errors_total", labels) == 1
-    monkeypatch.setattr(Metrics, "_ray_model_name", "")
-    assert Metrics.ray(policy="r2r", model_name="app-b").model_name == "app-b"
-    assert Metrics.ray().model_name == "app-b"
+    monkeypatch.setitem(ray_layer._served_name, "model_name", "")
+    assert ray_layer.ray_metrics(policy="r2r", model_name="app-b").model_name == "app-b"
+    assert ray_layer.ray_metrics().model_name == "app-b"
 
 
 def test_ray_agent_keeps_total_once() -> None:

@@ -1,7 +1,8 @@
 """Prometheus metrics: what is measured (``definitions``), where values go (``backends``:
-prometheus-client, Ray, no-op) and the calls the runtime makes (``recorder.Metrics``).
+prometheus-client, no-op; the Ray backend is in ``deployments/ray_metrics.py``) and the
+calls the runtime makes (``recorder.Metrics``).
 
-Nothing here imports Ray or torch at import time; docs/observability.md lists the metrics
+Nothing here imports Ray, nor torch at import time; docs/observability.md lists the metrics
 and how they reach Prometheus and Grafana.
 """
 
@@ -11,10 +12,7 @@ from tokenrouter_ray.metrics.backends import (
     Backend,
     NoopBackend,
     PrometheusBackend,
-    RayBackend,
     default_backend,
-    ray_backend,
-    ray_instrument_specs,
 )
 from tokenrouter_ray.metrics.definitions import (
     BY_NAME,
@@ -35,9 +33,6 @@ __all__ = [
     "Metrics",
     "NoopBackend",
     "PrometheusBackend",
-    "RayBackend",
     "default_backend",
     "exported_names",
-    "ray_backend",
-    "ray_instrument_specs",
 ]

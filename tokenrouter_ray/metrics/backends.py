@@ -1,14 +1,12 @@
-"""Where metric values go: three interchangeable backends behind one tiny interface.
+"""Where metric values go: interchangeable backends behind one tiny interface.
 
 A backend is built from ``DEFINITIONS`` and takes ``inc`` / ``set`` / ``observe`` with a
 ``MetricDef`` and its label values (in the definition's label order):
 
 - ``PrometheusBackend``: prometheus-client instruments in a ``CollectorRegistry`` (the
   global one by default; tests inject a fresh one). The default outside Ray.
-- ``RayBackend``: ``ray.serve.metrics`` instruments, exported by Ray's per-node metrics agent
-  (names gain Ray's ``ray_`` prefix there; built inside a Serve replica they also carry its
-  ``deployment``, ``replica`` and ``application`` tags). Ray is imported here only, when one
-  is built.
+- ``RayBackend`` (``ray.serve.metrics`` instruments) lives in the Ray layer,
+  ``deployments/ray_metrics.py``: nothing in this package imports Ray.
 - ``NoopBackend``: drops everything.
 
 Both real backends name counters with their ``_total`` suffix: prometheus-client strips it
@@ -82,63 +80,8 @@ class PrometheusBackend:
         self._child(metric, labels).observe(value)
 
 
-def ray_instrument_specs() -> list[dict[str, Any]]:
-    """What ``RayBackend`` builds, as plain data (name, kind, tag keys, boundaries)."""
-    return [
-        {
-            "name": d.name,
-            "kind": d.kind,
-            "description": d.help,
-            "tag_keys": d.labels,
-            "boundaries": list(d.buckets) if d.kind == "histogram" else None,
-        }
-        for d in DEFINITIONS
-    ]
-
-
-class RayBackend:
-    """``ray.serve.metrics`` instruments (``ray.util.metrics`` plus the replica's Serve tags,
-    at no measurable cost per call). They work in any process of a Ray job (values are
-    dropped while Ray is not initialised); in a Serve replica they reach Prometheus through
-    the node's metrics agent."""
-
-    def __init__(self) -> None:
-        from ray.serve import metrics as rm
-
-        self.instruments: dict[str, Any] = {}
-        for spec in ray_instrument_specs():
-            name, desc, keys = spec["name"], spec["description"], spec["tag_keys"]
-            if spec["kind"] == "counter":
-                inst = rm.Counter(name, desc, tag_keys=keys)
-            elif spec["kind"] == "gauge":
-                inst = rm.Gauge(name, desc, tag_keys=keys)
-            else:
-                inst = rm.Histogram(name, desc, boundaries=spec["boundaries"], tag_keys=keys)
-            self.instruments[name] = inst
-
-    def inc(self, metric: MetricDef, value: float, labels: Labels) -> None:
-        if value > 0:  # Ray refuses non-positive increments
-            self.instruments[metric.name].inc(
-                value, tags=dict(zip(metric.labels, labels, strict=True))
-            )
-
-    def set(self, metric: MetricDef, value: float, labels: Labels) -> None:
-        self.instruments[metric.name].set(value, tags=dict(zip(metric.labels, labels, strict=True)))
-
-    def observe(self, metric: MetricDef, value: float, labels: Labels) -> None:
-        self.instruments[metric.name].observe(
-            value, tags=dict(zip(metric.labels, labels, strict=True))
-        )
-
-
 @functools.cache
 def default_backend() -> PrometheusBackend:
     """The process-wide prometheus-client backend on the global registry (built once:
     registering the same names twice in one registry is an error)."""
     return PrometheusBackend()
-
-
-@functools.cache
-def ray_backend() -> RayBackend:
-    """The process-wide Ray backend."""
-    return RayBackend()

@@ -9,7 +9,7 @@ process.
 
     metrics = Metrics(PrometheusBackend(CollectorRegistry()), policy="r2r")   # tests
     metrics = Metrics(policy="r2r", model_name="tokenrouter")   # prometheus-client, global
-    metrics = Metrics.ray(policy="r2r", model_name="tokenrouter")   # in Ray Serve deployments
+    metrics = ray_metrics(policy="r2r", model_name="tokenrouter")   # deployments/ray_metrics.py
     metrics = Metrics.noop()
 """
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from tokenrouter_ray.metrics import definitions as m
-from tokenrouter_ray.metrics.backends import Backend, NoopBackend, default_backend, ray_backend
+from tokenrouter_ray.metrics.backends import Backend, NoopBackend, default_backend
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import Engine
@@ -32,11 +32,6 @@ INGRESS = "ingress"  # the `model` label of errors and peer latency seen at the 
 
 
 class Metrics:
-    # The served model name `Metrics.ray()` uses when not given one: a Serve replica
-    # process belongs to one app, so the name its constructor passed once also labels the
-    # calls that do not know it (the ingress's exception handlers).
-    _ray_model_name: ClassVar[str] = ""
-
     def __init__(
         self, backend: Backend | None = None, policy: str = "", model_name: str = ""
     ) -> None:
@@ -46,12 +41,6 @@ class Metrics:
         # model -> scheduler counts already exported (the scheduler keeps running totals)
         self._preemptions: dict[str, int] = {}
         self._deferred_timeouts: dict[str, int] = {}
-
-    @classmethod
-    def ray(cls, policy: str = "", model_name: str | None = None) -> Metrics:
-        if model_name is not None:
-            cls._ray_model_name = model_name
-        return cls(ray_backend(), policy, cls._ray_model_name)
 
     @classmethod
     def noop(cls) -> Metrics:
