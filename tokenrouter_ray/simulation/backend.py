@@ -399,7 +399,8 @@ class ClosedLoop:
     """``N`` client loops, each keeping one request in flight, over a ``LocalRuntime`` of
     simulated engines (``async with``). ``measure(window_s)`` counts what the runtime
     committed in a window; ``servers`` and ``policy`` stay reachable, so a caller can attach
-    the autoscaler or change the routing probability mid-run (``set_escalation``).
+    the tuner (``tuning.tuner.drive_local``) or change the routing probability mid-run
+    (``set_escalation``).
 
     ``thresholds`` per model is one B (``thresholds_table``: B at index N, 1 below) or a
     full scheduler ``batch_thresholds`` list.
