@@ -49,6 +49,9 @@ def ray_serve_deploy(http_port: int) -> object:
         from deployments.app import build_app
 
         if not ray.is_initialized():
+            # Ray starts its workers at nice 15; the baselines run at 0. On a machine shared
+            # with other work that would starve the served app, so every system gets 0.
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
             serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         serve.run(build_app({"overrides": overrides}), name=name, route_prefix=f"/{name}")
@@ -101,7 +104,18 @@ def main() -> None:
     parser.add_argument("--serve-port", type=int, default=18230)
     parser.add_argument("--port-base", type=int, default=18220)
     parser.add_argument("--out", default="loadtest-results")
+    parser.add_argument(
+        "--render",
+        metavar="RESULTS_JSON",
+        help="only redraw the table, targets and plots of an earlier run",
+    )
     args = parser.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            result = json.load(f)
+        header = f"machine: {result['machine']}\nreproduce: {result['command']}"
+        print(write_outputs(result, args.out, header))
+        return
 
     preset = PRESETS[args.preset]
     if args.systems:

@@ -7,6 +7,7 @@ it the tables and JSON are still written and the plots are skipped with a note.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -15,6 +16,10 @@ TARGET_N = 8
 
 def _ms(x: float) -> str:
     return "–" if x is None or math.isnan(x) else f"{x * 1e3:.0f}"
+
+
+def _num(x: float, fmt: str = ".1f") -> str:
+    return "–" if x is None or math.isnan(x) else format(x, fmt)
 
 
 def _share(tokens: dict[str, int]) -> str:
@@ -35,9 +40,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         t, i, e = r["ttft_s"], r["itl_s"], r["e2e_s"]
         lines.append(
             f"| {r['label']} | {load} | {r['max_tokens']} | {r['tok_s']:.1f} "
-            f"| {r['per_request_tok_s']:.1f} | {_ms(t['p50'])}/{_ms(t['p90'])}/{_ms(t['p99'])} "
+            f"| {_num(r['per_request_tok_s'])} | {_ms(t['p50'])}/{_ms(t['p90'])}/{_ms(t['p99'])} "
             f"| {_ms(i['p50'])}/{_ms(i['p99'])} | {_ms(e['p50'])}/{_ms(e['p90'])}/{_ms(e['p99'])} "
-            f"| {r['handoffs_per_request']:.1f} | {_share(r['tokens_per_model'])} "
+            f"| {_num(r['handoffs_per_request'])} | {_share(r['tokens_per_model'])} "
             f"| {r['finished']}/{r['requests']} | {r.get('deferred_timeouts', '–')} |"
         )
     return "\n".join(lines)
@@ -119,6 +124,7 @@ def plots(result: dict[str, Any], prefix: str) -> list[str]:
     written = []
     systems = list(dict.fromkeys(r["system"] for r in rows))
     labels = {r["system"]: r["label"] for r in rows}
+    colors = {s: f"C{k}" for k, s in enumerate(systems)}
     base = min((r["max_tokens"] for r in rows if r["mode"] == "closed"), default=None)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -129,7 +135,7 @@ def plots(result: dict[str, Any], prefix: str) -> list[str]:
             if r["system"] == s and r["mode"] == "closed" and r["max_tokens"] == base
         )
         if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=labels[s])
+            ax.plot(*zip(*pts, strict=True), marker="o", label=labels[s], color=colors[s])
     ax.set(
         xlabel="concurrent clients N",
         ylabel="output tokens/s",
@@ -145,15 +151,17 @@ def plots(result: dict[str, Any], prefix: str) -> list[str]:
         row = _closed(rows, s, n_max, base)
         if row is None:
             continue
-        for ax, key in zip(axes, ("ttft", "e2e"), strict=True):
+        for ax, key in zip(axes, ("ttft", "itl"), strict=True):
             values = _latencies(row, key)
             if values:
                 ys = [(k + 1) / len(values) for k in range(len(values))]
-                ax.step(values, ys, where="post", label=labels[s])
-    for ax, title in zip(axes, ("time to first token", "end-to-end latency"), strict=True):
-        ax.set(xlabel="seconds", ylabel="fraction of requests", title=f"{title}, N={n_max}")
+                ax.step(values, ys, where="post", label=labels[s], color=colors[s])
+    titles = ("time to first token (per request)", "inter-token latency (per chunk)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set(xlabel="seconds", ylabel="fraction", title=f"{title}, N={n_max}")
+        ax.set_xscale("log")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     written.append(_save(fig, f"{prefix}_latency_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -167,7 +175,7 @@ def plots(result: dict[str, Any], prefix: str) -> list[str]:
             and r["concurrency"] == result.get("length_n", TARGET_N)
         )
         if len(pts) >= 2:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=labels[s])
+            ax.plot(*zip(*pts, strict=True), marker="o", label=labels[s], color=colors[s])
             drawn = True
     if drawn:
         ax.set_xscale("log", base=2)
@@ -188,8 +196,9 @@ def _latencies(row: dict[str, Any], key: str) -> list[float]:
     for rec in row.get("records", []):
         if key == "ttft" and rec["first"] is not None:
             out.append(rec["first"] - rec["start"])
-        elif key == "e2e" and rec["finished"] and rec["end"] is not None:
-            out.append(rec["end"] - rec["start"])
+        elif key == "itl":
+            times = rec["chunk_times"]
+            out += [b - a for a, b in itertools.pairwise(times)]
     return sorted(out)
 
 
