@@ -36,7 +36,7 @@ steps (true of every policy here: the model a request is handed to writes a toke
    replica keeps receiving new requests.
 
 Without (a) neither holds: a replica that keeps ``B_i`` of an old, larger N can hold the
-last requests forever (``tests/tuning/test_no_timeout.py``, open loop, shows it while N
+last requests forever (``tests/simulation/test_no_timeout.py``, open loop, shows it while N
 is carried only by NEW frames); ``max_defer_s`` is then what moves them.
 
 Placement is sticky: a request is placed on a replica of model j on its first visit and

@@ -1,4 +1,4 @@
-"""The live autoscaler: replica reports -> profile -> thresholds pushed back, and end to end
+"""The live tuner (TunerCore): replica reports -> profile -> thresholds pushed back, and end to end
 on the simulation backend (the real scheduler, sub-servers and protocol at profiled step
 times) with the traffic changing under it."""
 
@@ -129,7 +129,7 @@ def best_large(profile: RoutingProfile, n: int) -> float:
     return max(throughput(profile, n, (1, b)).throughput for b in range(1, n + 1))
 
 
-def test_autoscaler_follows_a_routing_shift_on_the_simulated_runtime() -> None:
+def test_tuner_follows_a_routing_shift_on_the_simulated_runtime() -> None:
     n, scale = 8, 0.5  # step times halved: the whole run takes ~20 s
     spec = TunerSpec(
         period_s=0.5,
