@@ -29,6 +29,34 @@ def demo_resolver() -> None:
 
 
 @pytest.fixture(scope="session")
+def chain_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The tiny three-model chain (tests/tiny_models.py), float64."""
+    from tests.tiny_models import save_chain
+
+    return save_chain(tmp_path_factory.mktemp("chain"))
+
+
+@pytest.fixture(scope="session")
+def chain_reference_models(chain_dirs: dict[str, str]) -> dict[str, Any]:
+    """The chain as plain transformers models: the sequential references."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return {
+        name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+        for name, path in chain_dirs.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def served_chain_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The chain models again, each directory with the tiny tokenizer, for HTTP tests."""
+    from tests.tiny_models import save_chain
+
+    return save_chain(tmp_path_factory.mktemp("served"), with_tokenizer=True)
+
+
+@pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Any]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

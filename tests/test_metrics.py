@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from deployments import ray_metrics as ray_layer
 from deployments.ray_metrics import RayBackend, ray_instrument_specs
 from tests.engine.conftest import make_engine
-from tests.routing.conftest import save_chain_model
+from tests.tiny_models import save_chain_model
 from tokenrouter_ray.metrics import (
     DEFINITIONS,
     RAY_PREFIX,

@@ -24,7 +24,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 
-from tests.routing.conftest import save_chain_model, save_tiny_tokenizer
+from tests.tiny_models import save_chain
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -129,11 +129,7 @@ def test_non_editable_install_composes_and_builds_every_config(tmp_path: Path) -
     )  # fmt: skip
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
 
-    models = tmp_path / "models"
-    dirs = {}
-    for name, layers, seed in (("small", 1, 11), ("mid", 2, 12), ("large", 3, 13)):
-        dirs[name] = save_chain_model(models / name, layers, seed)
-        save_tiny_tokenizer(models / name)
+    dirs = save_chain(tmp_path / "models", with_tokenizer=True)
     script = tmp_path / "check_installed.py"
     script.write_text(CHECK_INSTALLED)
     run = subprocess.run(

@@ -6,6 +6,11 @@ special tokens); ``tiny_config(arch, **changes)`` makes a transformers config of
 to a directory, which the engine then loads through its own code path. Tests that need a
 variant (more layers, tied embeddings, a real tokenizer's vocabulary) pass the changes
 instead of writing the shape again. Fixtures over it live in ``tests/engine/conftest.py``.
+
+The chain (``small``/``mid``/``large``: 1, 2, 3 layers, wide initial weights so that
+distributions are peaked and entropies and router decisions spread over a useful range) is
+what the routing, runtime and deployment tests share; ``tests/conftest.py`` turns it into
+session fixtures, with a word-level tokenizer for the HTTP tests.
 """
 
 from __future__ import annotations
@@ -66,3 +71,46 @@ def save_tiny(
     math cannot flip an argmax) to ``path``; returns the path as a string."""
     tiny_model(arch, seed, **changes).to(dtype).save_pretrained(path)
     return str(path)
+
+
+CHAIN_NAMES = ["small", "mid", "large"]
+CHAIN_SHAPES = {"small": (1, 11), "mid": (2, 12), "large": (3, 13)}  # layers, seed
+TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def save_chain_model(path: Path, layers: int, seed: int) -> str:
+    return save_tiny(path, "llama", seed, num_hidden_layers=layers, initializer_range=0.4)
+
+
+def save_chain(root: Path, with_tokenizer: bool = False) -> dict[str, str]:
+    """The three chain models under ``root``, optionally each with the tiny tokenizer."""
+    dirs = {}
+    for name in CHAIN_NAMES:
+        layers, seed = CHAIN_SHAPES[name]
+        dirs[name] = save_chain_model(root / name, layers, seed)
+        if with_tokenizer:
+            save_tiny_tokenizer(root / name)
+    return dirs
+
+
+def chain_engines(chain_dirs: dict[str, str], names: list[str], **kwargs: object) -> list:
+    from tests.engine.conftest import make_engine
+
+    return [(name, make_engine(chain_dirs[name], **kwargs)) for name in names]
+
+
+def save_tiny_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the tiny models' 128 ids: token i is the word ``w{i}``,
+    so text maps back to ids exactly (the unknown token is an extra id the models never
+    produce)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(128)} | {"<unk>": 128}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.save_pretrained(path)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.routing.conftest import chain_engines, served_chain_dirs  # noqa: F401  (fixture)
+from tests.tiny_models import chain_engines
 from tokenrouter_ray.config import compose_config
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy

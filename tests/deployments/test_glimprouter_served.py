@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.deployments.conftest import tiny_overrides
-from tests.routing.conftest import TINY_CHAT_TEMPLATE, chain_engines, save_chain_model
+from tests.tiny_models import TINY_CHAT_TEMPLATE, chain_engines, save_chain_model
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.glimprouter import GlimpRouter, blank_line_tokens
 from tokenrouter_ray.routing.policy import build_policy, policy_class

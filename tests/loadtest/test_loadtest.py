@@ -22,7 +22,6 @@ from loadtest.__main__ import write_outputs
 from loadtest.run import PRESETS, run_bench
 from loadtest.systems import SYSTEMS, Bench
 from tests.deployments.conftest import serve_app, tiny_overrides  # noqa: F401  (fixture)
-from tests.routing.conftest import served_chain_dirs  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 PORT_BASE = int(os.environ.get("TOKENROUTER_TEST_LOADTEST_PORT", "18240"))
@@ -31,7 +30,7 @@ ROUTED = ["tokenrouter", "eager_async", "step_sync", "std_serving"]
 
 @pytest.fixture(scope="module")
 def tiny_run(
-    served_chain_dirs: dict[str, str],  # noqa: F811
+    served_chain_dirs: dict[str, str],
     serve_app: Any,  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[dict[str, Any], Path]:

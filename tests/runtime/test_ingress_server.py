@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.openai.ingress_app import SERVED, ingress_app
-from tests.routing.conftest import chain_engines
+from tests.tiny_models import chain_engines
 from tokenrouter_ray.openai.schemas import CompletionRequest
 from tokenrouter_ray.openai.validation import RequestLimits, parse_request, prepare_completion
 from tokenrouter_ray.protocol import SamplingSpec

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.routing.conftest import chain_engines
+from tests.tiny_models import chain_engines
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.reference import reference_generate

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import ClassVar
 
-from tests.routing.conftest import chain_engines
+from tests.tiny_models import chain_engines
 from tokenrouter_ray.protocol import MsgKind, SamplingSpec, decode_batch
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.runtime.local import LocalRuntime

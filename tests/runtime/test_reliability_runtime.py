@@ -11,8 +11,8 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from tests.routing.conftest import chain_engines
-from tests.routing.test_protocol_runtime import all_free
+from tests.runtime.test_protocol_runtime import all_free
+from tests.tiny_models import chain_engines
 from tokenrouter_ray.metrics import Metrics, PrometheusBackend
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
