@@ -34,6 +34,7 @@ class Preset:
     time_limit_s: float = 20.0  # ... or after this long (in-flight requests are cut)
     systems: list[str] = field(default_factory=lambda: list(ALL_SYSTEMS))
     warmup_tokens: int = 8
+    settle_s: float = 3.0  # pause before each level (a cut level's requests may still run)
 
 
 PRESETS: dict[str, Preset] = {
@@ -45,7 +46,8 @@ PRESETS: dict[str, Preset] = {
         lengths=[256],
         length_n=8,
         requests_per_client=2,
-        time_limit_s=18.0,
+        time_limit_s=12.0,
+        warmup_tokens=16,
     ),
     # The GPU sweep: same code, bigger N and lengths, open loop too.
     "paper": Preset(
@@ -68,6 +70,7 @@ PRESETS: dict[str, Preset] = {
         requests_per_client=2,
         time_limit_s=30.0,
         warmup_tokens=4,
+        settle_s=0.0,
     ),
 }
 
@@ -95,6 +98,7 @@ def measure(
         )
     if "tuner_thresholds" in after:
         result["tuner_thresholds"] = after["tuner_thresholds"]
+        result["tuner_moves"] = after.get("tuner_moves", [])
     return result
 
 
@@ -108,7 +112,14 @@ def run_system(
     t_up = time.perf_counter()
     with up(bench) as url:
         startup = time.perf_counter() - t_up
-        warm = level_spec(preset, workload, max_requests=1, max_tokens=preset.warmup_tokens)
+        n_warm = max(preset.concurrency)  # every batch size up to the largest N, once
+        warm = level_spec(
+            preset,
+            workload,
+            concurrency=n_warm,
+            max_requests=n_warm,
+            max_tokens=preset.warmup_tokens,
+        )
         asyncio.run(run_load(url, warm, progress=False))
         levels: list[tuple[str, LoadSpec]] = []
         for n in preset.concurrency:
@@ -138,6 +149,7 @@ def run_system(
             desc = f"{name} {mode} " + (
                 f"rate={spec.rate}" if spec.rate else f"N={spec.concurrency}"
             )
+            time.sleep(preset.settle_s)  # let work a cut level left behind drain
             result = measure(url, spec, desc, progress, bench.count_tokens)
             result |= {
                 "system": name,
@@ -173,6 +185,10 @@ def run_bench(bench: Bench, preset: Preset, progress: bool = True) -> dict[str, 
                 errors[name] = f"{type(exc).__name__}: {exc}"
                 if progress:
                     print(f"  FAILED: {errors[name]}", flush=True)
+            finally:
+                # Fresh stock servers per system: a stock server keeps generating for a
+                # client that went away, so a cut level leaves work behind on it.
+                bench.close()
     finally:
         bench.close()
     return {"rows": rows, "errors": errors, "wall_s": time.perf_counter() - t0, "p": bench.p}

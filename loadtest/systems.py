@@ -15,6 +15,7 @@ Each ``up()`` is a context manager yielding the OpenAI base URL (``.../v1``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import time
@@ -77,20 +78,37 @@ class Bench:
         self.stock.clear()
 
 
-def warm_stock(url: str, prompt: str) -> None:
+def warm_stock(url: str, prompt: str, concurrency: int = 8, max_tokens: int = 48) -> None:
     """The first request builds the continuous-batching manager, and its generation config
     becomes the one every later request shares (``transformers serve`` has no per-request
-    config in that mode yet): greedy, EOS off, as the benchmark's requests."""
+    config in that mode yet): greedy, EOS off, as the benchmark's requests. On a CPU its
+    first requests run ~20x slower than later ones (new shapes), so ``concurrency``
+    requests of ``prompt`` x 8 (about the workload's prompt length) follow, unmeasured."""
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     config = json.dumps({"do_sample": False, "eos_token_id": None})
-    body = {
-        "model": model,
-        "prompt": prompt,  # any text the tokenizer maps into the model's vocabulary
-        "max_tokens": 2,
-        "temperature": 0,
-        "generation_config": config,
-    }
-    httpx.post(f"{url}/v1/completions", json=body, timeout=300).raise_for_status()
+
+    def body(text: str, n: int) -> dict[str, Any]:
+        return {
+            "model": model,
+            "prompt": text,
+            "max_tokens": n,
+            "temperature": 0,
+            "generation_config": config,
+        }
+
+    httpx.post(f"{url}/v1/completions", json=body(prompt, 2), timeout=300).raise_for_status()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        futures = [
+            pool.submit(
+                httpx.post,
+                f"{url}/v1/completions",
+                json=body(" ".join([prompt] * 8), max_tokens),
+                timeout=600,
+            )
+            for _ in range(concurrency)
+        ]
+        for future in futures:
+            future.result().raise_for_status()
 
 
 @contextlib.contextmanager
