@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from loadtest.common import command, machine
 from tokenrouter_ray.demo import prepare_demo
@@ -89,8 +89,8 @@ def main() -> None:
                 ms = decode_step_ms(eng, prompts[:batch], args.steps)
                 best[name, batch] = min(best.get((name, batch), float("inf")), ms)
 
-    small_layers = engines["small"].runner.model.config.num_hidden_layers
-    large_layers = engines["large"].runner.model.config.num_hidden_layers
+    small_layers = AutoConfig.from_pretrained(small_dir).num_hidden_layers
+    large_layers = AutoConfig.from_pretrained(large_dir).num_hidden_layers
     print(f"\nMachine: {machine()}, torch threads {torch.get_num_threads()}")
     print(f"Large: {large_dir} ({large_layers} layers)")
     print(

@@ -11,7 +11,7 @@ to predict what the whole large model predicts (the tied embeddings / lm_head st
 Data enter as chat prompts (templates × topics, split by topic into training and held-out
 sets). The large model answers them greedily in one batched ``Engine`` run, which hands
 back its next-token logits at every answered position (their top-k log-probs are the
-distillation targets) while an ``ExitTap`` records the residual stream after layer ``k``
+distillation targets) while ``Engine.tap_layer(k)`` records the residual stream after layer ``k``
 (the trained layers' input). Training therefore never runs the large model again. The build
 ends by measuring greedy next-token agreement with the large model on the held-out prompts'
 answers (teacher-forced) and writes it, with the recipe, to ``tokenrouter_build.json``.
@@ -42,8 +42,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from tokenrouter_ray.engine.engine import Engine
-    from tokenrouter_ray.engine.outputs import StepResult, StepTimings
-    from tokenrouter_ray.engine.scheduler import SchedulerOutput
 
 BUILD_FILE = "tokenrouter_build.json"
 TOKENIZER_FILES = (
@@ -136,54 +134,6 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------ teacher
-class ExitTap:
-    """Records the residual stream after decoder layer ``k`` for every token an engine computes.
-
-    A forward hook on that layer sees one packed row of all scheduled tokens; the runner's
-    ``SchedulerOutput`` (captured by wrapping ``runner.execute``) says which request and
-    positions each slice belongs to. Chunks are kept in order, so a recomputed (preempted)
-    request overwrites its earlier states.
-    """
-
-    def __init__(self, engine: Engine, k: int) -> None:
-        self.runner = engine.runner
-        self.layer = self.runner.model.get_decoder().layers[k - 1]
-        self.chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        self._scheduled: list[tuple[str, int, int]] = []
-
-    def __enter__(self) -> ExitTap:
-        execute = self.runner.execute
-
-        def tapped(out: SchedulerOutput, timings: StepTimings) -> StepResult:
-            self._scheduled = [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
-            return execute(out, timings)
-
-        self.runner.execute = tapped
-        self._hook = self.layer.register_forward_hook(self._record)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hook.remove()
-        del self.runner.execute  # back to the class's method
-
-    def _record(self, module: torch.nn.Module, args: tuple, output: object) -> None:
-        hidden = output[0] if isinstance(output, tuple) else output  # (1, num_tokens, hidden)
-        row = 0
-        for rid, start, n in self._scheduled:
-            self.chunks.setdefault(rid, []).append(
-                (start, hidden[0, row : row + n].to(torch.bfloat16))
-            )
-            row += n
-
-    def states(self, request_id: str, length: int) -> torch.Tensor:
-        """(length, hidden) bf16 states of the request's first ``length`` tokens."""
-        chunks = self.chunks[request_id]
-        out = torch.zeros(length, chunks[0][1].shape[-1], dtype=torch.bfloat16)
-        for start, part in chunks:
-            out[start : start + len(part)] = part[: max(length - start, 0)]
-        return out
-
-
 def teacher_samples(
     engine: Engine,  # with keep_logits=True
     prompts: Sequence[Sequence[int]],
@@ -201,7 +151,7 @@ def teacher_samples(
     ids = [f"pair-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     tops: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {rid: [] for rid in ids}
-    tap = ExitTap(engine, exit_layer) if exit_layer else None
+    tap = engine.tap_layer(exit_layer) if exit_layer else None
     with tap or nullcontext():
         for rid, prompt in zip(ids, prompts, strict=True):
             engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens))

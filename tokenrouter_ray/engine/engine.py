@@ -32,6 +32,7 @@ from tokenrouter_ray.engine.static_forward import DEFAULT_BATCH_BUCKETS, DEFAULT
 from tokenrouter_ray.thresholds import ThresholdTable
 
 if TYPE_CHECKING:
+    from tokenrouter_ray.engine.taps import LayerTap
     from tokenrouter_ray.engine.tensor_parallel import WorkerLauncher
 
 
@@ -199,6 +200,13 @@ class Engine:
         routing policy reads them); what is already kept stays kept."""
         self.runner.keep_logits |= logits
         self.runner.keep_hidden |= hidden
+
+    def tap_layer(self, k: int) -> LayerTap:
+        """A context manager that records the residual stream after decoder layer ``k`` for
+        every token computed while it is open; ``.states(request_id, length)`` reads it."""
+        from tokenrouter_ray.engine.taps import LayerTap
+
+        return LayerTap(self.runner, k)
 
     @property
     def embed_tokens(self) -> Callable[[torch.Tensor], torch.Tensor]:
