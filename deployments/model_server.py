@@ -155,6 +155,7 @@ class ModelServer:
             "waiting": len(sched.waiting),
             "running": len(sched.running),
             "pending": len(sched.pending),
+            "deferred_timeouts": sched.deferred_timeouts,  # launches forced by max_defer_s
             "kv_blocks_used": pool.num_used_blocks,
             "kv_blocks_total": pool.num_blocks,
             "alive": self.server.alive,

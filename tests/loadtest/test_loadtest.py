@@ -72,6 +72,8 @@ def test_every_system_serves_every_request(tiny_run: tuple[dict[str, Any], Path]
             assert row["output_tokens"] == 4 * preset.max_tokens, (system, mode)  # ignore_eos
             assert row["tok_s"] > 0 and row["ttft_s"]["p50"] > 0
             assert row["e2e_s"]["p99"] >= row["e2e_s"]["p50"] >= row["ttft_s"]["p50"]
+    for system in ("tokenrouter", "eager_async"):  # the served app reports its safety net
+        assert rows_of(result, system)[0]["deferred_timeouts"] == 0, system
     for system in preset.length_systems:
         (row,) = rows_of(result, system, "length")
         assert row["max_tokens"] == preset.lengths[0]
