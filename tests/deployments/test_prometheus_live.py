@@ -241,7 +241,10 @@ def test_every_dashboard_query_returns_data(
         # deferred launches on the large model, and the safety net firing
         "models.large.scheduler.batch_thresholds=[1,1,2,2]",
         "scheduler.max_defer_s=0.01",
-        # a tuner that decides (and solves) within seconds
+        # a tuner that decides (and solves) within seconds, but never adopts a new table: on a
+        # quiet machine it would set the large model to B = 1 before the first escalation
+        # reached it, and no launch would ever be deferred
+        "tuner.min_gain=1000000",
         "tuner.period_s=1",
         "tuner.min_moves=5",
         "tuner.concurrencies=[1,2]",
