@@ -11,9 +11,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.installed-$(cat pyproject.toml "$TORCH_CONSTRAINT" | cksum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ]; then
-  # --no-compile: pip would byte-compile every installed module (torch, ray, ...) up front;
-  # Python compiles the ones actually imported on first use. Measured on 2 cores: install
-  # 212 s -> 109 s wall, 88 s -> 29 s user CPU.
-  "$VENV/bin/python" -m pip install --quiet --no-compile -c "$TORCH_CONSTRAINT" -e '.[dev]'
+  # Byte-compiled at install (no --no-compile): where PYTHONDONTWRITEBYTECODE is set (as on
+  # this project's machines) nothing would ever write the .pyc files, and every process of
+  # the suite (Ray workers, subprocesses) would compile torch, ray and transformers again.
+  "$VENV/bin/python" -m pip install --quiet -c "$TORCH_CONSTRAINT" -e '.[dev]'
   touch "$stamp"
 fi
