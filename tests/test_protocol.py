@@ -80,7 +80,7 @@ def peer_reqs(draw: st.DrawFn) -> PeerReq:
         route=draw(st.none() | routes),
         summary=draw(st.none() | summaries),
         extras=draw(st.dictionaries(text, extra_value, max_size=4)),
-        active_requests=draw(count),
+        active_requests=draw(st.none() | count),
         sent_at=draw(int64),
     )
 

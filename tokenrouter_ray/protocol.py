@@ -36,7 +36,7 @@ import msgspec
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.errors import UserFacingError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Wire version of `PeerReq`, sent as the first element of every encoded message.
 
 Messages are positional arrays. An optional field may be appended at the end of `PeerReq`
@@ -48,6 +48,9 @@ v2: `RouteState` and `FinishSummary` replaced the string keys runtime state rode
 `extras` ("ingress", "prompt_len", "anchors", "endpoints", "counts", "handoffs",
 "deadline", "error"); `extras` holds policy extras only. `SamplingSpec` is the engine's
 `SamplingParams` (min_p, min_tokens and repetition_penalty, never applied, are gone).
+
+v3: `MsgKind.ACTIVE` (an ingress's count of active requests, about no request) and
+`active_requests` became optional: only an ingress sets it (0 included), models never do.
 """
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -62,17 +65,18 @@ class TokenizerMismatchError(UserFacingError, ValueError):
 
 
 class MsgKind(IntEnum):
-    """What a `PeerReq` asks of its receiver. Terminal kinds come last (`kind >= FINISHED`)."""
+    """What a `PeerReq` asks of its receiver. FINISHED and ABORT are terminal."""
 
     NEW = 0  # first visit: create request state, prefill `tokens` (the whole prompt)
     HANDOFF = 1  # control passes to the receiver; `tokens` extends what it already holds
     COMMIT = 2  # report of committed output (to the ingress)
     FINISHED = 3  # the request ended (EOS, stop, max_tokens): free its state
     ABORT = 4  # the client went away: free its state
+    ACTIVE = 5  # from an ingress to every model replica: its `active_requests` (no request)
 
     @property
     def is_terminal(self) -> bool:
-        return self >= MsgKind.FINISHED
+        return self is MsgKind.FINISHED or self is MsgKind.ABORT
 
 
 SamplingSpec = SamplingParams
@@ -115,6 +119,9 @@ class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION
     `dst` / `src` are endpoint names (`endpoint_name(model, replica)` in the transport).
     `route` is the request's routing state (NEW, HANDOFF), `summary` the finish summary
     (FINISHED to the ingress); `extras` are the routing policy's own (``Send.extras``).
+    `active_requests` is set by an ingress only (on NEW and ACTIVE): how many requests it
+    holds right now, 0 included. Each model keeps the latest count per ingress endpoint
+    (`src`) and uses their sum as the global N of its launch thresholds (issue 14).
     `sent_at` is `time.time_ns()` when the message was built: a wall clock, so one-way
     latency can be measured across processes and (clock sync permitting) across nodes.
     """
@@ -132,7 +139,7 @@ class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION
     route: RouteState | None = None
     summary: FinishSummary | None = None
     extras: dict[str, Any] = {}
-    active_requests: NonNegative = 0
+    active_requests: NonNegative | None = None
     sent_at: int = msgspec.field(default_factory=time.time_ns)
 
     def __post_init__(self) -> None:

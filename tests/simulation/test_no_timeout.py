@@ -8,8 +8,6 @@ import asyncio
 import math
 import time
 
-import pytest
-
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.simulation.backend import ClosedLoop, calibrate_sleep_bias, sim_engine
 from tokenrouter_ray.tuning.examples import paper_r2r
@@ -54,12 +52,6 @@ def test_closed_loop_without_a_timeout_never_stalls() -> None:
     assert large_batch > 1.5  # the threshold did defer (batches near B_large, not 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 14 part 1: models learn N only from NEW frames, so after a burst ends the "
-    "large model keeps B for the old N and the last requests wait forever without "
-    "max_defer_s; remove this mark when completions reach every model",
-)
 def test_open_loop_without_a_timeout_never_stalls() -> None:
     """Poisson arrivals of 40 short requests, then none: N rises and falls to 0 (a closed
     loop whose clients stop is the same case)."""

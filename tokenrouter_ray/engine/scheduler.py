@@ -12,8 +12,8 @@ most recently arrived request (pending ones first) by recompute.
 Deferred launch: a step starts only once at least ``B`` requests are runnable, ``B`` read
 from the scheduler's ``ThresholdTable`` (``thresholds.py``: the lookup rule) at ``N``, the
 global number of active requests (supplied from outside, else the local count), or once the
-oldest runnable request has waited ``max_defer_s``, so a stale ``N`` can never stall the
-model. The table starts as the config's ``batch_thresholds`` and is scheduler state from then
+oldest runnable request has waited ``max_defer_s`` (a counted safety net), so a stale ``N``
+can never stall the model. The table starts as the config's ``batch_thresholds`` and is scheduler state from then
 on: the tuner replaces it through ``set_thresholds``.
 """
 
@@ -45,11 +45,13 @@ class SchedulerConfig(BaseModel):
         "requests system-wide. [1] launches as soon as anything is runnable.",
     )
     max_defer_s: float = Field(
-        0.05,
+        1.0,
         ge=0,
         description="Safety net: longest a runnable request waits for the batch to fill "
-        "(inf: never; with a true N the launch rule alone keeps requests moving). Each "
-        "launch it forces is counted (Scheduler.deferred_timeouts).",
+        "(inf: never). Every ingress publishes its active count on each change, so N is "
+        "true within a message delay and the launch rule alone keeps requests moving; the "
+        "net covers a count left by an ingress that died (dropped after 10 s of silence). "
+        "Each launch it forces is counted (Scheduler.deferred_timeouts).",
     )
 
     @field_validator("batch_thresholds")
@@ -139,10 +141,18 @@ class Scheduler:
     def num_active(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.pending)
 
+    @property
+    def current_n(self) -> int:
+        """N for the launch rule: the global count when known, else the local one. The
+        requests held here are part of the global count, so a global count below the local
+        one is stale (an update still on its way) and the local one is used."""
+        if self.active_requests is None:
+            return self.num_active
+        return max(self.num_active, self.active_requests)
+
     def threshold(self) -> int:
-        """B at the current N (the global count when known, else the local one)."""
-        n = self.active_requests if self.active_requests is not None else self.num_active
-        return self.thresholds.at(n)
+        """B at the current N."""
+        return self.thresholds.at(self.current_n)
 
     def set_thresholds(self, thresholds: ThresholdTable) -> None:
         """New deferred-launch thresholds (e.g. from the tuner); the next ``schedule`` uses

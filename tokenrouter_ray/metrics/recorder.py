@@ -112,8 +112,7 @@ class Metrics:
         self._set(m.REQUESTS_RUNNING, len(sched.running), model)
         self._set(m.REQUESTS_PENDING, len(sched.pending), model)
         self._set(m.BATCH_THRESHOLD, sched.threshold(), model)
-        n = sched.active_requests if sched.active_requests is not None else sched.num_active
-        self._set(m.ACTIVE_REQUESTS, n, model)
+        self._set(m.ACTIVE_REQUESTS, sched.current_n, model)
         used, total = pool.num_used_blocks, pool.num_blocks
         self._set(m.KV_USAGE, used / total if total else 0.0, model)
         self._set(m.KV_BLOCKS_USED, used, model)

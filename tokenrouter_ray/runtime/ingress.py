@@ -15,6 +15,10 @@ Reliability rules (docs/reliability.md):
   disconnected) cannot leave a request behind on any model or in the active count;
 - every request has a deadline: ``stream`` waits no longer than it, then ends the request
   with ``error_kind="timeout"`` and aborts it everywhere;
+- the active count (the global N of the models' launch thresholds) is published to every
+  model endpoint in an ACTIVE frame whenever it changes, coalesced (changes within one
+  event-loop turn send one frame per endpoint), and again every ``ACTIVE_REFRESH_S`` while
+  it is not 0, so a model can tell a live ingress from a dead one;
 - ``recreate`` re-submits requests whose models were lost from the committed sequence held
   here, under a new wire id (``<rid>~<k>``): the old incarnation is aborted everywhere, the
   new one is a NEW to the entry model carrying prompt + committed tokens, the original
@@ -75,6 +79,7 @@ from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
+ACTIVE_REFRESH_S = 1.0  # a non-zero active count is republished this often
 
 
 @dataclass
@@ -136,13 +141,17 @@ class IngressCore:
         self.live: dict[str, _Live] = {}  # by client request id
         self._wire: dict[str, _Live] = {}  # by the id models know (differs once re-created)
         self._task: asyncio.Task | None = None
+        self._refresh: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._publish_due = False  # an ACTIVE broadcast is scheduled for this loop turn
+        self._published: int | None = None  # the count last sent in an ACTIVE
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._receive_loop(), name="ingress-recv")
+        self._refresh = asyncio.create_task(self._refresh_loop(), name="ingress-active")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._background) if t is not None]
+        tasks = [t for t in (self._task, self._refresh, *self._background) if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -152,6 +161,38 @@ class IngressCore:
     @property
     def num_active(self) -> int:
         return len(self.live)
+
+    # ------------------------------------------------------------- active count
+    def _active_changed(self) -> None:
+        """The active count changed: metrics now, one ACTIVE broadcast per loop turn."""
+        self.metrics.ingress_active(self.num_active)
+        if not self._publish_due:
+            self._publish_due = True
+            asyncio.get_running_loop().call_soon(self._publish_active)
+
+    def _publish_active(self) -> None:
+        self._publish_due = False
+        n = self._published = self.num_active
+        msgs = [
+            PeerReq(
+                rid="",
+                src=self.channel.name,
+                dst=dst,
+                kind=MsgKind.ACTIVE,
+                handoff_seq=0,
+                active_requests=n,
+            )
+            for dst in self.all_endpoints()
+        ]
+        self._spawn(self._send_each(msgs))
+
+    async def _refresh_loop(self) -> None:
+        """Republish a non-zero count: models drop an ingress silent for long (its replica
+        died) and would otherwise hold its last count forever."""
+        while True:
+            await asyncio.sleep(ACTIVE_REFRESH_S)
+            if self._published or self.num_active:
+                self._publish_active()
 
     async def submit(
         self,
@@ -173,7 +214,6 @@ class IngressCore:
         live = _Live(rid, list(prompt), sampling, timeout_s)
         live.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, rid)
         self.live[rid] = self._wire[rid] = live
-        self.metrics.ingress_active(self.num_active)
         try:
             dst = entry or self.entry_endpoint()
             live.holders = _holders(dst, endpoints)
@@ -182,8 +222,8 @@ class IngressCore:
             live.timer.cancel()  # set just above
             self.live.pop(rid, None)
             self._wire.pop(rid, None)
-            self.metrics.ingress_active(self.num_active)
             raise
+        self._active_changed()
 
     def _new_msg(self, live: _Live, dst: str, endpoints: Mapping[str, str] | None) -> PeerReq:
         route = RouteState(
@@ -253,7 +293,6 @@ class IngressCore:
                 dst=dst,
                 kind=MsgKind.ABORT,
                 handoff_seq=0,
-                active_requests=max(0, self.num_active - 1),
             )
             for dst in self.all_endpoints()
         ]
@@ -302,7 +341,7 @@ class IngressCore:
         )
         if done.error or done.finish_reason == "error":
             self.metrics.error(INGRESS, "request_failed")
-        self.metrics.ingress_active(self.num_active)
+        self._active_changed()
 
     async def result(self, rid: str) -> Completion:
         try:

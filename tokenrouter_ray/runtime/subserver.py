@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 SWEEP_PERIOD_S = 1.0
 EXPIRY_GRACE_S = 10.0  # past a request's deadline, before a model frees it on its own
+INGRESS_SILENCE_S = 10.0  # an ingress count not refreshed for this long is dropped
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ class SubServer:
         self.inbox: deque[PeerReq] = deque()
         self.handoff_log: deque[HandoffRecord] = deque(maxlen=100_000)
         self.stats = WindowStats()  # for the threshold tuner
-        self.active_requests = 0
+        self.active_requests = 0  # global N: the sum of the latest count of every ingress
+        self._ingress_counts: dict[str, tuple[int, float]] = {}  # ingress -> (n, when)
         self.num_steps = 0
         self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
         self._deferred_since: float | None = None  # when the launch threshold began holding
@@ -147,13 +149,15 @@ class SubServer:
             self.deliver(batch)
 
     def _apply_inbox(self, out: list[PeerReq]) -> None:
+        counted = False
         while self.inbox:
             msg = self.inbox.popleft()
             self.metrics.peer_message(self.name, msg.sent_at)
-            if not self.ledger.accept(msg):
+            if msg.active_requests is not None:  # from an ingress, 0 included
+                self._ingress_counts[msg.src] = (msg.active_requests, time.monotonic())
+                counted = True
+            if msg.kind == MsgKind.ACTIVE or not self.ledger.accept(msg):
                 continue
-            if msg.active_requests:
-                self.active_requests = msg.active_requests
             try:
                 self._apply(msg, out)
             except Exception as exc:  # contained to this message's request
@@ -163,8 +167,29 @@ class SubServer:
                     self._fail(msg, str(exc), out)
                 except Exception:
                     logger.exception("%s: could not fail %s", self.name, msg.rid)
-        self.engine.set_active_requests(self.active_requests or None)
+        if counted:
+            self._update_active()
         self.metrics.engine_state(self.name, self.engine)
+
+    def _update_active(self) -> None:
+        """Global N = the sum of every ingress's latest count (each ingress publishes its
+        own on every admission and completion, so the sum is within one message delay of
+        the truth); None to the engine until some ingress has spoken."""
+        self.active_requests = sum(n for n, _ in self._ingress_counts.values())
+        self.engine.set_active_requests(self.active_requests if self._ingress_counts else None)
+
+    def _forget_silent_ingresses(self) -> None:
+        """An ingress republishes a non-zero count every second (``ACTIVE_REFRESH_S``); one
+        silent for ``INGRESS_SILENCE_S`` is gone (its replica died) and its count no longer
+        holds launches back."""
+        cutoff = time.monotonic() - INGRESS_SILENCE_S
+        silent = [src for src, (n, t) in self._ingress_counts.items() if n and t < cutoff]
+        for src in silent:
+            logger.warning("%s: no active count from %s for %.0f s", self.name, src,
+                           INGRESS_SILENCE_S)  # fmt: skip
+            del self._ingress_counts[src]
+        if silent:
+            self._update_active()
 
     def _apply(self, msg: PeerReq, out: list[PeerReq]) -> None:
         rid = msg.rid
@@ -290,6 +315,7 @@ class SubServer:
         """End requests held past their deadline plus ``EXPIRY_GRACE_S`` (their ingress
         normally aborts them at the deadline; this frees state whose ingress is gone)."""
         self._next_sweep = time.monotonic() + SWEEP_PERIOD_S
+        self._forget_silent_ingresses()
         cutoff = time.time() - EXPIRY_GRACE_S
         for tracked in [t for t in self.tracked.values() if t.deadline and t.deadline < cutoff]:
             self.metrics.error(self.name, "expired")
@@ -368,7 +394,7 @@ class SubServer:
     def _record_step(self, result: StepResult, destinations: list[int], drop: set[str]) -> None:
         """The step and every row's move into the threshold tuner's statistics window."""
         now = time.monotonic()
-        active = self.active_requests or self.engine.scheduler.num_active
+        active = self.engine.scheduler.current_n
         self.stats.record_step(
             result.batch_size, result.timings.total, now, active, result.num_scheduled_tokens
         )
@@ -457,7 +483,6 @@ class SubServer:
             sampling=tracked.sampling if first_visit else None,
             route=tracked.route_state(),
             extras=extras,
-            active_requests=self.active_requests,
         )
 
     def _to_ingress(
@@ -480,7 +505,6 @@ class SubServer:
             committed=len(tokens),
             finish_reason=reason,
             summary=summary,
-            active_requests=self.active_requests,
         )
 
     def _finished(
