@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "tokenrouter_ray.routing.importing",
     "tokenrouter_ray.routing.training.commands",
     "tokenrouter_ray.simulation.commands",
+    "tokenrouter_ray.traceview.commands",
     "tokenrouter_ray.tuning.commands",
     "tokenrouter_ray.tuning.step_times",
 )
