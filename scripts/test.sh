@@ -14,6 +14,15 @@ if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null; then
       >/dev/null 2>&1 \
     || echo "test.sh: could not install prometheus; the live dashboard test will skip" >&2
 fi
+# Debian's chromium for the trace viewer's headless-browser test (it skips, saying why,
+# where this fails).
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  timeout 600 apt-get install -y -qq chromium >/dev/null 2>&1 \
+    || { timeout 600 apt-get update -qq && timeout 600 apt-get install -y -qq chromium; } \
+      >/dev/null 2>&1 \
+    || echo "test.sh: could not install chromium; the trace viewer's browser test will skip" >&2
+fi
 echo "test.sh: environment ready ($((SECONDS - start)) s)" >&2
 mark=$SECONDS
 echo "test.sh: demo models (built once and cached; a first build takes minutes)" >&2
