@@ -2,11 +2,14 @@
 
     python -m loadtest.handoff_bench [--rounds 2000] [--two-nodes]
 
-Two endpoints play ping-pong with a realistic handoff (8 tokens, sampling params, a small
-`extras`). Each message is stamped with `time.time_ns()` when built (`PeerReq.sent_at`) and
-the receiver records `time.time_ns() - sent_at` on arrival: on one machine both ends read
-the same clock, so this is a true one-way figure (encode, transport, wake-up, decode). Only
-one message is in flight at a time, so there is no queueing; RTT/2 is printed as a check.
+Two endpoints play ping-pong with a realistic handoff (8 tokens, sampling params, the
+request's `RouteState` as every real HANDOFF carries it: ingress, both models' anchors and
+replica endpoints, committed counts, handoffs, deadline; a small `extras`). The encoded
+frame size is printed first. Each message is stamped with `time.time_ns()` when built
+(`PeerReq.sent_at`) and the receiver records `time.time_ns() - sent_at` on arrival: on one
+machine both ends read the same clock, so this is a true one-way figure (encode, transport,
+wake-up, decode). Only one message is in flight at a time, so there is no queueing; RTT/2
+is printed as a check.
 
 Endpoints: `inproc` is two channels on one event loop of this process. The others are two
 Ray actors (separate processes) on one node: ZeroMQ ipc://, ZeroMQ tcp://127.0.0.1, and
@@ -29,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenrouter_ray.protocol import MsgKind, PeerReq, SamplingSpec
+from tokenrouter_ray.protocol import MsgKind, PeerReq, RouteState, SamplingSpec, encode_batch
 from tokenrouter_ray.transport import (
     Directory,
     InMemoryDirectory,
@@ -44,10 +47,20 @@ SINGLE_NODE_KINDS = ("inproc", "zmq-ipc", "zmq-tcp", "ray-inbox", "ray-direct")
 TWO_NODE_KINDS = ("zmq-tcp", "ray-inbox", "ray-direct")
 PEER_NAMESPACE = "tokenrouter-bench"
 SAMPLING = SamplingSpec(temperature=0.7, top_p=0.95, top_k=50, seed=1234, max_tokens=512)
+# Serve replica ids are 8 characters (``replica_id.unique_id``); endpoints are model/replica.
+ROUTE = RouteState(
+    ingress="ingress/k3x9q2wa",
+    prompt_len=412,
+    anchors={"small": 812, "large": 805},
+    endpoints={"small": "small/p0d7m1zc", "large": "large/7hn2v8re"},
+    counts={"small": 261, "large": 139},
+    handoffs=118,
+    deadline=1_767_225_600.125,
+)
 
 
 def handoff_msg(i: int, src: str, dst: str) -> PeerReq:
-    """A realistic mid-request handoff; `sent_at` is stamped now."""
+    """A realistic mid-request handoff (with its ``RouteState``); `sent_at` is stamped now."""
     return PeerReq(
         rid=f"chatcmpl-{i:012d}",
         src=src,
@@ -58,9 +71,14 @@ def handoff_msg(i: int, src: str, dst: str) -> PeerReq:
         anchor=812 + i,
         committed=7,
         sampling=SAMPLING,
+        route=ROUTE,
         extras={"router_score": 0.83},
-        active_requests=64,
     )
+
+
+def frame_bytes() -> int:
+    """Bytes of one handoff as it leaves a channel (a one-message batch frame)."""
+    return len(encode_batch([handoff_msg(0, "small/p0d7m1zc", "large/7hn2v8re")]))
 
 
 def make_channel(
@@ -277,8 +295,10 @@ def main(argv: list[str] | None = None) -> None:
         + " ".join(sys.argv[1:] if argv is None else argv)
     )
     print(
-        "one-way = receiver's time.time_ns() - PeerReq.sent_at, one message in flight\n", flush=True
+        "one-way = receiver's time.time_ns() - PeerReq.sent_at, one message in flight",
+        flush=True,
     )
+    print(f"handoff frame: {frame_bytes()} bytes (8 tokens, sampling, RouteState, extras)\n")
 
     began = time.monotonic()
     results: dict[str, Samples] = {}
