@@ -87,8 +87,8 @@ class RoutingTrace:
 
     def writer_changes(self) -> list[int]:
         """Positions i > 0 whose writer differs from token i-1's: the handoffs that show in
-        the output. (The response's ``routing.handoffs`` counts every HANDOFF message; a
-        handoff whose receiver wrote nothing before the response ended does not show here.)"""
+        the output. (The response's ``routing.handoffs`` counts HANDOFF messages; it can be
+        larger where the output was cut after a handoff or a receiver wrote nothing.)"""
         writers = [t.model for t in self.tokens]
         return [i for i in range(1, len(writers)) if writers[i] != writers[i - 1]]
 

@@ -130,9 +130,9 @@ def render_png(trace: RoutingTrace, path: str | Path, title: str = "Routing trac
     cols = max(20, int((WIDTH_IN - 2 * MARGIN_IN) / char_in))
     boxes, runs, lines = _layout(trace, cols, limit)
 
-    head_in, strip_in, gap_in = 1.0, 1.4, 0.75
+    head_in, strip_in, gap_in = 0.9, 1.4, 0.75
     text_in = lines * LINE_IN + 0.1
-    height = head_in + strip_in + gap_in + text_in + 0.35
+    height = head_in + strip_in + gap_in + text_in + 0.15
     fig = plt.figure(figsize=(WIDTH_IN, height), dpi=DPI, facecolor="white")
 
     def rect(left: float, top: float, w: float, h: float) -> list[float]:
