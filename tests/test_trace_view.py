@@ -239,7 +239,7 @@ def test_png_is_a_sane_image_with_each_models_colour(tmp_path: Path) -> None:
     assert colour_present(image, shade(colours["large"], alpha_of(None)))
     # a long output: the text is capped, the figure stays bounded
     long = copy.deepcopy(TRACE)
-    long["tokens"] = [dict(t, text=f" w{i}") for i, t in enumerate(TOKENS * 200)]
+    long["tokens"] = [dict(t, text=f" w{i}") for i, t in enumerate(TOKENS * 80)]
     big = read_png(render_png(trace_from_json(long), tmp_path / "long.png"))
     assert big.width == image.width and big.height < 4000
     assert len(long["tokens"]) > MAX_TEXT_TOKENS
@@ -399,3 +399,32 @@ def test_cli_url_against_a_served_app(served_chain_dirs, tmp_path: Path, capsys)
     assert [s["data-model"] for s in page.tokens] == [t["model"] for t in trace["tokens"]]
     pytest.importorskip("matplotlib")
     read_png(out.with_suffix(".png"))
+
+
+# ---- the docs --------------------------------------------------------------------------------
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "observability.md"
+
+
+def test_docs_commands_parse_and_the_example_trace_says_what_the_docs_say() -> None:
+    import shlex
+
+    from tokenrouter_ray.cli import build_parser
+
+    text = DOC.read_text()
+    section = text[text.index("## Routing traces and heatmaps") :]
+    block = re.search(r"```bash\n(# one prompt.*?)```", section, re.S).group(1)
+    lines = [ln for ln in block.replace("\\\n", " ").splitlines() if not ln.startswith("#")]
+    parsed = [build_parser().parse_args(shlex.split(ln)[1:]) for ln in lines]
+    assert [a.command for a in parsed] == ["trace", "trace"]
+    assert parsed[0].url and parsed[0].prompt and parsed[1].input == Path("france.json")
+    for body in re.findall(r"-d \\\n\s+'(.*?)'", section, re.S):  # the curl body is JSON
+        assert json.loads(body)["routing_trace"] is True
+    example = DOC.parent / "routing_trace_example.json"
+    trace = trace_from_json(json.loads(example.read_text()))
+    assert (len(trace.tokens), len(trace.dropped)) == (90, 29) and trace.models == MODELS
+    threshold = 0.595  # the doc's figure: every drop at or above it, every kept score below
+    assert all(d.score >= threshold and d.model == "small" for d in trace.dropped)
+    assert all(t.score < threshold for t in trace.tokens if t.model == "small")
+    assert all(t.score is None for t in trace.tokens if t.model == "large")
+    assert "threshold 0.595" in section and "Every drop (29)" in section
