@@ -4,6 +4,8 @@
 step time) under the production engine, scheduler, sub-servers and protocol, wired by
 ``LocalRuntime``; ``ClosedLoop`` and ``measure_closed_loop`` drive it. ``validate`` sweeps
 thresholds on it and sets the measured throughput beside the Markov model's prediction
-(``loadtest/markov_validate.py``), and ``commands`` is the ``tokenrouter-ray simulate`` CLI.
+(``loadtest/markov_validate.py``), and also measures the tuned thresholds closed loop,
+open loop (Poisson arrivals) and under a stepped client count against their predictions
+(``loadtest/markov_open_loop.py``); ``commands`` is the ``tokenrouter-ray simulate`` CLI.
 The throughput model itself lives in ``tuning``; this package only measures.
 """

@@ -21,12 +21,18 @@ thresholds to the requests it holds, so a model with R replicas runs up to R bat
 
 ``measure_closed_loop`` runs a closed system like the Markov model's: ``N`` client loops,
 each keeping one request in flight (a finished request is replaced at once), and counts
-committed tokens per second over a window after a warm-up.
+committed tokens per second over a window after a warm-up. ``ClosedLoop.set_clients``
+changes the number of clients mid-run (removed clients' requests are aborted, as when HTTP
+clients leave) and ``ClosedLoop.step_load`` samples committed tokens through a schedule of
+client counts. ``ClosedLoop.poisson_load`` is the open loop: Poisson arrivals of
+fixed-length requests, with per-request time per output token, the time-average number
+active and the deferred timeouts (``tuning/open_loop.py`` predicts the same quantities).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import math
 import random
@@ -379,6 +385,123 @@ class OpenLoopResult:
     deferred_timeouts: int  # launches below the threshold forced by max_defer_s, all engines
 
 
+def poisson_arrivals(
+    rate: float, segments: Sequence[float], rng: random.Random, exact_count: bool = True
+) -> list[float]:
+    """Arrival times over consecutive segments of the given lengths (seconds).
+
+    ``exact_count=False``: a Poisson process of ``rate`` (exponential gaps). ``True``: each
+    segment gets ``round(rate * length)`` arrivals at independent uniform times, sorted --
+    the Poisson process conditioned on that count (given its count, a Poisson process's
+    points are uniform order statistics), so gaps stay exponential-like while the offered
+    load per segment is exact."""
+    out: list[float] = []
+    offset = 0.0
+    for length in segments:
+        if exact_count:
+            count = round(rate * length)
+            out.extend(sorted(offset + rng.uniform(0.0, length) for _ in range(count)))
+        else:
+            at = offset + rng.expovariate(rate)
+            while at < offset + length:
+                out.append(at)
+                at += rng.expovariate(rate)
+        offset += length
+    return out
+
+
+@dataclass(frozen=True)
+class OpenLoopMeasurement:
+    """One Poisson-arrival run of ``ClosedLoop.poisson_load`` (profile time base)."""
+
+    arrival_rate: float  # requests/s offered
+    tokens_per_request: int
+    window_s: float
+    throughput: float  # committed tokens/s in the window
+    mean_active: float  # time-average of requests submitted and not finished, in the window
+    max_active: int
+    arrivals_in_window: int
+    submitted: int  # in all (warm-up and window)
+    finished: int  # by the end of the drain
+    finished_by_window_end: int
+    stalled: int  # never finished within the drain timeout
+    tpot_s: tuple[float, ...]  # per request arriving in the window: (finish - arrival) / L
+    ttft_s: tuple[float, ...]
+    gaps_s: tuple[float, ...]  # inter-token gaps of those requests
+    escalation_rate: float  # realized p(small->large) in the window
+    deferred_timeouts: int  # launches forced by max_defer_s in the window (steady state)
+    deferred_timeouts_total: int  # ... over the whole run, the drain included
+    time_scale: float = 1.0
+
+    @property
+    def offered(self) -> float:
+        """Tokens/s the arrivals ask for, ``lambda L``."""
+        return self.arrival_rate * self.tokens_per_request
+
+    def tpot_quantile(self, q: float) -> float:
+        return _quantile(self.tpot_s, q)
+
+    def gap_quantile(self, q: float) -> float:
+        return _quantile(self.gaps_s, q)
+
+    @property
+    def mean_tpot_s(self) -> float:
+        return statistics.fmean(self.tpot_s) if self.tpot_s else float("nan")
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default), nan when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class StepLoadTrace:
+    """What ``ClosedLoop.step_load`` sampled (profile time base, from the first phase)."""
+
+    clients: tuple[int, ...]  # per phase
+    starts_s: tuple[float, ...]  # when each phase's client count was set
+    end_s: float
+    times_s: tuple[float, ...]
+    committed: tuple[float, ...]  # cumulative committed tokens at each sample
+    deferred_timeouts: tuple[int, ...]  # cumulative, all engines
+
+    def phase_end(self, phase: int) -> float:
+        return self.starts_s[phase + 1] if phase + 1 < len(self.starts_s) else self.end_s
+
+    def _at(self, t: float) -> float:
+        """Committed tokens at time t (linear between samples)."""
+        return float(_interp(t, self.times_s, self.committed))
+
+    def rate(self, t0: float, t1: float) -> float:
+        """Committed tokens/s over [t0, t1]."""
+        return (self._at(t1) - self._at(t0)) / (t1 - t0)
+
+    def timeouts_between(self, t0: float, t1: float) -> int:
+        """Deferred timeouts counted by the samples taken in (t0, t1]."""
+
+        def at(t: float) -> int:
+            i = bisect.bisect_right(self.times_s, t)
+            return self.deferred_timeouts[max(0, i - 1)]
+
+        return at(t1) - at(t0)
+
+
+def _interp(t: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    i = bisect.bisect_right(xs, t)
+    if i == 0:
+        return float(ys[0])
+    if i >= len(xs):
+        return float(ys[-1])
+    x0, x1 = xs[i - 1], xs[i]
+    return float(ys[i - 1] + (ys[i] - ys[i - 1]) * (t - x0) / (x1 - x0)) if x1 > x0 else ys[i]
+
+
 def _merged_stats(parts: Sequence[SimStats]) -> SimStats:
     """One model's statistics over its replicas (busy time summed: up to R x the window)."""
     return SimStats(
@@ -474,6 +597,7 @@ class ClosedLoop:
         self._max_tokens = max_tokens
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._client_ids = itertools.count()
 
     @property
     def servers(self) -> list[Any]:
@@ -485,9 +609,28 @@ class ClosedLoop:
 
     async def __aenter__(self) -> ClosedLoop:
         await self.runtime.start()
-        self.finished_by_client = [0] * self.clients
-        self._tasks = [asyncio.create_task(self._client(k)) for k in range(self.clients)]
+        self.finished_by_client = []
+        self._tasks = [self._spawn_client() for _ in range(self.clients)]
         return self
+
+    def _spawn_client(self) -> asyncio.Task:
+        k = next(self._client_ids)  # never reused: request ids stay unique
+        self.finished_by_client.append(0)
+        return asyncio.create_task(self._client(k))
+
+    async def set_clients(self, n: int) -> None:
+        """Change the number of closed-loop clients at once: new clients start submitting;
+        removed ones (the newest first) are cancelled with their request in flight, which
+        the ingress aborts on every model, as when an HTTP client goes away."""
+        if n < 0:
+            raise ValueError(f"client count must be >= 0, got {n}")
+        while len(self._tasks) < n:
+            self._tasks.append(self._spawn_client())
+        extra, self._tasks = self._tasks[n:], self._tasks[:n]
+        for task in extra:
+            task.cancel()
+        await asyncio.gather(*extra, return_exceptions=True)
+        self.clients = n
 
     async def __aexit__(self, *exc: object) -> None:
         self._stop.set()
@@ -543,6 +686,201 @@ class ClosedLoop:
             stalled=len(unfinished),
             elapsed_s=time.perf_counter() - started,
             deferred_timeouts=sum(e.scheduler.deferred_timeouts for e in self.engines),
+        )
+
+    async def _timed_request(self, rid: str, spec: SamplingSpec) -> list[float]:
+        """Submit one request and stream it to the end; the wall time of every token."""
+        ingress = self.runtime.ingress
+        await ingress.submit(rid, self._prompt, spec)
+        stamps: list[float] = []
+        try:
+            async for chunk in ingress.stream(rid):
+                now = time.perf_counter()
+                stamps.extend([now] * len(chunk))
+        finally:
+            ingress.abort_nowait(rid)  # no-op once complete; frees the models if cancelled
+            done = ingress.release(rid)
+        if done.error:
+            raise RuntimeError(f"request {rid} failed: {done.error}")
+        return stamps
+
+    async def poisson_load(
+        self,
+        rate_per_s: float,
+        tokens: int,
+        window_s: float,
+        warmup_s: float = 1.0,
+        drain_timeout_s: float = 10.0,
+        seed: int = 0,
+        exact_count: bool = True,
+    ) -> OpenLoopMeasurement:
+        """Open loop: Poisson arrivals at ``rate_per_s`` (profile time base) of requests of
+        exactly ``tokens`` output tokens for ``warmup_s + window_s``, then none; measured
+        over the window: committed tokens/s, the time-average number of active requests
+        (submitted, not finished), the deferred timeouts; per request arriving in the
+        window, its time per output token ``(finish - arrival) / tokens``, time to first
+        token and inter-token gaps. Then it waits up to ``drain_timeout_s`` (wall) for the
+        rest: what never finishes stalled. Times and rates are in the profile's time base.
+        ``exact_count`` (default): the arrivals of the warm-up and of the window are each a
+        Poisson process conditioned on its expected count (``poisson_arrivals``), so the
+        offered load in the window is ``lambda L`` up to rounding rather than up to the
+        count's ``1 / sqrt(count)`` noise; ``False``: plain exponential gaps."""
+        if not rate_per_s > 0 or tokens < 1:
+            raise ValueError(f"need a positive rate and tokens >= 1, got {rate_per_s}, {tokens}")
+        scale = self.time_scale
+        rng = random.Random(seed)
+        records: list[tuple[float, list[float]]] = []  # (submitted, token stamps), window only
+        active = [0, 0]  # now, max
+        area = [0.0, 0.0]  # integral of active over the window, last change (wall)
+        window = [math.inf, math.inf]  # wall start, end
+        start = time.perf_counter()
+
+        def change(delta: int) -> None:
+            now = time.perf_counter()
+            lo, hi = max(area[1], window[0]), min(now, window[1])
+            if hi > lo:
+                area[0] += active[0] * (hi - lo)
+            area[1] = now
+            active[0] += delta
+            active[1] = max(active[1], active[0]) if now >= lo else active[1]
+
+        async def one(k: int, submitted: float, keep: bool) -> None:
+            spec = SamplingSpec(temperature=0.0, max_tokens=tokens, ignore_eos=True,
+                                seed=rng.getrandbits(62))  # fmt: skip
+            change(+1)
+            try:
+                stamps = await self._timed_request(f"poisson-{seed}-{k}", spec)
+            finally:
+                change(-1)
+            if keep:
+                records.append((submitted, stamps))
+
+        tasks: list[asyncio.Task] = []
+        horizon = (warmup_s + window_s) * scale
+        window[0], window[1] = start + warmup_s * scale, start + horizon
+        schedule = poisson_arrivals(rate_per_s, [warmup_s, window_s], rng, exact_count)
+        snap: dict[str, Any] = {}
+        in_window = [0]
+
+        async def mark_start() -> None:
+            await asyncio.sleep(max(0.0, window[0] - time.perf_counter()))
+            snap.update(self._window_snapshot())
+
+        marker = asyncio.create_task(mark_start())
+        for at in schedule:
+            delay = start + at * scale - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            now = time.perf_counter()
+            in_window[0] += now >= window[0]
+            tasks.append(asyncio.create_task(one(len(tasks), now, now >= window[0])))
+        await marker
+        delay = window[1] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        change(0)  # close the integral at the window's end
+        end_snap = self._window_snapshot()
+        finished_in_window = sum(t.done() for t in tasks)
+        unfinished: set[asyncio.Task] = set()
+        if tasks:
+            _, unfinished = await asyncio.wait(tasks, timeout=drain_timeout_s)
+        for task in unfinished:
+            task.cancel()
+        await asyncio.gather(*unfinished, return_exceptions=True)
+        errors = [t.exception() for t in tasks if not t.cancelled() and t.exception()]
+        if errors:
+            raise errors[0]
+        elapsed = end_snap["t"] - snap["t"]
+        small_rows = end_snap["small_rows"] - snap["small_rows"]
+        tpot, ttft, gaps = [], [], []
+        for submitted, stamps in records:
+            if len(stamps) == tokens:
+                tpot.append((stamps[-1] - submitted) / tokens / scale)
+                ttft.append((stamps[0] - submitted) / scale)
+                gaps.extend((b - a) / scale for a, b in itertools.pairwise(stamps))
+        return OpenLoopMeasurement(
+            arrival_rate=rate_per_s,
+            tokens_per_request=tokens,
+            window_s=elapsed / scale,
+            throughput=(end_snap["committed"] - snap["committed"]) / elapsed * scale,
+            mean_active=area[0] / (window[1] - window[0]),
+            max_active=active[1],
+            arrivals_in_window=in_window[0],
+            submitted=len(tasks),
+            finished=len(tasks) - len(unfinished),
+            finished_by_window_end=finished_in_window,
+            stalled=len(unfinished),
+            tpot_s=tuple(tpot),
+            ttft_s=tuple(ttft),
+            gaps_s=tuple(gaps),
+            escalation_rate=(end_snap["escalations"] - snap["escalations"]) / small_rows
+            if small_rows
+            else float("nan"),
+            deferred_timeouts=end_snap["timeouts"] - snap["timeouts"],
+            deferred_timeouts_total=self._deferred_timeouts(),
+            time_scale=scale,
+        )
+
+    def _deferred_timeouts(self) -> int:
+        return sum(e.scheduler.deferred_timeouts for e in self.engines)
+
+    def _window_snapshot(self) -> dict[str, Any]:
+        snap = self.backend.snapshot()
+        return {
+            "t": time.perf_counter(),
+            "committed": snap["committed"],
+            "small_rows": snap["batch_rows"].get(self.names[0], 0.0),
+            "escalations": snap["handoffs"].get((self.names[0], self.names[1]), 0),
+            "timeouts": self._deferred_timeouts(),
+        }
+
+    async def step_load(
+        self, phases: Sequence[tuple[int, float]], sample_s: float = 0.02
+    ) -> StepLoadTrace:
+        """Closed loop whose client count follows ``phases`` (``(clients, seconds)``, seconds
+        in the profile time base): committed tokens and deferred timeouts sampled every
+        ``sample_s`` (profile time) from the first phase's start to the last one's end."""
+        scale = self.time_scale
+        times: list[float] = []
+        committed: list[float] = []
+        timeouts: list[int] = []
+        start = time.perf_counter()
+
+        def sample() -> None:
+            times.append((time.perf_counter() - start) / scale)
+            committed.append(self.backend.total_committed)
+            timeouts.append(self._deferred_timeouts())
+
+        async def sampler() -> None:
+            while True:
+                sample()
+                await asyncio.sleep(sample_s * scale)
+
+        boundaries = []
+        task = asyncio.create_task(sampler())
+        try:
+            offset = 0.0
+            for clients, seconds in phases:
+                delay = start + offset * scale - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                boundaries.append((time.perf_counter() - start) / scale)
+                await self.set_clients(clients)
+                offset += seconds
+            delay = start + offset * scale - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sample()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return StepLoadTrace(
+            clients=tuple(c for c, _ in phases),
+            starts_s=tuple(boundaries),
+            end_s=times[-1],
+            times_s=tuple(times),
+            committed=tuple(committed),
+            deferred_timeouts=tuple(timeouts),
         )
 
     async def drain(self, timeout_s: float) -> int:

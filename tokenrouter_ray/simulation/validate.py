@@ -29,15 +29,33 @@ base.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from tokenrouter_ray.simulation.backend import SimMeasurement, measure_closed_loop
+from tokenrouter_ray.simulation.backend import (
+    ClosedLoop,
+    OpenLoopMeasurement,
+    SimMeasurement,
+    StepLoadTrace,
+    calibrate_sleep_bias,
+    escalation_probability,
+    measure_closed_loop,
+)
+from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.tuning.markov import throughput
+from tokenrouter_ray.tuning.open_loop import (
+    OpenLoopPrediction,
+    SojournSample,
+    markov_token_rates,
+    predict_open_loop,
+    simulate_processor_sharing,
+)
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
-from tokenrouter_ray.tuning.search import candidates
+from tokenrouter_ray.tuning.search import candidates, threshold_lists, tune
 
 DEFAULT_WINDOWS_S = {1: 6.0, 2: 4.0, 4: 4.0, 8: 5.0, 16: 6.0}
 QUICK_WINDOWS_S = {1: 1.5, 2: 1.5, 4: 1.5, 8: 2.0, 16: 2.0}
@@ -127,6 +145,33 @@ def with_overhead(profile: RoutingProfile, overhead_ms: float) -> RoutingProfile
     return RoutingProfile(models, profile.route_prob, profile.commit, profile.grain_ms)
 
 
+def measure_point(
+    profile: RoutingProfile,
+    n: int,
+    thresholds: tuple[int, ...],
+    time_scale: float,
+    **kwargs: Any,
+) -> ValidationPoint:
+    """One closed-loop measurement at (N, B) with the three predictions next to it (at p, at
+    the realized ``p^``, and at ``p^`` with the run's loop overhead added to every step).
+    ``kwargs`` go to ``measure_closed_loop`` (``window_s``, ``warmup_s``, ``seed``, ...)."""
+    meas = measure_closed_loop(profile, n, thresholds, time_scale=time_scale, **kwargs)
+    realized = meas.realized_profile(profile)
+    with_ovh = None
+    overhead_ms = meas.median_gap_ms[0]
+    if math.isfinite(overhead_ms):
+        ovh_profile = with_overhead(realized, overhead_ms / time_scale)
+        with_ovh = throughput(ovh_profile, n, thresholds).throughput
+    return ValidationPoint(
+        thresholds,
+        throughput(profile, n, thresholds).throughput,
+        meas.throughput,
+        throughput(realized, n, thresholds).throughput,
+        with_ovh,
+        meas,
+    )
+
+
 def validate(
     profile: RoutingProfile,
     concurrencies: Sequence[int],
@@ -138,6 +183,7 @@ def validate(
     seed: int = 0,
     best_tolerance: float = 0.02,
     progress: Callable[[int, tuple[int, ...], ValidationPoint], None] | None = None,
+    max_defer_s: float = 1.0,
 ) -> tuple[list[ValidationRow], float]:
     """Sweep every N; returns the rows and the median loop overhead (ms, wall clock)."""
     fixed = {0: 1} if fixed is None else fixed
@@ -148,29 +194,10 @@ def validate(
         row = ValidationRow(n, free, best_tolerance=best_tolerance)
         pinned = {name: fixed.get(i, 1) for i, name in enumerate(profile.names) if i != free}
         for thresholds in candidates(profile, n, pinned):  # model `free` over 1..N
-            meas = measure_closed_loop(
-                profile,
-                n,
-                thresholds,
-                window_s=window,
-                warmup_s=warmup_s,
-                time_scale=time_scale,
-                seed=seed,
-            )
-            realized = meas.realized_profile(profile)
-            with_ovh = None
-            overhead_ms = meas.median_gap_ms[0]
-            if math.isfinite(overhead_ms):
-                ovh_profile = with_overhead(realized, overhead_ms / time_scale)
-                with_ovh = throughput(ovh_profile, n, thresholds).throughput
-            point = ValidationPoint(
-                thresholds,
-                throughput(profile, n, thresholds).throughput,
-                meas.throughput,
-                throughput(realized, n, thresholds).throughput,
-                with_ovh,
-                meas,
-            )
+            point = measure_point(
+                profile, n, thresholds, window_s=window, warmup_s=warmup_s,
+                time_scale=time_scale, seed=seed, max_defer_s=max_defer_s,
+            )  # fmt: skip
             row.points.append(point)
             if progress is not None:
                 progress(n, thresholds, point)
@@ -243,4 +270,314 @@ def summary_table(
         f"(median over runs) {overhead_ms:.2f} ms per step (wall clock) = "
         f"{overhead_ms / time_scale:.2f} ms in the profile's time base"
     )
+    return "\n".join(lines)
+
+
+# ------------------------------------------- issue 14's targets: tuned table, open loop, steps
+CLOSED_TARGET = 0.05  # measured within 5 % of the prediction, closed loop, tuned B
+STEP_TOLERANCE = 0.10  # after a step in N: within 10 % of the new N's steady state ...
+STEP_LIMIT_S = 2.0  # ... within 2 s
+
+
+def tuned_tables(
+    profile: RoutingProfile,
+    concurrencies: Sequence[int] = (1, 2, 4, 8, 16),
+    fixed: dict[str, int] | None = None,
+    top: int = 64,
+) -> tuple[list[int], ...]:
+    """Per-model ``batch_thresholds`` lists (index N = 0..top) as the tuner would set them:
+    the best B at each tuned N, filled between (``search.threshold_lists``)."""
+    lists = threshold_lists(tune(profile, concurrencies, fixed or {"small": 1}), max_n=top)
+    return tuple(lists[name] for name in profile.names)
+
+
+def validate_tuned(
+    profile: RoutingProfile,
+    concurrencies: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    time_scale: float = 2.0,
+    windows_s: dict[int, float] | None = None,
+    warmup_s: float = 0.8,
+    seed: int = 0,
+    max_defer_s: float = math.inf,
+    progress: Callable[[ValidationPoint], None] | None = None,
+) -> list[ValidationPoint]:
+    """Closed loop at each N with the thresholds the tables give at N (no sweep): the
+    measurement and the predictions, for the 5 % target."""
+    windows_s = windows_s or DEFAULT_WINDOWS_S
+    points = []
+    for n in concurrencies:
+        thresholds = tuple(ThresholdTable.of(t).at(n) for t in tables)
+        window = windows_s.get(n) or max(windows_s.values())
+        point = measure_point(
+            profile, n, thresholds, window_s=window, warmup_s=warmup_s,
+            time_scale=time_scale, seed=seed, max_defer_s=max_defer_s,
+        )  # fmt: skip
+        points.append(point)
+        if progress is not None:
+            progress(point)
+    return points
+
+
+def format_tuned(points: Sequence[ValidationPoint], target: float = CLOSED_TARGET) -> str:
+    lines = [
+        "| N | B | predicted | measured | err | target | p^ | pred@p^+ovh | err "
+        "| deferred timeouts |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        ovh = "-" if p.predicted_overhead is None else f"{p.predicted_overhead:.1f}"
+        verdict = "PASS" if p.rel_error <= target else "MISS"
+        lines.append(
+            f"| {p.measurement.n_requests} | {','.join(map(str, p.thresholds))} "
+            f"| {p.predicted:.1f} | {p.measured:.1f} | {_pct(p.rel_error)} "
+            f"| {verdict} (<= {100 * target:g} %) | {p.measurement.escalation_rate:.3f} "
+            f"| {ovh} | {_pct(p.rel_error_overhead)} | {p.measurement.deferred_timeouts} |"
+        )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class OpenLoopPoint:
+    """One arrival rate: the measurement and the open-loop predictions."""
+
+    load: float  # arrival rate as a fraction of the reference throughput (offered tok/s)
+    measurement: OpenLoopMeasurement
+    prediction: OpenLoopPrediction  # birth-death on the Markov T(n)
+    processor_sharing: SojournSample  # the fluid queue with routing noise
+    prediction_overhead: OpenLoopPrediction | None = None  # T(n) with the loop overhead
+    processor_sharing_overhead: SojournSample | None = None
+
+    @property
+    def throughput_error(self) -> float:
+        """Measured committed tokens/s against the offered ``lambda L``."""
+        m = self.measurement
+        return abs(m.throughput - m.offered) / m.offered
+
+    def p99(self) -> dict[str, float]:
+        """p99 TPOT (s): measured, state-only, processor sharing (+ the overhead variants)."""
+        out = {
+            "measured": self.measurement.tpot_quantile(0.99),
+            "states": self.prediction.tpot_quantile(0.99),
+            "ps": self.processor_sharing.tpot_quantile(0.99),
+        }
+        if self.processor_sharing_overhead is not None:
+            out["ps+ovh"] = self.processor_sharing_overhead.tpot_quantile(0.99)
+        return out
+
+
+def open_loop_predictions(
+    profile: RoutingProfile,
+    tables: Sequence[Sequence[int]],
+    rate_per_s: float,
+    tokens: int,
+    max_n: int = 48,
+    tail: str = "linear",
+    overhead_ms: float = 0.0,
+    requests: int = 20_000,
+    seed: int = 0,
+    token_rates: Sequence[float] | None = None,
+) -> tuple[OpenLoopPrediction, SojournSample]:
+    """The birth-death prediction and the processor-sharing sample for one arrival rate.
+    ``overhead_ms`` lengthens every step (``with_overhead``); routing noise uses the entry
+    model's escalation probability and its batch-1 step as the time of a kept token."""
+    base = with_overhead(profile, overhead_ms) if overhead_ms else profile
+    rates = token_rates if token_rates is not None else markov_token_rates(base, tables, max_n)
+    prediction = predict_open_loop(rate_per_s, tokens, rates, tail=tail)
+    q = escalation_probability(profile)
+    small_s = base.models[0].step_time_ms(1) / 1000.0
+    sample = simulate_processor_sharing(rate_per_s, tokens, rates, tail=tail,
+                                        requests=requests, warmup=min(1000, requests // 10),
+                                        seed=seed, escalation=(q, small_s))  # fmt: skip
+    return prediction, sample
+
+
+def validate_open_loop(
+    profile: RoutingProfile,
+    tables: Sequence[Sequence[int]],
+    loads: Sequence[float],
+    reference: float,
+    tokens: int = 32,
+    requests_per_point: int = 400,
+    min_window_s: float = 10.0,
+    warmup_s: float = 1.0,
+    time_scale: float = 2.0,
+    max_defer_s: float = math.inf,
+    drain_timeout_s: float = 10.0,
+    overhead_ms: float | None = None,
+    max_n: int = 48,
+    seed: int = 0,
+    progress: Callable[[OpenLoopPoint], None] | None = None,
+) -> list[OpenLoopPoint]:
+    """Poisson arrivals at ``load x reference`` offered tokens/s for each load; each window
+    is long enough for about ``requests_per_point`` arrivals (at least ``min_window_s``).
+    ``overhead_ms`` (profile time base), when given, adds the predictions with that much
+    loop overhead per step."""
+    base_rates = markov_token_rates(profile, tables, max_n)
+    ovh_rates = None
+    if overhead_ms:
+        ovh_rates = markov_token_rates(with_overhead(profile, overhead_ms), tables, max_n)
+    bias = calibrate_sleep_bias()
+    points = []
+    for k, load in enumerate(loads):
+        rate = load * reference / tokens
+        window = max(min_window_s, requests_per_point / rate)
+
+        async def run(
+            rate: float = rate, window: float = window, k: int = k
+        ) -> OpenLoopMeasurement:
+            loop = ClosedLoop(profile, 256, tables, time_scale=time_scale, seed=seed,
+                              max_defer_s=max_defer_s, max_tokens=tokens, sleep_bias_s=bias,
+                              clients=0)  # fmt: skip
+            async with loop:
+                return await loop.poisson_load(rate, tokens, window, warmup_s=warmup_s,
+                                               drain_timeout_s=drain_timeout_s,
+                                               seed=seed + k)  # fmt: skip
+
+        measurement = asyncio.run(run())
+        prediction, sample = open_loop_predictions(
+            profile, tables, rate, tokens, max_n, token_rates=base_rates, seed=seed
+        )
+        pred_ovh = sample_ovh = None
+        if ovh_rates is not None:
+            pred_ovh, sample_ovh = open_loop_predictions(
+                profile, tables, rate, tokens, max_n, overhead_ms=overhead_ms,
+                token_rates=ovh_rates, seed=seed,
+            )  # fmt: skip
+        point = OpenLoopPoint(load, measurement, prediction, sample, pred_ovh, sample_ovh)
+        points.append(point)
+        if progress is not None:
+            progress(point)
+    return points
+
+
+def format_open_loop(points: Sequence[OpenLoopPoint], target: float = CLOSED_TARGET) -> str:
+    """Predicted vs measured per arrival rate (markdown); TPOT in ms."""
+    ovh = any(p.prediction_overhead is not None for p in points)
+    head = ("| load | λ req/s | offered tok/s | measured tok/s | err | mean N pred / meas "
+            "| mean TPOT pred / meas ms | p99 TPOT states / PS / meas ms |")  # fmt: skip
+    sep = "|---|---|---|---|---|---|---|---|"
+    if ovh:
+        head += " +ovh: mean N / p99 PS |"
+        sep += "---|"
+    head += " finished / stalled | deferred timeouts (window / run) |"
+    sep += "---|---|"
+    lines = [head, sep]
+    for p in points:
+        m, pr, p99 = p.measurement, p.prediction, p.p99()
+        verdict = "PASS" if p.throughput_error <= target else "MISS"
+        row = (
+            f"| {100 * p.load:.0f} % | {m.arrival_rate:.2f} | {m.offered:.1f} | "
+            f"{m.throughput:.1f} | {_pct(p.throughput_error)} {verdict} "
+            f"| {pr.mean_active:.2f} / {m.mean_active:.2f} "
+            f"| {1000 * pr.mean_tpot_s:.2f} / {1000 * m.mean_tpot_s:.2f} "
+            f"| {1000 * p99['states']:.1f} / {1000 * p99['ps']:.1f} / "
+            f"{1000 * p99['measured']:.1f} |"
+        )
+        if ovh:
+            po = p.prediction_overhead
+            row += (f" {po.mean_active:.2f} / {1000 * p99['ps+ovh']:.1f} |" if po is not None
+                    else " - |")  # fmt: skip
+        row += (
+            f" {m.finished} / {m.stalled} | {m.deferred_timeouts} / {m.deferred_timeouts_total} |"
+        )
+        lines.append(row)
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class StepSettle:
+    """One step of the client count: how soon throughput reached the new N's steady state."""
+
+    before: int
+    after: int
+    at_s: float
+    reference: float  # steady-state tok/s at the new N (what it has to get within tol of)
+    predicted: float  # the Markov prediction at the new N
+    settle_s: float | None  # None: never within tolerance for good before the phase ended
+    rates: tuple[tuple[float, float], ...]  # (s after the step, trailing-window tok/s)
+    timeouts: int  # deferred timeouts in the phase
+    tolerance: float = STEP_TOLERANCE
+    limit_s: float = STEP_LIMIT_S
+
+    @property
+    def passed(self) -> bool:
+        return self.settle_s is not None and self.settle_s <= self.limit_s
+
+
+def settle_time(
+    trace: StepLoadTrace,
+    phase: int,
+    reference: float,
+    tolerance: float = STEP_TOLERANCE,
+    window_s: float = 0.5,
+    every_s: float = 0.05,
+) -> tuple[float | None, tuple[tuple[float, float], ...]]:
+    """The first time after the start of ``phase`` from which every trailing-window
+    throughput (window ``window_s``, evaluated every ``every_s``, never reaching back past
+    the step) stays within ``tolerance`` of ``reference`` until the phase ends; ``None`` if
+    the last window is still outside. The smallest possible value is ``window_s``."""
+    start, end = trace.starts_s[phase], trace.phase_end(phase)
+    rates = []
+    k = 0
+    while (t := start + window_s + k * every_s) <= end + 1e-9:
+        rates.append((window_s + k * every_s, trace.rate(t - window_s, t)))
+        k += 1
+    settled = None
+    for offset, rate in reversed(rates):
+        if abs(rate - reference) > tolerance * reference:
+            break
+        settled = offset
+    return settled, tuple(rates)
+
+
+def validate_step_load(
+    profile: RoutingProfile,
+    tables: Sequence[Sequence[int]],
+    phases: Sequence[tuple[int, float]] = ((16, 5.0), (4, 5.0), (16, 5.0)),
+    references: dict[int, float] | None = None,
+    time_scale: float = 2.0,
+    max_defer_s: float = math.inf,
+    window_s: float = 0.5,
+    seed: int = 0,
+) -> tuple[StepLoadTrace, list[StepSettle]]:
+    """Closed loop whose client count steps through ``phases`` (seconds in the profile's
+    time base); for every step, the settle time against ``references[new N]`` (steady-state
+    tok/s, e.g. the closed-loop measurement at that N; default: the Markov prediction)."""
+    top = max(c for c, _ in phases)
+
+    async def run() -> StepLoadTrace:
+        loop = ClosedLoop(profile, top, tables, time_scale=time_scale, seed=seed,
+                          max_defer_s=max_defer_s, sleep_bias_s=calibrate_sleep_bias(),
+                          clients=0)  # fmt: skip
+        async with loop:
+            return await loop.step_load(phases)
+
+    trace = asyncio.run(run())
+    settles = []
+    for phase in range(1, len(phases)):
+        n = phases[phase][0]
+        predicted = throughput(profile, n, tuple(ThresholdTable.of(t).at(n) for t in tables))
+        reference = (references or {}).get(n, predicted.throughput)
+        settled, rates = settle_time(trace, phase, reference, window_s=window_s)
+        timeouts = trace.timeouts_between(trace.starts_s[phase], trace.phase_end(phase))
+        settles.append(StepSettle(phases[phase - 1][0], n, trace.starts_s[phase], reference,
+                                  predicted.throughput, settled, rates, timeouts))  # fmt: skip
+    return trace, settles
+
+
+def format_step_load(settles: Sequence[StepSettle]) -> str:
+    lines = [
+        "| step | at s | steady-state tok/s (reference) | predicted | first window tok/s "
+        "| within 10 % after | target | deferred timeouts |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in settles:
+        first = s.rates[0][1] if s.rates else float("nan")
+        after = "never" if s.settle_s is None else f"{s.settle_s:.2f} s"
+        verdict = "PASS" if s.passed else "MISS"
+        lines.append(
+            f"| {s.before} → {s.after} | {s.at_s:.2f} | {s.reference:.1f} | {s.predicted:.1f} "
+            f"| {first:.1f} | {after} | {verdict} (<= {s.limit_s:g} s) | {s.timeouts} |"
+        )
     return "\n".join(lines)
