@@ -94,7 +94,8 @@ def plot(open_points: Sequence[OpenLoopPoint], step: tuple | None, path: str) ->
         ax = axes[0][col]
         window = 0.5
         ts = [t for t in trace.times_s if t >= window]
-        ax.plot(ts, [trace.rate(t - window, t) for t in ts], lw=1, label="measured (0.5 s)")
+        ax.plot(ts, [trace.rate(t - window, t) for t in ts], lw=1,
+                label="trailing 0.5 s; green: new N's reference ± 10 %")  # fmt: skip
         for s in settles:
             ax.axvline(s.at_s, color="0.5", lw=0.8)
         for phase, clients in enumerate(trace.clients):
@@ -102,7 +103,8 @@ def plot(open_points: Sequence[OpenLoopPoint], step: tuple | None, path: str) ->
             ref = next((s.reference for s in settles if s.at_s == lo), None)
             if ref is not None:
                 ax.hlines([ref * 0.9, ref * 1.1], lo, hi, colors="tab:green", lw=0.8)
-            ax.text((lo + hi) / 2, ax.get_ylim()[1] * 0.02, f"N={clients}", ha="center")
+            ax.text((lo + hi) / 2, 0.97, f"N={clients}", ha="center", va="top",
+                    transform=ax.get_xaxis_transform())  # fmt: skip
         ax.set(xlabel="s", ylabel="tokens/s", title="closed loop, N 16 → 4 → 16")
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -196,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             "noise (tuning/open_loop.py); +ovh: T(n) with the measured loop overhead added to "
             f"every step. Targets: 0 stalled, 0 deferred timeouts. {_load()}"
         )
+        limit = open_points[0].prediction.stability_limit if open_points else math.inf
+        print(f"stability limit: {'none' if math.isinf(limit) else f'{limit:.2f} req/s'} "
+              "(T(n) computed exactly for n <= 48, extended linearly past it: with constant "
+              "step times a larger batch costs nothing, T(n)/n tends to 45.7 tok/s)")  # fmt: skip
     step = None
     if "step" in parts:
         phases = ((16, phase_s), (4, phase_s), (16, phase_s))

@@ -454,9 +454,10 @@ def validate_open_loop(
 def format_open_loop(points: Sequence[OpenLoopPoint], target: float = CLOSED_TARGET) -> str:
     """Predicted vs measured per arrival rate (markdown); TPOT in ms."""
     ovh = any(p.prediction_overhead is not None for p in points)
-    head = ("| load | λ req/s | offered tok/s | measured tok/s | err | mean N pred / meas "
+    head = ("| load | λ req/s | busy 1-π(0) | offered tok/s | measured tok/s | err "
+            "| mean N pred / meas "
             "| mean TPOT pred / meas ms | p99 TPOT states / PS / meas ms |")  # fmt: skip
-    sep = "|---|---|---|---|---|---|---|---|"
+    sep = "|---|---|---|---|---|---|---|---|---|"
     if ovh:
         head += " +ovh: mean N / p99 PS |"
         sep += "---|"
@@ -467,7 +468,8 @@ def format_open_loop(points: Sequence[OpenLoopPoint], target: float = CLOSED_TAR
         m, pr, p99 = p.measurement, p.prediction, p.p99()
         verdict = "PASS" if p.throughput_error <= target else "MISS"
         row = (
-            f"| {100 * p.load:.0f} % | {m.arrival_rate:.2f} | {m.offered:.1f} | "
+            f"| {100 * p.load:.0f} % | {m.arrival_rate:.2f} | {pr.busy_fraction:.3f} "
+            f"| {m.offered:.1f} | "
             f"{m.throughput:.1f} | {_pct(p.throughput_error)} {verdict} "
             f"| {pr.mean_active:.2f} / {m.mean_active:.2f} "
             f"| {1000 * pr.mean_tpot_s:.2f} / {1000 * m.mean_tpot_s:.2f} "
