@@ -181,6 +181,7 @@ class Ingress:
             endpoints_for=self._endpoints_for,
             max_active=self._max_active,
             unavailable=self._unavailable,
+            models=cfg.model_names,
         )
         self._slo = asyncio.create_task(self._follow_slo()) if cfg.tuner.min_tokens_per_s else None
 

@@ -11,6 +11,7 @@ from tokenrouter_ray.protocol import (
     PROTOCOL_VERSION,
     Anchors,
     CommitLog,
+    Dropped,
     FinishSummary,
     MsgKind,
     PeerReq,
@@ -18,12 +19,14 @@ from tokenrouter_ray.protocol import (
     RequestLedger,
     RouteState,
     SamplingSpec,
+    TokenInfo,
     TokenizerMismatchError,
     check_shared_tokenizer,
     decode,
     decode_batch,
     encode,
     encode_batch,
+    with_own_size,
 )
 
 int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -41,10 +44,23 @@ samplings = st.builds(
     seed=st.none() | int64,
     max_tokens=st.integers(1, 1 << 20),
     stop_token_ids=st.lists(token, max_size=4).map(tuple),
+    logprobs=st.none() | st.integers(0, 20),
+    trace=st.booleans(),
 )
 
 
 names = st.text(max_size=8)
+seconds = st.floats(0, 1e9, allow_nan=False)
+score = st.none() | st.floats(allow_nan=False)
+droppeds = st.builds(Dropped, model=names, token=token, score=score)
+token_infos = st.builds(
+    TokenInfo,
+    score=score,
+    logprob=st.none() | st.floats(max_value=0, allow_nan=False),
+    top_ids=st.lists(token, max_size=3),
+    top_logprobs=st.lists(st.floats(max_value=0, allow_nan=False), max_size=3),
+    dropped=st.lists(droppeds, max_size=2),
+)
 routes = st.builds(
     RouteState,
     ingress=text,
@@ -54,18 +70,30 @@ routes = st.builds(
     counts=st.dictionaries(names, count, max_size=3),
     handoffs=count,
     deadline=st.none() | st.floats(allow_nan=False),
+    queue_s=st.none() | seconds,
+    pending_s=st.dictionaries(names, seconds, max_size=3),
+    pending_since=st.dictionaries(names, seconds, max_size=3),
+    peer_bytes=count,
+    dropped=count,
+    drops=st.lists(droppeds, max_size=2),
 )
 summaries = st.builds(
     FinishSummary,
     counts=st.dictionaries(names, count, max_size=3),
     handoffs=count,
     error=st.none() | text,
+    queue_s=st.none() | seconds,
+    pending_s=st.dictionaries(names, seconds, max_size=3),
+    peer_bytes=count,
+    dropped=count,
 )
 
 
 @st.composite
 def peer_reqs(draw: st.DrawFn) -> PeerReq:
     tokens = draw(st.lists(token, max_size=40))
+    committed = draw(st.integers(0, len(tokens)))
+    infos = draw(st.just([]) | st.lists(token_infos, min_size=committed, max_size=committed))
     return PeerReq(
         rid=draw(text),
         src=draw(text),
@@ -74,7 +102,7 @@ def peer_reqs(draw: st.DrawFn) -> PeerReq:
         handoff_seq=draw(count),
         tokens=tokens,
         anchor=draw(count),
-        committed=draw(st.integers(0, len(tokens))),
+        committed=committed,
         finish_reason=draw(st.none() | st.sampled_from(["stop", "length", "abort"])),
         sampling=draw(st.none() | samplings),
         route=draw(st.none() | routes),
@@ -82,6 +110,7 @@ def peer_reqs(draw: st.DrawFn) -> PeerReq:
         extras=draw(st.dictionaries(text, extra_value, max_size=4)),
         active_requests=draw(st.none() | count),
         sent_at=draw(int64),
+        token_info=infos,
     )
 
 
@@ -151,6 +180,23 @@ def test_sampling_is_the_engines_type_and_checked_on_decode() -> None:
     raw[10][1] = 0.0  # top_p = 0 samples nothing: the frame is refused, not run
     with pytest.raises(ProtocolError, match="top_p"):
         decode(msgspec.msgpack.encode(raw))
+
+
+def test_token_info_is_one_per_committed_token() -> None:
+    info = TokenInfo(0.25, -0.1, [4, 9], [-0.1, -2.5], [Dropped("small", 3, 0.9)])
+    m = PeerReq("r", "large/0", "ingress/0", MsgKind.COMMIT, 1, [4], 9, 1, token_info=[info])
+    assert decode(encode(m)).token_info == [info]
+    with pytest.raises(ValueError, match="token_info"):
+        PeerReq("r", "large/0", "ingress/0", MsgKind.COMMIT, 1, [4], 9, 1, token_info=[info] * 2)
+    assert PeerReq("r", "large/0", "ingress/0", MsgKind.COMMIT, 1, [4], 9, 1).token_info == []
+
+
+@settings(deadline=None)
+@given(peer_reqs(), routes)
+def test_with_own_size_counts_the_message_exactly(m: PeerReq, route: RouteState) -> None:
+    sized = with_own_size(msgspec.structs.replace(m, route=route))
+    assert sized.route.peer_bytes - route.peer_bytes == len(encode(sized))
+    assert msgspec.structs.replace(sized.route, peer_bytes=route.peer_bytes) == route
 
 
 def test_sent_at_defaults_to_wall_clock_ns() -> None:
@@ -257,6 +303,18 @@ def test_commit_log_orders_by_position() -> None:
         log.add(8, [0])
     with pytest.raises(ProtocolError, match="prompt"):
         log.add(1, [0])
+
+
+def test_commit_log_keeps_each_tokens_writer_and_report() -> None:
+    log, info = CommitLog(start=2), TokenInfo(score=0.5)
+    assert log.add(2, [1], "small") == [1]
+    assert log.add(4, [3, 4], "large", [info, info]) == []  # early: waits with its writer
+    assert log.add(3, [2], "mid") == [2, 3, 4]
+    assert log.add(3, [2, 3, 4, 5], "small", [info] * 4) == [5]  # overlap: new token only
+    assert log.writers == ["small", "mid", "large", "large", "small"]
+    assert log.infos == [None, None, info, info, info]
+    assert log.add(8, [7], "x") == [] and log.settled().writers == log.writers
+    assert log.settled().num_waiting == 0 and log.settled().tokens == log.tokens
 
 
 @settings(deadline=None)

@@ -51,6 +51,14 @@ v2: `RouteState` and `FinishSummary` replaced the string keys runtime state rode
 
 v3: `MsgKind.ACTIVE` (an ingress's count of active requests, about no request) and
 `active_requests` became optional: only an ingress sets it (0 included), models never do.
+
+Still v3, optional fields appended (issue 16; no field changed meaning, so no bump: a
+v3 peer without them decodes these frames and simply reports nothing new):
+`SamplingSpec.logprobs` / `.trace` (what a request asked to have reported per token),
+`PeerReq.token_info` (on COMMIT: one `TokenInfo` per committed token, only for those
+requests), the per-request metrics in `RouteState` (`queue_s`, `pending_s`,
+`pending_since`, `peer_bytes`, `dropped`, and `drops`: proposals dropped at the position
+the receiver fills next) and their totals in `FinishSummary`.
 """
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -84,6 +92,26 @@ SamplingSpec = SamplingParams
 own `SamplingParams` (one type, one set of defaults, end to end)."""
 
 
+class Dropped(msgspec.Struct, array_like=True, frozen=True):
+    """A token a model sampled and the policy dropped (``Send.drop_sampled``): another
+    model regenerates that position. Reported only for requests with a routing trace."""
+
+    model: str  # the proposer
+    token: int
+    score: float | None = None  # the router's score that dropped it
+
+
+class TokenInfo(msgspec.Struct, array_like=True, frozen=True):
+    """What a COMMIT reports about one committed token, for requests that asked
+    (``SamplingSpec.trace`` / ``.logprobs``)."""
+
+    score: float | None = None  # the router's score at this token (trace)
+    logprob: float | None = None  # of this token under the writer's raw logits
+    top_ids: list[int] = []  # the writer's most likely tokens here, descending
+    top_logprobs: list[float] = []
+    dropped: list[Dropped] = []  # proposals dropped at this position before this token
+
+
 class RouteState(msgspec.Struct, array_like=True, frozen=True):
     """A request's routing state, sent by its owner with every HANDOFF (and by the ingress
     with a NEW): the next owner adopts it whole.
@@ -100,6 +128,13 @@ class RouteState(msgspec.Struct, array_like=True, frozen=True):
     counts: dict[str, NonNegative] = {}  # model -> committed output tokens
     handoffs: NonNegative = 0
     deadline: float | None = None  # wall clock (time.time()) past which nobody waits
+    # per-request metrics, accumulated by each owner in turn (wall-clock seconds)
+    queue_s: float | None = None  # ingress send -> first step computing it at the entry
+    pending_s: dict[str, float] = {}  # model -> time it held KV while another owned it
+    pending_since: dict[str, float] = {}  # model -> time.time() it last went pending
+    peer_bytes: NonNegative = 0  # encoded size of every HANDOFF sent so far (this one too)
+    dropped: NonNegative = 0  # sampled tokens dropped at handoffs
+    drops: list[Dropped] = []  # dropped at the next position to fill (traced requests)
 
 
 class FinishSummary(msgspec.Struct, array_like=True, frozen=True):
@@ -108,6 +143,10 @@ class FinishSummary(msgspec.Struct, array_like=True, frozen=True):
     counts: dict[str, NonNegative] = {}  # model -> committed output tokens
     handoffs: NonNegative = 0
     error: str | None = None  # set when a model ended the request with an error
+    queue_s: float | None = None
+    pending_s: dict[str, float] = {}  # every model's, open intervals closed at the end
+    peer_bytes: NonNegative = 0
+    dropped: NonNegative = 0
 
 
 class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION):
@@ -124,6 +163,8 @@ class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION
     (`src`) and uses their sum as the global N of its launch thresholds (issue 14).
     `sent_at` is `time.time_ns()` when the message was built: a wall clock, so one-way
     latency can be measured across processes and (clock sync permitting) across nodes.
+    `token_info` rides on COMMITs of requests that asked for logprobs or a routing trace:
+    empty, or one `TokenInfo` per committed token.
     """
 
     rid: str
@@ -141,12 +182,18 @@ class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION
     extras: dict[str, Any] = {}
     active_requests: NonNegative | None = None
     sent_at: int = msgspec.field(default_factory=time.time_ns)
+    token_info: list[TokenInfo] = []  # COMMIT: one per committed token, if the request asked
 
     def __post_init__(self) -> None:
         if self.committed > len(self.tokens):
             raise ValueError(
                 f"PeerReq {self.rid}: committed={self.committed} exceeds "
                 f"len(tokens)={len(self.tokens)}"
+            )
+        if self.token_info and len(self.token_info) != self.committed:
+            raise ValueError(
+                f"PeerReq {self.rid}: {len(self.token_info)} token_info entries for "
+                f"{self.committed} committed tokens"
             )
 
     @property
@@ -167,6 +214,30 @@ _batch_decoder = msgspec.msgpack.Decoder(list[PeerReq])
 
 def encode(msg: PeerReq) -> bytes:
     return _encoder.encode(msg)
+
+
+def _uint_size(value: int) -> int:
+    """Bytes msgpack spends on a non-negative integer."""
+    return 1 if value < 128 else 2 if value < 256 else 3 if value < 65536 else (
+        5 if value < 1 << 32 else 9
+    )  # fmt: skip
+
+
+def with_own_size(msg: PeerReq) -> PeerReq:
+    """``msg`` (carrying a ``route``) with its own encoded size added to
+    ``route.peer_bytes``: one encode; the count's own width is solved for, so the result
+    is exact (``len(encode(result))`` is what was added)."""
+    assert msg.route is not None
+    before = msg.route.peer_bytes
+    encoded = len(_encoder.encode(msg))
+    size = encoded
+    while True:  # the count is one msgpack uint inside the message: only its width moves
+        grown = encoded - _uint_size(before) + _uint_size(before + size)
+        if grown == size:
+            break
+        size = grown
+    route = msgspec.structs.replace(msg.route, peer_bytes=before + size)
+    return msgspec.structs.replace(msg, route=route)
 
 
 def decode(data: bytes | bytearray | memoryview) -> PeerReq:
@@ -312,16 +383,21 @@ class Anchors:
 class CommitLog:
     """The ingress's committed output for one request, assembled by logical position.
 
-    `add(anchor, tokens)` takes committed tokens starting at `anchor` and returns the tokens
-    that became contiguous (ready to stream). Duplicates and overlaps are absorbed; a commit
-    past the current end waits until the gap is filled. Committed tokens are final, so an
-    overlap that disagrees with what is held raises `ProtocolError`.
+    `add(anchor, tokens, writer, infos)` takes committed tokens starting at `anchor` (from
+    `writer`, with one `TokenInfo` each when the request asked for them) and returns the
+    tokens that became contiguous (ready to stream). Duplicates and overlaps are absorbed;
+    a commit past the current end waits until the gap is filled. Committed tokens are
+    final, so an overlap that disagrees with what is held raises `ProtocolError`.
+    `writers[i]` / `infos[i]` belong to `tokens[i]` (`infos` stays empty until some commit
+    carries them, then is padded with None where one did not).
     """
 
     def __init__(self, start: int) -> None:
         self.start = start
         self.tokens: list[int] = []
-        self._pending: dict[int, list[int]] = {}
+        self.writers: list[str | None] = []
+        self.infos: list[TokenInfo | None] = []
+        self._pending: dict[int, tuple[list[int], str | None, Sequence[TokenInfo] | None]] = {}
 
     @property
     def end(self) -> int:
@@ -331,24 +407,42 @@ class CommitLog:
     def num_waiting(self) -> int:
         return len(self._pending)
 
-    def add(self, anchor: int, tokens: Sequence[int]) -> list[int]:
+    def add(
+        self,
+        anchor: int,
+        tokens: Sequence[int],
+        writer: str | None = None,
+        infos: Sequence[TokenInfo] | None = None,
+    ) -> list[int]:
         if anchor < self.start:
             raise ProtocolError(f"commit at {anchor} lies inside the prompt (ends at {self.start})")
         if anchor > self.end:
             held = self._pending.get(anchor)
-            if held is None or len(held) < len(tokens):
-                self._pending[anchor] = list(tokens)
+            if held is None or len(held[0]) < len(tokens):
+                self._pending[anchor] = (list(tokens), writer, infos)
             return []
-        fresh = self._append(anchor, tokens)
+        fresh = self._append(anchor, tokens, writer, infos)
         while self._pending:
             ready = [a for a in self._pending if a <= self.end]
             if not ready:
                 break
             for a in sorted(ready):
-                fresh += self._append(a, self._pending.pop(a))
+                fresh += self._append(a, *self._pending.pop(a))
         return fresh
 
-    def _append(self, anchor: int, tokens: Sequence[int]) -> list[int]:
+    def settled(self) -> CommitLog:
+        """A copy holding only the contiguous output (commits waiting on a gap dropped)."""
+        log = CommitLog(self.start)
+        log.tokens, log.writers, log.infos = list(self.tokens), list(self.writers), list(self.infos)
+        return log
+
+    def _append(
+        self,
+        anchor: int,
+        tokens: Sequence[int],
+        writer: str | None,
+        infos: Sequence[TokenInfo] | None,
+    ) -> list[int]:
         overlap = self.end - anchor
         held = self.tokens[anchor - self.start :]
         if list(tokens[:overlap]) != held[: len(tokens)]:
@@ -357,7 +451,11 @@ class CommitLog:
                 f"{held[: len(tokens)]})"
             )
         fresh = list(tokens[overlap:])
+        if infos or self.infos:
+            self.infos += [None] * (len(self.tokens) - len(self.infos))
+            self.infos += list(infos[overlap:]) if infos else [None] * len(fresh)
         self.tokens += fresh
+        self.writers += [writer] * len(fresh)
         return fresh
 
 

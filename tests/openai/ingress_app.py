@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tokenrouter_ray.openai.validation import RequestLimits
-from tokenrouter_ray.protocol import MsgKind, PeerReq, encode_batch
+from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, encode_batch
 from tokenrouter_ray.runtime.ingress import Completion, IngressServer
 
 SERVED = "tokenrouter"
@@ -44,6 +44,10 @@ class FakeCore:
 
     def abort_nowait(self, rid: str, reason: str | None = None) -> None:
         pass
+
+    def commit_log(self, rid: str) -> CommitLog:
+        """No writers or token reports here: traces name no model, logprobs are null."""
+        return CommitLog(len(self.live[rid][0]))
 
     def release(self, rid: str) -> Completion:
         prompt, _ = self.live.pop(rid)

@@ -18,7 +18,7 @@ import torch
 
 from tokenrouter_ray.engine.outputs import StepResult
 from tokenrouter_ray.routing.baselines import seeded_uniform
-from tokenrouter_ray.routing.policy import Policy, RouteBatch, build_policy
+from tokenrouter_ray.routing.policy import Policy, RouteBatch, build_policy, host_scores
 
 VOCAB = 16
 
@@ -182,3 +182,45 @@ def test_never_and_always(name: str, dst: int) -> None:
     policy = build_policy(name, {}, ["small", "large"])
     assert routes(policy, batch(0, 3)) == [dst] * 3
     assert routes(policy, batch(1, 3)) == [0] * 3
+
+
+# ------------------------------------------------------------------ scores (routing trace)
+def scored(policy: Policy, b: RouteBatch) -> list[float | None] | None:
+    routes(policy, b)
+    return host_scores(b)
+
+
+@pytest.mark.parametrize("name", sorted(NEURAL_RULES))
+def test_neural_policies_expose_their_router_score(name: str) -> None:
+    """The score a trace shows is the router's output, oriented so that higher is closer to
+    escalating (CITER's router scores safety: its score is 1 - s)."""
+    policy = build_policy(name, {"threshold": 0.5, "hidden_size": 8}, ["small", "large"])
+    policy.router.score = lambda *features: torch.tensor(SCORES, dtype=torch.float64)
+    want = [1 - s for s in SCORES] if name == "citer" else SCORES
+    assert scored(policy, batch(0, len(SCORES))) == pytest.approx(want)
+    assert scored(policy, batch(1, len(SCORES))) is None  # the large model scores nothing
+
+
+def test_entropy_policies_expose_the_entropy_they_decided_on() -> None:
+    logits, entropies = entropy_logits(KS), [entropy_of(k) for k in KS]
+    two = ["small", "large"]
+    entropy = build_policy("entropy", {"threshold": 0.3}, two)
+    assert scored(entropy, batch(0, len(KS), logits)) == pytest.approx(entropies)
+    assert scored(entropy, batch(1, len(KS), logits)) is None
+    rstitch = build_policy("rstitch", {"tau": 0.3}, two)  # both models decide by entropy
+    for model in (0, 1):
+        assert scored(rstitch, batch(model, len(KS), logits)) == pytest.approx(entropies)
+    escalation = build_policy("escalation", {"thresholds": [0.3, 0.6]}, ["s", "m", "l"])
+    for level in (0, 1):
+        assert scored(escalation, batch(level, len(KS), logits)) == pytest.approx(entropies)
+    assert scored(escalation, batch(2, len(KS), logits)) is None  # the top never escalates
+    glimp = build_policy("glimprouter", {"tau": 0.4, "step_end_token_ids": [7]}, two)
+    b = batch(0, 3, entropy_logits([8, 8, 8]), prev=[0, 7, 3], first=[True, False, False])
+    assert scored(glimp, b) == [pytest.approx(0.75), pytest.approx(0.75), None]  # glimpses
+    assert scored(glimp, batch(1, 2, entropy_logits([8, 8]))) is None
+
+
+@pytest.mark.parametrize("name", ["bernoulli", "never", "always"])
+def test_fixed_and_random_policies_have_no_score(name: str) -> None:
+    policy = build_policy(name, {}, ["small", "large"])
+    assert scored(policy, batch(0, 3)) is None and scored(policy, batch(1, 3)) is None

@@ -22,7 +22,7 @@ from tokenrouter_ray.engine.attention import PagedBatch, flash_attn_unusable
 from tokenrouter_ray.engine.block_pool import ModelFootprint, kv_bytes_per_token
 from tokenrouter_ray.engine.kv_cache import PagedKVCache
 from tokenrouter_ray.engine.outputs import StepResult, StepTimings
-from tokenrouter_ray.engine.sampler import sample
+from tokenrouter_ray.engine.sampler import sample, token_logprobs
 from tokenrouter_ray.engine.scheduler import SchedulerOutput
 from tokenrouter_ray.engine.static_forward import (
     DEFAULT_BATCH_BUCKETS,
@@ -293,6 +293,10 @@ class ModelRunner:
             sample_positions,
         )
         token_list = tokens.tolist()
+        asked = [r.sampling.logprobs for r in sampling_requests]
+        logprobs = None
+        if asked.count(None) != len(asked):  # some row asked: only those rows, raw logits
+            logprobs = token_logprobs(logits, tokens, asked)
         t3 = time.perf_counter()
         timings.sample = t3 - t2
         return StepResult(
@@ -305,4 +309,5 @@ class ModelRunner:
             num_scheduled_tokens=num_tokens,
             batch_size=len(out.chunks),
             timings=timings,
+            logprobs=logprobs,
         )

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# one row's logprobs: the sampled token's, then the top-k ids and their logprobs
+TokenLogprobs = tuple[float, list[int], list[float]]
+
 
 @dataclass
 class StepTimings:
@@ -44,6 +47,9 @@ class StepResult:
     num_scheduled_tokens: int = 0
     batch_size: int = 0  # requests in the forward, sampling or not
     timings: StepTimings = field(default_factory=StepTimings)
+    # per row: (logprob of the sampled token, top ids, their logprobs) for rows whose
+    # request asked for logprobs, else None; the list itself is None when no row asked
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass

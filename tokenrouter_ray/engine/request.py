@@ -40,6 +40,9 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 }
 
 
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
 class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     """Per-request sampling; ``temperature == 0`` is greedy.
 
@@ -47,6 +50,11 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     (``SamplingOptions.to_spec``), it travels on a request's first visit to each model
     (``PeerReq.sampling``; the protocol calls it ``SamplingSpec``), and the engine samples
     and stops by it. Invalid values raise ``ValueError`` (on decode: ``ProtocolError``).
+
+    Two optional reports per committed token, off by default (appended last, so older
+    frames still decode): ``logprobs`` (None: none; k: the chosen token's log-probability
+    and the k most likely tokens', from this model's raw logits) and ``trace`` (the
+    router's score at each token and the proposals it dropped: the routing trace).
     """
 
     temperature: float = 0.0
@@ -56,6 +64,8 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     seed: int | None = None  # None: drawn once when the request is admitted
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives to report per token (0..MAX_LOGPROBS)
+    trace: bool = False  # report router scores and dropped proposals per token
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -66,10 +76,17 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reports_tokens(self) -> bool:
+        """Per-token reports (logprobs or the routing trace) travel with its commits."""
+        return self.trace or self.logprobs is not None
 
 
 @dataclass(eq=False)

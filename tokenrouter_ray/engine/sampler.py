@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tokenrouter_ray.engine.outputs import TokenLogprobs
 from tokenrouter_ray.engine.request import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over 63 bits
@@ -52,3 +53,30 @@ def sample(
         noise = torch.empty_like(probs).exponential_(generator=gen)
         tokens[row] = (probs / noise).argmax()
     return tokens
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # (num_rows, vocab)
+    tokens: torch.Tensor,  # (num_rows,) the sampled ids
+    top: Sequence[int | None],  # per row: None (not asked) or how many alternatives
+) -> list[TokenLogprobs | None]:
+    """log_softmax of the raw logits (before temperature, top-k and top-p: vLLM's default
+    "raw" logprobs) at each asked row: the sampled token's and the ``top[row]`` largest,
+    descending. Only the asked rows are normalised and copied to the host."""
+    rows = [i for i, k in enumerate(top) if k is not None]
+    out: list[TokenLogprobs | None] = [None] * len(top)
+    if not rows:
+        return out
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen = logp.gather(1, tokens.index_select(0, index)[:, None])[:, 0].tolist()
+    k_max = max(top[i] for i in rows)
+    ids: list[list[int]] = [[] for _ in rows]
+    values: list[list[float]] = [[] for _ in rows]
+    if k_max:
+        best = torch.topk(logp, k_max, dim=-1)
+        ids, values = best.indices.tolist(), best.values.tolist()
+    for j, i in enumerate(rows):
+        k = top[i]
+        out[i] = (chosen[j], ids[j][:k], values[j][:k])
+    return out

@@ -20,10 +20,16 @@ Three things make a token's text not yet safe to show:
   and further pushes return ``""`` (the caller aborts the request).
 
 Special tokens (EOS, ...) decode to nothing with ``skip_special_tokens=True``.
+
+Per-token reports (logprobs, the routing trace) need to know which tokens a piece of text
+belongs to: `token_ends[i]` is where output token i's text ends in the decoded output (set
+once its text is decoded), and `settled()` counts the tokens whose text has been emitted
+in full (every consumed token once the output stopped or finished).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +65,16 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.stop_reason: str | None = None
         self.finished = False
+        self.token_ends: list[int] = []  # end of each output token's text, once decoded
+        self._decoded_len = 0  # length of the decoded output (stop strings not cut)
+        self._emitted_len = 0
+
+    def settled(self) -> int:
+        """Output tokens whose text has been emitted in full (all of them, once the output
+        stopped or finished): the ones a streamed chunk can report."""
+        if self.stopped or self.finished:
+            return self.num_tokens
+        return bisect_right(self.token_ends, self._emitted_len)
 
     @property
     def text(self) -> str:
@@ -86,11 +102,15 @@ class IncrementalDetokenizer:
         if self.stopped or self.finished:
             return ""
         self.finished = True
-        return self._emit(self._filter_stop(self._advance(final=True), final=True))
+        text = self._emit(self._filter_stop(self._advance(final=True), final=True))
+        missing = self.num_tokens - len(self.token_ends)  # e.g. a trailing special token
+        self.token_ends += [self._decoded_len] * missing
+        return text
 
     def _emit(self, text: str) -> str:
         if text:
             self._pieces.append(text)
+            self._emitted_len += len(text)
         return text
 
     def _decode(self, start: int, end: int) -> str:
@@ -109,6 +129,8 @@ class IncrementalDetokenizer:
         if full_text.endswith(REPLACEMENT_CHAR) and not final:
             return ""
         new_text = full_text[len(self._prefix_text) :]
+        self._decoded_len += len(new_text)
+        self.token_ends += [self._decoded_len] * (len(self._ids) - self._read)
         self._prefix, self._read = self._read, len(self._ids)
         self._prefix_text = self._decode(self._prefix, self._read)
         return new_text

@@ -5,7 +5,9 @@ reason, its token count, and the routing stats the runtime reports) and calls
 `build_completion` / `build_chat_completion`; the returned model is serialised with
 ``model_dump(mode="json")``. The official ``openai`` client parses these bodies; the extra
 ``routing`` field (response-level: summed over choices; choice-level: that choice's) is
-reachable there through ``model_extra``.
+reachable there through ``model_extra``, as are each choice's ``metrics`` (always) and
+``routing_trace`` (when asked; absent otherwise). ``logprobs`` (when asked) has OpenAI's
+shapes (`token_reports.py`).
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenrouter_ray.openai.errors import InternalServerError
+from tokenrouter_ray.openai.token_reports import RequestMetrics
 
 FinishReason = Literal["stop", "length"]
 
@@ -95,6 +98,10 @@ class ChoiceResult:
     finish_reason: FinishReason
     num_tokens: int  # completion tokens (the detokenizer's `num_tokens`)
     routing: RoutingInfo | None = None
+    metrics: RequestMetrics | None = None
+    # non-streaming: the whole output's ``routing_trace`` / ``logprobs`` when asked;
+    # streaming: those of the tokens no earlier chunk reported (the finish chunk's)
+    details: Mapping[str, Any] | None = None
 
     @staticmethod
     def routing_of(counts: Mapping[str, int], handoffs: int) -> RoutingInfo:
@@ -106,9 +113,11 @@ class CompletionChoice(BaseModel):
 
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason
     routing: RoutingInfo | None = None
+    metrics: RequestMetrics | None = None
+    routing_trace: dict[str, Any] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class Completion(BaseModel):
@@ -139,9 +148,11 @@ class ChatChoice(BaseModel):
 
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason
     routing: RoutingInfo | None = None
+    metrics: RequestMetrics | None = None
+    routing_trace: dict[str, Any] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletion(BaseModel):
@@ -174,7 +185,12 @@ def build_completion(
         model=model,
         choices=[
             CompletionChoice(
-                index=c.index, text=c.text, finish_reason=c.finish_reason, routing=c.routing
+                index=c.index,
+                text=c.text,
+                finish_reason=c.finish_reason,
+                routing=c.routing,
+                metrics=c.metrics,
+                **(c.details or {}),
             )
             for c in ordered
         ],
@@ -202,6 +218,8 @@ def build_chat_completion(
                 message=AssistantMessage(content=c.text),
                 finish_reason=c.finish_reason,
                 routing=c.routing,
+                metrics=c.metrics,
+                **(c.details or {}),
             )
             for c in ordered
         ],

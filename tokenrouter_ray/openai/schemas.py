@@ -14,8 +14,8 @@ Policy on fields:
   busy server's log is not flooded). Fields known to be harmless (``user``, ``store``,
   ``metadata``, ...) are declared and accepted without a warning.
 - Known fields are strict on type: ``"16"`` is not an integer, ``1`` is not a boolean.
-- OpenAI fields this server does not implement (``echo``, ``logprobs``, ``tools``, penalties,
-  ...) are declared, accepted at their neutral value (null / false / 0 / empty), and
+- OpenAI fields this server does not implement (``echo``, ``tools``, penalties, ...) are
+  declared, accepted at their neutral value (null / false / 0 / empty), and
   rejected with a 400 naming the field (code ``unsupported_value``) otherwise, so a client
   never silently gets something other than what it asked for.
   That includes vLLM extensions that change the output (``guided_json``, ``min_tokens``,
@@ -23,6 +23,9 @@ Policy on fields:
 - ``chat_template_kwargs`` (vLLM's extension) reaches the model's chat template, e.g.
   ``{"enable_thinking": false}`` for Qwen3; keys the renderer itself owns are a 400.
 - Optional OpenAI parameters accept ``null``, meaning "the default".
+- ``logprobs`` (chat: a boolean, with ``top_logprobs`` 0..20; completions: 0..5) are
+  served, from the model that wrote each token; ``routing_trace`` (a boolean, this
+  server's extension) asks for the per-token routing trace.
 """
 
 from __future__ import annotations
@@ -230,6 +233,9 @@ class _SamplingRequest(_Lenient):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="Extension: token ids that end the output (besides EOS)."
     )
+    routing_trace: bool | None = Field(
+        None, description="Extension: per choice, which model wrote each token and why."
+    )
     # vLLM extensions this server does not implement: only their neutral values pass
     min_tokens: int | None = Field(None, ge=0, description="Extension: only 0 supported.")
     use_beam_search: bool | None = Field(None, description="Extension: only false supported.")
@@ -288,7 +294,6 @@ class CompletionRequest(_SamplingRequest):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_SamplingRequest.NEUTRAL,
         "echo": (),
-        "logprobs": (),
         "best_of": (1,),
         "suffix": ("",),
     }
@@ -296,11 +301,13 @@ class CompletionRequest(_SamplingRequest):
     prompt: Prompt = Field(description="One string or one list of token ids.")
     max_tokens: int | None = Field(16, ge=1, description="Completion tokens at most.")
     echo: bool | None = Field(None, description="Only false supported.")
-    logprobs: int | None = Field(None, ge=0, le=5, description="Only null supported.")
+    logprobs: int | None = Field(
+        None, ge=0, le=5, description="Log-probabilities of each token and the k most likely."
+    )
     best_of: int | None = Field(None, ge=1, description="Only 1 supported.")
     suffix: str | None = Field(None, description="Only null supported.")
 
-    @field_validator("echo", "logprobs", "best_of", "suffix")
+    @field_validator("echo", "best_of", "suffix")
     @classmethod
     def _completion_neutral_only(cls, value: Any, info: ValidationInfo) -> Any:
         return cls.check_neutral(value, info)
@@ -353,8 +360,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_SamplingRequest.NEUTRAL,
-        "logprobs": (),
-        "top_logprobs": (0,),
         "tools": ([],),
         "functions": ([],),
         "tool_choice": ("none", "auto"),
@@ -382,8 +387,10 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
     max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of the next.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Completion tokens at most.")
-    logprobs: bool | None = Field(None, description="Only false supported.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Only null/0 supported.")
+    logprobs: bool | None = Field(None, description="Log-probability of each output token.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="With logprobs: the k most likely tokens at each."
+    )
     tools: list[dict[str, Any]] | None = Field(None, description="Only empty supported.")
     functions: list[dict[str, Any]] | None = Field(None, description="Only empty supported.")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only none/auto.")
@@ -408,13 +415,22 @@ class ChatCompletionRequest(_SamplingRequest):
     )
 
     @field_validator(
-        "logprobs", "top_logprobs", "tools", "functions", "tool_choice", "response_format",
-        "echo", "continue_final_message", "chat_template", "documents", "reasoning_effort",
+        "tools", "functions", "tool_choice", "response_format", "echo", "continue_final_message",
+        "chat_template", "documents", "reasoning_effort",
         "prediction", "modalities", "audio", "web_search_options",
     )  # fmt: skip
     @classmethod
     def _chat_neutral_only(cls, value: Any, info: ValidationInfo) -> Any:
         return cls.check_neutral(value, info)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise PydanticCustomError(
+                "invalid_value", "'top_logprobs' needs 'logprobs' to be true."
+            )
+        return value
 
     @field_validator("add_generation_prompt")
     @classmethod

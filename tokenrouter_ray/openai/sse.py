@@ -10,9 +10,12 @@ request, all ``n`` choices); ready-to-send SSE bytes leave. The order is OpenAI'
   chunk has ``choices: []`` and the request's usage;
 - ``data: [DONE]``.
 
-Extension: each finish chunk carries a top-level ``routing`` with that choice's stats; the
-usage chunk, when sent, carries them summed over choices. Chunks are built as dicts and
-encoded with `json.dumps` (no pydantic on the per-token path).
+Extension: each finish chunk carries a top-level ``routing`` with that choice's stats and,
+in its choice, that choice's ``metrics``; the usage chunk, when sent, carries ``routing``
+summed over choices. A request that asked for ``logprobs`` or a ``routing_trace`` gets, in
+each chunk's choice, those of the tokens whose text the chunk carries (the finish chunk:
+the rest). Chunks are built as dicts and encoded with `json.dumps` (no pydantic on the
+per-token path).
 """
 
 from __future__ import annotations
@@ -113,9 +116,16 @@ class ChatStream(_Stream):
         return chat_completion_id()
 
     def _choice(
-        self, index: int, delta: dict[str, Any], finish: FinishReason | None = None
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish: FinishReason | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if extra:
+            choice.update(extra)
+        return choice
 
     def start(self) -> bytes:
         """One role chunk per choice; send before any content."""
@@ -124,19 +134,25 @@ class ChatStream(_Stream):
             for i in range(self.n)
         )
 
-    def delta(self, index: int, text: str) -> bytes:
-        """A content chunk for choice ``index``; ``b""`` for empty text."""
+    def delta(self, index: int, text: str, extra: Mapping[str, Any] | None = None) -> bytes:
+        """A content chunk for choice ``index`` (``extra``: more fields of its choice, e.g.
+        ``logprobs``); ``b""`` for empty text."""
         if not text:
             return b""
-        return sse_event(self._chunk([self._choice(index, {"content": text})]))
+        return sse_event(self._chunk([self._choice(index, {"content": text}, None, extra)]))
 
     def finish(
-        self, index: int, reason: FinishReason, routing: RoutingInfo | None = None, text: str = ""
+        self,
+        index: int,
+        reason: FinishReason,
+        routing: RoutingInfo | None = None,
+        text: str = "",
+        extra: Mapping[str, Any] | None = None,
     ) -> bytes:
         """The last chunk of choice ``index``: ``finish_reason`` and its routing; its delta
         is empty, or carries ``text`` (e.g. the detokenizer's `finish` output)."""
         delta = {"content": text} if text else {}
-        return sse_event(self._chunk([self._choice(index, delta, reason)], routing))
+        return sse_event(self._chunk([self._choice(index, delta, reason, extra)], routing))
 
 
 class CompletionStream(_Stream):
@@ -147,25 +163,40 @@ class CompletionStream(_Stream):
     def _new_id(self) -> str:
         return completion_id()
 
-    def _choice(self, index: int, text: str, finish: FinishReason | None = None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        finish: FinishReason | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        if extra:
+            choice.update(extra)
+        return choice
 
     def start(self) -> bytes:
         """Nothing: completions streams have no role chunk (here for symmetry)."""
         return b""
 
-    def delta(self, index: int, text: str) -> bytes:
-        """A text chunk for choice ``index``; ``b""`` for empty text."""
+    def delta(self, index: int, text: str, extra: Mapping[str, Any] | None = None) -> bytes:
+        """A text chunk for choice ``index`` (``extra``: more fields of its choice);
+        ``b""`` for empty text."""
         if not text:
             return b""
-        return sse_event(self._chunk([self._choice(index, text)]))
+        return sse_event(self._chunk([self._choice(index, text, None, extra)]))
 
     def finish(
-        self, index: int, reason: FinishReason, routing: RoutingInfo | None = None, text: str = ""
+        self,
+        index: int,
+        reason: FinishReason,
+        routing: RoutingInfo | None = None,
+        text: str = "",
+        extra: Mapping[str, Any] | None = None,
     ) -> bytes:
         """The last chunk of choice ``index``: ``finish_reason``, its routing, and ``text``
         (default ``""``; e.g. the detokenizer's `finish` output)."""
-        return sse_event(self._chunk([self._choice(index, text, reason)], routing))
+        return sse_event(self._chunk([self._choice(index, text, reason, extra)], routing))
 
 
 async def merge_choice_streams(
@@ -175,7 +206,8 @@ async def merge_choice_streams(
     prompt_len: int,
 ) -> AsyncIterator[bytes]:
     """The SSE frames of one request whose ``n`` choices run as ``tasks``: text pieces
-    ``(index, text)`` from ``pieces`` as they come, each choice's finish chunk as its task
+    ``(index, text, extra)`` from ``pieces`` as they come (``extra``: more fields of that
+    choice, or None), each choice's finish chunk as its task
     ends (after its last pieces), then usage and ``[DONE]``. A choice that fails ends the
     stream with its OpenAI error event and ``[DONE]`` (the other choices are cancelled),
     never a cut connection. Closing the generator early (a client disconnect) cancels
@@ -187,21 +219,22 @@ async def merge_choice_streams(
             getter = asyncio.ensure_future(pieces.get())
             done, _ = await asyncio.wait({getter, *pending}, return_when=asyncio.FIRST_COMPLETED)
             if getter in done:
-                index, text = getter.result()
-                yield stream.delta(index, text)
+                yield stream.delta(*getter.result())
             else:
                 getter.cancel()
             for task in done - {getter}:
                 pending.discard(task)
                 while not pieces.empty():
-                    index, text = pieces.get_nowait()
-                    yield stream.delta(index, text)
+                    yield stream.delta(*pieces.get_nowait())
                 try:
                     choice = task.result()
                 except Exception as exc:
                     yield sse_error(exc) + SSE_DONE
                     return
-                yield stream.finish(choice.index, choice.finish_reason, choice.routing)
+                extra = dict(choice.details or {})
+                if choice.metrics is not None:
+                    extra["metrics"] = choice.metrics.model_dump()
+                yield stream.finish(choice.index, choice.finish_reason, choice.routing, extra=extra)
         results = [t.result() for t in tasks]
         total = sum(c.num_tokens for c in results)
         yield stream.end(prompt_len, total, RoutingInfo.merge(c.routing for c in results))

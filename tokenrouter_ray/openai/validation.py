@@ -67,6 +67,12 @@ class SamplingOptions:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None  # None: not asked; k: each token's and the k most likely
+    routing_trace: bool = False
+
+    @property
+    def reports_tokens(self) -> bool:
+        return self.routing_trace or self.logprobs is not None
 
     def to_spec(self, choice_index: int = 0) -> SamplingSpec:
         """The engine's `SamplingSpec` for one choice.
@@ -83,6 +89,8 @@ class SamplingOptions:
             max_tokens=self.max_tokens,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            trace=self.routing_trace,
         )
 
 
@@ -211,6 +219,10 @@ def _sampling(
                 param=name,
                 code="unsupported_value",
             )
+    if isinstance(request, ChatCompletionRequest):
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        logprobs = request.logprobs
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=_default(request.temperature, 1.0),
@@ -223,6 +235,8 @@ def _sampling(
         n=1 if request.n is None else request.n,
         stream=bool(request.stream),
         include_usage=request.include_usage,
+        logprobs=logprobs,
+        routing_trace=bool(request.routing_trace),
     )
 
 

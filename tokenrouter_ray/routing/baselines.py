@@ -76,4 +76,5 @@ class Entropy(EscalateOnce):
     needs_logits = True
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
-        return normalized_entropy(batch.step.logits) > self.config.threshold
+        batch.scores = entropy = normalized_entropy(batch.step.logits)
+        return entropy > self.config.threshold

@@ -37,5 +37,6 @@ class Citer(EscalateOnce):
         )
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
-        hidden = batch.step.hidden
-        return self.router.score(hidden) < self.router.threshold
+        safe = self.router.score(batch.step.hidden)
+        batch.scores = 1 - safe  # higher: closer to escalating, as for every policy
+        return safe < self.router.threshold

@@ -33,5 +33,5 @@ class CoLLM(EscalateOnce):
         self.router = RouterHolder(config, "hidden_mlp", width=1, num_layers=0)
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
-        hidden = batch.step.hidden
-        return self.router.score(hidden) > self.router.threshold
+        batch.scores = p_defer = self.router.score(batch.step.hidden)
+        return p_defer > self.router.threshold

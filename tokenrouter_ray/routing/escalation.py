@@ -55,5 +55,6 @@ class Escalation(Policy):
         zeros = torch.zeros(batch.size, dtype=torch.long, device=batch.device)
         if level == len(self.models) - 1:
             return zeros
-        unsure = normalized_entropy(batch.step.logits) > self.config.thresholds[level]
+        batch.scores = entropy = normalized_entropy(batch.step.logits)
+        unsure = entropy > self.config.thresholds[level]
         return torch.where(unsure, level + 1, 0) if level else unsure.long()

@@ -66,6 +66,7 @@ class GlimpRouter(Policy):
     def route(self, batch: RouteBatch) -> torch.Tensor:
         if batch.model == 0:
             starts = batch.is_first | self._ends_step(batch.prev_tokens)
-            glimpse_unsure = normalized_entropy(batch.step.logits) > self.config.tau
-            return (starts & glimpse_unsure).long()
+            entropy = normalized_entropy(batch.step.logits)
+            batch.scores = entropy.masked_fill(~starts, float("nan"))  # glimpses only
+            return (starts & (entropy > self.config.tau)).long()
         return (~self._ends_step(batch.step.sampled)).long()  # stay until the step ends

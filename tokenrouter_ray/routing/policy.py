@@ -5,7 +5,11 @@ sampled tokens, logits and last hidden states as device tensors, one row per req
 asks three things:
 
 - ``route(batch)``: the destination model index of every row, computed on device for the
-  whole batch at once; only this index vector leaves the device.
+  whole batch at once; only this index vector leaves the device. A policy that computes a
+  scalar score per row on the way (a router probability, an entropy) stores it in
+  ``batch.scores`` (higher: closer to escalating; NaN for rows it did not score); the
+  runtime copies it to the host only for steps where some request asked for a routing
+  trace. docs/policies.md says what each policy's score is.
 - ``send(request, dst)``: for a row leaving model ``i``, what travels: whether the sampled
   token is dropped (the destination regenerates that position) and policy extras.
 - ``receive(request, tokens, extras)``: on arrival at the destination, which of the
@@ -44,6 +48,9 @@ class RouteBatch:
     is_first: torch.Tensor  # (B,) bool: first output token of the request
     seeds: Sequence[int]  # per-request seeds (for seeded random policies)
     embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # token ids -> embeddings
+    # (B,) float, set by ``route`` when the policy computes a score per row (NaN: none for
+    # that row); None: no score at this model (fixed and random policies, R2R's large model)
+    scores: torch.Tensor | None = None
 
     @classmethod
     def of_step(
@@ -120,7 +127,8 @@ class Policy(ABC):
         """(B,) long destination model index per row, on ``batch.device``."""
 
     def route_step(self, batch: RouteBatch) -> list[int]:
-        """``route`` without autograd; only the index vector leaves the device."""
+        """``route`` without autograd; only the index vector leaves the device (the scores
+        ``route`` left in ``batch.scores`` stay there: see ``host_scores``)."""
         with torch.inference_mode():
             return self.route(batch).tolist()
 
@@ -147,6 +155,13 @@ class EscalateOnce(Policy):
         if batch.model != 0:
             return torch.zeros(batch.size, dtype=torch.long, device=batch.device)
         return self.escalate(batch).long()
+
+
+def host_scores(batch: RouteBatch) -> list[float | None] | None:
+    """``batch.scores`` on the host, NaN as None; None when the policy left none."""
+    if batch.scores is None:
+        return None
+    return [None if s != s else s for s in batch.scores.tolist()]
 
 
 def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -44,4 +44,5 @@ class R2R(EscalateOnce):
         step = batch.step
         # (B,) each: the sampled ids too, for a router that owns its embedding table
         score = self.router.score(step.hidden, batch.embed(step.sampled), step.logits, step.sampled)
+        batch.scores = score
         return score >= self.router.threshold

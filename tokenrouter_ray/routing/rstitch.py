@@ -33,6 +33,7 @@ class RStitch(Policy):
     needs_logits = True
 
     def route(self, batch: RouteBatch) -> torch.Tensor:
-        uncertain = normalized_entropy(batch.step.logits) > self.config.tau  # (B,)
+        batch.scores = entropy = normalized_entropy(batch.step.logits)  # (B,)
+        uncertain = entropy > self.config.tau
         # Small: escalate when uncertain. Large: stay while uncertain, else return.
         return uncertain.long()

@@ -64,6 +64,13 @@ from tokenrouter_ray.openai.sse import (
     merge_choice_streams,
     sse_error,
 )
+from tokenrouter_ray.openai.token_reports import (
+    TokenText,
+    chat_logprobs_part,
+    completion_logprobs_part,
+    request_metrics,
+    trace_part,
+)
 from tokenrouter_ray.openai.validation import PreparedRequest
 from tokenrouter_ray.protocol import (
     CommitLog,
@@ -73,6 +80,7 @@ from tokenrouter_ray.protocol import (
     ProtocolError,
     RouteState,
     SamplingSpec,
+    TokenInfo,
 )
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
 
@@ -93,6 +101,15 @@ class Completion:
     error: str | None = None
     error_kind: str | None = None  # "model" (a model failed it), "timeout", "unavailable"
     recreated: int = 0  # times it was re-created after losing a model replica
+    # per-request metrics: ingress clock (monotonic seconds) ...
+    ttft_s: float | None = None  # submit -> first committed token here
+    e2e_s: float | None = None  # submit -> release
+    mean_itl_s: float | None = None  # (last - first token) / (tokens - 1)
+    # ... and what the models reported (None: the request ended before they did, e.g. cut
+    # by a stop string or aborted)
+    summary: FinishSummary | None = None
+    writers: list[str | None] = field(default_factory=list)  # model of each output token
+    infos: list[TokenInfo | None] = field(default_factory=list)  # if the request asked
 
 
 class _Live:
@@ -114,6 +131,7 @@ class _Live:
         self.last_token_at: float | None = None
         self.timer: asyncio.TimerHandle | None = None  # fires at the deadline
         self.holders: set[str] | None = None  # endpoints it may be on (None: any)
+        self.seen_seq = 0  # highest handoff_seq on a commit: handoffs so far, at least
 
     @property
     def complete(self) -> bool:
@@ -323,8 +341,28 @@ class IngressCore:
         if live.timer is not None:
             live.timer.cancel()
         self._wire.pop(live.wire_rid, None)
+        self._finish_record(live)
         self._record_done(live)
         return live.completion
+
+    def commit_log(self, rid: str) -> CommitLog:
+        """A live request's committed output with its writers and token reports."""
+        return self.live[rid].log
+
+    @staticmethod
+    def _finish_record(live: _Live) -> None:
+        """The request's metrics and per-token record, into its `Completion`."""
+        done, now = live.completion, time.monotonic()
+        done.e2e_s = now - live.submitted_at
+        if live.first_token_at is not None:
+            done.ttft_s = live.first_token_at - live.submitted_at
+            n = len(done.token_ids)
+            if n > 1 and live.last_token_at is not None:
+                done.mean_itl_s = (live.last_token_at - live.first_token_at) / (n - 1)
+        if done.summary is None:  # no FINISHED (cut by a stop string, aborted, failed)
+            done.counts = done.counts or dict(live.counts)
+            done.handoffs = done.handoffs or live.seen_seq
+        done.writers, done.infos = live.log.writers, live.log.infos
 
     def _record_done(self, live: _Live) -> None:
         done, n = live.completion, len(live.completion.token_ids)
@@ -375,9 +413,7 @@ class IngressCore:
             live.completion.recreated += 1
             live.wire_rid = f"{live.rid}~{live.completion.recreated}"
             self._wire[live.wire_rid] = live
-            committed = CommitLog(len(live.prompt))  # drop commits waiting on a gap
-            committed.add(len(live.prompt), live.log.tokens)
-            live.log = committed
+            live.log = live.log.settled()  # drop commits waiting on a gap
             assigned = endpoints(live.rid) if endpoints is not None else None
             dst = entry or self.entry_endpoint()
             live.holders = _holders(dst, assigned)
@@ -424,15 +460,18 @@ class IngressCore:
         if live is None or live.done:
             return
         if msg.kind == MsgKind.COMMIT:
+            model = msg.src.split("/", 1)[0]
             try:
-                fresh = live.log.add(msg.anchor, msg.tokens)
+                fresh = live.log.add(msg.anchor, msg.tokens, model, msg.token_info or None)
             except ProtocolError as exc:
                 self.metrics.error(INGRESS, "protocol_error")
                 self.fail(live.rid, str(exc))
                 return
+            if msg.handoff_seq > live.seen_seq:
+                live.seen_seq = msg.handoff_seq
             if fresh:
-                model = msg.src.split("/", 1)[0]
-                live.counts[model] = live.counts.get(model, 0) + len(fresh)
+                for writer in live.log.writers[len(live.log.writers) - len(fresh) :]:
+                    live.counts[writer] = live.counts.get(writer, 0) + 1
                 self._record_tokens(live, len(fresh))
                 live.completion.token_ids += fresh
                 live.updates.put_nowait(fresh)
@@ -445,6 +484,7 @@ class IngressCore:
             live.final_len = msg.anchor
             live.completion.finish_reason = msg.finish_reason
             live.completion.handoffs = summary.handoffs
+            live.completion.summary = summary
         if live.complete:
             live.updates.put_nowait(None)
 
@@ -507,8 +547,11 @@ class IngressServer:
         endpoints_for: Callable[[str], Mapping[str, str]] | None = None,
         max_active: Callable[[], int] = lambda: 1 << 30,
         unavailable: Callable[[], str | None] = lambda: None,
+        models: Sequence[str] = (),
     ) -> None:
         self.core = core
+        self.models = list(models)  # entry first; () : the writers a response names
+        self.token_text = TokenText(tokenizer)
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.entries = entries
@@ -530,7 +573,7 @@ class IngressServer:
         prompt_len = len(prepared.prompt_token_ids)
         name = self.served_model_name
         if not prepared.sampling.stream:
-            tasks = self.start_choices(submitted, prepared, None)
+            tasks = self.start_choices(submitted, prepared, None, chat)
             try:
                 choices = await asyncio.gather(*tasks)
             finally:
@@ -544,7 +587,7 @@ class IngressServer:
         )
         pieces: asyncio.Queue = asyncio.Queue()
         # Started now: the body may never be iterated if the client leaves first.
-        tasks = self.start_choices(submitted, prepared, pieces)
+        tasks = self.start_choices(submitted, prepared, pieces, chat)
         return StreamedChoices(tasks, self._sse(stream, tasks, pieces, prompt_len))
 
     async def submit(
@@ -601,16 +644,37 @@ class IngressServer:
         entry: str,
         prepared: PreparedRequest,
         pieces: asyncio.Queue | None,
+        chat: bool = False,
     ) -> ChoiceResult:
-        """One choice to its end: text pieces to ``pieces`` (streaming), the result back."""
+        """One choice to its end: text pieces to ``pieces`` (streaming), the result back.
+
+        A request that asked for logprobs or a routing trace gets them per token: in a
+        streamed chunk for the tokens whose text it carries (``detok.settled()``), the
+        rest in the finish chunk; non-streaming, for the whole output. Both stop at the
+        ``completion_tokens`` (a token past a stop string is never reported)."""
         detok = IncrementalDetokenizer(
             self.tokenizer, stop=prepared.sampling.stop, prompt_token_ids=prepared.prompt_token_ids
         )
+        reports = prepared.sampling.reports_tokens
+        out: list[int] = []  # output token ids received
+        sent = 0  # tokens already reported in a chunk
         try:
             async for tokens in self.core.stream(rid):
                 text = detok.push(tokens)
-                if text and pieces is not None:
-                    pieces.put_nowait((index, text))
+                if pieces is not None and text:
+                    extra = None
+                    if reports:
+                        out += tokens
+                        settled = detok.settled()
+                        if settled > sent:
+                            log = self.core.commit_log(rid)
+                            extra = self._details(
+                                prepared, chat, out, log.writers, log.infos, sent, settled, detok
+                            )
+                            sent = settled
+                    pieces.put_nowait((index, text, extra))
+                elif reports:
+                    out += tokens
                 if detok.stopped:
                     self.core.abort_nowait(rid, reason="stop")
                     break
@@ -620,28 +684,69 @@ class IngressServer:
         if done.error is not None:
             raise choice_error(done)
         tail = detok.finish()
-        if tail and pieces is not None:
-            pieces.put_nowait((index, tail))
+        n = detok.num_tokens
+        details = None
+        if reports:  # the tokens no chunk reported yet (all of them when not streaming)
+            details = self._details(prepared, chat, out, done.writers, done.infos, sent, n, detok)
+            if tail and pieces is not None:
+                pieces.put_nowait((index, tail, details))
+                details = None
+        elif tail and pieces is not None:
+            pieces.put_nowait((index, tail, None))
         reason = finish_reason(done.finish_reason, stopped_by_string=detok.stopped)
+        metrics = request_metrics(
+            n, done.writers, self.models, done.ttft_s, done.mean_itl_s, done.e2e_s,
+            done.handoffs, done.summary,
+        )  # fmt: skip
         return ChoiceResult(
             index,
             detok.text,
             reason,
-            detok.num_tokens,
+            n,
             ChoiceResult.routing_of(done.counts, done.handoffs),
+            metrics,
+            details,
         )
+
+    def _details(
+        self,
+        prepared: PreparedRequest,
+        chat: bool,
+        token_ids: Sequence[int],
+        writers: Sequence[str | None],
+        infos: Sequence[Any],
+        start: int,
+        end: int,
+        detok: IncrementalDetokenizer,
+    ) -> dict[str, Any]:
+        """``routing_trace`` and/or ``logprobs`` of output tokens ``[start, end)``."""
+        sampling, text = prepared.sampling, self.token_text
+        details: dict[str, Any] = {}
+        if sampling.logprobs is not None:
+            details["logprobs"] = (
+                chat_logprobs_part(token_ids, infos, start, end, text)
+                if chat
+                else completion_logprobs_part(token_ids, infos, start, end, text, detok.token_ends)
+            )
+        if sampling.routing_trace:
+            models = self.models or list(dict.fromkeys(w for w in writers if w is not None))
+            details["routing_trace"] = trace_part(
+                token_ids, writers, infos, start, end, text, models
+            )
+        return details
 
     def start_choices(
         self,
         submitted: list[tuple[str, str]],
         prepared: PreparedRequest,
         pieces: asyncio.Queue | None,
+        chat: bool = False,
     ) -> list[asyncio.Task]:
         """One task per choice. Each also closes its request when the task ends: a task
         cancelled before it first ran never enters ``choice``'s ``finally``."""
         tasks = []
         for i, (rid, entry) in enumerate(submitted):
-            task = asyncio.ensure_future(self.choice(i, rid, entry, prepared, pieces))
+            task = asyncio.ensure_future(self.choice(i, rid, entry, prepared, pieces, chat))
             task.add_done_callback(lambda _, rid=rid, entry=entry: self.close_choice(rid, entry))
             tasks.append(task)
         return tasks

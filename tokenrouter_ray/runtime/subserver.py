@@ -28,8 +28,17 @@ from dataclasses import dataclass
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.outputs import RequestOutput, StepResult
 from tokenrouter_ray.metrics import Metrics
-from tokenrouter_ray.protocol import FinishSummary, MsgKind, PeerReq, RequestLedger, RouteState
-from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, Send
+from tokenrouter_ray.protocol import (
+    Dropped,
+    FinishSummary,
+    MsgKind,
+    PeerReq,
+    RequestLedger,
+    RouteState,
+    TokenInfo,
+    with_own_size,
+)
+from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, Send, host_scores
 from tokenrouter_ray.runtime.tracking import Tracked
 from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
@@ -83,6 +92,7 @@ class SubServer:
         self.num_steps = 0
         self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
         self._deferred_since: float | None = None  # when the launch threshold began holding
+        self._unqueued: dict[str, float] = {}  # rid -> NEW's sent_at (s), until first computed
         self._next_sweep = 0.0  # monotonic time of the next expired-request sweep
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -209,6 +219,7 @@ class SubServer:
                 rid, msg.tokens, msg.sampling, num_prompt_tokens=route.prompt_len
             )
             self.tracked[rid] = tracked
+            self._unqueued[rid] = msg.sent_at / 1e9
             return
         if msg.kind != MsgKind.HANDOFF:
             return
@@ -223,6 +234,7 @@ class SubServer:
             )
         else:
             tracked.adopt(msg.route, msg.handoff_seq)
+            tracked.owned_by(self.name)
         view = RequestView(rid, self.index, msg.anchor + len(msg.tokens), tracked.policy_state)
         tokens = self.policy.receive(view, list(msg.tokens), dict(msg.extras))
         if rid in self.engine.requests:
@@ -272,8 +284,8 @@ class SubServer:
         if step is None:  # deferred: wait for more work or the max-wait deadline
             await self._sleep_until(self.engine.deferred_until)
             return
-        result, destinations = step
-        out = self._commit(result, destinations)
+        result, destinations, scores = step
+        out = self._commit(result, destinations, scores)
         if out:
             await self._send(out)
 
@@ -329,7 +341,12 @@ class SubServer:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
 
-    def _forward_and_route(self) -> tuple[StepResult, list[int]] | None:
+    def _forward_and_route(
+        self,
+    ) -> tuple[StepResult, list[int], list[float | None] | None] | None:
+        """One step and its routing: the result, each row's destination, and the policy's
+        per-row scores on the host when some row's request asked for a routing trace."""
+        started = time.time()
         result = self.engine.execute()
         if result is None:
             if self.engine.deferred_until is not None and self._deferred_since is None:
@@ -339,9 +356,11 @@ class SubServer:
             self.metrics.deferred_wait(self.name, time.monotonic() - self._deferred_since)
             self._deferred_since = None
         self.num_steps += 1
+        if self._unqueued:
+            self._note_queued(started)
         if not result.request_ids:
             self.metrics.step(self.name, result.batch_size, result.timings.total, None)
-            return result, []
+            return result, [], None
         requests = [self.engine.requests[rid] for rid in result.request_ids]
         batch = RouteBatch.of_step(
             self.index,
@@ -354,19 +373,39 @@ class SubServer:
         t0 = time.perf_counter()
         destinations = self.policy.route_step(batch)
         route_seconds = time.perf_counter() - t0
+        scores = None
+        if batch.scores is not None and any(r.sampling.trace for r in requests):
+            scores = host_scores(batch)
         self.metrics.step(
             self.name, result.batch_size, result.timings.total, route_seconds, requests
         )
-        return result, destinations
+        return result, destinations, scores
 
-    def _commit(self, result: StepResult, destinations: list[int]) -> list[PeerReq]:
+    def _note_queued(self, started: float) -> None:
+        """Queue time (the ingress sent the NEW -> the start of the first step computing
+        it here) of the new requests this step computed."""
+        for rid, sent in list(self._unqueued.items()):
+            request = self.engine.requests.get(rid)
+            tracked = self.tracked.get(rid)
+            if request is None or tracked is None:
+                del self._unqueued[rid]
+            elif request.num_computed_tokens > 0:
+                tracked.queue_s = max(0.0, started - sent)
+                del self._unqueued[rid]
+
+    def _commit(
+        self,
+        result: StepResult,
+        destinations: list[int],
+        scores: list[float | None] | None = None,
+    ) -> list[PeerReq]:
         """After a step: the policy's decisions, the tuner's statistics, the engine's
         commit, then the messages that report it (COMMIT, HANDOFF, FINISHED)."""
         leaving, failed = self._decide(result, destinations)
         drop = {rid for rid, (_, send) in leaving.items() if send.drop_sampled}
         self._record_step(result, destinations, drop)
         outputs = self.engine.commit(result, drop=drop, pause=leaving.keys())
-        out, committed = self._report(outputs, result, leaving, failed)
+        out, committed = self._report(outputs, result, leaving, failed, drop, scores)
         self._fail_requests(failed, out)
         self.metrics.committed(self.name, committed, len(drop))
         return out
@@ -407,22 +446,44 @@ class SubServer:
         result: StepResult,
         leaving: dict[str, tuple[int, Send]],
         failed: dict[str, str],
+        drop: set[str] | frozenset[str] = frozenset(),
+        scores: list[float | None] | None = None,
     ) -> tuple[list[PeerReq], int]:
         """The messages for one commit: COMMIT (new tokens) and FINISHED to the ingress,
         HANDOFF for requests leaving. A handoff that cannot be built adds its request to
-        ``failed``. Returns the messages and how many tokens were committed."""
-        positions = dict(zip(result.request_ids, result.positions, strict=True))
+        ``failed``. Returns the messages and how many tokens were committed.
+
+        Requests that asked for per-token reports (logprobs, routing trace) get one
+        ``TokenInfo`` per committed token; a traced request's dropped token travels in
+        its route state (``drops``) to the model that fills the position, whose COMMIT
+        reports it."""
+        rows = {rid: i for i, rid in enumerate(result.request_ids)}
         out: list[PeerReq] = []
         committed = 0
         for o in outputs:
             rid = o.request_id
             try:
                 tracked = self.tracked[rid]
+                row = rows[rid]
+                if rid in drop:
+                    tracked.dropped += 1
+                    if tracked.sampling.trace:
+                        score = scores[row] if scores is not None else None
+                        tracked.drops.append(Dropped(self.name, result.token_ids[row], score))
                 if o.new_token_ids:
                     self._count(tracked, len(o.new_token_ids))
                     committed += len(o.new_token_ids)
+                    info = None
+                    if tracked.sampling.reports_tokens:
+                        info = [self._token_info(tracked, result, row, scores)]
                     out.append(
-                        self._to_ingress(tracked, MsgKind.COMMIT, o.new_token_ids, positions[rid])
+                        self._to_ingress(
+                            tracked,
+                            MsgKind.COMMIT,
+                            o.new_token_ids,
+                            result.positions[row],
+                            token_info=info,
+                        )
                     )
                 if o.finished:
                     self._finished(tracked, o.finish_reason, out)
@@ -432,6 +493,20 @@ class SubServer:
             except Exception as exc:  # e.g. no replica of the destination is known
                 failed[rid] = f"handing {rid} on failed: {exc!r}"
         return out, committed
+
+    @staticmethod
+    def _token_info(
+        tracked: Tracked, result: StepResult, row: int, scores: list[float | None] | None
+    ) -> TokenInfo:
+        """The report on the token a row committed (what the request asked for)."""
+        score, dropped = None, []
+        if tracked.sampling.trace:
+            score = scores[row] if scores is not None else None
+            dropped, tracked.drops = tracked.drops, []
+        lp = result.logprobs[row] if result.logprobs is not None else None
+        if lp is None:
+            return TokenInfo(score=score, dropped=dropped)
+        return TokenInfo(score, lp[0], lp[1], lp[2], dropped)
 
     def _fail_requests(self, failed: dict[str, str], out: list[PeerReq]) -> None:
         for rid, error in failed.items():
@@ -458,6 +533,7 @@ class SubServer:
         tracked.endpoints[model] = endpoint
         tracked.handoffs += 1
         tracked.seq += 1
+        tracked.went_pending(self.name)  # paused here with its KV
         self.metrics.handoff(self.name, model, len(suffix))
         self.handoff_log.append(
             HandoffRecord(
@@ -471,19 +547,24 @@ class SubServer:
                 first_visit,
             )
         )
-        return PeerReq(
-            rid=tracked.rid,
-            src=self.endpoint,
-            dst=endpoint,
-            kind=MsgKind.HANDOFF,
-            handoff_seq=tracked.seq,
-            tokens=suffix,
-            anchor=anchor,
-            committed=max(0, len(sequence) - max(anchor, tracked.prompt_len)),
-            sampling=tracked.sampling if first_visit else None,
-            route=tracked.route_state(),
-            extras=extras,
+        msg = with_own_size(  # peer_bytes counts this message too
+            PeerReq(
+                rid=tracked.rid,
+                src=self.endpoint,
+                dst=endpoint,
+                kind=MsgKind.HANDOFF,
+                handoff_seq=tracked.seq,
+                tokens=suffix,
+                anchor=anchor,
+                committed=max(0, len(sequence) - max(anchor, tracked.prompt_len)),
+                sampling=tracked.sampling if first_visit else None,
+                route=tracked.route_state(),
+                extras=extras,
+            )
         )
+        tracked.peer_bytes = msg.route.peer_bytes
+        tracked.drops = []  # they travel with the route now
+        return msg
 
     def _to_ingress(
         self,
@@ -493,6 +574,7 @@ class SubServer:
         anchor: int,
         reason: str | None = None,
         summary: FinishSummary | None = None,
+        token_info: list[TokenInfo] | None = None,
     ) -> PeerReq:
         return PeerReq(
             rid=tracked.rid,
@@ -505,6 +587,7 @@ class SubServer:
             committed=len(tokens),
             finish_reason=reason,
             summary=summary,
+            token_info=token_info or [],
         )
 
     def _finished(

@@ -8,10 +8,11 @@ and the running per-model token counts. A NEW from the ingress carries one too (
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenrouter_ray.protocol import Anchors, FinishSummary, RouteState, SamplingSpec
+from tokenrouter_ray.protocol import Anchors, Dropped, FinishSummary, RouteState, SamplingSpec
 
 
 @dataclass
@@ -27,6 +28,13 @@ class Tracked:
     handoffs: int = 0
     policy_state: dict[str, Any] = field(default_factory=dict)
     deadline: float | None = None  # wall clock (time.time()) past which nobody waits for it
+    # per-request metrics (RouteState), wall-clock seconds
+    queue_s: float | None = None
+    pending_s: dict[str, float] = field(default_factory=dict)
+    pending_since: dict[str, float] = field(default_factory=dict)
+    peer_bytes: int = 0
+    dropped: int = 0
+    drops: list[Dropped] = field(default_factory=list)  # at the next position (traced)
 
     @classmethod
     def from_route(cls, rid: str, route: RouteState, sampling: SamplingSpec, seq: int) -> Tracked:
@@ -42,6 +50,23 @@ class Tracked:
         self.counts = dict(route.counts)
         self.handoffs = route.handoffs
         self.deadline = route.deadline
+        self.queue_s = route.queue_s
+        self.pending_s = dict(route.pending_s)
+        self.pending_since = dict(route.pending_since)
+        self.peer_bytes = route.peer_bytes
+        self.dropped = route.dropped
+        self.drops = list(route.drops)
+
+    def owned_by(self, model: str, now: float | None = None) -> None:
+        """``model`` owns the request again: the time it held it pending ends."""
+        since = self.pending_since.pop(model, None)
+        if since is not None:
+            now = time.time() if now is None else now
+            self.pending_s[model] = self.pending_s.get(model, 0.0) + max(0.0, now - since)
+
+    def went_pending(self, model: str, now: float | None = None) -> None:
+        """``model`` handed the request on and keeps its KV (the scheduler's PENDING)."""
+        self.pending_since[model] = time.time() if now is None else now
 
     def route_state(self) -> RouteState:
         return RouteState(
@@ -52,7 +77,27 @@ class Tracked:
             counts=dict(self.counts),
             handoffs=self.handoffs,
             deadline=self.deadline,
+            queue_s=self.queue_s,
+            pending_s=dict(self.pending_s),
+            pending_since=dict(self.pending_since),
+            peer_bytes=self.peer_bytes,
+            dropped=self.dropped,
+            drops=list(self.drops),
         )
 
-    def summary(self, error: str | None = None) -> FinishSummary:
-        return FinishSummary(counts=dict(self.counts), handoffs=self.handoffs, error=error)
+    def summary(self, error: str | None = None, now: float | None = None) -> FinishSummary:
+        """The finish report: counts and the metrics, pending intervals still open (models
+        holding the request while this one finishes it) closed at ``now``."""
+        now = time.time() if now is None else now
+        pending = dict(self.pending_s)
+        for model, since in self.pending_since.items():
+            pending[model] = pending.get(model, 0.0) + max(0.0, now - since)
+        return FinishSummary(
+            counts=dict(self.counts),
+            handoffs=self.handoffs,
+            error=error,
+            queue_s=self.queue_s,
+            pending_s=pending,
+            peer_bytes=self.peer_bytes,
+            dropped=self.dropped,
+        )
