@@ -1,12 +1,15 @@
 """``python -m loadtest``: the paper's comparison on the served system, one entry point.
 
     python -m loadtest --preset quick                # demo pair, 2-core CPU, <= 10 minutes
+    python -m loadtest --preset lengths              # 256- vs 1,024-token answers at N = 8
+    python -m loadtest --preset sim                  # the simulated ablation alone, ~30 s
     python -m loadtest --preset paper --small DIR --large DIR --app-overrides ...   # GPU
 
-Brings each system up in turn (tokenrouter tuned, Eager-Async, Step-Sync, Std. Serving on
-stock ``transformers serve`` / vLLM, each model alone), drives it with the preset's closed-
-and open-loop load over the HTTP API, and writes ``<out>/results.json``, ``<out>/results.md``
-and PNG plots (``bench`` extra). Targets are printed PASS / MISS; they never fail the run.
+Brings each system up in turn (tokenrouter tuned, Eager-Async, R2R and R-Stitch, Step-Sync,
+each model alone, the large model on its stock server, Std. Serving on stock ``transformers
+serve`` / vLLM), drives it with the preset's closed- and open-loop load over the HTTP API,
+and writes ``<out>/results.json``, ``<out>/results.md`` and PNG plots (``bench`` extra).
+Targets are printed PASS / MISS; they never fail the run.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from dataclasses import replace
 import yaml
 
 from loadtest.common import command, machine
+from loadtest.quality import quality_table
 from loadtest.report import markdown_table, plots, targets
 from loadtest.run import ALL_SYSTEMS, PRESETS, run_bench
-from loadtest.systems import Bench, wait_ready
+from loadtest.systems import Bench
 
 
 def local_yaml_overrides(path: str = "conf/local.yaml") -> list[str]:
@@ -33,8 +37,18 @@ def local_yaml_overrides(path: str = "conf/local.yaml") -> list[str]:
 
 
 def with_policy(overrides: list[str], p: float) -> list[str]:
-    keep = [o for o in overrides if not o.startswith("policy")]
-    return [*keep, "policy=bernoulli", f"policy.options.p={p}"]
+    return [*without_policy(overrides), "policy=bernoulli", f"policy.options.p={p}"]
+
+
+def without_policy(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.lstrip("+~").startswith("policy")]
+
+
+def policy_apps(overrides: list[str]) -> dict[str, list[str]]:
+    """The quality systems' apps: the given app with R2R (``conf/local.yaml``'s policy,
+    the demo's trained router) and with R-Stitch (its defaults, tau 0.3)."""
+    base = without_policy(overrides)
+    return {"r2r": [*base, "policy=r2r_demo"], "rstitch": [*base, "policy=rstitch"]}
 
 
 def ray_serve_deploy(http_port: int) -> object:
@@ -57,8 +71,7 @@ def ray_serve_deploy(http_port: int) -> object:
         serve.run(build_app({"overrides": overrides}), name=name, route_prefix=f"/{name}")
         url = f"http://127.0.0.1:{http_port}/{name}/v1"
         try:
-            wait_ready(url)
-            yield url
+            yield url  # systems.serve_app waits until it answers
         finally:
             serve.delete(name)
 
@@ -74,6 +87,17 @@ def write_outputs(result: dict, out_dir: str, header: str) -> str:
     pngs = plots(result, os.path.join(out_dir, "loadtest"))
     md = [header, "", table, "", "Targets (they never fail the run):", ""]
     md += [f"- {c}" for c in checks]
+    if result.get("quality"):
+        md += [
+            "",
+            "Speed next to quality (greedy answers re-tokenized and compared position by "
+            "position with the large model alone's on the same prompt; loadtest/quality.py):",
+            "",
+            quality_table(result["quality"]),
+        ]
+    if result.get("system_wall_s"):
+        walls = ", ".join(f"{k} {v:.0f} s" for k, v in result["system_wall_s"].items())
+        md += ["", f"Wall time {result.get('wall_s', 0):.0f} s: {walls}"]
     if result["errors"]:
         md += ["", "Systems that failed:", ""] + [
             f"- {k}: {v}" for k, v in result["errors"].items()
@@ -127,20 +151,22 @@ def main() -> None:
     if args.time_limit:
         preset = replace(preset, time_limit_s=args.time_limit)
     small, large = args.small, args.large
-    if small is None or large is None:
+    if (small is None or large is None) and preset.systems:
         from tokenrouter_ray.demo import built_artifact  # `tokenrouter-ray prepare-demo` builds
 
         large, small = large or built_artifact("large"), small or built_artifact("small")
-    overrides = with_policy(args.app_overrides or local_yaml_overrides(), args.p)
+    app = args.app_overrides or local_yaml_overrides()
+    overrides = with_policy(app, args.p)
     os.makedirs(args.out, exist_ok=True)
     bench = Bench(
-        small,
-        large,
+        small or "",
+        large or "",
         args.p,
         overrides,
         ray_serve_deploy(args.serve_port),
         log_dir=args.out,
         port_base=args.port_base,
+        policy_apps=policy_apps(app),
     )
     header = (
         f"machine: {machine()}\nreproduce: {command()}\npreset: {args.preset} {preset}\n"

@@ -1,10 +1,17 @@
 """A benchmark run: presets, the sweep over systems and loads, and the results it writes.
 
 A preset fixes the workload, the closed-loop client counts N, the open-loop rates, the
-output-length sweep and the per-level bounds. ``run_bench`` brings each system up once,
-measures every level on it (closed loop over N, then open loop over the rates, then the
-output-length sweep where the preset asks for it), and tears it down; the result is a plain
-dict that ``loadtest.report`` turns into JSON, Markdown and plots.
+output-length sweep and the per-level bounds. ``run_bench`` runs the simulated ablation
+first where the preset asks for it (``loadtest.sim_ablation``), then brings each system up
+once, measures every level on it (closed loop over N, then open loop over the rates, then
+the output-length sweep where the preset asks for it), and tears it down; then it scores
+every system's answers against the large model alone (``loadtest.quality``). The result is a
+plain dict that ``loadtest.report`` turns into JSON, Markdown and plots.
+
+The stock servers (``transformers serve``) are shared by the systems that use them
+(``large_stock``, then ``std_serving``) and restarted only after a system had a level cut at
+its time limit: a stock server keeps generating for a client that went away, so a cut level
+leaves work behind on it.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loadtest.harness import LoadSpec, run_load
+from loadtest.quality import quality
 from loadtest.systems import SYSTEMS, Bench, app_status
 from loadtest.workloads import WORKLOADS, Workload
 
@@ -32,23 +40,54 @@ class Preset:
     length_systems: list[str] = field(default_factory=lambda: ["tokenrouter", "std_serving"])
     requests_per_client: int = 3  # a level ends after N * this many requests ...
     time_limit_s: float = 20.0  # ... or after this long (in-flight requests are cut)
+    length_time_limit_s: float | None = None  # the length sweep's levels (None: time_limit_s)
     systems: list[str] = field(default_factory=lambda: list(ALL_SYSTEMS))
+    # systems measured at these N only (closed loop), e.g. the quality-only systems at N = 8
+    system_concurrency: dict[str, list[int]] = field(default_factory=dict)
     warmup_tokens: int = 8
     settle_s: float = 3.0  # pause before each level (a cut level's requests may still run)
+    stock_warm: tuple[int, int] = (8, 48)  # stock servers' warm-up: concurrent requests, tokens
+    early_stock: bool = False  # start the stock servers at once (CI: overlaps start-ups)
+    sim: bool = False  # run the simulated ablation (loadtest.sim_ablation) first
 
+
+QUALITY_ONLY = ["r2r", "rstitch"]  # speed next to quality, at N = 8 only
 
 PRESETS: dict[str, Preset] = {
-    # The demo pair on a 2-core CPU in <= 10 minutes: every system at N = 1, 4, 8 with
-    # 64-token answers, and the 256- vs 64-token comparison on tokenrouter and Std. Serving.
+    # The demo pair on a 2-core CPU in <= 10 minutes: the simulated ablation (~30 s), every
+    # system at N = 1 and 8 with 64-token answers (one request per client, so every answer
+    # is complete and scored against the large model alone), R2R and R-Stitch at N = 8, and
+    # 256-token answers at N = 8 for tokenrouter and Std. Serving (the target's 256 vs 1,024
+    # comparison is the `lengths` preset).
     "quick": Preset(
-        concurrency=[1, 4, 8],
+        concurrency=[1, 8],
         max_tokens=64,
         lengths=[256],
         length_n=8,
-        requests_per_client=2,
-        time_limit_s=12.0,
-        warmup_tokens=16,
+        requests_per_client=1,
+        time_limit_s=40.0,
+        length_time_limit_s=45.0,
+        system_concurrency={s: [8] for s in QUALITY_ONLY},
+        warmup_tokens=8,
+        settle_s=1.0,
+        sim=True,
     ),
+    # The output-length target on the demo pair: N = 8, 256- and 1,024-token answers, one
+    # request per client, tokenrouter and Std. Serving only.
+    "lengths": Preset(
+        concurrency=[],
+        lengths=[256, 1024],
+        length_n=8,
+        length_systems=["tokenrouter", "std_serving"],
+        requests_per_client=1,
+        time_limit_s=600.0,
+        length_time_limit_s=600.0,
+        systems=["tokenrouter", "std_serving"],
+        warmup_tokens=8,
+        settle_s=1.0,
+    ),
+    # The simulated ablation alone (paper step times, tuned vs Eager-Async at N = 8).
+    "sim": Preset(concurrency=[], systems=[], sim=True),
     # The GPU sweep: same code, bigger N and lengths, open loop too.
     "paper": Preset(
         concurrency=[1, 4, 8, 16, 32, 64],
@@ -58,8 +97,11 @@ PRESETS: dict[str, Preset] = {
         length_n=8,
         requests_per_client=8,
         time_limit_s=300.0,
+        system_concurrency={s: [8] for s in QUALITY_ONLY},
+        sim=True,
     ),
-    # The CI smoke run: a few requests, 8 tokens, every system.
+    # The CI smoke run: a few requests, 8 tokens, every system (R-Stitch as the quality
+    # system: the tiny models have no trained R2R router).
     "tiny": Preset(
         workload="tiny_words",
         concurrency=[2],
@@ -69,8 +111,12 @@ PRESETS: dict[str, Preset] = {
         length_n=2,
         requests_per_client=2,
         time_limit_s=30.0,
+        systems=[s for s in ALL_SYSTEMS if s != "r2r"],
+        system_concurrency={"rstitch": [2]},
         warmup_tokens=4,
         settle_s=0.0,
+        stock_warm=(0, 0),  # only the request that sets the shared generation config
+        early_stock=True,
     ),
 }
 
@@ -96,9 +142,10 @@ def measure(
         result["deferred_timeouts"] = after["deferred_timeouts"] - before.get(
             "deferred_timeouts", 0
         )
-    if "tuner_thresholds" in after:
-        result["tuner_thresholds"] = after["tuner_thresholds"]
-        result["tuner_moves"] = after.get("tuner_moves", [])
+    if "tuner" in after:
+        result["tuner"] = after["tuner"]
+        result["tuner_thresholds"] = after["tuner"].get("thresholds")
+        result["tuner_moves"] = [h.get("reason") for h in after["tuner"].get("history", [])]
     return result
 
 
@@ -112,7 +159,9 @@ def run_system(
     t_up = time.perf_counter()
     with up(bench) as url:
         startup = time.perf_counter() - t_up
-        n_warm = max(preset.concurrency)  # every batch size up to the largest N, once
+        concurrency = preset.system_concurrency.get(name, preset.concurrency)
+        closed_only = name in preset.system_concurrency
+        n_warm = max([*concurrency, preset.length_n if preset.lengths else 1])
         warm = level_spec(
             preset,
             workload,
@@ -122,12 +171,12 @@ def run_system(
         )
         asyncio.run(run_load(url, warm, progress=False))
         levels: list[tuple[str, LoadSpec]] = []
-        for n in preset.concurrency:
+        for n in concurrency:
             spec = level_spec(
                 preset, workload, concurrency=n, max_requests=n * preset.requests_per_client
             )
             levels.append(("closed", spec))
-        for rate in preset.rates:
+        for rate in [] if closed_only else preset.rates:
             spec = level_spec(
                 preset,
                 workload,
@@ -135,14 +184,15 @@ def run_system(
                 max_requests=max(preset.concurrency) * preset.requests_per_client,
             )
             levels.append(("open", spec))
-        if name in preset.length_systems:
+        if name in preset.length_systems and not closed_only:
             for length in preset.lengths:
                 spec = level_spec(
                     preset,
                     workload,
                     concurrency=preset.length_n,
-                    max_requests=preset.length_n,
+                    max_requests=preset.length_n * preset.requests_per_client,
                     max_tokens=length,
+                    time_limit_s=preset.length_time_limit_s or preset.time_limit_s,
                 )
                 levels.append(("length", spec))
         for mode, spec in levels:
@@ -174,21 +224,57 @@ def run_system(
 def run_bench(bench: Bench, preset: Preset, progress: bool = True) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
+    walls: dict[str, float] = {}
+    result: dict[str, Any] = {}
     t0 = time.perf_counter()
+    bench.stock_warm = preset.stock_warm
+    if preset.early_stock and {"std_serving", "large_stock"} & set(preset.systems):
+        bench.launch_stock()
+    if preset.sim:
+        from loadtest.sim_ablation import sim_ablation, sim_lines
+
+        if progress:
+            print(f"[{time.perf_counter() - t0:6.0f} s] simulated ablation", flush=True)
+        t_sys = time.perf_counter()
+        try:
+            result["sim"] = sim_ablation()
+            if progress:
+                print("\n".join(f"  {line}" for line in sim_lines(result["sim"])), flush=True)
+        except Exception as exc:
+            errors["sim"] = f"{type(exc).__name__}: {exc}"
+        walls["sim"] = time.perf_counter() - t_sys
     try:
         for name in preset.systems:
             if progress:
                 print(f"[{time.perf_counter() - t0:6.0f} s] {SYSTEMS[name][0]}", flush=True)
+            t_sys = time.perf_counter()
+            cut = True
             try:
-                rows += run_system(bench, name, preset, progress)
+                new = run_system(bench, name, preset, progress)
+                rows += new
+                cut = any(r["cut_at_time_limit"] or r["errors"] for r in new)
             except Exception as exc:  # one system failing is reported, not fatal
                 errors[name] = f"{type(exc).__name__}: {exc}"
                 if progress:
                     print(f"  FAILED: {errors[name]}", flush=True)
             finally:
-                # Fresh stock servers per system: a stock server keeps generating for a
-                # client that went away, so a cut level leaves work behind on it.
-                bench.close()
+                if cut:  # a cut level may have left work on the stock servers
+                    bench.close()
+                walls[name] = time.perf_counter() - t_sys
     finally:
         bench.close()
-    return {"rows": rows, "errors": errors, "wall_s": time.perf_counter() - t0, "p": bench.p}
+    workload = WORKLOADS[preset.workload]()
+    n = preset.length_n if preset.length_n in preset.concurrency else max(preset.concurrency or [0])
+    try:
+        result["quality"] = quality(
+            rows, bench.tokenize, len(workload.prompts), n, preset.max_tokens
+        )
+    except Exception as exc:
+        errors["quality"] = f"{type(exc).__name__}: {exc}"
+    return result | {
+        "rows": rows,
+        "errors": errors,
+        "wall_s": time.perf_counter() - t0,
+        "system_wall_s": walls,
+        "p": bench.p,
+    }

@@ -4,11 +4,14 @@
    ``conf/local.yaml``'s with the live tuner), policy ``bernoulli(p)``.
 2. ``eager_async``: the same app with every threshold 1 and the tuner off (a config
    override, not a code path).
-3. ``step_sync``: both models in one lock-step loop on our engine (``baselines/step_sync``).
-4. ``std_serving``: one stock ``transformers serve --continuous-batching`` per model and the
-   external per-token dispatcher (``baselines/dispatcher``).
+3. ``r2r`` / ``rstitch``: the tuned app with a neural policy instead of ``bernoulli``
+   (``Bench.policy_apps``: the demo's R2R router as ``conf/local.yaml`` serves it, and
+   R-Stitch), for speed next to quality (``loadtest.quality``).
+4. ``step_sync``: both models in one lock-step loop on our engine (``baselines/step_sync``).
 5. ``large_alone`` / ``small_alone``: one model on our engine; ``large_stock``: the large
    model alone on its stock server (the "could I just serve the large model?" reference).
+6. ``std_serving``: one stock ``transformers serve --continuous-batching`` per model and the
+   external per-token dispatcher (``baselines/dispatcher``).
 
 Each ``up()`` is a context manager yielding the OpenAI base URL (``.../v1``).
 """
@@ -26,7 +29,7 @@ from typing import Any
 import httpx
 
 from loadtest.baselines.api import ServerProcess, ThreadServer, python_module, start_server
-from loadtest.baselines.stock import start_stock
+from loadtest.baselines.stock import launch_stock, wait_stock
 
 ServeDeploy = Callable[[list[str], str], contextlib.AbstractContextManager[str]]
 
@@ -41,35 +44,60 @@ class Bench:
     app_overrides: list[str]  # the tuned app (policy bernoulli(p) included)
     deploy: ServeDeploy  # (overrides, app name) -> context manager yielding the v1 URL
     log_dir: str
+    policy_apps: dict[str, list[str]] = field(default_factory=dict)  # r2r / rstitch overrides
     port_base: int = 18220  # stock small, stock large, dispatcher, step-sync: +0..+3
     dtype: str = "auto"
     memory_budget_gb: float = 1.5
     in_process: bool = False  # baseline servers on threads here (tests), not processes
+    stock_warm: tuple[int, int] = (8, 48)  # stock warm-up: concurrent requests, tokens each
     stock: dict[str, ServerProcess] = field(default_factory=dict)
+    _stock_ready: bool = False
     _tokenizer: Any = None
 
-    def count_tokens(self, text: str) -> int:
-        """Tokens of a text (a request cut at the time limit), with the pair's tokenizer."""
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of a text with the pair's tokenizer (no special tokens)."""
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.large_dir)
-        return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of a text (a request cut at the time limit), with the pair's tokenizer."""
+        return len(self.tokenize(text))
+
+    def policy_app(self, system: str) -> list[str]:
+        if system not in self.policy_apps:
+            raise ValueError(f"no app overrides for {system!r} (Bench.policy_apps)")
+        return self.policy_apps[system]
 
     def eager_overrides(self) -> list[str]:
         keep = [o for o in self.app_overrides if not o.lstrip("+~").startswith("tuner")]
         return [*keep, "tuner=static", "scheduler.batch_thresholds=[1]"]
 
-    def stock_server(self, which: str) -> ServerProcess:
-        """One stock server per model, shared by every system that uses it, kept up until
-        ``close()`` (loading a model and its first continuous batch take seconds)."""
+    def launch_stock(self) -> None:
+        """Start both stock server processes now, without waiting for them (the CI run
+        overlaps their start-up with the first systems'; a benchmark does not, since it
+        would take CPU from the measurements)."""
         if not self.stock:  # both at once: their start-ups overlap
             models = {"small": self.small_dir, "large": self.large_dir}
             ports = {"small": self.port_base, "large": self.port_base + 1}
-            self.stock = start_stock(models, ports, self.log_dir)
+            self.stock = launch_stock(models, ports, self.log_dir)
+            self._stock_ready = False
+
+    def stock_server(self, which: str) -> ServerProcess:
+        """One stock server per model, shared by every system that uses it, kept up until
+        ``close()`` (loading a model and its first continuous batch take seconds)."""
+        self.launch_stock()
+        if not self._stock_ready:
+            wait_stock(self.stock)
+            self._stock_ready = True
             self.count_tokens("")  # loads the tokenizer
+            concurrency, tokens = self.stock_warm
             for server in self.stock.values():
-                warm_stock(server.url, self._tokenizer.decode(list(range(5, 9))))
+                warm_stock(
+                    server.url, self._tokenizer.decode(list(range(5, 9))), concurrency, tokens
+                )
         return self.stock[which]
 
     def close(self) -> None:
@@ -97,6 +125,8 @@ def warm_stock(url: str, prompt: str, concurrency: int = 8, max_tokens: int = 48
         }
 
     httpx.post(f"{url}/v1/completions", json=body(prompt, 2), timeout=300).raise_for_status()
+    if concurrency < 1:
+        return
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         futures = [
             pool.submit(
@@ -114,6 +144,7 @@ def warm_stock(url: str, prompt: str, concurrency: int = 8, max_tokens: int = 48
 @contextlib.contextmanager
 def serve_app(bench: Bench, overrides: list[str], name: str) -> Iterator[str]:
     with bench.deploy(overrides, name) as url:
+        wait_ready(url)  # a deploy may return before the app's route answers
         yield url
 
 
@@ -192,11 +223,12 @@ SYSTEMS: dict[str, tuple[str, Callable[[Bench], contextlib.AbstractContextManage
         lambda b: serve_app(b, b.app_overrides, "lt_tokenrouter"),
     ),
     "eager_async": ("Eager-Async", lambda b: serve_app(b, b.eager_overrides(), "lt_eager")),
+    "r2r": ("R2R (demo router)", lambda b: serve_app(b, b.policy_app("r2r"), "lt_r2r")),
+    "rstitch": ("R-Stitch", lambda b: serve_app(b, b.policy_app("rstitch"), "lt_rstitch")),
     "step_sync": (
         "Step-Sync",
         lambda b: process(step_sync_server(b, [b.small_dir, b.large_dir], "step_sync")),
     ),
-    "std_serving": ("Std. Serving", lambda b: process(dispatcher_server(b))),
     "large_alone": (
         "large alone (our engine)",
         lambda b: process(step_sync_server(b, [b.large_dir], "large_alone")),
@@ -206,19 +238,19 @@ SYSTEMS: dict[str, tuple[str, Callable[[Bench], contextlib.AbstractContextManage
         lambda b: process(step_sync_server(b, [b.small_dir], "small_alone")),
     ),
     "large_stock": ("large alone (stock server)", lambda b: stock_alone(b, "large")),
+    "std_serving": ("Std. Serving", lambda b: process(dispatcher_server(b))),
 }
 
 
 def app_status(url: str) -> dict[str, Any]:
-    """What a tokenrouter app reports about itself (tuner thresholds, deferred timeouts);
-    empty for the baselines."""
+    """What a tokenrouter app reports about itself (``tuner``: the tuner's status, with its
+    thresholds, step-time table and last decision; ``deferred_timeouts``); empty for the
+    baselines."""
     out: dict[str, Any] = {}
     with contextlib.suppress(httpx.HTTPError, ValueError):
         r = httpx.get(f"{url}/tokenrouter/tuner", timeout=10)
         if r.status_code == 200:
-            status = r.json()
-            out["tuner_thresholds"] = status.get("thresholds")
-            out["tuner_moves"] = [h.get("reason") for h in status.get("history", [])]
+            out["tuner"] = r.json()
     with contextlib.suppress(httpx.HTTPError, ValueError):
         r = httpx.get(f"{url}/tokenrouter/stats", timeout=10)
         if r.status_code == 200:
@@ -229,11 +261,13 @@ def app_status(url: str) -> dict[str, Any]:
     return out
 
 
-def wait_ready(url: str, timeout_s: float = 120.0) -> None:
+def wait_ready(url: str, timeout_s: float = 300.0) -> None:
+    """Until ``GET {url}/models`` answers 200 (Serve answers 404 until the app's route is
+    up, 503 while its replicas start)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/models", timeout=5).status_code < 500:
+            if httpx.get(f"{url}/models", timeout=5).status_code == 200:
                 return
         time.sleep(0.5)
     raise RuntimeError(f"{url} not ready after {timeout_s} s")

@@ -58,16 +58,28 @@ def stock_command(
     ]
 
 
-def start_stock(
+def launch_stock(
     models: dict[str, str], ports: dict[str, int], log_dir: str, device: str = "cpu"
 ) -> dict[str, ServerProcess]:
-    """One stock server per model (``name -> directory``), started side by side."""
-    servers = {
+    """One stock server process per model (``name -> directory``), started side by side;
+    ``wait_stock`` waits until they answer."""
+    return {
         name: launch_server(
             f"stock_{name}", stock_command(model, ports[name], device), ports[name], log_dir
         )
         for name, model in models.items()
     }
+
+
+def start_stock(
+    models: dict[str, str], ports: dict[str, int], log_dir: str, device: str = "cpu"
+) -> dict[str, ServerProcess]:
+    """One stock server per model (``name -> directory``), started side by side."""
+    return wait_stock(launch_stock(models, ports, log_dir, device))
+
+
+def wait_stock(servers: dict[str, ServerProcess]) -> dict[str, ServerProcess]:
+    """Until every server answers ``/v1/models``; on a failure all of them are stopped."""
     try:
         for server in servers.values():
             wait_healthy(server, "/v1/models")
