@@ -494,11 +494,13 @@ class StepSettle:
     before: int
     after: int
     at_s: float
-    reference: float  # steady-state tok/s at the new N (what it has to get within tol of)
+    reference: float  # steady-state tok/s at the new N: the phase's last reference_s
     predicted: float  # the Markov prediction at the new N
     settle_s: float | None  # None: never within tolerance for good before the phase ended
     rates: tuple[tuple[float, float], ...]  # (s after the step, trailing-window tok/s)
     timeouts: int  # deferred timeouts in the phase
+    reference_s: float  # the reference is the rate over the phase's last reference_s
+    closed_loop: float | None = None  # a separate closed-loop measurement at the new N
     tolerance: float = STEP_TOLERANCE
     limit_s: float = STEP_LIMIT_S
 
@@ -514,12 +516,16 @@ def settle_time(
     tolerance: float = STEP_TOLERANCE,
     window_s: float = 0.5,
     every_s: float = 0.05,
+    until_s: float | None = None,
 ) -> tuple[float | None, tuple[tuple[float, float], ...]]:
     """The first time after the start of ``phase`` from which every trailing-window
     throughput (window ``window_s``, evaluated every ``every_s``, never reaching back past
-    the step) stays within ``tolerance`` of ``reference`` until the phase ends; ``None`` if
-    the last window is still outside. The smallest possible value is ``window_s``."""
+    the step) stays within ``tolerance`` of ``reference`` until the phase ends (or until
+    ``until_s`` after its start); ``None`` if the last window is still outside. The smallest
+    possible value is ``window_s``."""
     start, end = trace.starts_s[phase], trace.phase_end(phase)
+    if until_s is not None:
+        end = min(end, start + until_s)
     rates = []
     k = 0
     while (t := start + window_s + k * every_s) <= end + 1e-9:
@@ -536,16 +542,20 @@ def settle_time(
 def validate_step_load(
     profile: RoutingProfile,
     tables: Sequence[Sequence[int]],
-    phases: Sequence[tuple[int, float]] = ((16, 5.0), (4, 5.0), (16, 5.0)),
-    references: dict[int, float] | None = None,
+    phases: Sequence[tuple[int, float]] = ((16, 8.0), (4, 8.0), (16, 8.0)),
+    reference_s: float | None = None,
+    closed_loop: dict[int, float] | None = None,
     time_scale: float = 2.0,
     max_defer_s: float = math.inf,
     window_s: float = 0.5,
     seed: int = 0,
 ) -> tuple[StepLoadTrace, list[StepSettle]]:
     """Closed loop whose client count steps through ``phases`` (seconds in the profile's
-    time base); for every step, the settle time against ``references[new N]`` (steady-state
-    tok/s, e.g. the closed-loop measurement at that N; default: the Markov prediction)."""
+    time base). For every step, the new N's steady state is the throughput over the last
+    ``reference_s`` of its phase (default: half the phase), measured in the same run so
+    that it shares the machine's conditions; the settle time is taken over the part of the
+    phase before it (``settle_time``). ``closed_loop`` (N -> tok/s, e.g. a separate
+    closed-loop measurement) is reported beside it."""
     top = max(c for c, _ in phases)
 
     async def run() -> StepLoadTrace:
@@ -559,27 +569,33 @@ def validate_step_load(
     settles = []
     for phase in range(1, len(phases)):
         n = phases[phase][0]
+        start, end = trace.starts_s[phase], trace.phase_end(phase)
+        tail = reference_s if reference_s is not None else (end - start) / 2
+        reference = trace.rate(end - tail, end)
         predicted = throughput(profile, n, tuple(ThresholdTable.of(t).at(n) for t in tables))
-        reference = (references or {}).get(n, predicted.throughput)
-        settled, rates = settle_time(trace, phase, reference, window_s=window_s)
-        timeouts = trace.timeouts_between(trace.starts_s[phase], trace.phase_end(phase))
-        settles.append(StepSettle(phases[phase - 1][0], n, trace.starts_s[phase], reference,
-                                  predicted.throughput, settled, rates, timeouts))  # fmt: skip
+        settled, rates = settle_time(trace, phase, reference, window_s=window_s,
+                                     until_s=end - tail - start)  # fmt: skip
+        settles.append(StepSettle(
+            phases[phase - 1][0], n, start, reference, predicted.throughput, settled, rates,
+            trace.timeouts_between(start, end), tail, (closed_loop or {}).get(n),
+        ))  # fmt: skip
     return trace, settles
 
 
 def format_step_load(settles: Sequence[StepSettle]) -> str:
     lines = [
-        "| step | at s | steady-state tok/s (reference) | predicted | first window tok/s "
-        "| within 10 % after | target | deferred timeouts |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step | at s | steady state tok/s (phase's last s) | closed-loop run | predicted "
+        "| first 0.5 s tok/s | within 10 % after | target | deferred timeouts |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in settles:
         first = s.rates[0][1] if s.rates else float("nan")
         after = "never" if s.settle_s is None else f"{s.settle_s:.2f} s"
         verdict = "PASS" if s.passed else "MISS"
+        closed = "-" if s.closed_loop is None else f"{s.closed_loop:.1f}"
         lines.append(
-            f"| {s.before} → {s.after} | {s.at_s:.2f} | {s.reference:.1f} | {s.predicted:.1f} "
-            f"| {first:.1f} | {after} | {verdict} (<= {s.limit_s:g} s) | {s.timeouts} |"
+            f"| {s.before} → {s.after} | {s.at_s:.2f} | {s.reference:.1f} "
+            f"({s.reference_s:g} s) | {closed} | {s.predicted:.1f} | {first:.1f} | {after} "
+            f"| {verdict} (<= {s.limit_s:g} s) | {s.timeouts} |"
         )
     return "\n".join(lines)
