@@ -224,6 +224,7 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        self.server.check_admission()  # before any parsing: a refusal costs nothing
         data = _load_json(await request.body())
         parsed = parse_request(CompletionRequest, data)
         check_model(parsed.model, [self.cfg.served_model_name])
@@ -232,6 +233,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        self.server.check_admission()  # before any parsing: a refusal costs nothing
         data = _load_json(await request.body())
         parsed = parse_request(ChatCompletionRequest, data)
         check_model(parsed.model, [self.cfg.served_model_name])

@@ -590,13 +590,20 @@ class IngressServer:
         tasks = self.start_choices(submitted, prepared, pieces, chat)
         return StreamedChoices(tasks, self._sse(stream, tasks, pieces, prompt_len))
 
+    def check_admission(self, n: int = 1) -> None:
+        """503 ``OverloadedError`` when ``n`` more choices would pass ``max_active()``. The
+        HTTP routes call it with ``n = 1`` before reading the body, so a refusal costs no
+        parsing or tokenizing (512 clients at once: docs/reliability.md); ``submit`` checks
+        again with the request's ``n``."""
+        if self.core.num_active + n > self.max_active():
+            raise OverloadedError("Too many requests in flight; retry shortly.", retry_after_s=1)
+
     async def submit(
         self, prepared: PreparedRequest, timeout_s: float | None = None
     ) -> list[tuple[str, str]]:
         """Admit the request and send its ``n`` choices: [(request id, entry endpoint)]."""
         sampling = prepared.sampling
-        if self.core.num_active + sampling.n > self.max_active():
-            raise OverloadedError("Too many requests in flight; retry shortly.", retry_after_s=1)
+        self.check_admission(sampling.n)
         missing = self.unavailable()
         if missing is not None:
             raise ServiceUnavailableError(
