@@ -35,8 +35,21 @@ def test_served_greedy_equals_local_runtime(transport, serve_app, served_chain_d
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # 8 concurrent clients
             got = list(pool.map(call, prompts()))
+        traced = client.completions.create(  # issue 16: trace, logprobs, metrics over Serve
+            model="tokenrouter", prompt=prompts()[3], max_tokens=24, temperature=0,
+            logprobs=2, extra_body={"routing_trace": True},
+        )  # fmt: skip
     for want, response in zip(expected, got, strict=True):
         assert ids_of(response.choices[0].text) == want.token_ids
         assert response.model_extra["routing"]["tokens_per_model"] == want.counts
         assert response.usage.completion_tokens == len(want.token_ids)
     assert sum(w.handoffs for w in expected) > 20  # the comparison covers real routing
+    choice, want = traced.choices[0], expected[3]
+    trace, metrics = choice.model_extra["routing_trace"], choice.model_extra["metrics"]
+    assert trace["models"] == TWO and [t["id"] for t in trace["tokens"]] == want.token_ids
+    assert {m: n for m, n in metrics["tokens_per_model"].items() if n} == want.counts
+    assert metrics["handoffs"] == want.handoffs and (metrics["peer_bytes"] > 0) == (
+        want.handoffs > 0
+    )
+    assert 0 <= metrics["queue_s"] <= metrics["ttft_s"] <= metrics["e2e_s"]
+    assert len(choice.logprobs.token_logprobs) == len(want.token_ids)

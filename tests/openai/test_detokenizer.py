@@ -207,3 +207,29 @@ def test_random_stops_cut_at_the_first_occurrence(demo_tokenizer: Any, sp_tokeni
                 assert full[: full.find(stop)].startswith(emitted)
             assert emitted == full[: full.find(stop)]
             assert detok.stopped and detok.stop_reason == stop
+
+
+@pytest.mark.parametrize("stop", [(), ("brû", "ö")])
+@pytest.mark.parametrize("text", TEXTS)
+def test_settled_tokens_are_those_whose_text_was_emitted(
+    demo_tokenizer: Any, text: str, stop: tuple[str, ...]
+) -> None:
+    """What a streamed chunk reports per token (logprobs, routing trace): after each push,
+    ``settled()`` tokens, decoded, are a prefix of the text emitted so far (held-back text,
+    an incomplete character or a possible stop string, holds its tokens back too); it never
+    moves back; at the end it is ``num_tokens`` (the usage), stop string or not."""
+    ids = demo_tokenizer.encode(text)
+    detok = IncrementalDetokenizer(demo_tokenizer, stop=stop)
+    emitted, settled = "", 0
+    for token in ids:
+        emitted += detok.push([token])
+        now = detok.settled()
+        assert now >= settled
+        settled = now
+        if not detok.stopped:
+            assert emitted.startswith(demo_tokenizer.decode(ids[:settled]))
+        else:
+            break
+    detok.finish()
+    assert detok.settled() == detok.num_tokens == len(detok.token_ends)
+    assert detok.token_ends == sorted(detok.token_ends)

@@ -550,7 +550,7 @@ class IngressServer:
         models: Sequence[str] = (),
     ) -> None:
         self.core = core
-        self.models = list(models)  # entry first; () : the writers a response names
+        self.models = list(models)  # entry first; (): the core's endpoints name them
         self.token_text = TokenText(tokenizer)
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -701,8 +701,9 @@ class IngressServer:
         elif tail and pieces is not None:
             pieces.put_nowait((index, tail, None))
         reason = finish_reason(done.finish_reason, stopped_by_string=detok.stopped)
+        models = self.model_names(done.writers)
         metrics = request_metrics(
-            n, done.writers, self.models, done.ttft_s, done.mean_itl_s, done.e2e_s,
+            n, done.writers, models, done.ttft_s, done.mean_itl_s, done.e2e_s,
             done.handoffs, done.summary,
         )  # fmt: skip
         return ChoiceResult(
@@ -736,11 +737,20 @@ class IngressServer:
                 else completion_logprobs_part(token_ids, infos, start, end, text, detok.token_ends)
             )
         if sampling.routing_trace:
-            models = self.models or list(dict.fromkeys(w for w in writers if w is not None))
+            models = self.model_names(writers)
             details["routing_trace"] = trace_part(
                 token_ids, writers, infos, start, end, text, models
             )
         return details
+
+    def model_names(self, writers: Sequence[str | None] = ()) -> list[str]:
+        """The deployment's models, entry first: as given, else from the core's model
+        endpoints (``model/replica``, in model order), else the writers seen."""
+        if self.models:
+            return self.models
+        endpoints = getattr(self.core, "all_endpoints", None)
+        names = [e.split("/", 1)[0] for e in endpoints()] if endpoints is not None else []
+        return list(dict.fromkeys(names or [w for w in writers if w is not None]))
 
     def start_choices(
         self,
