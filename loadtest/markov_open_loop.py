@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                                 max_defer_s=args.max_defer_s, progress=progress)  # fmt: skip
         print()
         print(format_tuned(closed))
+        print("\ngap: median wall ms between consecutive small-model steps (the runtime's own "
+              "per-step cost, in pred@p^+ovh); oversleep: mean wall ms a simulated step ran past "
+              "its profiled time (the worse model; near 0 on an idle machine)")  # fmt: skip
         references = {p.measurement.n_requests: p.measured for p in closed}
         gaps = [p.overhead_ms for p in closed if math.isfinite(p.overhead_ms)]
         if gaps:
@@ -219,11 +222,13 @@ def main(argv: list[str] | None = None) -> int:
             max_defer_s=args.max_defer_s, seed=args.seed,
         )  # fmt: skip
         step = (trace, settles)
-        print(format_step_load(settles))
+        print(format_step_load(settles, trace))
         print(f"\nsteady state: the rate over the second half of the phase (same run, same "
-              "machine conditions); 'within 10 % after': from then on every trailing 0.5-s "
-              "window of the first half stays within 10 % of it (0.5 s is the earliest "
-              f"possible). {_load()}")  # fmt: skip
+              "machine conditions); 'within 10 % after': the first trailing 0.5-s window "
+              "(evaluated every 0.05 s, 0.5 s is the earliest possible) within 10 % of it, "
+              "the target; 'stays within from': from then on every window of the first half "
+              "stays within (stricter, sensitive to machine noise); 'first 2 s': the rate over "
+              f"the 2 s after the step against the steady state. {_load()}")  # fmt: skip
         _print_step_rates(settles)
     if args.plot:
         plot(open_points, step, args.plot)

@@ -114,14 +114,18 @@ def test_settle_time_on_a_made_up_trace() -> None:
     trace = StepLoadTrace(clients=(16, 4), starts_s=(0.0, 2.0), end_s=4.0,
                           times_s=tuple(times), committed=tuple(tokens(t) for t in times),
                           deferred_timeouts=(0,) * 81)  # fmt: skip
-    settled, rates = settle_time(trace, 1, reference=50.0, tolerance=0.12, window_s=0.5)
+    settled, stays, rates = settle_time(trace, 1, reference=50.0, tolerance=0.12,
+                                        window_s=0.5)  # fmt: skip
     # a trailing window [t - 0.5, t] holds 50 (t - 2.3) tokens for t < 2.8: within 12 % of
     # 50 tok/s once 100 (t - 2.3) >= 44, i.e. from t = 2.74; the first evaluation point
     # from then is t = 2.75 (0.75 s after the step)
-    assert settled == pytest.approx(0.75)
+    assert settled == pytest.approx(0.75) and stays == pytest.approx(0.75)
     assert rates[0] == pytest.approx((0.5, 20.0))
-    never, _ = settle_time(trace, 1, reference=80.0, tolerance=0.1, window_s=0.5)
-    assert never is None
+    never, never_stays, _ = settle_time(trace, 1, reference=80.0, tolerance=0.1, window_s=0.5)
+    assert never is None and never_stays is None
+    # 40 tok/s: the ramp passes through the band (36..44) at t = 2.67..2.74, then leaves it
+    first, left, _ = settle_time(trace, 1, reference=40.0, tolerance=0.1, window_s=0.5)
+    assert first == pytest.approx(0.70) and left is None
     assert trace.rate(0.0, 2.0) == pytest.approx(100.0)
 
 

@@ -322,8 +322,8 @@ def validate_tuned(
 def format_tuned(points: Sequence[ValidationPoint], target: float = CLOSED_TARGET) -> str:
     lines = [
         "| N | B | predicted | measured | err | target | p^ | pred@p^+ovh | err "
-        "| deferred timeouts |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| gap / oversleep ms | deferred timeouts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         ovh = "-" if p.predicted_overhead is None else f"{p.predicted_overhead:.1f}"
@@ -332,7 +332,9 @@ def format_tuned(points: Sequence[ValidationPoint], target: float = CLOSED_TARGE
             f"| {p.measurement.n_requests} | {','.join(map(str, p.thresholds))} "
             f"| {p.predicted:.1f} | {p.measured:.1f} | {_pct(p.rel_error)} "
             f"| {verdict} (<= {100 * target:g} %) | {p.measurement.escalation_rate:.3f} "
-            f"| {ovh} | {_pct(p.rel_error_overhead)} | {p.measurement.deferred_timeouts} |"
+            f"| {ovh} | {_pct(p.rel_error_overhead)} "
+            f"| {p.overhead_ms:.2f} / {max(p.measurement.oversleep_ms):.2f} "
+            f"| {p.measurement.deferred_timeouts} |"
         )
     return "\n".join(lines)
 
@@ -496,7 +498,8 @@ class StepSettle:
     at_s: float
     reference: float  # steady-state tok/s at the new N: the phase's last reference_s
     predicted: float  # the Markov prediction at the new N
-    settle_s: float | None  # None: never within tolerance for good before the phase ended
+    settle_s: float | None  # first trailing window within tolerance (s after the step)
+    stays_s: float | None  # from when on every trailing window stays within tolerance
     rates: tuple[tuple[float, float], ...]  # (s after the step, trailing-window tok/s)
     timeouts: int  # deferred timeouts in the phase
     reference_s: float  # the reference is the rate over the phase's last reference_s
@@ -506,7 +509,12 @@ class StepSettle:
 
     @property
     def passed(self) -> bool:
+        """Within tolerance of the new steady state within the limit (the issue's target)."""
         return self.settle_s is not None and self.settle_s <= self.limit_s
+
+    def mean_error(self, trace: StepLoadTrace) -> float:
+        """The rate over the first ``limit_s`` after the step against the reference."""
+        return trace.rate(self.at_s, self.at_s + self.limit_s) / self.reference - 1.0
 
 
 def settle_time(
@@ -517,12 +525,13 @@ def settle_time(
     window_s: float = 0.5,
     every_s: float = 0.05,
     until_s: float | None = None,
-) -> tuple[float | None, tuple[tuple[float, float], ...]]:
-    """The first time after the start of ``phase`` from which every trailing-window
-    throughput (window ``window_s``, evaluated every ``every_s``, never reaching back past
-    the step) stays within ``tolerance`` of ``reference`` until the phase ends (or until
-    ``until_s`` after its start); ``None`` if the last window is still outside. The smallest
-    possible value is ``window_s``."""
+) -> tuple[float | None, float | None, tuple[tuple[float, float], ...]]:
+    """Trailing-window throughput after the start of ``phase`` (window ``window_s``,
+    evaluated every ``every_s``, never reaching back past the step, up to the phase's end
+    or ``until_s`` after its start) against ``reference``. Returns ``(first, stays,
+    rates)``: the first evaluation point within ``tolerance`` of it, the one from which
+    every later point stays within (``None``: never / the last one is outside), both in
+    seconds after the step (the smallest possible value is ``window_s``), and the points."""
     start, end = trace.starts_s[phase], trace.phase_end(phase)
     if until_s is not None:
         end = min(end, start + until_s)
@@ -531,12 +540,17 @@ def settle_time(
     while (t := start + window_s + k * every_s) <= end + 1e-9:
         rates.append((window_s + k * every_s, trace.rate(t - window_s, t)))
         k += 1
-    settled = None
+
+    def inside(rate: float) -> bool:
+        return abs(rate - reference) <= tolerance * reference
+
+    first = next((offset for offset, rate in rates if inside(rate)), None)
+    stays = None
     for offset, rate in reversed(rates):
-        if abs(rate - reference) > tolerance * reference:
+        if not inside(rate):
             break
-        settled = offset
-    return settled, tuple(rates)
+        stays = offset
+    return first, stays, tuple(rates)
 
 
 def validate_step_load(
@@ -573,29 +587,31 @@ def validate_step_load(
         tail = reference_s if reference_s is not None else (end - start) / 2
         reference = trace.rate(end - tail, end)
         predicted = throughput(profile, n, tuple(ThresholdTable.of(t).at(n) for t in tables))
-        settled, rates = settle_time(trace, phase, reference, window_s=window_s,
-                                     until_s=end - tail - start)  # fmt: skip
+        first, stays, rates = settle_time(trace, phase, reference, window_s=window_s,
+                                          until_s=end - tail - start)  # fmt: skip
         settles.append(StepSettle(
-            phases[phase - 1][0], n, start, reference, predicted.throughput, settled, rates,
-            trace.timeouts_between(start, end), tail, (closed_loop or {}).get(n),
+            phases[phase - 1][0], n, start, reference, predicted.throughput, first, stays,
+            rates, trace.timeouts_between(start, end), tail, (closed_loop or {}).get(n),
         ))  # fmt: skip
     return trace, settles
 
 
-def format_step_load(settles: Sequence[StepSettle]) -> str:
+def format_step_load(settles: Sequence[StepSettle], trace: StepLoadTrace) -> str:
     lines = [
-        "| step | at s | steady state tok/s (phase's last s) | closed-loop run | predicted "
-        "| first 0.5 s tok/s | within 10 % after | target | deferred timeouts |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| step | at s | steady state tok/s (phase's 2nd half) | closed-loop run | predicted "
+        "| first 0.5 s tok/s | within 10 % after | target | stays within from "
+        "| first 2 s vs steady | deferred timeouts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in settles:
         first = s.rates[0][1] if s.rates else float("nan")
         after = "never" if s.settle_s is None else f"{s.settle_s:.2f} s"
+        stays = "never" if s.stays_s is None else f"{s.stays_s:.2f} s"
         verdict = "PASS" if s.passed else "MISS"
         closed = "-" if s.closed_loop is None else f"{s.closed_loop:.1f}"
         lines.append(
-            f"| {s.before} → {s.after} | {s.at_s:.2f} | {s.reference:.1f} "
-            f"({s.reference_s:g} s) | {closed} | {s.predicted:.1f} | {first:.1f} | {after} "
-            f"| {verdict} (<= {s.limit_s:g} s) | {s.timeouts} |"
+            f"| {s.before} → {s.after} | {s.at_s:.2f} | {s.reference:.1f} | {closed} "
+            f"| {s.predicted:.1f} | {first:.1f} | {after} | {verdict} (<= {s.limit_s:g} s) "
+            f"| {stays} | {100 * s.mean_error(trace):+.1f} % | {s.timeouts} |"
         )
     return "\n".join(lines)
