@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--time-limit", type=float, default=None, help="seconds per level")
     parser.add_argument("--p", type=float, default=0.35, help="bernoulli routing probability")
+    parser.add_argument("--no-sim", action="store_true", help="skip the simulated ablation")
     parser.add_argument("--small", default=None, help="small model dir (default: the demo's)")
     parser.add_argument("--large", default=None, help="large model dir (default: the demo's)")
     parser.add_argument(
@@ -146,10 +147,12 @@ def main() -> None:
         preset = replace(preset, systems=args.systems.split(","))
     if args.concurrency:
         preset = replace(preset, concurrency=[int(n) for n in args.concurrency.split(",")])
+    if args.no_sim:
+        preset = replace(preset, sim=False)
     if args.max_tokens:
         preset = replace(preset, max_tokens=args.max_tokens)
     if args.time_limit:
-        preset = replace(preset, time_limit_s=args.time_limit)
+        preset = replace(preset, time_limit_s=args.time_limit, length_time_limit_s=args.time_limit)
     small, large = args.small, args.large
     if (small is None or large is None) and preset.systems:
         from tokenrouter_ray.demo import built_artifact  # `tokenrouter-ray prepare-demo` builds

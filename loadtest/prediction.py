@@ -136,6 +136,7 @@ def predict(row: Mapping[str, Any], tuner: Mapping[str, Any]) -> dict[str, Any]:
         "best": list(best),
         "best_tok_s": scores[best],
         "tuner_decisions": tuner.get("decisions"),
+        "min_gain": float((tuner.get("spec") or {}).get("min_gain", 0.02)),
         "tuner_reason": (tuner.get("last") or {}).get("reason"),
         "tuner_history": [h.get("reason") for h in tuner.get("history", [])],
     }
@@ -161,19 +162,24 @@ def prediction_lines(pred: Mapping[str, Any]) -> list[str]:
     ]
     chosen = f"tuner's thresholds at N={n}: {label} after {pred['tuner_decisions']} decisions"
     chosen += f" (last: {pred['tuner_reason']!r})"
+    min_gain = pred.get("min_gain", 0.02)
     if pred["thresholds"] == [1, 1] and pred["best_deferring"] is not None:
         b = pred["best_deferring"]
         gain = pred["best_deferring_tok_s"] / pred["all_one_tok_s"] - 1
         chosen += (
-            f"; all 1, and the Markov model at the measured step times agrees: all-1 predicts "
+            f"; all 1. Why, by the Markov model at the measured step times: all-1 predicts "
             f"{pred['all_one_tok_s']:.1f} tok/s, the best table that defers (B_small={b[0]}, "
-            f"B_large={b[1]}) {pred['best_deferring_tok_s']:.1f} ({gain:+.1%})"
-            if pred["best"] == [1, 1]
-            else f"; all 1, although the Markov model prefers B_small={pred['best'][0]}, "
-            f"B_large={pred['best'][1]} ({pred['best_tok_s']:.1f} vs all-1 "
-            f"{pred['all_one_tok_s']:.1f} tok/s; the tuner moves by at most max_step per "
-            f"decision and only for min_gain, or had too few observations)"
+            f"B_large={b[1]}) {pred['best_deferring_tok_s']:.1f} ({gain:+.1%}"
         )
+        if gain <= 0:
+            chosen += "): deferring loses, a CPU step grows with the batch"
+        elif gain < min_gain:
+            chosen += f", below the tuner's min_gain of {min_gain:.0%}): deferring does not pay"
+        else:
+            chosen += (
+                f", above min_gain {min_gain:.0%}): the model would defer; the tuner moves by "
+                "at most max_step per decision, or had too few observations yet"
+            )
     else:
         chosen += (
             f"; Markov model at the measured step times: this table {pred['predicted_tok_s']:.1f}"

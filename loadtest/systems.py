@@ -51,6 +51,7 @@ class Bench:
     in_process: bool = False  # baseline servers on threads here (tests), not processes
     stock_warm: tuple[int, int] = (8, 48)  # stock warm-up: concurrent requests, tokens each
     stock: dict[str, ServerProcess] = field(default_factory=dict)
+    predeployed: dict[str, contextlib.AbstractContextManager[str]] = field(default_factory=dict)
     _stock_ready: bool = False
     _tokenizer: Any = None
 
@@ -94,16 +95,28 @@ class Bench:
             self._stock_ready = True
             self.count_tokens("")  # loads the tokenizer
             concurrency, tokens = self.stock_warm
-            for server in self.stock.values():
-                warm_stock(
-                    server.url, self._tokenizer.decode(list(range(5, 9))), concurrency, tokens
-                )
+            prompt = self._tokenizer.decode(list(range(5, 9)))
+            with concurrent.futures.ThreadPoolExecutor(len(self.stock)) as pool:  # side by side
+                warms = [
+                    pool.submit(warm_stock, server.url, prompt, concurrency, tokens)
+                    for server in self.stock.values()
+                ]
+                for warm in warms:
+                    warm.result()
         return self.stock[which]
 
     def close(self) -> None:
+        """Stop the stock servers."""
         for server in self.stock.values():
             server.stop()
         self.stock.clear()
+
+    def close_all(self) -> None:
+        """Stop the stock servers and delete apps deployed early and never measured."""
+        self.close()
+        for name in list(self.predeployed):
+            with contextlib.suppress(Exception):  # its system failed already, or never ran
+                self.predeployed.pop(name).__exit__(None, None, None)
 
 
 def warm_stock(url: str, prompt: str, concurrency: int = 8, max_tokens: int = 48) -> None:
@@ -143,9 +156,48 @@ def warm_stock(url: str, prompt: str, concurrency: int = 8, max_tokens: int = 48
 
 @contextlib.contextmanager
 def serve_app(bench: Bench, overrides: list[str], name: str) -> Iterator[str]:
-    with bench.deploy(overrides, name) as url:
+    """The app ``name`` (deployed now, or taken from ``predeploy``), deleted on exit."""
+    early = bench.predeployed.pop(name, None)
+    with early if early is not None else bench.deploy(overrides, name) as url:
         wait_ready(url)  # a deploy may return before the app's route answers
         yield url
+
+
+SERVE_APPS: dict[str, tuple[str, Callable[[Bench], list[str]]]] = {
+    "tokenrouter": ("lt_tokenrouter", lambda b: b.app_overrides),
+    "eager_async": ("lt_eager", lambda b: b.eager_overrides()),
+    "r2r": ("lt_r2r", lambda b: b.policy_app("r2r")),
+    "rstitch": ("lt_rstitch", lambda b: b.policy_app("rstitch")),
+}
+
+
+def predeploy(bench: Bench, systems: list[str]) -> None:
+    """Deploy the Serve apps of ``systems`` now, side by side, for ``serve_app`` to take
+    in turn (the CI run: with a non-blocking deploy their start-ups overlap; a benchmark
+    does not, since idle apps would share the CPU with the one measured)."""
+    for system in systems:
+        if system in SERVE_APPS:
+            name, overrides = SERVE_APPS[system]
+            try:
+                cm = bench.deploy(overrides(bench), name)
+                url = cm.__enter__()
+            except Exception:  # the system's own deploy raises it again, and it is reported
+                continue
+            bench.predeployed[name] = _entered(cm, url)
+
+
+@contextlib.contextmanager
+def _entered(cm: contextlib.AbstractContextManager[str], url: str) -> Iterator[str]:
+    """An already entered context manager, exited when this one is."""
+    try:
+        yield url
+    finally:
+        cm.__exit__(None, None, None)
+
+
+def serve_system(system: str) -> Callable[[Bench], contextlib.AbstractContextManager[str]]:
+    name, overrides = SERVE_APPS[system]
+    return lambda b: serve_app(b, overrides(b), name)
 
 
 @contextlib.contextmanager
@@ -218,13 +270,10 @@ def stock_alone(bench: Bench, which: str) -> Iterator[str]:
 
 
 SYSTEMS: dict[str, tuple[str, Callable[[Bench], contextlib.AbstractContextManager[str]]]] = {
-    "tokenrouter": (
-        "tokenrouter (tuned)",
-        lambda b: serve_app(b, b.app_overrides, "lt_tokenrouter"),
-    ),
-    "eager_async": ("Eager-Async", lambda b: serve_app(b, b.eager_overrides(), "lt_eager")),
-    "r2r": ("R2R (demo router)", lambda b: serve_app(b, b.policy_app("r2r"), "lt_r2r")),
-    "rstitch": ("R-Stitch", lambda b: serve_app(b, b.policy_app("rstitch"), "lt_rstitch")),
+    "tokenrouter": ("tokenrouter (tuned)", serve_system("tokenrouter")),
+    "eager_async": ("Eager-Async", serve_system("eager_async")),
+    "r2r": ("R2R (demo router)", serve_system("r2r")),
+    "rstitch": ("R-Stitch", serve_system("rstitch")),
     "step_sync": (
         "Step-Sync",
         lambda b: process(step_sync_server(b, [b.small_dir, b.large_dir], "step_sync")),

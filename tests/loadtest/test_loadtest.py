@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +33,46 @@ from loadtest.quality import agreement
 from loadtest.report import length_lines
 from loadtest.run import PRESETS, run_bench
 from loadtest.systems import SYSTEMS, Bench
-from tests.deployments.conftest import serve_app, tiny_overrides  # noqa: F401  (fixture)
+from tests.deployments.conftest import tiny_overrides
+from tokenrouter_ray.config import compose_config
 
 PORT_BASE = int(os.environ.get("TOKENROUTER_TEST_LOADTEST_PORT", "18240"))
 ROUTED = ["tokenrouter", "eager_async", "step_sync", "std_serving"]
 TINY = PRESETS["tiny"]
+IMPORTED = time.monotonic()  # the session's fixtures (Ray, the tiny models) start after this
+
+
+def background_deploy(serve_http: str) -> Callable[[list[str], str], Any]:
+    """A deploy that returns at once: the config is composed here, ``serve.run`` (which
+    waits until the app runs) goes to a thread, and the harness polls the app's HTTP route
+    (``systems.wait_ready``). With the tiny preset's ``early_apps`` the three apps start side
+    by side; a failed deploy is raised when its context exits."""
+    from ray import serve
+
+    from deployments.app import bind_app
+
+    @contextmanager
+    def deploy(overrides: list[str], name: str) -> Iterator[str]:
+        app = bind_app(compose_config(overrides))  # Hydra's compose: not from threads
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"deploy-{name}")
+        running = pool.submit(serve.run, app, name=name, route_prefix=f"/{name}")
+        try:
+            yield f"{serve_http}/{name}/v1"
+            running.result()
+        finally:
+            pool.shutdown(wait=True)
+            serve.delete(name)
+
+    return deploy
 
 
 @pytest.fixture(scope="module")
 def tiny_run(
     served_chain_dirs: dict[str, str],
-    serve_app: Any,  # noqa: F811
+    serve_http: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[dict[str, Any], Path]:
+    fixtures_s = time.monotonic() - IMPORTED  # Ray cluster, Serve, tiny models (shared)
     dirs = served_chain_dirs
     # The tuner starts from a step-time profile (as `tuner.profile` allows), so the
     # prediction has both models' step times even if this short run gives it no decode step
@@ -65,7 +96,7 @@ def tiny_run(
         large_dir=dirs["large"],
         p=0.4,
         app_overrides=overrides,
-        deploy=serve_app,
+        deploy=background_deploy(serve_http),
         log_dir=str(out),
         port_base=PORT_BASE,
         dtype="float64",
@@ -76,7 +107,11 @@ def tiny_run(
     result = run_bench(bench, TINY, progress=False)
     result["length_n"] = TINY.length_n
     startup = {r["system"]: round(r["startup_s"], 1) for r in result["rows"]}
-    print("loadtest tiny run, seconds per system:", result["system_wall_s"], "start-up:", startup)
+    walls = {k: round(v, 1) for k, v in result["system_wall_s"].items()}
+    print(
+        f"loadtest: session fixtures {fixtures_s:.0f} s (shared with other tests), tiny run "
+        f"{result['wall_s']:.0f} s; per system {walls}; start-up {startup}"
+    )
     return result, out
 
 
