@@ -13,8 +13,8 @@ Deferred launch: a step starts only once at least ``B`` requests are runnable, `
 from the scheduler's ``ThresholdTable`` (``thresholds.py``: the lookup rule) at ``N``, the
 global number of active requests (supplied from outside, else the local count), or once the
 oldest runnable request has waited ``max_defer_s`` (a counted safety net), so a stale ``N``
-can never stall the model. The table starts as the config's ``batch_thresholds`` and is scheduler state from then
-on: the tuner replaces it through ``set_thresholds``.
+can never stall the model. The table starts as the config's ``batch_thresholds`` and is
+scheduler state from then on: the tuner replaces it through ``set_thresholds``.
 """
 
 from __future__ import annotations
