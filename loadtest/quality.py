@@ -14,8 +14,21 @@ received):
 - **prefix**: the share of positions before the first divergence (1.0: the whole answer is
   the large model's own greedy answer).
 
-Both are means over requests. The large model's share is its tokens over all tokens of the
-level's finished requests (the ``routing`` object of their final chunks).
+Once an answer diverges, the two texts shift and ``match`` says little (R2R's first token is
+often the small model's, so its prefix agreement can be 0). The figure that follows routing
+token by token is the teacher-forced one:
+
+- **teacher-forced agreement**: the large model (plain ``transformers``, in this process,
+  after every server is down) reads the chat-rendered prompt and the system's answer and
+  predicts each answer position greedily from the answer's own prefix; the share of
+  positions where its choice equals the answer's token. 1.0 for the large model alone; for a
+  routed system, every position the large model wrote agrees, so it is at least the large
+  model's share, and the rest is how often the small model's tokens were the large model's
+  choice anyway.
+
+Agreement figures are means over requests (teacher-forced: over positions). The large
+model's share is its tokens over all tokens of the level's finished requests (the
+``routing`` object of their final chunks).
 """
 
 from __future__ import annotations
@@ -39,18 +52,65 @@ def agreement(tokens: Sequence[int], reference: Sequence[int]) -> tuple[float, f
     return sum(same) / length, prefix / length, length
 
 
+Scorer = Callable[[int, str], tuple[int, int]]  # (request index, answer) -> (agree, positions)
+
+
+class TeacherForced:
+    """The large model as a greedy judge of answers (see module docstring): ``(k, text)``
+    -> (positions where its greedy choice given the answer's prefix equals the answer's
+    token, positions), for request k's prompt. Identical answers are scored once."""
+
+    def __init__(self, large_dir: str, messages: Callable[[int], list[dict]], dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from tokenrouter_ray.openai.chat import render_chat
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(large_dir)
+        torch_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(large_dir, dtype=torch_dtype).eval()
+        self.prompt = lambda k: list(render_chat(self.tokenizer, messages(k)))
+        self.cache: dict[tuple[int, str], tuple[int, int]] = {}
+
+    def __call__(self, k: int, text: str) -> tuple[int, int]:
+        key = (k, text)
+        if key not in self.cache:
+            prompt = self.prompt(k)
+            answer = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if not answer:
+                return 0, 0
+            # a text the tokenizer reads back as a token the model does not have (an unknown
+            # word from a stock server's text): fed as id 0, and never an agreement
+            vocab = self.model.get_input_embeddings().num_embeddings
+            ids = self.torch.tensor([[i if i < vocab else 0 for i in prompt + answer]])
+            with self.torch.inference_mode():
+                logits = self.model(ids).logits[0, len(prompt) - 1 : -1]
+            greedy = logits.argmax(-1).tolist()
+            agree = sum(int(a == b) for a, b in zip(greedy, answer, strict=True))
+            self.cache[key] = (agree, len(answer))
+        return self.cache[key]
+
+
 def level_quality(
     row: Mapping[str, Any],
-    reference: Mapping[str, Any],
+    reference: Mapping[str, Any] | None,
     tokenize: Callable[[str], list[int]],
     num_prompts: int,
+    scorer: Scorer | None = None,
 ) -> dict[str, Any]:
-    """Agreement of one level's answers with the reference level's, per prompt."""
+    """Agreement of one level's answers with the reference level's, per prompt, and with
+    the large model's teacher-forced choices (``scorer``)."""
     ref_by_prompt: dict[int, list[int]] = {}
-    for rec in sorted(reference["records"], key=lambda r: r["index"]):
+    for rec in sorted((reference or {}).get("records", []), key=lambda r: r["index"]):
         ref_by_prompt.setdefault(rec["index"] % num_prompts, tokenize(rec["text"]))
     matches, prefixes, positions = [], [], 0
+    forced = [0, 0]
     for rec in row["records"]:
+        if scorer is not None:
+            agree, n = scorer(rec["index"], rec["text"])
+            forced[0] += agree
+            forced[1] += n
         ref = ref_by_prompt.get(rec["index"] % num_prompts)
         if ref is None:
             continue
@@ -74,6 +134,7 @@ def level_quality(
         "handoffs_per_request": row["handoffs_per_request"],
         "match": statistics.fmean(matches) if matches else math.nan,
         "prefix": statistics.fmean(prefixes) if prefixes else math.nan,
+        "teacher_forced": forced[0] / forced[1] if forced[1] else math.nan,
         "compared_requests": len(matches),
         "compared_positions": positions,
     }
@@ -85,9 +146,10 @@ def quality(
     num_prompts: int,
     n: int,
     max_tokens: int,
+    scorer: Scorer | None = None,
 ) -> list[dict[str, Any]]:
-    """One entry per system measured closed-loop at (n, max_tokens), the reference first;
-    empty when the reference was not measured there."""
+    """One entry per system measured closed-loop at (n, max_tokens), the reference first
+    (match and prefix are nan without it)."""
 
     def level(system: str) -> Mapping[str, Any] | None:
         for r in rows:
@@ -101,14 +163,12 @@ def quality(
         return None
 
     reference = level(REFERENCE)
-    if reference is None:
-        return []
     systems = [REFERENCE] + [s for s in dict.fromkeys(r["system"] for r in rows) if s != REFERENCE]
     out = []
     for system in systems:
         row = level(system)
         if row is not None:
-            out.append(level_quality(row, reference, tokenize, num_prompts))
+            out.append(level_quality(row, reference, tokenize, num_prompts, scorer))
     return out
 
 
@@ -119,8 +179,8 @@ def _pct(x: float) -> str:
 def quality_table(entries: Sequence[Mapping[str, Any]]) -> str:
     head = (
         "| system | load | max tok | tok/s | large model's share | handoffs/req "
-        "| match with large alone | prefix agreement | compared |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---|"
+        "| teacher-forced agreement | match with large alone | prefix agreement | compared |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
     )
     lines = [head]
     for q in entries:
@@ -128,7 +188,8 @@ def quality_table(entries: Sequence[Mapping[str, Any]]) -> str:
         lines.append(
             f"| {q['label']} | N={q['concurrency']} | {q['max_tokens']} | {q['tok_s']:.1f} "
             f"| {_pct(q['large_share'])} | {'–' if h is None or math.isnan(h) else f'{h:.1f}'} "
-            f"| {_pct(q['match'])} | {_pct(q['prefix'])} "
+            f"| {_pct(q.get('teacher_forced', math.nan))} | {_pct(q['match'])} "
+            f"| {_pct(q['prefix'])} "
             f"| {q['compared_requests']} req, {q['compared_positions']} tok |"
         )
     return "\n".join(lines)

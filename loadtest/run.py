@@ -273,12 +273,18 @@ def run_bench(bench: Bench, preset: Preset, progress: bool = True) -> dict[str, 
         bench.close_all()
     workload = WORKLOADS[preset.workload]()
     n = preset.length_n if preset.length_n in preset.concurrency else max(preset.concurrency or [0])
-    try:
-        result["quality"] = quality(
-            rows, bench.tokenize, len(workload.prompts), n, preset.max_tokens
-        )
-    except Exception as exc:
-        errors["quality"] = f"{type(exc).__name__}: {exc}"
+    if n and rows:
+        t_sys = time.perf_counter()
+        try:
+            from loadtest.quality import TeacherForced
+
+            judge = TeacherForced(bench.large_dir, workload.request, bench.dtype)
+            result["quality"] = quality(
+                rows, bench.tokenize, len(workload.prompts), n, preset.max_tokens, judge
+            )
+        except Exception as exc:
+            errors["quality"] = f"{type(exc).__name__}: {exc}"
+        walls["quality"] = time.perf_counter() - t_sys
     return result | {
         "rows": rows,
         "errors": errors,

@@ -176,14 +176,17 @@ def test_quality_against_the_large_model_alone(tiny_run: tuple[dict[str, Any], P
     assert set(by_system) == {r["system"] for r in result["rows"] if r["mode"] == "closed"}
     ref = by_system["large_alone"]
     assert ref["match"] == ref["prefix"] == 1.0 and ref["large_share"] == 1.0
+    assert ref["teacher_forced"] == 1.0  # the served engine's greedy = transformers' (float64)
     assert ref["compared_positions"] == ref["compared_requests"] * TINY.max_tokens
     stitch = by_system["rstitch"]  # tau = 0: the large model wrote every token
     assert stitch["large_share"] == 1.0
-    assert stitch["match"] == stitch["prefix"] == 1.0
+    assert stitch["match"] == stitch["prefix"] == stitch["teacher_forced"] == 1.0
     assert by_system["small_alone"]["large_share"] == 0.0
     bern = by_system["tokenrouter"]  # p = 0.4: a mix, and no better than the large model
     assert 0.0 < bern["large_share"] < 1.0
     assert 0.0 <= bern["prefix"] <= bern["match"] <= 1.0
+    # every position the large model wrote is its own greedy choice given that prefix
+    assert bern["large_share"] <= bern["teacher_forced"] <= 1.0
 
 
 @pytest.mark.slow
