@@ -84,7 +84,7 @@ def write_outputs(result: dict, out_dir: str, header: str) -> str:
         json.dump(result, f, indent=1, default=str)
     table = markdown_table(result["rows"])
     checks = targets(result)
-    pngs = plots(result, os.path.join(out_dir, "loadtest"))
+    pngs = plots(result, os.path.join(out_dir, "loadtest")) if result["rows"] else []
     md = [header, "", table, "", "Targets (they never fail the run):", ""]
     md += [f"- {c}" for c in checks]
     if result.get("quality"):

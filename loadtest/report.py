@@ -69,6 +69,8 @@ def targets(result: dict[str, Any], n: int | None = None) -> list[str]:
     """The issue's targets on this run, each PASS / MISS / n/a with its figures, at N = 8
     (or the largest N the run measured)."""
     rows = result["rows"]
+    if not rows:  # the sim preset: no served system
+        return sim_lines(result["sim"]) if result.get("sim") else []
     measured = {r["concurrency"] for r in rows if r["mode"] == "closed"}
     if n is None:
         n = TARGET_N if TARGET_N in measured or not measured else max(measured)
