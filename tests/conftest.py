@@ -4,7 +4,8 @@
 two nodes on this machine (`ray.cluster_utils.Cluster`), the head advertising the custom
 resource `tokenrouter_small` and the second node `tokenrouter_large`, so cross-node
 placement is testable on the same cluster every other Ray test uses.
-`serve_http`: Ray Serve on that cluster, HTTP on a test port.
+`serve_http`: Ray Serve on that cluster, HTTP on a free port (or
+``TOKENROUTER_TEST_SERVE_PORT``).
 
 Ray is imported inside the fixtures, so sessions that never ask for it do not pay for it.
 """
@@ -12,12 +13,22 @@ Ray is imported inside the fixtures, so sessions that never ask for it do not pa
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-SERVE_PORT = int(os.environ.get("TOKENROUTER_TEST_SERVE_PORT", "18123"))
+
+def _free_port() -> int:
+    """A port nothing listens on now (two test sessions on one machine must not share
+    Serve's HTTP port: requests would reach the other session's apps)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+SERVE_PORT = int(os.environ.get("TOKENROUTER_TEST_SERVE_PORT") or _free_port())
 
 
 @pytest.fixture(scope="session", autouse=True)
