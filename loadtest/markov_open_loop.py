@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         plot(open_points, step, args.plot)
         print(f"\nplot: {args.plot}")
     verdicts = _verdicts(closed, open_points, step[1] if step else [])
+    if math.isinf(args.max_defer_s):
+        verdicts += ("; max_defer_s = inf: the safety net cannot fire, stalls are the check "
+                     "(--max-defer-s 1, the config default, counts it)")  # fmt: skip
     print(f"\nsummary: {verdicts}")
     print(f"total {time.perf_counter() - start:.0f} s; {_load()} at the end")
     return 0
