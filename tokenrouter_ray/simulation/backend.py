@@ -432,6 +432,7 @@ class OpenLoopMeasurement:
     deferred_timeouts: int  # launches forced by max_defer_s in the window (steady state)
     deferred_timeouts_total: int  # ... over the whole run, the drain included
     time_scale: float = 1.0
+    oversleep_ms: tuple[float, ...] = ()  # per model: mean wall ms a step ran past its time
 
     @property
     def offered(self) -> float:
@@ -791,6 +792,10 @@ class ClosedLoop:
         if errors:
             raise errors[0]
         elapsed = end_snap["t"] - snap["t"]
+        oversleep = tuple(
+            1000.0 * (o1 - o0) / (n1 - n0) if n1 > n0 else 0.0
+            for (o0, n0), (o1, n1) in zip(snap["oversleep"], end_snap["oversleep"], strict=True)
+        )
         small_rows = end_snap["small_rows"] - snap["small_rows"]
         tpot, ttft, gaps = [], [], []
         for submitted, stamps in records:
@@ -818,6 +823,7 @@ class ClosedLoop:
             else float("nan"),
             deferred_timeouts=end_snap["timeouts"] - snap["timeouts"],
             deferred_timeouts_total=self._deferred_timeouts(),
+            oversleep_ms=oversleep,
             time_scale=scale,
         )
 
@@ -826,7 +832,9 @@ class ClosedLoop:
 
     def _window_snapshot(self) -> dict[str, Any]:
         snap = self.backend.snapshot()
+        stats = [_merged_stats([r.stats for r in group]) for group in self.model_runners]
         return {
+            "oversleep": [(st.oversleep_s, st.steps) for st in stats],
             "t": time.perf_counter(),
             "committed": snap["committed"],
             "small_rows": snap["batch_rows"].get(self.names[0], 0.0),

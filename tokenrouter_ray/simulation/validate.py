@@ -463,8 +463,8 @@ def format_open_loop(points: Sequence[OpenLoopPoint], target: float = CLOSED_TAR
     if ovh:
         head += " +ovh: mean N / p99 PS |"
         sep += "---|"
-    head += " finished / stalled | deferred timeouts (window / run) |"
-    sep += "---|---|"
+    head += " finished / stalled | deferred timeouts (window / run) | oversleep ms |"
+    sep += "---|---|---|"
     lines = [head, sep]
     for p in points:
         m, pr, p99 = p.measurement, p.prediction, p.p99()
@@ -483,7 +483,8 @@ def format_open_loop(points: Sequence[OpenLoopPoint], target: float = CLOSED_TAR
             row += (f" {po.mean_active:.2f} / {1000 * p99['ps+ovh']:.1f} |" if po is not None
                     else " - |")  # fmt: skip
         row += (
-            f" {m.finished} / {m.stalled} | {m.deferred_timeouts} / {m.deferred_timeouts_total} |"
+            f" {m.finished} / {m.stalled} | {m.deferred_timeouts} / {m.deferred_timeouts_total} "
+            f"| {max(m.oversleep_ms, default=0.0):.2f} |"
         )
         lines.append(row)
     return "\n".join(lines)
