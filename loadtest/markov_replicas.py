@@ -21,11 +21,8 @@ import math
 import time
 
 from loadtest.common import command, machine
-from tokenrouter_ray.simulation.backend import (
-    ClosedLoop,
-    calibrate_sleep_bias,
-    measure_closed_loop,
-)
+from tokenrouter_ray.simulation.backend import calibrate_sleep_bias
+from tokenrouter_ray.simulation.loads import ClosedLoop, measure_closed_loop
 from tokenrouter_ray.thresholds import is_admissible
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.montecarlo import monte_carlo

@@ -41,7 +41,8 @@ def sim_ablation(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure tuned vs all-1 thresholds on the simulated runtime; a JSON-able dict."""
-    from tokenrouter_ray.simulation.backend import calibrate_sleep_bias, measure_closed_loop
+    from tokenrouter_ray.simulation.backend import calibrate_sleep_bias
+    from tokenrouter_ray.simulation.loads import measure_closed_loop
 
     t0 = time.perf_counter()
     profile = paper_r2r()

@@ -16,10 +16,10 @@ from tokenrouter_ray.simulation import commands
 from tokenrouter_ray.simulation.backend import (
     SIM_VOCAB_SIZE,
     escalation_probability,
-    measure_closed_loop,
     profile_step_seconds,
     sim_engine,
 )
+from tokenrouter_ray.simulation.loads import measure_closed_loop
 from tokenrouter_ray.tuning.examples import escalation_chain, paper_r2r
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile

@@ -9,7 +9,8 @@ import math
 import time
 
 from tokenrouter_ray.engine.request import SamplingParams
-from tokenrouter_ray.simulation.backend import ClosedLoop, calibrate_sleep_bias, sim_engine
+from tokenrouter_ray.simulation.backend import calibrate_sleep_bias, sim_engine
+from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.search import threshold_lists, tune
 

@@ -12,12 +12,8 @@ import random
 import pytest
 
 from loadtest import markov_open_loop
-from tokenrouter_ray.simulation.backend import (
-    ClosedLoop,
-    StepLoadTrace,
-    calibrate_sleep_bias,
-    poisson_arrivals,
-)
+from tokenrouter_ray.simulation.backend import calibrate_sleep_bias
+from tokenrouter_ray.simulation.loads import ClosedLoop, StepLoadTrace, poisson_arrivals
 from tokenrouter_ray.simulation.validate import (
     open_loop_predictions,
     settle_time,

@@ -9,7 +9,7 @@ import pytest
 
 from tokenrouter_ray.engine.block_pool import KVCacheManager
 from tokenrouter_ray.engine.scheduler import Scheduler, SchedulerConfig
-from tokenrouter_ray.simulation.backend import thresholds_table
+from tokenrouter_ray.simulation.loads import thresholds_table
 from tokenrouter_ray.thresholds import (
     ThresholdTable,
     check_admissible,

@@ -4,7 +4,7 @@ The statistics come in as ``tune`` takes them (a profile file or inline ``--step
 ``--route-prob``, ``--commit``; ``tuning/commands.py`` parses them); ``--thresholds`` or
 ``--thresholds-in`` say which B to run at each ``--concurrency`` N (B at N read from a
 threshold list by ``ThresholdTable``'s lookup rule; inadmissible B skipped). Each point runs
-``backend.measure_closed_loop`` and prints measured tokens/s beside the Markov prediction
+``loads.measure_closed_loop`` and prints measured tokens/s beside the Markov prediction
 (a table, or JSON with ``--json``).
 """
 
@@ -116,7 +116,8 @@ def _simulation_points(args: argparse.Namespace, profile: RoutingProfile, n: int
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from tokenrouter_ray.simulation.backend import escalation_probability, measure_closed_loop
+    from tokenrouter_ray.simulation.backend import escalation_probability
+    from tokenrouter_ray.simulation.loads import measure_closed_loop
     from tokenrouter_ray.tuning.markov import throughput
 
     if args.thresholds and args.thresholds_in:

@@ -36,13 +36,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenrouter_ray.simulation.backend import (
+from tokenrouter_ray.simulation.backend import calibrate_sleep_bias, escalation_probability
+from tokenrouter_ray.simulation.loads import (
     ClosedLoop,
     OpenLoopMeasurement,
     SimMeasurement,
     StepLoadTrace,
-    calibrate_sleep_bias,
-    escalation_probability,
     measure_closed_loop,
 )
 from tokenrouter_ray.thresholds import ThresholdTable
