@@ -6,23 +6,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
 source scripts/_env.sh
-# Debian's prometheus for the live dashboard test (it skips, saying why, where this fails).
-if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null; then
+# Debian packages that some tests drive for real; each such test skips, saying why, where
+# this fails: prometheus (the live dashboard test), chromium (the trace viewer's
+# headless-browser test).
+apt_install() {  # apt_install COMMAND WHAT-SKIPS
+  if command -v "$1" >/dev/null || ! command -v apt-get >/dev/null; then return 0; fi
   export DEBIAN_FRONTEND=noninteractive
-  timeout 600 apt-get install -y -qq prometheus >/dev/null 2>&1 \
-    || { timeout 600 apt-get update -qq && timeout 600 apt-get install -y -qq prometheus; } \
+  timeout 600 apt-get install -y -qq "$1" >/dev/null 2>&1 \
+    || { timeout 600 apt-get update -qq && timeout 600 apt-get install -y -qq "$1"; } \
       >/dev/null 2>&1 \
-    || echo "test.sh: could not install prometheus; the live dashboard test will skip" >&2
-fi
-# Debian's chromium for the trace viewer's headless-browser test (it skips, saying why,
-# where this fails).
-if ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then
-  export DEBIAN_FRONTEND=noninteractive
-  timeout 600 apt-get install -y -qq chromium >/dev/null 2>&1 \
-    || { timeout 600 apt-get update -qq && timeout 600 apt-get install -y -qq chromium; } \
-      >/dev/null 2>&1 \
-    || echo "test.sh: could not install chromium; the trace viewer's browser test will skip" >&2
-fi
+    || echo "test.sh: could not install $1; $2 will skip" >&2
+}
+apt_install prometheus "the live dashboard test"
+apt_install chromium "the trace viewer's browser test"
 echo "test.sh: environment ready ($((SECONDS - start)) s)" >&2
 mark=$SECONDS
 echo "test.sh: demo models (built once and cached; a first build takes minutes)" >&2

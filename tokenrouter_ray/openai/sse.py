@@ -60,6 +60,7 @@ def sse_error(exc: BaseException) -> bytes:
 
 class _Stream:
     object: str = ""
+    content_key: str = ""  # the choice's field for its new output: "delta" / "text"
 
     def __init__(
         self,
@@ -78,6 +79,21 @@ class _Stream:
 
     def _new_id(self) -> str:
         raise NotImplementedError
+
+    def _choice(
+        self,
+        index: int,
+        content: Any,
+        finish: FinishReason | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """One choice of a chunk: its new output under ``content_key``, ``extra`` fields
+        (e.g. ``logprobs``, ``routing_trace``) over the defaults."""
+        choice = {"index": index, self.content_key: content, "logprobs": None,
+                  "finish_reason": finish}  # fmt: skip
+        if extra:
+            choice.update(extra)
+        return choice
 
     def _chunk(
         self, choices: list[dict[str, Any]], routing: RoutingInfo | None = None
@@ -111,21 +127,10 @@ class ChatStream(_Stream):
     """The ``chat.completion.chunk`` events of one chat request."""
 
     object = "chat.completion.chunk"
+    content_key = "delta"
 
     def _new_id(self) -> str:
         return chat_completion_id()
-
-    def _choice(
-        self,
-        index: int,
-        delta: dict[str, Any],
-        finish: FinishReason | None = None,
-        extra: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        if extra:
-            choice.update(extra)
-        return choice
 
     def start(self) -> bytes:
         """One role chunk per choice; send before any content."""
@@ -159,21 +164,10 @@ class CompletionStream(_Stream):
     """The ``text_completion`` events of one completions request."""
 
     object = "text_completion"
+    content_key = "text"
 
     def _new_id(self) -> str:
         return completion_id()
-
-    def _choice(
-        self,
-        index: int,
-        text: str,
-        finish: FinishReason | None = None,
-        extra: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-        if extra:
-            choice.update(extra)
-        return choice
 
     def start(self) -> bytes:
         """Nothing: completions streams have no role chunk (here for symmetry)."""
