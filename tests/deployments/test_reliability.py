@@ -264,7 +264,8 @@ def ingress_access_ms(status: int) -> list[float]:
 def test_512_concurrent_requests_complete_or_are_refused_early(app: str) -> None:
     """512 clients at once against ``max_active_requests=64``: no deadlock (every call
     answers), each one is a full completion or an early 503 with ``Retry-After``, nothing
-    is held afterwards, and no replica's resident memory grows past the stated bound."""
+    is held afterwards, a refused call never reached a model, and no replica's resident
+    memory grows past the stated bound."""
     import asyncio
 
     procs = replica_processes()
@@ -290,6 +291,7 @@ def test_512_concurrent_requests_complete_or_are_refused_early(app: str) -> None
                 if done:
                     return calls.result()
 
+    entered = sum(stats(app)["entry_requests"].values())
     t0 = time.monotonic()
     results = asyncio.run(burst())
     elapsed = time.monotonic() - t0
@@ -298,17 +300,18 @@ def test_512_concurrent_requests_complete_or_are_refused_early(app: str) -> None
     assert len(served) + len(refused) == 512, sorted({r[0] for r in results})
     assert served and all(n == 16 for *_, n in served)
     assert refused and all(retry == "1" for _, _, retry, _ in refused)
-    # Refused at admission, never after waiting for generation: what the ingress replica
-    # spent on each call (Serve's access log; the client's time adds the HTTP proxy taking
-    # 512 connections on 2 cores, which dominates here).
+    # Refused at admission: a refused request never reached a model (the ingress sent
+    # exactly one NEW per served request), so nothing was generated and then thrown away.
+    sent = sum(stats(app)["entry_requests"].values()) - entered
+    assert sent == len(served), (sent, len(served))
+    # What the ingress replica spent per call (Serve's access log), for the record: on 2
+    # cores it is dominated by Serve's and FastAPI's handling of 512 requests at once.
     refused_ms, served_ms = ingress_access_ms(503), ingress_access_ms(200)
-    assert len(refused_ms) >= len(refused) and len(served_ms) >= len(served)
-    p50 = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    assert p50(refused_ms) < p50(served_ms), (p50(refused_ms), p50(served_ms))
+    p50 = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
     growth_mib = {name: (peak[name] - before[name]) / 2**20 for name in procs}
     client_s = sorted(t for _, t, _, _ in results)
-    print(f"at the ingress: refused p50/max {p50(refused_ms):.0f}/{max(refused_ms):.0f} ms, "
-          f"served p50/max {p50(served_ms):.0f}/{max(served_ms):.0f} ms; "
+    print(f"at the ingress: refused p50 {p50(refused_ms):.0f} ms, "
+          f"served p50 {p50(served_ms):.0f} ms; "
           f"client p50/max {p50(client_s):.1f}/{client_s[-1]:.1f} s")  # fmt: skip
     print(f"512 concurrent: {len(served)} served, {len(refused)} refused in {elapsed:.1f} s; "
           f"RSS growth MiB {growth_mib}; peak MiB "
