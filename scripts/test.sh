@@ -21,7 +21,9 @@ apt_install prometheus "the live dashboard test"
 apt_install chromium "the trace viewer's browser test"
 echo "test.sh: environment ready ($((SECONDS - start)) s)" >&2
 mark=$SECONDS
-echo "test.sh: demo models (built once and cached; a first build takes minutes)" >&2
-"$VENV/bin/tokenrouter-ray" prepare-demo --quiet >/dev/null
+echo "test.sh: demo models (built once and cached; a first build takes 10-25 minutes)" >&2
+# Its progress goes to stderr; outside a terminal (CI logs) one line per 30 s per bar.
+[ -t 2 ] || export TQDM_MININTERVAL="${TQDM_MININTERVAL:-30}"
+"$VENV/bin/tokenrouter-ray" prepare-demo >/dev/null
 echo "test.sh: demo models ready ($((SECONDS - mark)) s)" >&2
 exec "$VENV/bin/python" -m pytest "$@"
