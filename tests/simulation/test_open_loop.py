@@ -80,8 +80,7 @@ def test_step_load_follows_the_client_count(tables: tuple[list[int], ...]) -> No
 
     async def run() -> StepLoadTrace:
         loop = ClosedLoop(profile, 8, tables, max_defer_s=math.inf,
-                          sleep_bias_s=calibrate_sleep_bias(), clients=0,
-                          time_scale=2.0)  # fmt: skip
+                          sleep_bias_s=calibrate_sleep_bias(), clients=0)  # fmt: skip
         async with loop:
             task = asyncio.create_task(loop.step_load(((8, 1.5), (2, 1.5), (8, 1.5))))
             for _ in range(3):
