@@ -21,7 +21,7 @@ from ray.serve import Application
 
 from deployments.directory import EndpointDirectory
 from deployments.ingress import Ingress
-from deployments.model_server import ModelServer, load_tokenizer
+from deployments.model_server import ModelServer, spec_tokenizer
 from deployments.tp_workers import worker_bundles
 from deployments.tuner import Tuner
 from tokenrouter_ray.config import (
@@ -49,13 +49,21 @@ class AppArgs(BaseModel):
 
 def validate_app(cfg: AppConfig) -> None:
     local = [name for name, spec in cfg.models.items() if Path(spec.path).is_dir()]
+    for name, spec in cfg.models.items():
+        if spec.sim is not None:
+            from tokenrouter_ray.simulation.served import model_profile
+
+            try:
+                model_profile(spec.sim, name, cfg.model_names.index(name))
+            except Exception as exc:  # an unknown profile, a file that does not load
+                raise ConfigError(f"model {name!r}: {exc}") from None
     try:
         cls = policy_class(cfg.policy.name)
         if cls.needs_tokenizer and cfg.model_names[0] not in local:
             cls.Config(**cfg.policy.options)  # hub ids: the replicas build it with theirs
         else:
-            entry = cfg.models[cfg.model_names[0]].path
-            tokenizer = load_tokenizer(entry) if cls.needs_tokenizer else None
+            entry = cfg.models[cfg.model_names[0]]
+            tokenizer = spec_tokenizer(entry) if cls.needs_tokenizer else None
             build_policy(cfg.policy.name, cfg.policy.options, cfg.model_names, tokenizer)
     except (ValueError, ValidationError) as exc:
         raise ConfigError(f"policy {cfg.policy.name!r}: {exc}") from None
@@ -66,7 +74,7 @@ def validate_app(cfg: AppConfig) -> None:
             "exist (train one with `tokenrouter-ray train-router`)"
         )
     if len(local) == len(cfg.models) > 1:  # hub ids are checked when the replicas load
-        check_shared_tokenizer({n: load_tokenizer(cfg.models[n].path) for n in local})
+        check_shared_tokenizer({n: spec_tokenizer(cfg.models[n]) for n in local})
 
 
 def model_options(name: str, spec: ModelSpec) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,7 +36,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.directory import ServeDirectory
-from deployments.model_server import load_tokenizer
+from deployments.model_server import spec_tokenizer
 from deployments.peers import PeerBook, make_channel, peer_key
 from deployments.ray_metrics import ray_metrics
 from tokenrouter_ray.config import AppConfig
@@ -146,7 +147,7 @@ class Ingress:
         self.tuner = tuner
         self.slo_cap: int | None = None  # the tuner's SLO-mode concurrency, per replica
         entry = cfg.model_names[0]
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.models[entry].path)
+        self.tokenizer = await asyncio.to_thread(spec_tokenizer, cfg.models[entry])
         infos = [await models[name].info.remote() for name in cfg.model_names]
         self.limits = RequestLimits(
             max_model_len=min(i["max_model_len"] for i in infos),
@@ -217,6 +218,10 @@ class Ingress:
         return {
             "active_requests": self.core.num_active,
             "entry_requests": self.server.entry_total,
+            "tokens_received": self.core.tokens_received,  # committed tokens seen here
+            "frames_received": self.core.frames_received,
+            "cpu_s": time.process_time(),  # this ingress process's CPU time
+
             "endpoints": self.peers.by_model,
             "recoveries": self.recoveries[-20:],
             "models": models,

@@ -23,7 +23,7 @@ from deployments.directory import ServeDirectory
 from deployments.peers import PeerBook, make_channel, peer_key
 from deployments.ray_metrics import ray_metrics
 from deployments.tp_workers import RayWorkerLauncher
-from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.config import AppConfig, ModelSpec
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.routing.policy import build_policy, policy_class
 from tokenrouter_ray.runtime.subserver import SubServer
@@ -52,6 +52,43 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def spec_tokenizer(spec: ModelSpec) -> Any:
+    """The tokenizer of a configured model (a simulated one's is built in memory)."""
+    if spec.sim is not None:
+        from tokenrouter_ray.simulation.served import sim_tokenizer
+
+        return sim_tokenizer()
+    return load_tokenizer(spec.path)
+
+
+def build_engine(cfg: AppConfig, name: str, launcher: RayWorkerLauncher | None) -> Engine:
+    """The engine of one replica of model ``name``: loaded from its checkpoint, or a
+    simulated one (``ModelSpec.sim``: simulation/served.py)."""
+    spec = cfg.models[name]
+    if spec.sim is not None:
+        from tokenrouter_ray.simulation.served import sim_engine_for
+
+        index = cfg.model_names.index(name)
+        return sim_engine_for(
+            spec.sim, name, index, cfg.scheduler_for(name), spec.max_model_len, spec.block_size
+        )
+    return Engine.from_config(engine_config(cfg, name), launcher)
+
+
+def _sim_stats(runner: Any) -> dict[str, float] | None:
+    """A simulated model's device: steps, mean batch, busy seconds, mean gap between steps."""
+    stats = getattr(runner, "stats", None)
+    if stats is None or not hasattr(stats, "busy_s"):
+        return None
+    gaps = stats.gaps_s[-10_000:]
+    return {
+        "steps": stats.steps,
+        "mean_batch": stats.mean_batch,
+        "busy_s": stats.busy_s,
+        "mean_gap_ms": 1e3 * sum(gaps) / len(gaps) if gaps else 0.0,
+    }
+
+
 @serve.deployment(health_check_period_s=5, graceful_shutdown_timeout_s=5)
 class ModelServer:
     async def __init__(
@@ -66,11 +103,10 @@ class ModelServer:
         index = cfg.model_names.index(model)
         # tensor parallel (issue 15): ranks 1..k-1 are actors in this replica's placement group
         launcher = RayWorkerLauncher() if cfg.models[model].tensor_parallel > 1 else None
-        config = engine_config(cfg, model)
-        self.engine = await asyncio.to_thread(Engine.from_config, config, launcher)
+        self.engine = await asyncio.to_thread(build_engine, cfg, model, launcher)
         self._execute = self.engine.runner.execute  # restored by inject_fault("clear")
         needs_tokenizer = policy_class(cfg.policy.name).needs_tokenizer
-        tokenizer = load_tokenizer(cfg.models[model].path) if needs_tokenizer else None
+        tokenizer = spec_tokenizer(cfg.models[model]) if needs_tokenizer else None
         policy = build_policy(cfg.policy.name, cfg.policy.options, cfg.model_names, tokenizer)
         replica = serve.get_replica_context().replica_id.unique_id
         self.directory = ServeDirectory(directory)
@@ -161,6 +197,9 @@ class ModelServer:
             "alive": self.server.alive,
             "address": self.channel.address,
             "peer_rejected": dict(getattr(self.channel, "rejected", {})),
+            "steps": self.server.num_steps,
+            "host": self.server.steps.profile.snapshot(),  # per-phase host time per step
+            "sim": _sim_stats(self.engine.runner),
         }
 
     async def explain(self, rid: str | None = None) -> dict[str, Any]:

@@ -3,6 +3,7 @@
     python -m loadtest --preset quick                # demo pair, 2-core CPU, <= 10 minutes
     python -m loadtest --preset lengths              # 256- vs 1,024-token answers at N = 8
     python -m loadtest --preset sim                  # the simulated ablation alone, ~30 s
+    python -m loadtest --preset host                 # the host path (loadtest/host_path.py)
     python -m loadtest --preset paper --small DIR --large DIR --app-overrides ...   # GPU
 
 Brings each system up in turn (tokenrouter tuned, Eager-Async, R2R and R-Stitch, Step-Sync,
@@ -111,7 +112,7 @@ def write_outputs(result: dict, out_dir: str, header: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    parser.add_argument("--preset", choices=sorted([*PRESETS, "host"]), default="quick")
     parser.add_argument("--systems", default=None, help=f"comma list of {', '.join(ALL_SYSTEMS)}")
     parser.add_argument("--concurrency", default=None, help="override the preset's N list")
     parser.add_argument("--max-tokens", type=int, default=None)
@@ -134,7 +135,13 @@ def main() -> None:
         metavar="RESULTS_JSON",
         help="only redraw the table, targets and plots of an earlier run",
     )
-    args = parser.parse_args()
+    args, rest = parser.parse_known_args()
+    if args.preset == "host":  # the host path on simulated models (loadtest/host_path.py)
+        from loadtest.host_path import main as host_main
+
+        raise SystemExit(host_main(rest))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.render:
         with open(args.render) as f:
             result = json.load(f)

@@ -38,8 +38,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class SimSpec(_Strict):
+    """A simulated model (``simulation/served.py``): the real serving path, a profiled step
+    time instead of a forward, no model files."""
+
+    profile: str = Field(
+        "paper", description="paper | h200 | zero | a profile JSON/YAML file (per-model steps)."
+    )
+    time_scale: float = Field(1.0, gt=0, description="Every step time is multiplied by this.")
+
+
 class ModelSpec(_Strict):
-    path: str = Field(description="HF causal-LM directory or hub id.")
+    path: str = Field(description="HF causal-LM directory or hub id (`sim` with `sim` set).")
+    sim: SimSpec | None = Field(
+        None, description="Serve a simulated model of this profile instead of a checkpoint."
+    )
     gguf_file: str | None = Field(None, description="GGUF file inside `path`, if any.")
     dtype: str = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
     num_gpus: float = Field(0, ge=0, description="GPUs per replica (0: CPU).")

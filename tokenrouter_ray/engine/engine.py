@@ -6,7 +6,9 @@ only the tokens this model has not seen). A step is three lines: the scheduler p
 tokens, the runner computes them and samples, and ``commit`` appends the sampled tokens,
 applies stop conditions and pauses requests a routing policy sent elsewhere. ``execute`` and
 ``commit`` are separate so the policy can look at the ``StepResult`` in between; ``step``
-runs both with every request staying here.
+runs both with every request staying here. ``execute`` is ``launch`` (schedule and start the
+forward) then ``collect`` (wait for it): a serving loop that calls them apart does its other
+host work while the forward runs (runtime/step_loop.py).
 
 Lifecycle calls on unknown or finished requests are no-ops, never exceptions that could kill
 a serving loop.
@@ -34,6 +36,19 @@ from tokenrouter_ray.thresholds import ThresholdTable
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.taps import LayerTap
     from tokenrouter_ray.engine.tensor_parallel import WorkerLauncher
+
+
+class PendingStep:
+    """A launched forward: ``wait()`` returns its ``StepResult`` once the device is done
+    (``Engine.collect`` calls it); ``waited_s`` is how long the host then waited for it."""
+
+    __slots__ = ("batch_size", "num_tokens", "wait", "waited_s")
+
+    def __init__(self, wait: Callable[[], StepResult], num_tokens: int, batch_size: int) -> None:
+        self.wait = wait
+        self.num_tokens = num_tokens
+        self.batch_size = batch_size
+        self.waited_s = 0.0
 
 
 class EngineConfig(BaseModel):
@@ -86,6 +101,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
         self._uncommitted: StepResult | None = None
+        self._in_flight: PendingStep | None = None
         self.deferred_until: float | None = None  # set when the launch threshold held a step
         limit = runner.max_positions or self.kv.capacity_tokens
         self.max_model_len = min(config.max_model_len or limit, limit, self.kv.capacity_tokens)
@@ -254,17 +270,44 @@ class Engine:
     # ----------------------------------------------------------------------- step
     def execute(self, now: float | None = None) -> StepResult | None:
         """Schedule and run one forward; ``None`` when nothing is due (idle or deferred)."""
-        if self._uncommitted is not None:
-            raise RuntimeError("commit() the previous step's result before executing another")
+        pending = self.launch(now)
+        return None if pending is None else self.collect(pending)
+
+    def launch(self, now: float | None = None) -> PendingStep | None:
+        """Schedule one forward and start it; ``None`` when nothing is due (idle or
+        deferred). The step runs while the caller does other host work (the previous
+        step's reports and sends); ``collect`` waits for it. A runner with a ``launch``
+        method returns at once (the simulated device; a GPU runner whose sampled tokens
+        are read at collect time); any other runner computes the step here. A runner whose
+        ``execute`` was replaced on the instance (a test's or a chaos hook's fault) always
+        runs through that ``execute``."""
+        if self._uncommitted is not None or self._in_flight is not None:
+            raise RuntimeError("commit() the previous step's result before launching another")
         t0 = time.perf_counter()
         out = self.scheduler.schedule(time.monotonic() if now is None else now)
         self.deferred_until = out.wake_at if out.deferred else None
         if not out:
             return None
         timings = StepTimings(schedule=time.perf_counter() - t0)
-        result = self.runner.execute(out, timings)
-        for chunk in out.chunks:
+        runner_launch = getattr(self.runner, "launch", None)
+        if runner_launch is not None and "execute" not in vars(self.runner):
+            wait = runner_launch(out, timings)
+        else:
+            result = self.runner.execute(out, timings)
+            wait = lambda: result  # noqa: E731
+        for chunk in out.chunks:  # its KV is being written now
             chunk.request.advance_computed(chunk.num_tokens)
+        pending = self._in_flight = PendingStep(wait, out.num_tokens, len(out.chunks))
+        return pending
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step; its result must be ``commit``-ed next."""
+        if pending is not self._in_flight:
+            raise RuntimeError("collect() takes the step of the latest launch(), once")
+        self._in_flight = None
+        t0 = time.perf_counter()
+        result = pending.wait()
+        pending.waited_s = time.perf_counter() - t0
         self._uncommitted = result
         return result
 
@@ -296,8 +339,9 @@ class Engine:
         return outputs
 
     def discard_uncommitted(self) -> None:
-        """Forget a step that failed between execute() and commit() (its KV is recomputed)."""
+        """Forget a step that failed between launch() and commit() (its KV is recomputed)."""
         self._uncommitted = None
+        self._in_flight = None
 
     def step(self, now: float | None = None) -> list[RequestOutput]:
         result = self.execute(now)

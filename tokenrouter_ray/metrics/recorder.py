@@ -75,26 +75,28 @@ class Metrics:
         batch_size: int,
         seconds: float,
         route_seconds: float | None,
-        sampled: Sequence[Request] = (),
+        first_tokens: Sequence[Request] = (),
+        started: float | None = None,
     ) -> None:
         """One launched step; ``route_seconds`` is None when no row sampled (nothing routed).
 
-        ``sampled``: the engine requests of the rows that sampled, before the commit. A row
-        sampling its request's first output token ends the request's queue and prefill
-        phases on this model: queued from its arrival here to this step's start, prefilled
-        during this step. That is the entry model for every request, and also the model an
-        escalated first token went to (the entry's token was dropped, so later visits
-        otherwise carry output already).
+        ``first_tokens``: the engine requests whose first output token this step sampled,
+        picked by the caller before the commit (``started``: the step's start, monotonic;
+        default: ``seconds`` and ``route_seconds`` before now). Sampling its first output
+        token ends a request's queue and prefill phases on this model: queued from its
+        arrival here to this step's start, prefilled during this step. That is the entry
+        model for every request, and also the model an escalated first token went to (the
+        entry's token was dropped, so later visits otherwise carry output already).
         """
         self._observe(m.BATCH_SIZE, batch_size, model)
         self._observe(m.STEP_SECONDS, seconds, model)
         if route_seconds is not None:
             self._observe(m.ROUTE_SECONDS, route_seconds, model, self.policy)
-        started = time.monotonic() - seconds - (route_seconds or 0.0)
-        for request in sampled:
-            if request.num_tokens == request.num_prompt_tokens:
-                self._observe(m.QUEUE_SECONDS, max(0.0, started - request.arrival_time), model)
-                self._observe(m.PREFILL_SECONDS, seconds, model)
+        if started is None:
+            started = time.monotonic() - seconds - (route_seconds or 0.0)
+        for request in first_tokens:
+            self._observe(m.QUEUE_SECONDS, max(0.0, started - request.arrival_time), model)
+            self._observe(m.PREFILL_SECONDS, seconds, model)
 
     def deferred_wait(self, model: str, seconds: float) -> None:
         self._observe(m.DEFERRED_WAIT_SECONDS, seconds, model)

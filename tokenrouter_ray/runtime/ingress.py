@@ -163,6 +163,8 @@ class IngressCore:
         self._background: set[asyncio.Task] = set()
         self._publish_due = False  # an ACTIVE broadcast is scheduled for this loop turn
         self._published: int | None = None  # the count last sent in an ACTIVE
+        self.tokens_received = 0  # committed tokens received (for host-path benchmarks)
+        self.frames_received = 0
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._receive_loop(), name="ingress-recv")
@@ -265,10 +267,21 @@ class IngressCore:
 
     async def stream(self, rid: str) -> AsyncIterator[list[int]]:
         """Newly committed tokens as they become contiguous, until the request completes,
-        is aborted, fails, or reaches its deadline (then it fails with ``timeout``)."""
+        is aborted, fails, or reaches its deadline (then it fails with ``timeout``). Tokens
+        that arrived together (one frame, or while the reader was busy) come as one list."""
         live = self.live[rid]
-        while (chunk := await live.updates.get()) is not None:
+        updates = live.updates
+        while (chunk := await updates.get()) is not None:
+            ended = False
+            while not updates.empty():  # what else arrived: one piece, one SSE chunk
+                more = updates.get_nowait()
+                if more is None:
+                    ended = True
+                    break
+                chunk = chunk + more
             yield chunk
+            if ended:
+                return
 
     def _expire(self, rid: str) -> None:
         """The request's deadline timer fired."""
@@ -444,6 +457,7 @@ class IngressCore:
                 self.metrics.error(INGRESS, "recv_failed")
                 await asyncio.sleep(0.05)
                 continue
+            self.frames_received += 1
             for msg in batch:
                 try:
                     self.metrics.peer_message(INGRESS, msg.sent_at)
@@ -473,6 +487,7 @@ class IngressCore:
                 for writer in live.log.writers[len(live.log.writers) - len(fresh) :]:
                     live.counts[writer] = live.counts.get(writer, 0) + 1
                 self._record_tokens(live, len(fresh))
+                self.tokens_received += len(fresh)
                 live.completion.token_ids += fresh
                 live.updates.put_nowait(fresh)
         elif msg.kind == MsgKind.FINISHED:

@@ -97,7 +97,7 @@ class LocalRuntime:
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Until no model holds any request (after aborts, finishes and late messages)."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while any(s.engine.requests or s.tracked or s.inbox for s in self.subservers):
+        while any(s.holds_anything for s in self.subservers):
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError("models still hold requests")
             await asyncio.sleep(0.01)

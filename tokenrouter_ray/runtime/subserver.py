@@ -1,17 +1,20 @@
 """One model's autonomous sub-server: an engine, a routing policy and a peer channel.
 
-Two asyncio tasks that never wait for another model:
-- the receive loop drains the channel into an inbox (NEW / HANDOFF / FINISHED / ABORT from
-  the ingress and from peers) and wakes the decode loop;
-- the decode loop applies the inbox between steps, runs schedule -> forward -> route in a
-  worker thread (the event loop stays free), then commits, pauses requests the policy sent
-  elsewhere, and sends one frame per destination: HANDOFFs carrying only the suffix the
-  receiver has not seen, COMMITs and FINISHEDs to the request's ingress.
+The engine is stepped by its own thread (``runtime/step_loop.py``: collect, route, commit,
+launch the next step, then report the last one while the next forward runs); the event loop
+keeps two tasks that never wait for another model:
+- the receive task drains the channel into the inbox (NEW / HANDOFF / FINISHED / ABORT from
+  the ingress and from peers) and wakes the step loop, which applies it between steps;
+- the sender task sends what the step loop posts, in order, one frame per destination:
+  HANDOFFs carrying only the suffix the receiver has not seen, COMMITs and FINISHEDs to the
+  request's ingress.
 
-Only this task touches the engine, so no lock is needed. Neither loop dies on one request:
-an exception applying a message, building a handoff, routing or sending a frame is contained
-to the requests concerned, which end with ``finish_reason="error"`` (FINISHED with the error
-to the ingress and to every other holder, KV freed here), is counted in
+Only the step loop's thread touches the engine and the per-request state (``tracked``), so
+no lock is needed: what the event loop learns (a frame, a failed send) reaches that thread
+through the inbox and the call queue. Neither loop dies on one request: an exception
+applying a message, building a handoff, routing or sending a frame is contained to the
+requests concerned, which end with ``finish_reason="error"`` (FINISHED with the error to the
+ingress and to every other holder, KV freed here), is counted in
 ``tokenrouter_errors_total{type}``, and the loop goes on (docs/reliability.md).
 """
 
@@ -23,7 +26,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.outputs import RequestOutput, StepResult
@@ -39,6 +42,7 @@ from tokenrouter_ray.protocol import (
     with_own_size,
 )
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, Send, host_scores
+from tokenrouter_ray.runtime.step_loop import StepLoop
 from tokenrouter_ray.runtime.tracking import Tracked
 from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
@@ -62,6 +66,29 @@ class HandoffRecord:
     end: int  # sequence length at the handoff
     num_tokens: int  # suffix length actually sent
     first_visit: bool
+
+
+@dataclass
+class Routed:
+    """Step ``t``'s routing, read before its commit: every row's destination, the policy's
+    per-row scores on the host (only when some row asked for a routing trace), how long the
+    policy took, and the requests whose first output token the step sampled."""
+
+    destinations: list[int]
+    scores: list[float | None] | None = None
+    route_s: float | None = None
+    first_tokens: list = field(default_factory=list)
+
+
+@dataclass
+class Decided:
+    """Step ``t``'s commit: rows leaving (rid -> (destination, Send)), rows whose routing
+    failed (rid -> error), the rows whose sampled token was dropped, the engine's outputs."""
+
+    leaving: dict[str, tuple[int, Send]]
+    failed: dict[str, str]
+    drop: set[str]
+    outputs: list[RequestOutput]
 
 
 class SubServer:
@@ -93,10 +120,13 @@ class SubServer:
         self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
         self._deferred_since: float | None = None  # when the launch threshold began holding
         self._unqueued: dict[str, float] = {}  # rid -> NEW's sent_at (s), until first computed
-        self._next_sweep = 0.0  # monotonic time of the next expired-request sweep
-        self._wake = asyncio.Event()
+        self.next_sweep = 0.0  # monotonic time of the next expired-request sweep
+        self._calls: deque[Callable[[list[PeerReq]], None]] = deque()  # for the step loop
+        self._outbox: asyncio.Queue[tuple[list[PeerReq], bool]] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self.steps = StepLoop(self)
         engine.keep_outputs(logits=policy.needs_logits, hidden=policy.needs_hidden)
         self._embed = engine.embed_tokens if policy.needs_embeddings else None
 
@@ -105,14 +135,17 @@ class SubServer:
         return self.channel.name
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._outbox = asyncio.Queue()
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name=f"{self.name}-recv"),
-            asyncio.create_task(self._decode_loop(), name=f"{self.name}-decode"),
+            asyncio.create_task(self._sender(), name=f"{self.name}-send"),
         ]
+        self.steps.start()
 
     async def stop(self) -> None:
         self._closing = True
-        self._wake.set()
+        await asyncio.to_thread(self.steps.stop)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -120,31 +153,61 @@ class SubServer:
                 await task
 
     def set_batch_thresholds(self, thresholds: list[int]) -> None:
-        """Adopt the tuner's thresholds; a sleeping decode loop re-checks at once."""
+        """Adopt the tuner's thresholds; a sleeping step loop re-checks at once."""
         if self.engine.set_batch_thresholds(thresholds):
-            self._wake.set()
+            self.steps.wake()
 
     def deliver(self, msgs: list[PeerReq]) -> None:
-        """Queue messages for the decode loop (also used by transports that push)."""
+        """Queue messages for the step loop (from any thread)."""
         self.inbox.extend(msgs)
-        self._wake.set()
+        self.steps.wake()
 
     @property
     def alive(self) -> bool:
-        """Both loops running and the channel open (what a health check asks)."""
+        """The receive and send tasks and the step loop running, the channel open (what
+        a health check asks)."""
         return (
-            bool(self._tasks) and not any(t.done() for t in self._tasks) and not self.channel.closed
+            bool(self._tasks)
+            and not any(t.done() for t in self._tasks)
+            and self.steps.alive
+            and not self.channel.closed
         )
 
     def dead_tasks(self) -> list[str]:
         """Names of stopped loops, with why (for health-check messages)."""
-        return [
+        dead = [
             f"{t.get_name()}: {'cancelled' if t.cancelled() else t.exception()!r}"
             for t in self._tasks
             if t.done()
         ]
+        if self._tasks and not self.steps.alive:
+            dead.append(f"{self.name}-steps: {self.steps.error!r}")
+        return dead
 
-    # ------------------------------------------------------------------- receive
+    @property
+    def holds_anything(self) -> bool:
+        """Requests, messages to apply or messages to send (``LocalRuntime.wait_idle``)."""
+        return bool(
+            self.engine.requests
+            or self.tracked
+            or self.has_work_waiting
+            or (self._outbox is not None and not self._outbox.empty())
+        )
+
+    @property
+    def has_work_waiting(self) -> bool:
+        """Messages or calls the step loop has not applied yet."""
+        return bool(self.inbox or self._calls)
+
+    def post(self, out: list[PeerReq], notify: bool = True) -> None:
+        """Hand messages to the event loop's sender task (from the step loop's thread)."""
+        if not out or self._loop is None or self._outbox is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the event loop closed: shutting down
+            self._loop.call_soon_threadsafe(self._outbox.put_nowait, (out, notify))
+
+        # ------------------------------------------------------------------- receive
+
     async def _receive_loop(self) -> None:
         while not self._closing:
             try:
@@ -156,13 +219,24 @@ class SubServer:
                 self.metrics.error(self.name, "recv_failed")
                 await asyncio.sleep(0.05)
                 continue
+            for msg in batch:
+                self.metrics.peer_message(self.name, msg.sent_at)
             self.deliver(batch)
+
+    def between_steps(self, out: list[PeerReq]) -> None:
+        """On the step loop's thread, before a launch: what the event loop asked for
+        (failed sends), the inbox, and the expiry sweep when it is due."""
+        while self._calls:
+            self._calls.popleft()(out)
+        if self.inbox:
+            self._apply_inbox(out)
+        if time.monotonic() >= self.next_sweep:
+            self._sweep_expired(out)
 
     def _apply_inbox(self, out: list[PeerReq]) -> None:
         counted = False
         while self.inbox:
             msg = self.inbox.popleft()
-            self.metrics.peer_message(self.name, msg.sent_at)
             if msg.active_requests is not None:  # from an ingress, 0 included
                 self._ingress_counts[msg.src] = (msg.active_requests, time.monotonic())
                 counted = True
@@ -248,69 +322,55 @@ class SubServer:
         if rid not in self.engine.requests:  # the extend reached the context limit
             self._finished(tracked, "length", out)
 
-    # -------------------------------------------------------------------- decode
-    async def _decode_loop(self) -> None:
-        while not self._closing:
+    # ------------------------------------------------------------------ sending
+    async def _sender(self) -> None:
+        """Send what the step loop posts, in order (one frame per destination)."""
+        assert self._outbox is not None
+        while True:
+            out, notify = await self._outbox.get()
+            t0 = time.perf_counter()
             try:
-                await self._decode_once()
-            except (asyncio.CancelledError, ChannelClosed):
-                raise
-            except Exception:  # last line of defence: log, count, go on
-                logger.exception("%s: decode loop iteration failed", self.name)
-                self.metrics.error(self.name, "loop_error")
-                self.engine.discard_uncommitted()
-                await asyncio.sleep(0.01)
-
-    async def _decode_once(self) -> None:
-        out: list[PeerReq] = []
-        self._apply_inbox(out)
-        if time.monotonic() >= self._next_sweep:
-            self._sweep_expired(out)
-        if out:
-            await self._send(out)
-        if not self.engine.has_runnable:
-            self._deferred_since = None
-            self._wake.clear()
-            if not self.inbox:  # wake for the next sweep while anything is held here
-                await self._sleep_until(self._next_sweep if self.tracked else None)
-            return
-        try:
-            step = await asyncio.to_thread(self._forward_and_route)
-        except Exception as exc:  # a broken step must not take the model down
-            logger.exception("%s: step failed", self.name)
-            self.metrics.error(self.name, "step_failed")
-            await self._send(self._fail_runnable(f"step failed: {exc}"))
-            return
-        if step is None:  # deferred: wait for more work or the max-wait deadline
-            await self._sleep_until(self.engine.deferred_until)
-            return
-        result, destinations, scores = step
-        out = self._commit(result, destinations, scores)
-        if out:
-            await self._send(out)
+                await self._send(out, notify)
+            except ChannelClosed:
+                return
+            except Exception:  # never stop sending over one batch
+                logger.exception("%s: send failed", self.name)
+                self.metrics.error(self.name, "send_failed")
+            self.steps.profile.add("send", time.perf_counter() - t0)
 
     async def _send(self, out: list[PeerReq], notify: bool = True) -> None:
         """One frame per destination. A destination that cannot take its frame (unknown,
-        unreachable) fails the requests it concerned: a HANDOFF's request ends with an error
-        (FINISHED to the ingress and the other holders, sent with ``notify=False``); for a
-        frame to the ingress, the requests are dropped here."""
+        unreachable) fails the requests it concerned, on the step loop's thread: a
+        HANDOFF's request ends with an error (FINISHED to the ingress and the other
+        holders, sent with ``notify=False``); for a frame to the ingress, the requests are
+        dropped here."""
         groups: dict[str, list[PeerReq]] = {}
         for msg in out:
             groups.setdefault(msg.dst, []).append(msg)
-        follow_up: list[PeerReq] = []
+        undelivered: list[tuple[PeerReq, str]] = []
+        profile = self.steps.profile
         for dst, msgs in groups.items():
             try:
                 await self.channel.send(dst, msgs)
+                profile.frames += 1
+                profile.messages += len(msgs)
             except ChannelClosed:
                 raise
             except Exception as exc:
                 logger.warning("%s: send to %s failed: %s", self.name, dst, exc)
                 self.metrics.error(self.name, "send_failed")
                 self.channel.forget_peer(dst)
-                for msg in msgs:
-                    self._undeliverable(msg, f"peer {dst} unreachable: {exc}", follow_up)
-        if follow_up and notify:
-            await self._send(follow_up, notify=False)
+                undelivered += [(msg, f"peer {dst} unreachable: {exc}") for msg in msgs]
+        if undelivered and notify:
+
+            def fail(follow_up: list[PeerReq]) -> None:
+                mine: list[PeerReq] = []
+                for msg, error in undelivered:
+                    self._undeliverable(msg, error, mine)
+                self.post(mine, notify=False)
+
+            self._calls.append(fail)
+            self.steps.wake()
 
     def _undeliverable(self, msg: PeerReq, error: str, out: list[PeerReq]) -> None:
         tracked = self.tracked.get(msg.rid)
@@ -326,60 +386,90 @@ class SubServer:
     def _sweep_expired(self, out: list[PeerReq]) -> None:
         """End requests held past their deadline plus ``EXPIRY_GRACE_S`` (their ingress
         normally aborts them at the deadline; this frees state whose ingress is gone)."""
-        self._next_sweep = time.monotonic() + SWEEP_PERIOD_S
+        self.next_sweep = time.monotonic() + SWEEP_PERIOD_S
         self._forget_silent_ingresses()
         cutoff = time.time() - EXPIRY_GRACE_S
         for tracked in [t for t in self.tracked.values() if t.deadline and t.deadline < cutoff]:
             self.metrics.error(self.name, "expired")
             self._finished(tracked, "error", out, error="deadline passed")
 
-    async def _sleep_until(self, deadline: float | None) -> None:
-        self._wake.clear()
-        if self.inbox:
-            return
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+    # ------------------------------------------------------------- the step's parts
+    # Called by the step loop (runtime/step_loop.py), in this order, on its thread.
+    def note_deferred(self, deferred: bool) -> None:
+        """Nothing launched: the threshold held runnable work back (``deferred``) or idle."""
+        if deferred and self._deferred_since is None:
+            self._deferred_since = time.monotonic()
+        elif not deferred:
+            self._deferred_since = None
 
-    def _forward_and_route(
-        self,
-    ) -> tuple[StepResult, list[int], list[float | None] | None] | None:
-        """One step and its routing: the result, each row's destination, and the policy's
-        per-row scores on the host when some row's request asked for a routing trace."""
-        started = time.time()
-        result = self.engine.execute()
-        if result is None:
-            if self.engine.deferred_until is not None and self._deferred_since is None:
-                self._deferred_since = time.monotonic()
-            return None
+    def note_launched(self, started: float) -> None:
+        """A step was launched (``started``: ``time.perf_counter()`` before scheduling)."""
         if self._deferred_since is not None:
             self.metrics.deferred_wait(self.name, time.monotonic() - self._deferred_since)
             self._deferred_since = None
         self.num_steps += 1
         if self._unqueued:
-            self._note_queued(started)
+            self._note_queued(time.time() - (time.perf_counter() - started))
+
+    def route(self, result: StepResult) -> Routed:
+        """The policy's destination for every row of a collected step (before its commit),
+        and the per-row scores on the host when some row's request asked for a trace."""
         if not result.request_ids:
-            self.metrics.step(self.name, result.batch_size, result.timings.total, None)
-            return result, [], None
+            return Routed([])
         requests = [self.engine.requests[rid] for rid in result.request_ids]
+        is_first = [r.num_output_tokens == 0 for r in requests]
         batch = RouteBatch.of_step(
             self.index,
             result,
             prev_tokens=[r.last_token_id for r in requests],
-            is_first=[r.num_output_tokens == 0 for r in requests],
+            is_first=is_first,
             seeds=[r.seed for r in requests],
             embed=self._embed,
         )
         t0 = time.perf_counter()
         destinations = self.policy.route_step(batch)
-        route_seconds = time.perf_counter() - t0
+        route_s = time.perf_counter() - t0
         scores = None
         if batch.scores is not None and any(r.sampling.trace for r in requests):
             scores = host_scores(batch)
+        firsts = [r for r, first in zip(requests, is_first, strict=True) if first]
+        return Routed(destinations, scores, route_s, firsts)
+
+    def decide_and_commit(self, result: StepResult, routed: Routed) -> Decided:
+        """The policy's decisions for leaving rows, then the engine's commit (append,
+        stop checks, pause leavers): what the next launch must see."""
+        leaving, failed = self._decide(result, routed.destinations)
+        drop = {rid for rid, (_, send) in leaving.items() if send.drop_sampled}
+        outputs = self.engine.commit(result, drop=drop, pause=leaving.keys())
+        return Decided(leaving, failed, drop, outputs)
+
+    def report(
+        self, result: StepResult, routed: Routed, decided: Decided, out: list[PeerReq]
+    ) -> None:
+        """After the next step was launched: metrics, the tuner's statistics and the
+        messages reporting the commit (COMMIT, HANDOFF, FINISHED) into ``out``."""
+        timings = result.timings
         self.metrics.step(
-            self.name, result.batch_size, result.timings.total, route_seconds, requests
+            self.name,
+            result.batch_size,
+            timings.total,
+            routed.route_s,
+            routed.first_tokens,
+            started=time.monotonic() - timings.total - (routed.route_s or 0.0),
         )
-        return result, destinations, scores
+        self._record_step(result, routed.destinations, decided.drop)
+        committed = self._report(
+            decided.outputs,
+            result,
+            decided.leaving,
+            decided.failed,
+            out,
+            decided.drop,
+            routed.scores,
+        )
+        self._fail_requests(decided.failed, out)
+        self.metrics.committed(self.name, committed, len(decided.drop))
+        self.metrics.engine_state(self.name, self.engine)
 
     def _note_queued(self, started: float) -> None:
         """Queue time (the ingress sent the NEW -> the start of the first step computing
@@ -392,23 +482,6 @@ class SubServer:
             elif request.num_computed_tokens > 0:
                 tracked.queue_s = max(0.0, started - sent)
                 del self._unqueued[rid]
-
-    def _commit(
-        self,
-        result: StepResult,
-        destinations: list[int],
-        scores: list[float | None] | None = None,
-    ) -> list[PeerReq]:
-        """After a step: the policy's decisions, the tuner's statistics, the engine's
-        commit, then the messages that report it (COMMIT, HANDOFF, FINISHED)."""
-        leaving, failed = self._decide(result, destinations)
-        drop = {rid for rid, (_, send) in leaving.items() if send.drop_sampled}
-        self._record_step(result, destinations, drop)
-        outputs = self.engine.commit(result, drop=drop, pause=leaving.keys())
-        out, committed = self._report(outputs, result, leaving, failed, drop, scores)
-        self._fail_requests(failed, out)
-        self.metrics.committed(self.name, committed, len(drop))
-        return out
 
     def _decide(
         self, result: StepResult, destinations: list[int]
@@ -446,24 +519,28 @@ class SubServer:
         result: StepResult,
         leaving: dict[str, tuple[int, Send]],
         failed: dict[str, str],
+        out: list[PeerReq],
         drop: set[str] | frozenset[str] = frozenset(),
         scores: list[float | None] | None = None,
-    ) -> tuple[list[PeerReq], int]:
+    ) -> int:
         """The messages for one commit: COMMIT (new tokens) and FINISHED to the ingress,
         HANDOFF for requests leaving. A handoff that cannot be built adds its request to
-        ``failed``. Returns the messages and how many tokens were committed.
+        ``failed``. The messages go into ``out``, HANDOFFs first (a peer can start on
+        them at once); returns how many tokens were committed.
 
         Requests that asked for per-token reports (logprobs, routing trace) get one
         ``TokenInfo`` per committed token; a traced request's dropped token travels in
         its route state (``drops``) to the model that fills the position, whose COMMIT
         reports it."""
         rows = {rid: i for i, rid in enumerate(result.request_ids)}
-        out: list[PeerReq] = []
+        reports: list[PeerReq] = []
         committed = 0
         for o in outputs:
             rid = o.request_id
+            tracked = self.tracked.get(rid)
+            if tracked is None:  # aborted or finished since the commit: nothing to report
+                continue
             try:
-                tracked = self.tracked[rid]
                 row = rows[rid]
                 if rid in drop:
                     tracked.dropped += 1
@@ -476,7 +553,7 @@ class SubServer:
                     info = None
                     if tracked.sampling.reports_tokens:
                         info = [self._token_info(tracked, result, row, scores)]
-                    out.append(
+                    reports.append(
                         self._to_ingress(
                             tracked,
                             MsgKind.COMMIT,
@@ -486,13 +563,14 @@ class SubServer:
                         )
                     )
                 if o.finished:
-                    self._finished(tracked, o.finish_reason, out)
+                    self._finished(tracked, o.finish_reason, reports)
                 elif rid in leaving:
                     dst, send = leaving[rid]
                     out.append(self._handoff(tracked, self.engine.sequence(rid), dst, send.extras))
             except Exception as exc:  # e.g. no replica of the destination is known
                 failed[rid] = f"handing {rid} on failed: {exc!r}"
-        return out, committed
+        out += reports
+        return committed
 
     @staticmethod
     def _token_info(
@@ -614,7 +692,7 @@ class SubServer:
                     )
                 )
 
-    def _fail_runnable(self, error: str) -> list[PeerReq]:
+    def fail_runnable(self, error: str) -> list[PeerReq]:
         """End every request that could have been in the failed step, with an error."""
         self.engine.discard_uncommitted()
         out: list[PeerReq] = []

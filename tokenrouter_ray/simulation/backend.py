@@ -1,7 +1,7 @@
 """A simulated model backend: the real engine, scheduler, sub-servers and protocol, no network.
 
-``SimRunner`` stands in for ``ModelRunner``: ``execute`` sleeps for the profiled step time of
-the batch it was given (``ModelProfile.step_time_ms(batch size)`` times ``time_scale``) and
+``SimRunner`` stands in for ``ModelRunner``: a step launched on it takes the profiled step time
+of the batch it was given (``ModelProfile.step_time_ms(batch size)`` times ``time_scale``) and
 returns a ``StepResult`` with one token (id ``token_id``) per request that samples. Everything
 else is the production code path: ``Engine`` + ``Scheduler`` (deferred launch with the
 thresholds under test), ``SubServer`` decode loops (``execute`` in a worker thread, the
@@ -71,8 +71,10 @@ class SimRunner:
     """A ``ModelRunner`` that computes nothing: it sleeps for the profiled step time.
 
     ``step_seconds(batch)`` gives the step duration for a batch of that many requests (all
-    scheduled requests count, sampling or not). The sleep runs in the sub-server's worker
-    thread (``asyncio.to_thread``), so the event loop keeps serving the other models.
+    scheduled requests count, sampling or not). ``launch`` starts a step on a simulated
+    device and returns at once; the sub-server's step loop does its host work meanwhile and
+    then waits (sleeps) for the rest of the step, so the step period is
+    max(step time, host work on the critical path), as on a GPU.
     The OS timer oversleeps (timer slack, wake-up latency: ~0.1-0.3 ms on a busy machine),
     so every sleep is shortened by ``sleep_bias_s``, which adapts after each step (an
     exponential average of the error) so that on average a step lasts its profiled time;
@@ -90,6 +92,7 @@ class SimRunner:
         keep_hidden: bool = False,
         record_gaps: bool = True,
         adaptive: bool = True,
+        token_of: Callable[[int], int] | None = None,
     ) -> None:
         if not 0 <= token_id < vocab_size:
             raise ValueError(f"token_id {token_id} outside the vocabulary 0..{vocab_size - 1}")
@@ -98,6 +101,7 @@ class SimRunner:
         self.max_positions = max_position_embeddings
         self.eos_token_ids: frozenset[int] = frozenset()
         self.token_id = token_id
+        self.token_of = token_of  # position -> token id (default: token_id everywhere)
         self.sleep_bias_s = sleep_bias_s
         self.keep_logits = keep_logits
         self.keep_hidden = keep_hidden
@@ -115,41 +119,56 @@ class SimRunner:
         self._last_end = None
 
     def execute(self, out: SchedulerOutput, timings: StepTimings) -> StepResult:
+        """One step, start to finish (what a caller that does not overlap sees)."""
+        return self.launch(out, timings)()
+
+    def launch(self, out: SchedulerOutput, timings: StepTimings) -> Callable[[], StepResult]:
+        """Start one step on the simulated device and return at once; the returned call
+        waits until the device is done (the profiled step time after the launch) and gives
+        the result. Host work done between the two overlaps the step, as it does on a GPU
+        whose kernels are queued and whose sampled tokens are read back at the end."""
         t0 = time.perf_counter()
         sampling = [c.request for c in out.chunks if c.samples]
         batch = len(out.chunks)
         duration = self.step_seconds(batch)
-        remaining = duration - self.sleep_bias_s
-        if remaining > 0:
-            time.sleep(remaining)
-        t1 = time.perf_counter()
-        if self.adaptive:
-            error = (t1 - t0) - duration
-            self.sleep_bias_s = min(max(0.0, self.sleep_bias_s + 0.2 * error), duration / 2)
+        ready_at = t0 + duration
         n = len(sampling)
-        tokens = [self.token_id] * n
-        logits = torch.zeros((n, self.vocab_size)) if self.keep_logits else None
-        hidden = torch.zeros((n, SIM_HIDDEN_SIZE)) if self.keep_hidden else None
-        stats = self.stats
-        if self.record_gaps and self._last_end is not None:
-            stats.gaps_s.append(t0 - self._last_end)
-        self._last_end = t1
-        stats.steps += 1
-        stats.batch_sum += batch
-        stats.busy_s += t1 - t0
-        stats.oversleep_s += (t1 - t0) - duration
-        timings.forward = t1 - t0
-        return StepResult(
+        positions = [r.num_tokens for r in sampling]
+        tokens = [self.token_of(p) for p in positions] if self.token_of else [self.token_id] * n
+        result = StepResult(
             request_ids=[r.request_id for r in sampling],
             sampled=torch.tensor(tokens, dtype=torch.long),
             token_ids=tokens,
-            positions=[r.num_tokens for r in sampling],
-            logits=logits,
-            hidden=hidden,
+            positions=positions,
+            logits=torch.zeros((n, self.vocab_size)) if self.keep_logits else None,
+            hidden=torch.zeros((n, SIM_HIDDEN_SIZE)) if self.keep_hidden else None,
             num_scheduled_tokens=out.num_tokens,
             batch_size=batch,
             timings=timings,
         )
+        stats = self.stats
+        if self.record_gaps and self._last_end is not None:
+            stats.gaps_s.append(t0 - self._last_end)
+        stats.steps += 1
+        stats.batch_sum += batch
+
+        def wait() -> StepResult:
+            remaining = ready_at - time.perf_counter() - self.sleep_bias_s
+            slept = remaining > 0
+            if slept:
+                time.sleep(remaining)
+            t1 = time.perf_counter()
+            if slept and self.adaptive:  # learn the timer's oversleep
+                error = t1 - ready_at
+                self.sleep_bias_s = min(max(0.0, self.sleep_bias_s + 0.2 * error), duration / 2)
+            done = max(t1, ready_at) if slept else ready_at  # when the device finished
+            self._last_end = done
+            stats.busy_s += done - t0
+            stats.oversleep_s += done - ready_at
+            timings.forward = done - t0
+            return result
+
+        return wait
 
 
 def profile_step_seconds(model: ModelProfile, time_scale: float = 1.0) -> Callable[[int], float]:

@@ -1,0 +1,409 @@
+"""The host path: the runtime's own cost, measured on simulated models at GPU step times.
+
+    python -m loadtest.host_path                      # in-process + served, ~6 minutes
+    python -m loadtest.host_path --levels 8 --window-s 1 --no-served   # tiny (CI)
+    python -m loadtest --preset host                  # the same, from the harness
+
+Two parts, both on ``SimRunner`` (a simulated device: a launched step takes the profile's
+time, the host works meanwhile; ``simulation/backend.py``):
+
+1. **In process** (``LocalRuntime``: every sub-server's real step loop, scheduler, engine,
+   policy and protocol, in-process channels): closed loop at each N, for the ``paper``
+   profile (6.0 / 27.9 ms) at all-1 thresholds (Eager-Async) and at the Markov model's best
+   table, and for the ``zero`` profile (1 µs steps). Printed per level: tok/s beside the
+   Markov prediction, each model's step period beside its profiled step time, the host's
+   time per step by phase (critical path: route, commit, receive, launch; overlapped:
+   report, send) and frames and messages per committed token.
+2. **Served** (``conf/sim_paper.yaml``'s app on a local Ray cluster: HTTP and SSE through
+   Serve's proxy, the ingress deployment, ZeroMQ ipc, the ModelServer deployments): closed
+   loop of streaming ``openai`` clients; tok/s from the ingress's own count, step periods
+   and host phases from the replicas' status route, the ingress's CPU time per streamed
+   token, and TTFT (HTTP request to the first SSE content chunk) on the ``zero`` profile
+   at N = 1, where the simulated prefill costs nothing.
+
+Targets (PASS / MISS, never a failure): paper >= 93 % of Markov at N = 8 and >= 90 % at N = 32;
+tuned / Eager-Async within 3 points of the model's ratio; zero profile: critical-path host
+time per step <= 0.3 ms + 10 µs per row; step period <= 1.05x the profiled step at batch 32
+(paper, large model); served TTFT overhead <= 5 ms at N = 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadtest.common import command, machine
+from tokenrouter_ray.simulation.loads import ClosedLoop
+from tokenrouter_ray.thresholds import is_admissible
+from tokenrouter_ray.tuning.examples import paper_r2r
+from tokenrouter_ray.tuning.markov import throughput
+from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
+
+Q = 0.35  # p(small -> large), the paper's R2R setting
+
+
+def zero_profile() -> RoutingProfile:
+    p = paper_r2r()
+    models = (ModelProfile.constant("small", 0.001), ModelProfile.constant("large", 0.001))
+    return RoutingProfile(models, p.route_prob, p.commit, p.grain_ms)
+
+
+def best_thresholds(profile: RoutingProfile, n: int) -> tuple[tuple[int, int], float]:
+    """The Markov model's best (B_small = 1, B_large) at N, and its predicted tok/s."""
+    best = ((1, 1), throughput(profile, n, (1, 1)).throughput)
+    for b in range(2, n + 1):
+        if not is_admissible(n, (1, b)):
+            break
+        value = throughput(profile, n, (1, b)).throughput
+        if value > best[1]:
+            best = ((1, b), value)
+    return best
+
+
+@dataclass
+class Level:
+    """One closed-loop level of one system."""
+
+    system: str
+    n: int
+    thresholds: tuple[int, int]
+    tok_s: float
+    predicted: float | None
+    step_ms: tuple[float, float]  # step period per model: launch to launch, back-to-back steps
+    profiled_ms: tuple[float, float]  # the profile's step time at the mean batch
+    mean_batch: tuple[float, float]
+    host_us: dict[str, dict[str, float]]  # model -> phase -> µs per step
+    frames_per_token: float
+    messages_per_token: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        return self.tok_s / self.predicted if self.predicted else None
+
+
+async def in_process_level(
+    system: str,
+    profile: RoutingProfile,
+    n: int,
+    thresholds: tuple[int, int],
+    window_s: float,
+    warmup_s: float,
+    predicted: float | None,
+) -> Level:
+    loop = ClosedLoop(profile, n, thresholds, max_defer_s=float("inf"))
+    async with loop:
+        await asyncio.sleep(warmup_s)
+        before = [_host(s) for s in loop.servers]
+        ingress0 = loop.runtime.ingress.frames_received if loop.runtime.ingress else 0
+        m = await loop.measure(window_s, thresholds)
+        after = [_host(s) for s in loop.servers]
+        servers = list(loop.servers)
+        ingress1 = loop.runtime.ingress.frames_received if loop.runtime.ingress else 0
+    host = {}
+    frames = ingress1 - ingress0
+    messages = 0
+    periods = []
+    for server, a, b in zip(servers, after, before, strict=True):
+        count = a["periods"] - b["periods"]
+        periods.append((a["period_s"] - b["period_s"]) / count * 1e3 if count else float("nan"))
+        steps = max(1, a["steps"] - b["steps"])
+        host[server.name] = {
+            k: (a["phases"].get(k, 0.0) - b["phases"].get(k, 0.0)) / steps * 1e6
+            for k in sorted(a["phases"])
+        }
+        host[server.name]["critical"] = (a["critical_s"] - b["critical_s"]) / steps * 1e6
+        host[server.name]["rows"] = (a["rows"] - b["rows"]) / steps
+        frames += a["frames"] - b["frames"]
+        messages += a["messages"] - b["messages"]
+    tokens = max(1.0, m.tokens)
+    return Level(
+        system,
+        n,
+        thresholds,
+        m.throughput,
+        predicted,
+        tuple(periods),  # type: ignore[arg-type]
+        tuple(
+            mp.step_time_ms(max(1, round(b)))
+            for mp, b in zip(profile.models, m.mean_batch, strict=True)
+        ),  # type: ignore[arg-type]
+        m.mean_batch,  # type: ignore[arg-type]
+        host,
+        frames / tokens,
+        messages / tokens,
+        {"median_gap_ms": m.median_gap_ms, "oversleep_ms": m.oversleep_ms},
+    )
+
+
+def _host(server: Any) -> dict[str, Any]:
+    p = server.steps.profile
+    return {
+        "steps": p.steps,
+        "rows": p.rows,
+        "phases": dict(p.phases),
+        "critical_s": p.critical_s,
+        "frames": p.frames,
+        "messages": p.messages,
+        "period_s": p.period_s,
+        "periods": p.periods,
+    }
+
+
+def run_in_process(levels: list[int], window_s: float, warmup_s: float) -> list[Level]:
+    out: list[Level] = []
+    paper, zero = paper_r2r(), zero_profile()
+
+    def run(system: str, profile: RoutingProfile, n: int, b: tuple[int, int], pred: float | None):
+        level = asyncio.run(in_process_level(system, profile, n, b, window_s, warmup_s, pred))
+        out.append(level)
+        _print_level(level)
+
+    for n in levels:
+        run("paper eager", paper, n, (1, 1), throughput(paper, n, (1, 1)).throughput)
+        tuned_b, tuned = best_thresholds(paper, n)
+        if tuned_b != (1, 1):
+            run("paper tuned", paper, n, tuned_b, tuned)
+        run("zero", zero, n, (1, 1), None)
+    return out
+
+
+def _print_level(level: Level) -> None:
+    ratio = f"{level.ratio:6.1%}" if level.ratio is not None else "   -  "
+    pred = f"{level.predicted:8.1f}" if level.predicted else "       -"
+    host = "; ".join(
+        f"{m}: crit {h.get('critical', 0):.0f} µs ({h.get('rows', 0):.0f} rows), "
+        f"report {h.get('report', 0):.0f}, send {h.get('send', 0):.0f}"
+        for m, h in level.host_us.items()
+    )
+    print(
+        f"{level.system:12} N={level.n:3} B={level.thresholds} {level.tok_s:9.1f} tok/s "
+        f"pred {pred} ({ratio})  step ms {level.step_ms[0]:.2f}/{level.step_ms[1]:.2f} "
+        f"(profile {level.profiled_ms[0]:.2f}/{level.profiled_ms[1]:.2f}, batch "
+        f"{level.mean_batch[0]:.1f}/{level.mean_batch[1]:.1f})  frames/tok "
+        f"{level.frames_per_token:.2f} msgs/tok {level.messages_per_token:.2f}  [{host}]",
+        flush=True,
+    )
+
+
+# ------------------------------------------------------------------------------- served
+SimDeploy = Callable[[list[str], str], AbstractContextManager[str]]
+
+
+def sim_overrides(profile: str) -> list[str]:
+    """``conf/sim_paper.yaml``'s app with both models on ``profile``."""
+    return [
+        "models=sim_paper",
+        "policy=bernoulli",
+        "transport=zmq_ipc",
+        "placement=local",
+        f"models.small.sim.profile={profile}",
+        f"models.large.sim.profile={profile}",
+    ]
+
+
+def run_served(
+    levels: list[int], window_s: float, max_tokens: int, deploy: SimDeploy,
+    profiles: tuple[str, ...] = ("paper", "zero"),
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Each profile's app deployed with ``deploy(overrides, name)`` (a context manager
+    yielding the app's OpenAI base URL), driven at each level."""
+    rows: list[dict[str, Any]] = []
+    for profile in profiles:
+        with deploy(sim_overrides(profile), f"host-{profile}") as base:
+            url = base.removesuffix("/v1")
+            asyncio.run(_wait_ready(url))
+            for n in levels:
+                row = asyncio.run(_served_level(url, n, window_s, max_tokens))
+                row.update(profile=profile, n=n)
+                if profile == "paper":
+                    row["predicted"] = throughput(paper_r2r(), n, (1, 1)).throughput
+                rows.append(row)
+                _print_served(row)
+    return rows
+
+
+async def _wait_ready(url: str, timeout_s: float = 180.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            try:
+                if (await client.get(f"{url}/health", timeout=2)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"{url} did not become healthy")
+
+
+async def _stats(url: str) -> dict[str, Any]:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        return (await client.get(f"{url}/v1/tokenrouter/stats", timeout=10)).json()
+
+
+async def _served_level(url: str, n: int, window_s: float, max_tokens: int) -> dict[str, Any]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    stop = asyncio.Event()
+    ttfts: list[float] = []
+    chunks = [0]
+
+    async def one_client() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            first = True
+            stream = await client.chat.completions.create(
+                model="tokenrouter",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    chunks[0] += 1
+                    if first:
+                        ttfts.append(time.perf_counter() - t0)
+                        first = False
+
+    tasks = [asyncio.create_task(one_client()) for _ in range(n)]
+    await asyncio.sleep(min(2.0, window_s))  # warm-up
+    s0, t0, c0, ttft0 = await _stats(url), time.perf_counter(), chunks[0], len(ttfts)
+    await asyncio.sleep(window_s)
+    s1, t1, c1 = await _stats(url), time.perf_counter(), chunks[0]
+    stop.set()
+    await asyncio.wait(tasks, timeout=60)
+    for t in tasks:
+        t.cancel()
+    elapsed = t1 - t0
+    tokens = s1["tokens_received"] - s0["tokens_received"]
+    models = {}
+    for name, st in s1["models"].items():
+        before = s0["models"][name]
+        sim0, sim1 = before.get("sim") or {}, st.get("sim") or {}
+        steps = max(1, sim1.get("steps", 0) - sim0.get("steps", 0))
+        models[name] = {
+            "step_ms": elapsed / steps * 1e3,
+            "mean_batch": sim1.get("mean_batch"),
+            "host_us": st.get("host", {}).get("per_step_us"),
+        }
+    window_ttfts = ttfts[ttft0:] or ttfts
+    return {
+        "tok_s": tokens / elapsed,
+        "sse_chunks_per_token": (c1 - c0) / max(1, tokens),
+        "frames_per_token": (s1["frames_received"] - s0["frames_received"]) / max(1, tokens),
+        "ingress_cpu_us_per_token": (s1["cpu_s"] - s0["cpu_s"]) / max(1, tokens) * 1e6,
+        "ttft_ms_p50": 1e3 * statistics.median(window_ttfts) if window_ttfts else None,
+        "models": models,
+    }
+
+
+def _print_served(row: dict[str, Any]) -> None:
+    pred = row.get("predicted")
+    ratio = f" ({row['tok_s'] / pred:.1%} of {pred:.1f})" if pred else ""
+    steps = ", ".join(
+        f"{m}: step {v['step_ms']:.2f} ms, batch {v['mean_batch'] or 0:.1f}, "
+        f"crit {(v['host_us'] or {}).get('critical', 0):.0f} µs"
+        for m, v in row["models"].items()
+    )
+    print(
+        f"served {row['profile']:5} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
+        f"{row['ttft_ms_p50'] or 0:.1f} ms  ingress CPU {row['ingress_cpu_us_per_token']:.0f} "
+        f"µs/token  SSE chunks/token {row['sse_chunks_per_token']:.2f}  frames/token "
+        f"{row['frames_per_token']:.2f}  [{steps}]",
+        flush=True,
+    )
+
+
+# ------------------------------------------------------------------------------ targets
+def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+    out: list[tuple[str, bool, str]] = []
+
+    def level(system: str, n: int) -> Level | None:
+        return next((x for x in levels if x.system == system and x.n == n), None)
+
+    for n, goal in ((8, 0.93), (32, 0.90)):
+        x = level("paper eager", n)
+        if x is not None and x.ratio is not None:
+            out.append((f"paper N={n} >= {goal:.0%} of Markov", x.ratio >= goal, f"{x.ratio:.1%}"))
+    for n in sorted({x.n for x in levels}):
+        eager, tuned = level("paper eager", n), level("paper tuned", n)
+        if eager and tuned and eager.predicted and tuned.predicted:
+            measured = tuned.tok_s / eager.tok_s
+            model = tuned.predicted / eager.predicted
+            out.append((
+                f"N={n} tuned/eager within 3 points of the model",
+                abs(measured - model) <= 0.03,
+                f"measured {measured:.3f}, model {model:.3f}",
+            ))  # fmt: skip
+    for x in (x for x in levels if x.system == "zero"):
+        for model, h in x.host_us.items():
+            bound = 300 + 10 * h.get("rows", 0)
+            crit = h.get("critical", 0.0)
+            out.append((
+                f"zero N={x.n} {model}: critical host <= 0.3 ms + 10 µs/row",
+                crit <= bound,
+                f"{crit:.0f} µs vs {bound:.0f}",
+            ))  # fmt: skip
+    for x in (x for x in levels if x.system.startswith("paper") and x.n >= 32):
+        ratio = x.step_ms[1] / x.profiled_ms[1]
+        out.append((
+            f"{x.system} N={x.n}: large step period <= 1.05x profile",
+            ratio <= 1.05,
+            f"{x.step_ms[1]:.2f} ms vs {x.profiled_ms[1]:.2f} ({ratio:.3f}x)",
+        ))  # fmt: skip
+    for row in served:
+        if row["profile"] == "zero" and row["n"] == 1 and row["ttft_ms_p50"] is not None:
+            out.append((
+                "served TTFT overhead <= 5 ms at N=1 (zero profile)",
+                row["ttft_ms_p50"] <= 5.0,
+                f"{row['ttft_ms_p50']:.1f} ms",
+            ))  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--levels", default="1,8,32,64", help="closed-loop N, e.g. 1,8,32")
+    parser.add_argument("--window-s", type=float, default=4.0)
+    parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=128, help="served answers' length")
+    parser.add_argument("--no-served", action="store_true", help="skip the Serve app part")
+    parser.add_argument("--served-levels", default="1,8,32")
+    parser.add_argument("--port", type=int, default=18170)
+    parser.add_argument("--out", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    print(f"# host path: {machine()}\n# {command()}", flush=True)
+    in_process = run_in_process(levels, args.window_s, args.warmup_s)
+    served: list[dict[str, Any]] = []
+    if not args.no_served:
+        served_levels = [int(x) for x in args.served_levels.split(",")]
+        from loadtest.__main__ import ray_serve_deploy
+
+        deploy = ray_serve_deploy(args.port)
+        served = run_served(served_levels, args.window_s, args.max_tokens, deploy)
+    print("\n# targets (PASS / MISS; they never fail the run)")
+    for name, ok, detail in targets(in_process, served):
+        print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"in_process": [x.__dict__ for x in in_process], "served": served},
+                      f, indent=1, default=str)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

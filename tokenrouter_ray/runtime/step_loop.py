@@ -1,0 +1,249 @@
+"""The engine's own thread: one model replica's step loop, with host work off the critical path.
+
+A ``StepLoop`` owns a thread that is the only code touching its sub-server's engine. It never
+hops threads or awaits per step. One iteration, with step ``t`` running on the device:
+
+    collect(t)                      wait for the device: sampled tokens (one readback)
+    route(t)                        the policy on the step's device tensors; destinations out
+    decide + commit(t)              ``Policy.send`` for leaving rows, then the engine's commit
+                                    (append, stop checks, pause leavers): engine state only
+    apply inbox                     NEW / HANDOFF / FINISHED that arrived meanwhile
+    launch(t+1)                     schedule and start the next forward  <- critical path ends
+    report(t)                       COMMIT / HANDOFF / FINISHED messages, the tuner's window,
+                                    metrics; handed to the event loop, which encodes and
+                                    sends them (one frame per destination)  <- overlaps t+1
+
+So the step period is max(forward, critical-path host work), and what the previous step
+reports, records and sends runs while the next forward does. A row that leaves after step t
+costs nothing in step t+1: it is routed and paused before t+1 is scheduled, so the next
+batch never holds it and no stray KV is written for it. (Scheduling from the committed state
+keeps exactness trivially; preparing t+1's inputs *before* t's tokens are known, as SGLang
+does, would need the device to patch tokens in, and is what a GPU runner's ``launch`` can add
+without changing this loop.)
+
+The event loop keeps the receive task (frames -> ``SubServer.deliver`` -> the inbox, then
+``wake``) and the sender task (messages posted by ``post`` in order, sent per destination).
+Errors are contained as before: a failed step fails the requests that could have been in it,
+a failed report fails its requests, and the loop goes on.
+
+``HostProfile`` accumulates where the host time goes per phase (critical vs overlapped), for
+``loadtest`` and the status routes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tokenrouter_ray.engine.engine import PendingStep
+
+if TYPE_CHECKING:
+    from tokenrouter_ray.runtime.subserver import SubServer
+
+logger = logging.getLogger(__name__)
+
+# Python hands the GIL to a waiting thread only after this long (5 ms by default): a step
+# loop waking from a finished forward could sit that long behind the event loop's sends.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+MAX_WAIT_S = 3600.0  # an idle wait re-checks at least this often (also: inf deadlines)
+CRITICAL_PHASES = ("route", "commit", "receive", "launch")  # launch: schedule + prepare
+OVERLAPPED_PHASES = ("report", "send")
+
+
+@dataclass
+class HostProfile:
+    """Host seconds per phase over ``steps`` steps (``send``: the event loop's encoding and
+    sending; everything else: the step loop's thread). ``critical_s`` is the time from a
+    forward's end (collect returned) to the next launch returned, summed: the part of the
+    step period the host adds; ``wait_s``, the time the host waited for the device."""
+
+    steps: int = 0
+    rows: int = 0  # sampled rows, summed over steps
+    phases: dict[str, float] = field(default_factory=dict)
+    critical_s: float = 0.0
+    wait_s: float = 0.0
+    period_s: float = 0.0  # launch to launch, summed over back-to-back steps
+    periods: int = 0  # back-to-back steps (launched right after the previous one's commit)
+    frames: int = 0  # frames handed to the channel
+    messages: int = 0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+    def per_step_us(self) -> dict[str, float]:
+        """Mean microseconds per step of each phase, and of the critical path."""
+        n = max(1, self.steps)
+        out = {k: v / n * 1e6 for k, v in sorted(self.phases.items())}
+        out["critical"] = self.critical_s / n * 1e6
+        out["wait"] = self.wait_s / n * 1e6
+        out["period"] = self.period_s / max(1, self.periods) * 1e6
+        return out
+
+    def snapshot(self) -> dict[str, float | int | dict[str, float]]:
+        return {
+            "steps": self.steps,
+            "rows": self.rows,
+            "frames": self.frames,
+            "messages": self.messages,
+            "per_step_us": self.per_step_us(),
+        }
+
+
+class _Failed:
+    """A launch that raised: the error, reported after the previous step's messages."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class StepLoop:
+    """The thread that steps one engine (see the module docstring)."""
+
+    def __init__(self, server: SubServer) -> None:
+        self.server = server
+        self.engine = server.engine
+        self.profile = HostProfile()
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._launched_at: float | None = None  # when the running step was launched
+        self.error: BaseException | None = None  # what stopped the thread, if anything
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> None:
+        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:  # process-wide
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{self.server.name}-steps", daemon=True
+        )
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._closing = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --------------------------------------------------------------------- loop
+    def _run(self) -> None:
+        step: PendingStep | None = None
+        try:
+            while not self._closing:
+                try:
+                    step = self._iterate(step)
+                except Exception:  # last line of defence: log, count, go on
+                    logger.exception("%s: step loop iteration failed", self.server.name)
+                    self.server.metrics.error(self.server.name, "loop_error")
+                    self.engine.discard_uncommitted()
+                    step = None
+                    time.sleep(0.01)
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def _iterate(self, step: PendingStep | None) -> PendingStep | None:
+        server = self.server
+        if step is None:
+            t0 = time.perf_counter()
+            out: list = []
+            server.between_steps(out)
+            self.profile.add("receive", time.perf_counter() - t0)
+            if out:
+                server.post(out)
+            launched = self._launch()
+            if isinstance(launched, _Failed):
+                server.post(server.fail_runnable(f"step failed: {launched.error}"))
+                return None
+            if launched is None:
+                self._idle()
+            else:  # after an idle spell: not back-to-back
+                self._launched_at = time.perf_counter()
+            return launched
+        try:
+            result = self.engine.collect(step)
+        except Exception as exc:  # a broken step must not take the model down
+            logger.exception("%s: step failed", server.name)
+            server.metrics.error(server.name, "step_failed")
+            server.post(server.fail_runnable(f"step failed: {exc}"))
+            return None
+        done = time.perf_counter()
+        prof = self.profile
+        prof.wait_s += step.waited_s
+        prof.steps += 1
+        prof.rows += len(result.request_ids)
+        try:
+            routed = server.route(result)
+        except Exception as exc:
+            logger.exception("%s: routing failed", server.name)
+            server.metrics.error(server.name, "step_failed")
+            server.post(server.fail_runnable(f"step failed: {exc}"))
+            return None
+        t1 = time.perf_counter()
+        prof.add("route", t1 - done)
+        decided = server.decide_and_commit(result, routed)
+        t2 = time.perf_counter()
+        prof.add("commit", t2 - t1)
+        out = []
+        server.between_steps(out)
+        t3 = time.perf_counter()
+        prof.add("receive", t3 - t2)
+        launched = self._launch()  # the next forward runs from here on
+        t4 = time.perf_counter()
+        prof.critical_s += t4 - done
+        if isinstance(launched, PendingStep) and self._launched_at is not None:
+            prof.period_s += t4 - self._launched_at
+            prof.periods += 1
+        self._launched_at = t4 if isinstance(launched, PendingStep) else None
+        server.report(result, routed, decided, out)  # overlaps the forward just launched
+        prof.add("report", time.perf_counter() - t4)
+        if out:
+            server.post(out)
+        if isinstance(launched, _Failed):
+            server.post(server.fail_runnable(f"step failed: {launched.error}"))
+            return None
+        return launched
+
+    def _launch(self) -> PendingStep | _Failed | None:
+        """Schedule and start the next step (None: idle or deferred)."""
+        server = self.server
+        started = time.perf_counter()
+        try:
+            step = self.engine.launch()
+        except Exception as exc:
+            logger.exception("%s: step failed", server.name)
+            server.metrics.error(server.name, "step_failed")
+            self.engine.discard_uncommitted()
+            return _Failed(exc)
+        if step is None:
+            server.note_deferred(self.engine.deferred_until is not None)
+            return None
+        self.profile.add("launch", time.perf_counter() - started)
+        server.note_launched(started)
+        return step
+
+    def _idle(self) -> None:
+        """Nothing to launch: sleep until woken (inbox, thresholds, stop), the deferred
+        launch's deadline, or the next expiry sweep while requests are held."""
+        self._wake.clear()
+        server = self.server
+        if server.has_work_waiting:
+            return
+        deadline = self.engine.deferred_until
+        if deadline is None and server.tracked:
+            deadline = server.next_sweep
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self._wake.wait(timeout if timeout is None or timeout < MAX_WAIT_S else MAX_WAIT_S)
