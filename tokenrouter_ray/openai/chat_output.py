@@ -13,10 +13,12 @@ parser: a call written while thinking is thinking, not a call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenrouter_ray.openai.reasoning import QWEN3, ReasoningFormat, ReasoningParser
 from tokenrouter_ray.openai.tool_parser import HermesToolParser, ToolCall
+
+FinishReasonT = TypeVar("FinishReasonT", bound=str)
 
 
 @dataclass
@@ -93,6 +95,16 @@ class ChatOutputParser:
             content, calls = self.tools.finish()
             delta.add(self._record(ChatDelta(content, "", calls)))
         return delta
+
+    def end(self, tail: str) -> ChatDelta:
+        """The last delta: ``tail`` (the detokenizer's `finish`) and what was held back."""
+        delta = self.push(tail) if tail else ChatDelta()
+        delta.add(self.finish())
+        return delta
+
+    def finish_reason(self, reason: FinishReasonT) -> FinishReasonT:
+        """``"tool_calls"`` for an answer that ended by itself after calling tools."""
+        return "tool_calls" if reason == "stop" and self.has_tool_calls else reason  # type: ignore[return-value]
 
     def _route(self, reasoning: str, content: str) -> ChatDelta:
         calls: list[ToolCall] = []
