@@ -83,7 +83,14 @@ def _count_rejected_key() -> None:
 app.add_middleware(ApiKeyMiddleware, on_reject=_count_rejected_key)
 # X-Request-Id: accepted or made, returned on every response (added last: outermost, so a
 # 401 carries it too), and the prefix of the request's rids on every model.
-app.add_middleware(RequestIdMiddleware)
+app.add_middleware(RequestIdMiddleware, echo=lambda: not _Serve.running)
+
+
+class _Serve:
+    """Whether this app runs inside Serve, whose proxy echoes X-Request-Id (and makes one
+    when the client sent none), so the app must not add a second."""
+
+    running = False
 
 
 def _load_json(body: bytes) -> Any:
@@ -162,6 +169,7 @@ class Ingress:
         tuner: DeploymentHandle | None = None,
     ) -> None:
         cfg = AppConfig.model_validate(app_config)
+        _Serve.running = True
         self.cfg = cfg
         self.tuner = tuner
         self.slo_cap: int | None = None  # the tuner's SLO-mode concurrency, per replica

@@ -4,7 +4,8 @@
 disconnects pass through untouched) reads the request's ``X-Request-Id`` header, or makes
 one (``uuid4().hex``) when it is absent or unusable, puts it in ``scope["state"]``
 (Starlette's ``request.state.request_id``) and adds it to the response's headers, errors
-and streams included. The routes pass `rid_prefix` of it on the `PreparedRequest`; the
+and streams included (inside Ray Serve, whose proxy does the same, it only reads the
+header, so it is not sent twice). The routes pass `rid_prefix` of it on the `PreparedRequest`; the
 ingress starts every wire request id with it, so each model's log lines about that request
 (they name the rid) carry the client's id without a protocol field.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 HEADER = b"x-request-id"
@@ -38,10 +40,13 @@ def _usable(value: bytes) -> str | None:
 
 
 class RequestIdMiddleware:
-    """ASGI middleware: ``scope["state"]["request_id"]``, echoed as ``X-Request-Id``."""
+    """ASGI middleware: ``scope["state"]["request_id"]``, echoed as ``X-Request-Id`` while
+    ``echo()`` is true (Ray Serve's proxy echoes the header itself, and makes one when the
+    client sent none: inside Serve this middleware only reads it)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, echo: Callable[[], bool] = lambda: True) -> None:
         self.app = app
+        self.echo = echo
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
@@ -50,6 +55,9 @@ class RequestIdMiddleware:
         given = next((v for k, v in scope.get("headers", ()) if k.lower() == HEADER), None)
         request_id = (_usable(given) if given is not None else None) or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
+        if not self.echo():
+            await self.app(scope, receive, send)
+            return
 
         async def send_with_id(message: Any) -> None:
             if message.get("type") == "http.response.start":
