@@ -69,8 +69,9 @@ def test_tools_and_reasoning_with_real_models(tmp_path: Path) -> None:
                     max_tokens=40,
                 )  # fmt: skip
                 s = await streamed(
-                    client, messages=MESSAGES, tools=[WEATHER], temperature=0, max_tokens=40
-                )
+                    client, messages=MESSAGES, tools=[WEATHER], temperature=0, max_tokens=40,
+                    logprobs=True,
+                )  # fmt: skip
             assert got.usage.prompt_tokens == len(prompt)  # the template's rendering, tools in
             assert got.usage.completion_tokens == len(want.token_ids)
             assert got.choices[0].model_extra["routing"]["tokens_per_model"] == want.counts
@@ -82,6 +83,8 @@ def test_tools_and_reasoning_with_real_models(tmp_path: Path) -> None:
             assert (message.content or "") == expected.content == s["content"]
             assert calls == [(c.name, json.loads(c.arguments)) for c in expected.tool_calls]
             assert len(s["calls"]) == len(calls)
+            # every token's logprob once, though the parsers hold text back across steps
+            assert len(s["logprobs"]) == len(want.token_ids)
             await runtime.wait_idle()
         assert sum(want.counts.values()) == len(want.token_ids)
         assert want.handoffs > 0 and all(want.counts.get(m) for m in TWO)  # both wrote

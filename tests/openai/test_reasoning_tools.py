@@ -83,6 +83,7 @@ def serve(body: Body, script: Callable[[str], str] = agent_script, **attrs: Any)
 async def streamed(client: openai.AsyncOpenAI, **kwargs: Any) -> dict[str, Any]:
     """A streamed answer accumulated the way agent frameworks do."""
     out: dict[str, Any] = {"reasoning": "", "content": "", "calls": {}, "finish": None}
+    logprobs: list[Any] = []
     stream = await client.chat.completions.create(model=SERVED, stream=True, **kwargs)
     async for chunk in stream:
         for choice in chunk.choices:
@@ -95,6 +96,9 @@ async def streamed(client: openai.AsyncOpenAI, **kwargs: Any) -> dict[str, Any]:
                 slot["name"] += (call.function and call.function.name) or ""
                 slot["args"] += (call.function and call.function.arguments) or ""
             out["finish"] = choice.finish_reason or out["finish"]
+            logprobs += choice.logprobs.content if choice.logprobs else []
+    if kwargs.get("logprobs"):
+        out["logprobs"] = logprobs
     return out
 
 
