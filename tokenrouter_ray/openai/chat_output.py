@@ -6,8 +6,8 @@ which parsers a request's answer goes through; `ChatOutputSpec.parser()` makes o
 detokenizer released (any number of tokens' worth) and `finish` once at the end; each
 returns one `ChatDelta`, the typed delta of that step (``reasoning_content``, ``content``,
 ``tool_calls``), which the SSE layer turns into a chunk and which accumulates into the
-non-streamed message (`ChatOutputParser.message`). Text flows reasoning parser → tool
-parser: a call written while thinking is thinking, not a call.
+non-streamed message (`ChatOutputParser.message`, a `ParsedMessage`). Text flows
+reasoning parser → tool parser: a call written while thinking is thinking, not a call.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tokenrouter_ray.openai.reasoning import QWEN3, ReasoningFormat, ReasoningParser
-from tokenrouter_ray.openai.tool_parser import HermesToolParser, ToolCall
+from tokenrouter_ray.openai.tool_parser import HermesToolParser, ToolCall, ToolCallDelta
 
 FinishReasonT = TypeVar("FinishReasonT", bound=str)
 
@@ -27,7 +27,7 @@ class ChatDelta:
 
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
@@ -45,8 +45,17 @@ class ChatDelta:
         if self.content:
             delta["content"] = self.content
         if self.tool_calls:
-            delta["tool_calls"] = [c.to_dict(with_index=True) for c in self.tool_calls]
+            delta["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         return delta
+
+
+@dataclass(frozen=True)
+class ParsedMessage:
+    """A whole parsed answer: what the non-streamed message carries."""
+
+    content: str
+    reasoning: str
+    tool_calls: list[ToolCall]
 
 
 @dataclass(frozen=True)
@@ -76,11 +85,16 @@ class ChatOutputParser:
             else None
         )
         self.tools = HermesToolParser(spec.max_tool_calls) if spec.tools else None
-        self.message = ChatDelta()
+        self._sent = ChatDelta()  # every delta so far, summed
+
+    @property
+    def message(self) -> ParsedMessage:
+        calls = list(self.tools.calls) if self.tools is not None else []
+        return ParsedMessage(self._sent.content, self._sent.reasoning, calls)
 
     @property
     def has_tool_calls(self) -> bool:
-        return bool(self.message.tool_calls)
+        return self.tools is not None and bool(self.tools.calls)
 
     def push(self, text: str) -> ChatDelta:
         """The typed delta of one step's text."""
@@ -107,11 +121,11 @@ class ChatOutputParser:
         return "tool_calls" if reason == "stop" and self.has_tool_calls else reason  # type: ignore[return-value]
 
     def _route(self, reasoning: str, content: str) -> ChatDelta:
-        calls: list[ToolCall] = []
+        calls: list[ToolCallDelta] = []
         if self.tools is not None and content:
             content, calls = self.tools.push(content)
         return self._record(ChatDelta(content, reasoning, calls))
 
     def _record(self, delta: ChatDelta) -> ChatDelta:
-        self.message.add(delta)
+        self._sent.add(delta)
         return delta

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenrouter_ray.openai.chat_output import ChatDelta
+from tokenrouter_ray.openai.chat_output import ParsedMessage
 from tokenrouter_ray.openai.errors import InternalServerError
 from tokenrouter_ray.openai.token_reports import RequestMetrics
 
@@ -107,7 +107,7 @@ class ChoiceResult:
     details: Mapping[str, Any] | None = None
     # chat, when the output was parsed: its reasoning / content / tool calls (None: all
     # of ``text`` is content)
-    message: ChatDelta | None = None
+    message: ParsedMessage | None = None
 
     @staticmethod
     def routing_of(counts: Mapping[str, int], handoffs: int) -> RoutingInfo:
