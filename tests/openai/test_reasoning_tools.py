@@ -253,6 +253,11 @@ def test_a_template_without_tools_refuses_them(demo_tokenizer: Any) -> None:
     with pytest.raises(InvalidRequestError) as bad:
         prepare_chat(parse_request(ChatCompletionRequest, body), demo_tokenizer, limits)
     assert bad.value.param == "tools"
+    other = type(demo_tokenizer).from_pretrained(demo_tokenizer.name_or_path)
+    other.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools }}"
+    with pytest.raises(InvalidRequestError) as bad:  # renders tools, in a format not parsed
+        prepare_chat(parse_request(ChatCompletionRequest, body), other, limits)
+    assert bad.value.param == "tools" and "format" in bad.value.message
     plain = {**body, "tools": None}
     prepared = prepare_chat(parse_request(ChatCompletionRequest, plain), demo_tokenizer, limits)
     assert prepared.chat_parser() is None  # no thinking, no tools: content as it was

@@ -51,6 +51,13 @@ class ToolCall:
         }
 
 
+def tool_format_for(tokenizer: Any) -> str | None:
+    """The tool-call format the chat template teaches the model: ``"hermes"`` when it
+    names ``<tool_call>``; None when this server has no parser for it."""
+    template = getattr(tokenizer, "chat_template", None)
+    return "hermes" if isinstance(template, str) and TOOL_CALL_START in template else None
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 

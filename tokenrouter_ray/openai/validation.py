@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenrouter_ray.openai.chat import render_chat
+from tokenrouter_ray.openai.chat import render_chat, template_supports_tools
 from tokenrouter_ray.openai.chat_output import ChatOutputParser, ChatOutputSpec
 from tokenrouter_ray.openai.errors import (
     ContextLengthExceededError,
@@ -37,6 +37,7 @@ from tokenrouter_ray.openai.errors import (
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
 from tokenrouter_ray.openai.reasoning import prompt_opens_reasoning, reasoning_parser_for
 from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
+from tokenrouter_ray.openai.tool_parser import tool_format_for
 from tokenrouter_ray.protocol import SamplingSpec
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -168,6 +169,18 @@ def prepare_chat(
     reasoning format (off when it has none) and, when tools are offered, the tool-call
     parser. ``max_tokens`` counts reasoning and content alike (they are one output)."""
     _check_cheap_limits(request, limits)
+    if (
+        request.offers_tools
+        and template_supports_tools(tokenizer)
+        and not tool_format_for(tokenizer)
+    ):
+        raise InvalidRequestError(
+            "This model's chat template uses a tool-call format this server cannot parse yet "
+            "(only Hermes-style <tool_call> blocks, as Qwen's), so 'tools' cannot be used "
+            "with it.",
+            param="tools",
+            code="unsupported_value",
+        )
     tools = (
         [t.model_dump(exclude_none=True) for t in request.tools or ()]
         if request.offers_tools
