@@ -3,15 +3,16 @@
 Data enters as raw bytes (or an already-parsed dict) and the served model's `RequestLimits`;
 it leaves as a `PreparedRequest` or as an `OpenAIError` (400 / 404) raised on the way:
 
-The model's generation_config.json sampling values (`GenerationDefaults`) fill what a
-request omits, before OpenAI's defaults (vLLM's behaviour; ``ingress.generation_config``
-``"none"`` turns it off).
-
 1. `parse_request(cls, body)`: JSON and schema (malformed JSON and schema errors → 400).
 2. `check_model(name, served)`: 404 ``model_not_found`` for a model not served.
 3. `prepare_completion` / `prepare_chat`: tokenize (chat: apply the chat template), then check
    the limits that depend on the model: ``n`` cap, token ids inside the vocabulary, prompt
    plus completion within the context (400 ``context_length_exceeded``).
+
+The model's generation_config.json sampling values (`GenerationDefaults`) fill what a
+request omits, before OpenAI's defaults (vLLM's behaviour; ``ingress.generation_config``
+``"none"`` turns it off). A chat request also gets its output parsers (`ChatOutputSpec`:
+the template's reasoning format, the tool-call parser when tools are offered).
 
 Tokenizing is CPU work; an ingress serving long prompts should run step 3 off its event loop.
 """
