@@ -24,6 +24,7 @@ request is re-created from its committed sequence on the replicas that remain or
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -39,6 +40,7 @@ from deployments.directory import ServeDirectory
 from deployments.model_server import spec_tokenizer
 from deployments.peers import PeerBook, make_channel, peer_key
 from deployments.ray_metrics import ray_metrics
+from tokenrouter_ray import __version__
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.metrics import INGRESS
 from tokenrouter_ray.openai.auth import ApiKeyMiddleware
@@ -50,11 +52,14 @@ from tokenrouter_ray.openai.errors import (
     error_response,
     from_json_error,
 )
+from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
+from tokenrouter_ray.openai.request_id import RequestIdMiddleware, request_id_of, rid_prefix
 from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenrouter_ray.openai.sse import (
     SSE_HEADERS,
     SSE_MEDIA_TYPE,
 )
+from tokenrouter_ray.openai.tokenize import detokenize, model_of, tokenize
 from tokenrouter_ray.openai.validation import (
     PreparedRequest,
     RequestLimits,
@@ -77,6 +82,16 @@ def _count_rejected_key() -> None:
 
 # Optional API keys (TOKENROUTER_API_KEYS): every route but /health, 401 envelope; off if unset.
 app.add_middleware(ApiKeyMiddleware, on_reject=_count_rejected_key)
+# X-Request-Id: accepted or made, returned on every response (added last: outermost, so a
+# 401 carries it too), and the prefix of the request's rids on every model.
+app.add_middleware(RequestIdMiddleware, echo=lambda: not _Serve.running)
+
+
+class _Serve:
+    """Whether this app runs inside Serve, whose proxy echoes X-Request-Id (and makes one
+    when the client sent none), so the app must not add a second."""
+
+    running = False
 
 
 def _load_json(body: bytes) -> Any:
@@ -105,6 +120,14 @@ def _timeout_of(data: Any) -> float | None:
     return float(value)
 
 
+def _with_request_id(prepared: PreparedRequest, request: Request) -> PreparedRequest:
+    """The request's ``X-Request-Id`` (set by `RequestIdMiddleware`) as its rid prefix."""
+    request_id = request_id_of(request)
+    if request_id is None:
+        return prepared
+    return dataclasses.replace(prepared, request_id=rid_prefix(request_id))
+
+
 class _ChoicesResponse(StreamingResponse):
     """A stream whose choices are cancelled however the response ends (a client that
     disconnects before the first byte never starts the body generator, so the body's own
@@ -122,6 +145,10 @@ class _ChoicesResponse(StreamingResponse):
                 task.cancel()
 
 
+# OpenAIError and RequestValidationError are handled inside the middleware stack (Starlette's
+# ExceptionMiddleware), so their responses carry X-Request-Id; any other exception reaches
+# the outermost ServerErrorMiddleware (a 500 envelope, without it).
+@app.exception_handler(OpenAIError)
 @app.exception_handler(RequestValidationError)
 @app.exception_handler(Exception)
 async def _openai_errors(_: Request, exc: Exception) -> JSONResponse:
@@ -143,11 +170,17 @@ class Ingress:
         tuner: DeploymentHandle | None = None,
     ) -> None:
         cfg = AppConfig.model_validate(app_config)
+        _Serve.running = True
         self.cfg = cfg
         self.tuner = tuner
         self.slo_cap: int | None = None  # the tuner's SLO-mode concurrency, per replica
         entry = cfg.model_names[0]
         self.tokenizer = await asyncio.to_thread(spec_tokenizer, cfg.models[entry])
+        self.generation_defaults = (
+            GenerationDefaults.from_model_dir(cfg.models[entry].path)
+            if cfg.ingress.generation_config == "auto" and cfg.models[entry].sim is None
+            else GenerationDefaults()
+        )
         infos = [await models[name].info.remote() for name in cfg.model_names]
         self.limits = RequestLimits(
             max_model_len=min(i["max_model_len"] for i in infos),
@@ -187,16 +220,47 @@ class Ingress:
         self._slo = asyncio.create_task(self._follow_slo()) if cfg.tuner.min_tokens_per_s else None
 
     # ------------------------------------------------------------------ routes
-    @app.get("/v1/models")
-    async def list_models(self) -> dict[str, Any]:
-        card = {
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.cfg.served_model_name,
             "object": "model",
             "created": 0,
             "owned_by": "tokenrouter-ray",
+            "max_model_len": self.limits.max_model_len,
             "models": self.cfg.model_names,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(self, model_id: str) -> dict[str, Any]:
+        check_model(model_id, [self.cfg.served_model_name])
+        return self._model_card()
+
+    @app.get("/version")
+    async def version(self) -> dict[str, Any]:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        data = _load_json(await request.body())
+        self._check_optional_model(data)
+        out = await asyncio.to_thread(tokenize, data, self.tokenizer, self.limits)
+        return JSONResponse(out.model_dump(mode="json", exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        data = _load_json(await request.body())
+        self._check_optional_model(data)
+        out = await asyncio.to_thread(detokenize, data, self.tokenizer, self.limits)
+        return JSONResponse(out.model_dump(mode="json"))
+
+    def _check_optional_model(self, data: Any) -> None:
+        name = model_of(data)
+        if name is not None:
+            check_model(name, [self.cfg.served_model_name])
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -233,7 +297,10 @@ class Ingress:
         data = _load_json(await request.body())
         parsed = parse_request(CompletionRequest, data)
         check_model(parsed.model, [self.cfg.served_model_name])
-        prepared = await asyncio.to_thread(prepare_completion, parsed, self.tokenizer, self.limits)
+        prepared = await asyncio.to_thread(
+            prepare_completion, parsed, self.tokenizer, self.limits, self.generation_defaults
+        )
+        prepared = _with_request_id(prepared, request)
         return await self._respond(prepared, chat=False, timeout_s=_timeout_of(data))
 
     @app.post("/v1/chat/completions")
@@ -242,7 +309,10 @@ class Ingress:
         data = _load_json(await request.body())
         parsed = parse_request(ChatCompletionRequest, data)
         check_model(parsed.model, [self.cfg.served_model_name])
-        prepared = await asyncio.to_thread(prepare_chat, parsed, self.tokenizer, self.limits)
+        prepared = await asyncio.to_thread(
+            prepare_chat, parsed, self.tokenizer, self.limits, self.generation_defaults
+        )
+        prepared = _with_request_id(prepared, request)
         return await self._respond(prepared, chat=True, timeout_s=_timeout_of(data))
 
     @app.get("/v1/tokenrouter/tuner")

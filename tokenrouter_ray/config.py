@@ -125,6 +125,12 @@ class IngressSpec(_Strict):
         description="Deadline of a request (its `timeout` extension may change it): past "
         "it, the request ends with a 503 timeout error and is aborted on every model.",
     )
+    generation_config: Literal["auto", "none"] = Field(
+        "auto",
+        description="`auto`: the entry model's generation_config.json sampling values "
+        "(temperature, top_p, top_k) apply when a request omits them, as vLLM does; `none`: "
+        "OpenAI's defaults only.",
+    )
 
 
 class AppConfig(_Strict):

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, encode_batch
 from tokenrouter_ray.runtime.ingress import Completion, IngressServer
@@ -81,6 +82,7 @@ def ingress_app(tokenizer: Any) -> tuple[Any, Any]:
     obj.slo_cap = None
     obj.tokenizer = tokenizer
     obj.limits = RequestLimits(max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer))
+    obj.generation_defaults = GenerationDefaults()
     obj.core = FakeCore(list(tokenizer.encode(FILLER, add_special_tokens=False)))
     obj.peers = FakePeers()
     obj.models = {}

@@ -111,7 +111,7 @@ def test_unknown_fields_are_logged_once_per_name(
 ) -> None:
     caplog.set_level(logging.WARNING, logger=schemas_module.__name__)
     body = chat(frobnicate=1, spaces_between_special_tokens=False)
-    body["messages"][0]["reasoning_content"] = "hmm"
+    body["messages"][0]["weight"] = "hmm"
     for _ in range(3):
         request = parse_request(ChatCompletionRequest, body)
         assert not hasattr(request, "frobnicate")
@@ -120,7 +120,7 @@ def test_unknown_fields_are_logged_once_per_name(
     assert len(warnings) == 3, warnings  # once each, however many requests
     assert any("'frobnicate'" in w and "request" in w for w in warnings)
     assert any("'spaces_between_special_tokens'" in w for w in warnings)
-    assert any("'reasoning_content'" in w and "message" in w for w in warnings)
+    assert any("'weight'" in w and "message" in w for w in warnings)
 
 
 def test_harmless_known_fields_are_accepted_without_a_warning(
@@ -180,12 +180,14 @@ def test_output_changing_fields_not_implemented_are_400(fields: dict[str, Any]) 
     assert (error["param"], error["code"]) == (name, "unsupported_value"), error
 
 
-def test_tool_calls_in_messages_are_400() -> None:
+def test_malformed_tool_calls_in_messages_are_400() -> None:
+    """Tool calls in the history are served (rendered by the template); a malformed one
+    (no function) is a 400 naming it."""
     body = chat()
     body["messages"].append(
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}
     )
     with pytest.raises(InvalidRequestError) as info:
         parse_request(ChatCompletionRequest, body)
-    assert info.value.to_dict()["error"]["code"] == "unsupported_value"
-    assert info.value.param == "messages[1].tool_calls"
+    assert info.value.to_dict()["error"]["code"] == "missing_required_parameter"
+    assert info.value.param == "messages[1].tool_calls[0].function"

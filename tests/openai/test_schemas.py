@@ -149,7 +149,17 @@ def test_missing_fields() -> None:
         ({"logprobs": 1}, "logprobs", "invalid_type"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
         ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
-        ({"tools": [{"type": "function"}]}, "tools", "unsupported_value"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function", "missing_required_parameter"),
+        (
+            {"tools": [{"type": "retrieval", "function": {"name": "f"}}]},
+            "tools[0].type",
+            "invalid_value",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools[0].function.name",
+            "invalid_value",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "unsupported_value"),
         ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
         ({"frequency_penalty": 3}, "frequency_penalty", "invalid_value"),

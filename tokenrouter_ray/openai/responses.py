@@ -6,8 +6,10 @@ reason, its token count, and the routing stats the runtime reports) and calls
 ``model_dump(mode="json")``. The official ``openai`` client parses these bodies; the extra
 ``routing`` field (response-level: summed over choices; choice-level: that choice's) is
 reachable there through ``model_extra``, as are each choice's ``metrics`` (always) and
-``routing_trace`` (when asked; absent otherwise). ``logprobs`` (when asked) has OpenAI's
-shapes (`token_reports.py`).
+``routing_trace`` (when asked; absent otherwise). A chat message parsed for reasoning or
+tools carries ``reasoning_content`` (vLLM's field; absent when there was no thinking) and
+``tool_calls`` (absent when none; ``content`` is null when only calls came). ``logprobs``
+(when asked) has OpenAI's shapes (`token_reports.py`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenrouter_ray.openai.chat_output import ParsedMessage
 from tokenrouter_ray.openai.errors import InternalServerError
 from tokenrouter_ray.openai.token_reports import RequestMetrics
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 _OUT = ConfigDict(extra="forbid")
 
@@ -102,6 +105,9 @@ class ChoiceResult:
     # non-streaming: the whole output's ``routing_trace`` / ``logprobs`` when asked;
     # streaming: those of the tokens no earlier chunk reported (the finish chunk's)
     details: Mapping[str, Any] | None = None
+    # chat, when the output was parsed: its reasoning / content / tool calls (None: all
+    # of ``text`` is content)
+    message: ParsedMessage | None = None
 
     @staticmethod
     def routing_of(counts: Mapping[str, int], handoffs: int) -> RoutingInfo:
@@ -139,8 +145,23 @@ class AssistantMessage(BaseModel):
     model_config = _OUT
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
+    tool_calls: list[dict[str, Any]] | None = Field(None, exclude_if=lambda v: v is None)
+
+    @classmethod
+    def of(cls, choice: ChoiceResult) -> AssistantMessage:
+        """``content`` alone, or the parsed parts (content null when only calls came)."""
+        parts = choice.message
+        if parts is None:
+            return cls(content=choice.text)
+        calls = [c.to_dict() for c in parts.tool_calls] or None
+        return cls(
+            content=None if calls and not parts.content else parts.content,
+            reasoning_content=parts.reasoning or None,
+            tool_calls=calls,
+        )
 
 
 class ChatChoice(BaseModel):
@@ -215,7 +236,7 @@ def build_chat_completion(
         choices=[
             ChatChoice(
                 index=c.index,
-                message=AssistantMessage(content=c.text),
+                message=AssistantMessage.of(c),
                 finish_reason=c.finish_reason,
                 routing=c.routing,
                 metrics=c.metrics,

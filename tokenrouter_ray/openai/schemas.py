@@ -14,7 +14,7 @@ Policy on fields:
   busy server's log is not flooded). Fields known to be harmless (``user``, ``store``,
   ``metadata``, ...) are declared and accepted without a warning.
 - Known fields are strict on type: ``"16"`` is not an integer, ``1`` is not a boolean.
-- OpenAI fields this server does not implement (``echo``, ``tools``, penalties, ...) are
+- OpenAI fields this server does not implement (``echo``, ``functions``, penalties, ...) are
   declared, accepted at their neutral value (null / false / 0 / empty), and
   rejected with a 400 naming the field (code ``unsupported_value``) otherwise, so a client
   never silently gets something other than what it asked for.
@@ -22,6 +22,10 @@ Policy on fields:
   ``use_beam_search``, ``chat_template``, ...).
 - ``chat_template_kwargs`` (vLLM's extension) reaches the model's chat template, e.g.
   ``{"enable_thinking": false}`` for Qwen3; keys the renderer itself owns are a 400.
+- ``tools`` (function tools), ``tool_choice`` ``"auto"`` / ``"none"`` and, in the history,
+  assistant ``tool_calls`` and ``tool`` messages reach the chat template; ``"required"`` and
+  a named function are a 400 until grammar enforcement exists (a forced call must be
+  enforced, not hoped for).
 - Optional OpenAI parameters accept ``null``, meaning "the default".
 - ``logprobs`` (chat: a boolean, with ``top_logprobs`` 0..20; completions: 0..5) are
   served, from the model that wrote each token; ``routing_trace`` (a boolean, this
@@ -316,6 +320,60 @@ class CompletionRequest(_SamplingRequest):
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
+class FunctionCall(_Lenient):
+    """The function of an assistant message's tool call."""
+
+    PART: ClassVar[str] = "tool call"
+
+    name: str = Field(min_length=1, description="The function called.")
+    arguments: str = Field(description="Its arguments: a JSON object, as text.")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise PydanticCustomError(
+                "invalid_value", "'arguments' must be a JSON object encoded as a string"
+            )
+        return value
+
+
+class MessageToolCall(_Lenient):
+    """One call in an assistant message's ``tool_calls`` (OpenAI's shape)."""
+
+    PART: ClassVar[str] = "tool call"
+
+    id: str = Field(min_length=1, description="The call's id; the `tool` answer names it.")
+    type: Literal["function"] = Field("function", description="Only function calls exist.")
+    function: FunctionCall
+
+
+class FunctionDef(_Lenient):
+    """A tool's function: name, description and JSON-schema parameters."""
+
+    PART: ClassVar[str] = "tool"
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = Field(None, description="Shown to the model by the template.")
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema object.")
+    strict: bool | None = Field(
+        None, description="Accepted; not enforced (no grammar yet): calls are parsed, not forced."
+    )
+
+
+class ToolDef(_Lenient):
+    """One entry of ``tools``."""
+
+    PART: ClassVar[str] = "tool"
+
+    type: Literal["function"] = Field(description="Only function tools exist.")
+    function: FunctionDef
+
+
 class ChatMessage(_Lenient):
     """One message. Content parts are flattened to text; only ``assistant`` may have null
     content (it is rendered as empty)."""
@@ -327,17 +385,24 @@ class ChatMessage(_Lenient):
         None, validate_default=True, description="A string or a list of text parts."
     )
     name: str | None = Field(None, description="Accepted; not passed to the template.")
-    tool_call_id: str | None = Field(None, description="Accepted; not passed to the template.")
-    tool_calls: list[dict[str, Any]] | None = Field(
-        None, description="Only empty supported (no tool calling)."
+    tool_call_id: str | None = Field(
+        None, description="A `tool` message: the call it answers (passed to the template)."
+    )
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, description="An `assistant` message: the calls it made (rendered by the template)."
+    )
+    reasoning_content: str | None = Field(
+        None, description="An `assistant` message's thinking (vLLM's field; Qwen3's template)."
     )
 
     @field_validator("tool_calls")
     @classmethod
-    def _no_tool_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise _unsupported(
-                "'tool_calls' in messages are not supported by this server (no tool calling)"
+    def _tool_calls_on_assistant(
+        cls, value: list[MessageToolCall] | None, info: ValidationInfo
+    ) -> list[MessageToolCall] | None:
+        if value and info.data.get("role") != "assistant":
+            raise PydanticCustomError(
+                "invalid_value", "only assistant messages may have 'tool_calls'"
             )
         return value
 
@@ -360,9 +425,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_SamplingRequest.NEUTRAL,
-        "tools": ([],),
         "functions": ([],),
-        "tool_choice": ("none", "auto"),
         "response_format": ({"type": "text"},),
         "echo": (),
         "continue_final_message": (),
@@ -391,11 +454,17 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="With logprobs: the k most likely tokens at each."
     )
-    tools: list[dict[str, Any]] | None = Field(None, description="Only empty supported.")
+    tools: list[ToolDef] | None = Field(
+        None, description="Functions the model may call (rendered by the chat template)."
+    )
     functions: list[dict[str, Any]] | None = Field(None, description="Only empty supported.")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="Only none/auto.")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"auto" (default with tools) or "none"; forcing a call is refused.'
+    )
     response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
-    parallel_tool_calls: bool | None = Field(None, description="Accepted (no tools anyway).")
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: only the first call the model writes is returned."
+    )
     echo: bool | None = Field(None, description="Extension: only false supported.")
     add_generation_prompt: bool | None = Field(None, description="Extension: only true.")
     continue_final_message: bool | None = Field(None, description="Extension: only false.")
@@ -415,13 +484,34 @@ class ChatCompletionRequest(_SamplingRequest):
     )
 
     @field_validator(
-        "tools", "functions", "tool_choice", "response_format", "echo", "continue_final_message",
+        "functions", "response_format", "echo", "continue_final_message",
         "chat_template", "documents", "reasoning_effort",
         "prediction", "modalities", "audio", "web_search_options",
     )  # fmt: skip
     @classmethod
     def _chat_neutral_only(cls, value: Any, info: ValidationInfo) -> Any:
         return cls.check_neutral(value, info)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value is None or value in ("none", "auto"):
+            return value
+        if value == "required" or isinstance(value, dict):
+            raise _unsupported(
+                f"'tool_choice' = {json.dumps(value)} is not supported yet: forcing a tool call "
+                'needs grammar enforcement, which this server does not have yet; use "auto" '
+                '(the model decides whether to call) or "none"'
+            )
+        raise PydanticCustomError(
+            "invalid_value",
+            '\'tool_choice\' must be "none", "auto", "required" or a named function',
+        )
+
+    @property
+    def offers_tools(self) -> bool:
+        """Tools are rendered and calls parsed: tools given and ``tool_choice`` not none."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("top_logprobs")
     @classmethod

@@ -4,7 +4,9 @@ Text pieces from the detokenizers enter a `ChatStream` / `CompletionStream` (one
 request, all ``n`` choices); ready-to-send SSE bytes leave. The order is OpenAI's:
 
 - chat: one role chunk per choice (``delta: {"role": "assistant", "content": ""}``), then
-  content chunks, then per choice a chunk with empty ``delta`` and its ``finish_reason``;
+  content chunks (a parsed answer's deltas carry ``reasoning_content``, ``content`` and
+  ``tool_calls`` in OpenAI's streamed shape, each call with its ``index``), then per choice
+  a chunk with empty ``delta`` and its ``finish_reason`` (``"tool_calls"`` after calls);
 - completions: text chunks, then per choice a chunk with ``text: ""`` and ``finish_reason``;
 - with ``stream_options.include_usage``: every chunk carries ``"usage": null`` and a last
   chunk has ``choices: []`` and the request's usage;
@@ -29,6 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tokenrouter_ray.openai.chat_output import ChatDelta
 from tokenrouter_ray.openai.errors import as_openai_error
 from tokenrouter_ray.openai.responses import (
     ChoiceResult,
@@ -139,24 +142,28 @@ class ChatStream(_Stream):
             for i in range(self.n)
         )
 
-    def delta(self, index: int, text: str, extra: Mapping[str, Any] | None = None) -> bytes:
+    def delta(
+        self, index: int, text: str | ChatDelta, extra: Mapping[str, Any] | None = None
+    ) -> bytes:
         """A content chunk for choice ``index`` (``extra``: more fields of its choice, e.g.
-        ``logprobs``); ``b""`` for empty text."""
+        ``logprobs``); ``text`` is the content, or a parsed `ChatDelta` (its
+        ``reasoning_content`` / ``content`` / ``tool_calls``); ``b""`` when empty."""
         if not text:
             return b""
-        return sse_event(self._chunk([self._choice(index, {"content": text}, None, extra)]))
+        delta = text.to_dict() if isinstance(text, ChatDelta) else {"content": text}
+        return sse_event(self._chunk([self._choice(index, delta, None, extra)]))
 
     def finish(
         self,
         index: int,
         reason: FinishReason,
         routing: RoutingInfo | None = None,
-        text: str = "",
+        text: str | ChatDelta = "",
         extra: Mapping[str, Any] | None = None,
     ) -> bytes:
         """The last chunk of choice ``index``: ``finish_reason`` and its routing; its delta
         is empty, or carries ``text`` (e.g. the detokenizer's `finish` output)."""
-        delta = {"content": text} if text else {}
+        delta = text.to_dict() if isinstance(text, ChatDelta) else {"content": text} if text else {}
         return sse_event(self._chunk([self._choice(index, delta, reason, extra)], routing))
 
 

@@ -9,6 +9,11 @@ it leaves as a `PreparedRequest` or as an `OpenAIError` (400 / 404) raised on th
    the limits that depend on the model: ``n`` cap, token ids inside the vocabulary, prompt
    plus completion within the context (400 ``context_length_exceeded``).
 
+The model's generation_config.json sampling values (`GenerationDefaults`) fill what a
+request omits, before OpenAI's defaults (vLLM's behaviour; ``ingress.generation_config``
+``"none"`` turns it off). A chat request also gets its output parsers (`ChatOutputSpec`:
+the template's reasoning format, the tool-call parser when tools are offered).
+
 Tokenizing is CPU work; an ingress serving long prompts should run step 3 off its event loop.
 """
 
@@ -21,7 +26,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenrouter_ray.openai.chat import render_chat
+from tokenrouter_ray.openai.chat import render_chat, template_supports_tools
+from tokenrouter_ray.openai.chat_output import ChatOutputParser, ChatOutputSpec
 from tokenrouter_ray.openai.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
@@ -29,7 +35,10 @@ from tokenrouter_ray.openai.errors import (
     from_json_error,
     from_validation_error,
 )
+from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
+from tokenrouter_ray.openai.reasoning import prompt_opens_reasoning, reasoning_parser_for
 from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
+from tokenrouter_ray.openai.tool_parser import tool_format_for
 from tokenrouter_ray.protocol import SamplingSpec
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -96,11 +105,19 @@ class SamplingOptions:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A validated request, ready to submit ``sampling.n`` times."""
+    """A validated request, ready to submit ``sampling.n`` times. ``output``: how a chat
+    answer is split into reasoning, content and tool calls (None: all content);
+    ``request_id``: the client's ``X-Request-Id`` (its rids start with it)."""
 
     model: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions
+    output: ChatOutputSpec | None = None
+    request_id: str | None = None
+
+    def chat_parser(self) -> ChatOutputParser | None:
+        """A fresh parser for one choice, or None when nothing is parsed."""
+        return self.output.parser() if self.output is not None and self.output.active else None
 
 
 def parse_request(cls: type[RequestT], body: bytes | str | Mapping[str, Any]) -> RequestT:
@@ -125,9 +142,13 @@ def check_model(name: str, served: Collection[str]) -> None:
 
 
 def prepare_completion(
-    request: CompletionRequest, tokenizer: Any, limits: RequestLimits
+    request: CompletionRequest,
+    tokenizer: Any,
+    limits: RequestLimits,
+    defaults: GenerationDefaults | None = None,
 ) -> PreparedRequest:
-    """Tokenize ``prompt`` (with the tokenizer's special tokens) and resolve sampling."""
+    """Tokenize ``prompt`` (with the tokenizer's special tokens) and resolve sampling
+    (``defaults``: the model's generation_config values for what the request omits)."""
     _check_cheap_limits(request, limits)
     if isinstance(request.prompt, str):
         prompt_ids = list(tokenizer.encode(request.prompt, add_special_tokens=True))
@@ -135,19 +156,50 @@ def prepare_completion(
         prompt_ids = list(request.prompt)
         _check_vocab(prompt_ids, "prompt", limits)
     max_tokens = _max_tokens(request.max_tokens, "max_tokens", len(prompt_ids), "prompt", limits)
-    return PreparedRequest(request.model, prompt_ids, _sampling(request, max_tokens))
+    return PreparedRequest(request.model, prompt_ids, _sampling(request, max_tokens, defaults))
 
 
 def prepare_chat(
-    request: ChatCompletionRequest, tokenizer: Any, limits: RequestLimits
+    request: ChatCompletionRequest,
+    tokenizer: Any,
+    limits: RequestLimits,
+    defaults: GenerationDefaults | None = None,
 ) -> PreparedRequest:
-    """Render ``messages`` (with ``chat_template_kwargs``) through the chat template and
-    resolve sampling."""
+    """Render ``messages`` (with ``chat_template_kwargs`` and the offered ``tools``) through
+    the chat template, resolve sampling, and pick the output parsers: the template's
+    reasoning format (off when it has none) and, when tools are offered, the tool-call
+    parser. ``max_tokens`` counts reasoning and content alike (they are one output)."""
     _check_cheap_limits(request, limits)
-    prompt_ids = render_chat(tokenizer, request.messages, request.chat_template_kwargs)
+    if (
+        request.offers_tools
+        and template_supports_tools(tokenizer)
+        and not tool_format_for(tokenizer)
+    ):
+        raise InvalidRequestError(
+            "This model's chat template uses a tool-call format this server cannot parse yet "
+            "(only Hermes-style <tool_call> blocks, as Qwen's), so 'tools' cannot be used "
+            "with it.",
+            param="tools",
+            code="unsupported_value",
+        )
+    tools = (
+        [t.model_dump(exclude_none=True) for t in request.tools or ()]
+        if request.offers_tools
+        else None
+    )
+    prompt_ids = render_chat(tokenizer, request.messages, request.chat_template_kwargs, tools)
     budget, field = request.completion_budget
     max_tokens = _max_tokens(budget, field, len(prompt_ids), "messages", limits)
-    return PreparedRequest(request.model, prompt_ids, _sampling(request, max_tokens))
+    fmt = reasoning_parser_for(tokenizer)
+    output = ChatOutputSpec(
+        reasoning=fmt,
+        opens_in_reasoning=fmt is not None and prompt_opens_reasoning(tokenizer, prompt_ids, fmt),
+        tools=request.offers_tools,
+        max_tool_calls=1 if request.parallel_tool_calls is False else None,
+    )
+    return PreparedRequest(
+        request.model, prompt_ids, _sampling(request, max_tokens, defaults), output
+    )
 
 
 def _check_cheap_limits(
@@ -208,7 +260,9 @@ def _max_tokens(
 
 
 def _sampling(
-    request: CompletionRequest | ChatCompletionRequest, max_tokens: int
+    request: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    defaults: GenerationDefaults | None = None,
 ) -> SamplingOptions:
     # Accepted by the schema (vLLM's extensions) but not implemented: refused on every
     # path rather than dropped (the engine has no min-p filter or repetition penalty).
@@ -219,15 +273,16 @@ def _sampling(
                 param=name,
                 code="unsupported_value",
             )
+    defaults = defaults or GenerationDefaults()
     if isinstance(request, ChatCompletionRequest):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         logprobs = request.logprobs
     return SamplingOptions(
         max_tokens=max_tokens,
-        temperature=_default(request.temperature, 1.0),
-        top_p=_default(request.top_p, 1.0),
-        top_k=_default(request.top_k, 0),
+        temperature=_default(request.temperature, defaults.temperature, 1.0),
+        top_p=_default(request.top_p, defaults.top_p, 1.0),
+        top_k=_default(request.top_k, defaults.top_k, 0),
         seed=request.seed,
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids or ()),
@@ -243,5 +298,8 @@ def _sampling(
 _T = TypeVar("_T")
 
 
-def _default(value: _T | None, default: _T) -> _T:
-    return default if value is None else value
+def _default(value: _T | None, model_default: _T | None, default: _T) -> _T:
+    """The request's value, else the model's generation_config value, else OpenAI's."""
+    if value is not None:
+        return value
+    return default if model_default is None else model_default

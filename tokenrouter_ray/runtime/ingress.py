@@ -625,7 +625,8 @@ class IngressServer:
                 f"Model(s) {missing} have no healthy replica right now; retry shortly.",
                 code="model_unavailable",
             )
-        base = f"req-{time.time_ns():x}-{next(self._ids)}"
+        # the client's X-Request-Id leads every rid, so each model's log lines name it
+        base = f"{prepared.request_id or 'req'}-{time.time_ns():x}-{next(self._ids)}"
         submitted = []
         try:
             for i in range(sampling.n):
@@ -678,11 +679,13 @@ class IngressServer:
             self.tokenizer, stop=prepared.sampling.stop, prompt_token_ids=prepared.prompt_token_ids
         )
         reports = prepared.sampling.reports_tokens
+        parser = prepared.chat_parser() if chat else None  # reasoning / tool calls
         out: list[int] = []  # output token ids received
         sent = 0  # tokens already reported in a chunk
         try:
             async for tokens in self.core.stream(rid):
                 text = detok.push(tokens)
+                text = parser.push(text) if parser is not None else text
                 if pieces is not None and text:
                     extra = None
                     if reports:
@@ -706,6 +709,7 @@ class IngressServer:
         if done.error is not None:
             raise choice_error(done)
         tail = detok.finish()
+        tail = parser.end(tail) if parser is not None else tail
         n = detok.num_tokens
         details = None
         if reports:  # the tokens no chunk reported yet (all of them when not streaming)
@@ -716,6 +720,7 @@ class IngressServer:
         elif tail and pieces is not None:
             pieces.put_nowait((index, tail, None))
         reason = finish_reason(done.finish_reason, stopped_by_string=detok.stopped)
+        reason = parser.finish_reason(reason) if parser is not None else reason
         models = self.model_names(done.writers)
         metrics = request_metrics(
             n, done.writers, models, done.ttft_s, done.mean_itl_s, done.e2e_s,
@@ -729,6 +734,7 @@ class IngressServer:
             ChoiceResult.routing_of(done.counts, done.handoffs),
             metrics,
             details,
+            parser.message if parser is not None else None,
         )
 
     def _details(

@@ -1,0 +1,95 @@
+"""Tools and reasoning with real (tiny, random-weight) Qwen3 models that hand a request back
+and forth: the official ``openai`` client -> the real FastAPI app over ASGI ->
+``IngressServer`` -> two model sub-servers (``LocalRuntime``). What reaches the models is
+the chat template's rendering with the tools, and the served message is exactly the
+reasoning / tool-call parse of the tokens the models wrote (the runtime's own answer to
+the same prompt), streamed or not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.engine.conftest import make_engine
+from tests.openai.ingress_app import SERVED, ingress_app
+from tests.openai.qwen3_tiny import save_qwen3
+from tests.openai.test_reasoning_tools import WEATHER, streamed
+from tokenrouter_ray.openai.chat_output import ChatOutputSpec
+from tokenrouter_ray.openai.reasoning import QWEN3
+from tokenrouter_ray.openai.validation import RequestLimits
+from tokenrouter_ray.protocol import SamplingSpec
+from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.runtime.ingress import IngressServer
+from tokenrouter_ray.runtime.local import LocalRuntime
+
+TWO = ["small", "large"]
+MESSAGES = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 18}'},
+]  # fmt: skip
+
+
+def test_tools_and_reasoning_with_real_models(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    dirs = {name: save_qwen3(tmp_path / name, seed) for name, seed in zip(TWO, (3, 4), strict=True)}
+    tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
+    app, ingress = ingress_app(tokenizer)
+    ingress.limits = RequestLimits(max_model_len=4096, vocab_size=len(tokenizer))
+
+    async def go() -> None:
+        engines = [(n, make_engine(dirs[n], num_blocks=512)) for n in TWO]
+        policy = build_policy("entropy", {"threshold": 0.45}, TWO)
+        async with LocalRuntime(engines, policy) as runtime:
+            entry = [runtime.subservers[0].endpoint]
+            server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
+            ingress.core, ingress.server = runtime.ingress, server
+            prompt = tokenizer.apply_chat_template(
+                MESSAGES, tools=[WEATHER], add_generation_prompt=True, tokenize=True
+            )
+            prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+            want = await runtime.complete(prompt, SamplingSpec(temperature=0.0, max_tokens=40))
+            parser = ChatOutputSpec(reasoning=QWEN3, tools=True).parser()
+            parser.push(tokenizer.decode(want.token_ids, skip_special_tokens=True))
+            parser.end("")
+            expected = parser.message
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://in") as http:
+                client = openai.AsyncOpenAI(
+                    base_url="http://in/v1", api_key="none", http_client=http, max_retries=0
+                )
+                got = await client.chat.completions.create(
+                    model=SERVED, messages=MESSAGES, tools=[WEATHER], temperature=0,
+                    max_tokens=40,
+                )  # fmt: skip
+                s = await streamed(
+                    client, messages=MESSAGES, tools=[WEATHER], temperature=0, max_tokens=40,
+                    logprobs=True,
+                )  # fmt: skip
+            assert got.usage.prompt_tokens == len(prompt)  # the template's rendering, tools in
+            assert got.usage.completion_tokens == len(want.token_ids)
+            assert got.choices[0].model_extra["routing"]["tokens_per_model"] == want.counts
+            message = got.choices[0].message
+            reasoning = (message.model_extra or {}).get("reasoning_content") or ""
+            calls = [(c.function.name, json.loads(c.function.arguments))
+                     for c in message.tool_calls or ()]  # fmt: skip
+            assert reasoning == expected.reasoning and s["reasoning"] == expected.reasoning
+            assert (message.content or "") == expected.content == s["content"]
+            assert calls == [(c.name, json.loads(c.arguments)) for c in expected.tool_calls]
+            assert len(s["calls"]) == len(calls)
+            # every token's logprob once, though the parsers hold text back across steps
+            assert len(s["logprobs"]) == len(want.token_ids)
+            await runtime.wait_idle()
+        assert sum(want.counts.values()) == len(want.token_ids)
+        assert want.handoffs > 0 and all(want.counts.get(m) for m in TWO)  # both wrote
+
+    try:
+        asyncio.run(go())
+    finally:
+        app.dependency_overrides.clear()
