@@ -3,8 +3,9 @@ peer channel). Requests reach it as PeerReqs over the channel, not as handle cal
 handle serves only ``info``, ``status``, health checks and ``inject_fault`` (chaos tests).
 With the tuner enabled, each replica reports its statistics window to the tuner every period
 and adopts the thresholds it answers. Serve's ``check_health`` fails (and Serve restarts the
-replica) when the sub-server's receive or decode loop stopped, the channel closed, or the
-endpoint heartbeat stopped."""
+replica) when the sub-server's receive, send or step loop stopped, the channel closed, the
+endpoint heartbeat stopped, a step ran past ``max_step_s`` (a wedged device) or
+``max_failed_steps`` steps in a row failed (a sticky device error)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ class ModelServer:
     ) -> None:
         cfg = AppConfig.model_validate(app_config)
         self.model = model
+        self.spec = cfg.models[model]
         index = cfg.model_names.index(model)
         # tensor parallel (issue 15): ranks 1..k-1 are actors in this replica's placement group
         launcher = RayWorkerLauncher() if cfg.models[model].tensor_parallel > 1 else None
@@ -220,8 +222,9 @@ class ModelServer:
         }
 
     async def check_health(self) -> None:
-        if not self.server.alive:
-            raise RuntimeError(f"{self.model}: sub-server stopped: {self.server.dead_tasks()}")
+        problem = self.server.health_problem(self.spec.max_step_s, self.spec.max_failed_steps)
+        if problem is not None:
+            raise RuntimeError(f"{self.model}: {problem}")
         if not self.peers.refreshing:
             raise RuntimeError(f"{self.model}: endpoint heartbeat stopped")
         self.engine.check_health()  # tensor parallel (issue 15): every worker rank is alive

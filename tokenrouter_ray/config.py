@@ -53,6 +53,15 @@ class ModelSpec(_Strict):
     sim: SimSpec | None = Field(
         None, description="Serve a simulated model of this profile instead of a checkpoint."
     )
+    max_step_s: float = Field(
+        300.0,
+        gt=0,
+        description="Watchdog: a step running longer fails the replica's health check (Serve "
+        "restarts it; its requests recover elsewhere).",
+    )
+    max_failed_steps: int = Field(
+        3, ge=1, description="Watchdog: this many failed steps in a row fail the health check."
+    )
     gguf_file: str | None = Field(None, description="GGUF file inside `path`, if any.")
     dtype: str = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
     num_gpus: float = Field(0, ge=0, description="GPUs per replica (0: CPU).")

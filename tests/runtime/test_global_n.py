@@ -43,9 +43,11 @@ class Cluster:
                 engine,
                 policy,
                 channel,
-                pick_endpoint=lambda model, rid: endpoint_name(model, str(hash(rid) % 2))
-                if model == "large"
-                else endpoint_name(model, "0"),
+                pick_endpoint=lambda model, rid: (
+                    endpoint_name(model, str(hash(rid) % 2))
+                    if model == "large"
+                    else endpoint_name(model, "0")
+                ),
             )
             await server.start()
             self.servers.append(server)
@@ -157,3 +159,28 @@ def test_a_silent_ingress_stops_counting(monkeypatch: pytest.MonkeyPatch) -> Non
             return seen
 
     assert asyncio.run(go()) == [1, 1, 1]
+
+
+def test_models_end_the_requests_of_a_silent_ingress(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenrouter_ray.runtime import ingress as ingress_module
+
+    monkeypatch.setattr(ingress_module, "ACTIVE_REFRESH_S", 0.1)  # a live ingress: 10 per s
+    monkeypatch.setattr(subserver_module, "INGRESS_SILENCE_S", 0.6)
+
+    async def go() -> tuple[bool, bool]:
+        async with Cluster() as cluster:
+            a, b = cluster.ingresses
+            await a.submit("a", [1, 2], LONG)
+            await b.submit("b", [1, 2], LONG)
+            await cluster.settled()
+            held_before = any("b" in s.tracked for s in cluster.servers)
+            await b.stop()  # b's replica dies: nobody will read request b again
+            await asyncio.sleep(2.0)
+            gone = all("b" not in s.tracked and "b" not in s.engine.requests
+                       for s in cluster.servers)  # fmt: skip
+            kept = any("a" in s.tracked for s in cluster.servers)  # a's request goes on
+            await a.abort("a")
+            a.release("a")
+            return held_before and gone, kept
+
+    assert asyncio.run(go()) == (True, True)

@@ -85,3 +85,35 @@ def test_an_unbounded_deferral_waits_without_failing_the_loop() -> None:
         assert m.tokens > 0 and m.finished_requests > 0
 
     asyncio.run(go())
+
+
+def test_the_watchdog_sees_a_wedged_step_and_a_run_of_failed_steps() -> None:
+    async def go() -> tuple[str | None, str | None, str | None]:
+        loop = ClosedLoop(slow_profile(1.0), 2, (1, 1), max_tokens=1000)
+        async with loop:
+            small = loop.servers[0]
+            runner, real = small.engine.runner, small.engine.runner.execute
+            await asyncio.sleep(0.2)
+            healthy = small.health_problem(max_step_s=0.5, max_failed_steps=3)
+
+            def wedged(out, timings):  # type: ignore[no-untyped-def]
+                time.sleep(1.5)
+                return real(out, timings)
+
+            runner.execute = wedged  # the instance's execute: the engine runs it in launch
+            await asyncio.sleep(1.0)
+            stuck = small.health_problem(max_step_s=0.5, max_failed_steps=3)
+
+            def broken(out, timings):  # type: ignore[no-untyped-def]
+                raise RuntimeError("device lost")
+
+            runner.execute = broken
+            await asyncio.sleep(2.0)  # the wedged step ends, then every step fails
+            failing = small.health_problem(max_step_s=60, max_failed_steps=3)
+            del runner.execute
+        return healthy, stuck, failing
+
+    healthy, stuck, failing = asyncio.run(go())
+    assert healthy is None
+    assert stuck is not None and "a step has run" in stuck
+    assert failing is not None and "steps in a row failed" in failing

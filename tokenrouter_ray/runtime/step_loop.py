@@ -115,6 +115,10 @@ class StepLoop:
         self._thread: threading.Thread | None = None
         self._launched_at: float | None = None  # when the running step was launched
         self.error: BaseException | None = None  # what stopped the thread, if anything
+        # watchdog (``SubServer.health_problem``): since when the current step has run, and
+        # how many steps in a row failed
+        self.step_since: float | None = None  # monotonic
+        self.failed_in_row = 0
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
@@ -178,8 +182,10 @@ class StepLoop:
         except Exception as exc:  # a broken step must not take the model down
             logger.exception("%s: step failed", server.name)
             server.metrics.error(server.name, "step_failed")
+            self._failed()
             server.post(server.fail_runnable(f"step failed: {exc}"))
             return None
+        self.step_since, self.failed_in_row = None, 0
         done = time.perf_counter()
         prof = self.profile
         prof.wait_s += step.waited_s
@@ -190,6 +196,7 @@ class StepLoop:
         except Exception as exc:
             logger.exception("%s: routing failed", server.name)
             server.metrics.error(server.name, "step_failed")
+            self._failed()
             server.post(server.fail_runnable(f"step failed: {exc}"))
             return None
         t1 = time.perf_counter()
@@ -221,19 +228,26 @@ class StepLoop:
         """Schedule and start the next step (None: idle or deferred)."""
         server = self.server
         started = time.perf_counter()
+        self.step_since = time.monotonic()  # a runner without launch computes in here
         try:
             step = self.engine.launch()
         except Exception as exc:
             logger.exception("%s: step failed", server.name)
             server.metrics.error(server.name, "step_failed")
             self.engine.discard_uncommitted()
+            self._failed()
             return _Failed(exc)
         if step is None:
+            self.step_since = None
             server.note_deferred(self.engine.deferred_until is not None)
             return None
         self.profile.add("launch", time.perf_counter() - started)
         server.note_launched(started)
         return step
+
+    def _failed(self) -> None:
+        self.step_since = None
+        self.failed_in_row += 1
 
     def _idle(self) -> None:
         """Nothing to launch: sleep until woken (inbox, thresholds, stop), the deferred

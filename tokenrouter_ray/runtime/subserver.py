@@ -184,6 +184,20 @@ class SubServer:
             dead.append(f"{self.name}-steps: {self.steps.error!r}")
         return dead
 
+    def health_problem(self, max_step_s: float, max_failed_steps: int) -> str | None:
+        """Why this replica should fail its health check (Serve then restarts it and its
+        requests recover elsewhere), or None: a loop stopped, a step running past
+        ``max_step_s`` (a wedged device), or ``max_failed_steps`` steps in a row failed (a
+        sticky device error)."""
+        if not self.alive:
+            return f"sub-server stopped: {self.dead_tasks()}"
+        since = self.steps.step_since
+        if since is not None and time.monotonic() - since > max_step_s:
+            return f"a step has run for {time.monotonic() - since:.0f} s (limit {max_step_s:g} s)"
+        if self.steps.failed_in_row >= max_failed_steps:
+            return f"{self.steps.failed_in_row} steps in a row failed"
+        return None
+
     @property
     def holds_anything(self) -> bool:
         """Requests, messages to apply or messages to send (``LocalRuntime.wait_idle``)."""
@@ -262,18 +276,22 @@ class SubServer:
         self.active_requests = sum(n for n, _ in self._ingress_counts.values())
         self.engine.set_active_requests(self.active_requests if self._ingress_counts else None)
 
-    def _forget_silent_ingresses(self) -> None:
+    def _forget_silent_ingresses(self, out: list[PeerReq]) -> None:
         """An ingress republishes a non-zero count every second (``ACTIVE_REFRESH_S``); one
-        silent for ``INGRESS_SILENCE_S`` is gone (its replica died) and its count no longer
-        holds launches back."""
+        silent for ``INGRESS_SILENCE_S`` is gone (its replica died): its count no longer
+        holds launches back, and its requests, which nobody will read, are ended here and
+        on every other model that holds them (not generated to their length limit)."""
         cutoff = time.monotonic() - INGRESS_SILENCE_S
-        silent = [src for src, (n, t) in self._ingress_counts.items() if n and t < cutoff]
+        silent = {src for src, (n, t) in self._ingress_counts.items() if n and t < cutoff}
         for src in silent:
             logger.warning("%s: no active count from %s for %.0f s", self.name, src,
                            INGRESS_SILENCE_S)  # fmt: skip
             del self._ingress_counts[src]
         if silent:
             self._update_active()
+            for tracked in [t for t in self.tracked.values() if t.ingress in silent]:
+                self.metrics.error(self.name, "orphaned")
+                self._finished(tracked, "error", out, error="its ingress is gone")
 
     def _apply(self, msg: PeerReq, out: list[PeerReq]) -> None:
         rid = msg.rid
@@ -387,7 +405,7 @@ class SubServer:
         """End requests held past their deadline plus ``EXPIRY_GRACE_S`` (their ingress
         normally aborts them at the deadline; this frees state whose ingress is gone)."""
         self.next_sweep = time.monotonic() + SWEEP_PERIOD_S
-        self._forget_silent_ingresses()
+        self._forget_silent_ingresses(out)
         cutoff = time.time() - EXPIRY_GRACE_S
         for tracked in [t for t in self.tracked.values() if t.deadline and t.deadline < cutoff]:
             self.metrics.error(self.name, "expired")
