@@ -262,6 +262,14 @@ class Ingress:
         if name is not None:
             check_model(name, [self.cfg.served_model_name])
 
+    async def check_health(self) -> None:
+        """Serve's health check: the receive and refresh loops and the channel (a failure
+        restarts this replica; its streams end, and the models end its requests once its
+        active count goes silent)."""
+        problem = self.core.health_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
+
     @app.get("/health")
     async def health(self) -> Response:
         missing = self.peers.missing()

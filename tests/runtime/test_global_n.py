@@ -174,7 +174,9 @@ def test_models_end_the_requests_of_a_silent_ingress(monkeypatch: pytest.MonkeyP
             await b.submit("b", [1, 2], LONG)
             await cluster.settled()
             held_before = any("b" in s.tracked for s in cluster.servers)
+            assert a.health_problem() is None and b.health_problem() is None
             await b.stop()  # b's replica dies: nobody will read request b again
+            assert "stopped" in (b.health_problem() or "")  # what its check_health raises
             await asyncio.sleep(2.0)
             gone = all("b" not in s.tracked and "b" not in s.engine.requests
                        for s in cluster.servers)  # fmt: skip

@@ -182,6 +182,17 @@ class IngressCore:
     def num_active(self) -> int:
         return len(self.live)
 
+    def health_problem(self) -> str | None:
+        """Why this ingress cannot serve (its receive or refresh loop stopped, its channel
+        closed), or None."""
+        for task in (self._task, self._refresh):
+            if task is None or task.done():
+                why = "not started" if task is None else repr(task)
+                return f"ingress loop stopped: {why}"
+        if self.channel.closed:
+            return "ingress channel closed"
+        return None
+
     # ------------------------------------------------------------- active count
     def _active_changed(self) -> None:
         """The active count changed: metrics now, one ACTIVE broadcast per loop turn."""
