@@ -185,7 +185,7 @@ class KVCacheManager:
         Returns the newly allocated blocks (possibly empty) or ``None`` if the pool cannot
         supply them, in which case nothing changed.
         """
-        self._register(request)
+        self.cache_computed(request)
         hit = prefix.blocks if prefix is not None else []
         total = request.num_computed_tokens + len(hit) * self.block_size + num_new_tokens
         missing = self.blocks_needed(total) - len(request.block_ids) - len(hit)
@@ -215,7 +215,7 @@ class KVCacheManager:
         holds leaves the cache; one it shares is given up and its positions recomputed.
         """
         del request.block_hashes[num_tokens // self.block_size :]  # tokens past it may change
-        self._register(request)
+        self.cache_computed(request)
         keep = self.blocks_needed(num_tokens)
         if keep < len(request.block_ids):
             self._release(request, keep)
@@ -234,7 +234,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks; its computed full blocks stay cached."""
-        self._register(request)
+        self.cache_computed(request)
         if request.block_ids:
             self._release(request, 0)
         request.num_hashed_blocks = 0
@@ -258,8 +258,10 @@ class KVCacheManager:
         )
         return request.block_hashes[:num_blocks]
 
-    def _register(self, request: Request) -> None:
-        """Cache the request's full blocks whose KV is computed (not yet registered)."""
+    def cache_computed(self, request: Request) -> None:
+        """Cache the request's full blocks whose KV is computed and not yet registered.
+        Called before its next allocation, when it is paused, truncated or freed: always
+        after the forward that computed them, never while it may still be running."""
         if not self.enable_caching:
             return
         full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))

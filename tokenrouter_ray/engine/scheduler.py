@@ -118,8 +118,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def pause(self, request: Request) -> None:
-        """Out of the batch, KV kept."""
+        """Out of the batch, KV kept (and its computed full blocks cached for others)."""
         self._remove(request)
+        self.kv.cache_computed(request)
         request.status = RequestStatus.PENDING
         self.pending[request.request_id] = request
 
