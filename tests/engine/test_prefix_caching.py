@@ -223,3 +223,43 @@ def test_caching_off_recomputes_everything(tiny_llama_dir) -> None:
         prompts, SamplingParams(max_tokens=6)
     )
     assert engine.kv.prefix_cache_hits == 0 and engine.kv.pool.num_cached_blocks == 0
+
+
+# ------------------------------------------------------------------ config and salt
+def test_cache_salt_travels_from_the_openai_body_to_the_engine(tiny_llama_dir) -> None:
+    from tokenrouter_ray.openai.errors import InvalidRequestError
+    from tokenrouter_ray.openai.schemas import CompletionRequest
+    from tokenrouter_ray.openai.validation import RequestLimits, parse_request, prepare_completion
+    from tokenrouter_ray.protocol import MsgKind, PeerReq, decode, encode
+
+    body = {"model": "m", "prompt": list(range(1, 14)), "max_tokens": 4, "temperature": 0}
+    limits = RequestLimits(max_model_len=64)
+    specs = {}
+    for salt in ("tenant-a", "tenant-b", None):
+        request = parse_request(CompletionRequest, {**body, "cache_salt": salt})
+        spec = prepare_completion(request, None, limits).sampling.to_spec()
+        frame = PeerReq("r", "ingress", "small", MsgKind.NEW, 1, [1], sampling=spec)
+        specs[salt] = decode(encode(frame)).sampling  # as a model replica receives it
+        assert specs[salt].cache_salt == salt
+    with pytest.raises(InvalidRequestError):
+        parse_request(CompletionRequest, {**body, "cache_salt": ""})
+    engine = make_engine(tiny_llama_dir)
+    prompt = body["prompt"]
+    engine.add_request("a", prompt, specs["tenant-a"])
+    engine.step()
+    engine.step()
+    for rid, salt in (("b", "tenant-b"), ("c", None), ("d", "tenant-a")):
+        engine.add_request(rid, prompt, specs[salt])
+    engine.step()
+    assert engine.kv.prefix_cache_hits == 12  # only tenant-a's second request hit
+    assert engine.requests["b"].block_ids[0] != engine.requests["d"].block_ids[0]
+
+
+def test_model_spec_turns_caching_off() -> None:
+    from deployments.model_server import engine_config
+    from tokenrouter_ray.config import AppConfig
+
+    models = {"small": {"path": "/x"}, "large": {"path": "/y", "prefix_caching": False}}
+    cfg = AppConfig(models=models, policy={"name": "never"})
+    assert engine_config(cfg, "small").prefix_caching is True  # on by default
+    assert engine_config(cfg, "large").prefix_caching is False

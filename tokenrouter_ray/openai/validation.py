@@ -69,6 +69,7 @@ class SamplingOptions:
     include_usage: bool = False
     logprobs: int | None = None  # None: not asked; k: each token's and the k most likely
     routing_trace: bool = False
+    cache_salt: str | None = None  # prefix caching: only equal salts share KV
 
     @property
     def reports_tokens(self) -> bool:
@@ -91,6 +92,7 @@ class SamplingOptions:
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
             trace=self.routing_trace,
+            cache_salt=self.cache_salt,
         )
 
 
@@ -237,6 +239,7 @@ def _sampling(
         include_usage=request.include_usage,
         logprobs=logprobs,
         routing_trace=bool(request.routing_trace),
+        cache_salt=request.cache_salt,
     )
 
 
