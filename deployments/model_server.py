@@ -40,6 +40,7 @@ def engine_config(cfg: AppConfig, name: str) -> EngineConfig:
         dtype=spec.dtype,
         device="cuda" if spec.num_gpus > 0 else "cpu",
         block_size=spec.block_size,
+        prefix_caching=spec.prefix_caching,
         memory_budget_bytes=int(spec.memory_budget_gb * 2**30),
         max_model_len=spec.max_model_len,
         tensor_parallel=spec.tensor_parallel,  # issue 15

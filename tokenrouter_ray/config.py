@@ -77,6 +77,9 @@ class ModelSpec(_Strict):
         default_factory=dict, description="Custom Ray resources: pins the model to nodes."
     )
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    prefix_caching: bool = Field(
+        True, description="Automatic prefix caching (EngineConfig.prefix_caching); false: off."
+    )
     memory_budget_gb: float = Field(
         2.0, gt=0, description="Weights + KV budget per replica (per rank with tensor_parallel)."
     )

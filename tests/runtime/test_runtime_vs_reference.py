@@ -116,3 +116,61 @@ def test_duplicated_messages_change_nothing(chain_dirs, chain_reference_models) 
             models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
         )
         assert (got.token_ids, got.counts) == (want.token_ids, want.counts)
+
+
+def shared_prompts(n: int = 8) -> list[list[int]]:
+    """Prompts under one 16-token system prompt (four KV blocks of the test engines)."""
+    rng = random.Random(5)
+    system = [rng.randrange(128) for _ in range(16)]
+    return [system + [rng.randrange(128) for _ in range(rng.randint(1, 14))] for _ in range(n)]
+
+
+def run_waves(policy, engines, waves: list[list[list[int]]]):
+    """One runtime, prompts in waves (each after the previous one finished), so later
+    waves find the earlier ones' blocks cached on every model they visit."""
+
+    async def go():
+        async with LocalRuntime(engines, policy, InProcChannel) as runtime:
+            spec = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED)
+            results = []
+            for wave in waves:
+                results += await asyncio.wait_for(runtime.complete_all(wave, spec), 120)
+                await runtime.wait_idle()
+            pools = [s.engine.kv.pool for s in runtime.subservers]
+            assert all(p.num_free_blocks == p.num_blocks for p in pools)  # no leaked KV
+            return results, [s.engine.kv.prefix_cache_hits for s in runtime.subservers]
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("name", "caching"),
+    [(name, True) for name in CASES] + [("r2r", False), ("escalation", False)],
+)
+def test_prefix_caching_equals_reference(name, caching, chain_dirs, chain_reference_models) -> None:
+    """Shared-prefix prompts in two waves, with prefix caching on (and off): the tokens and
+    per-model counts equal the sequential reference; with caching on, the later wave's
+    requests reuse the system prompt's blocks on the entry model, and handoffs' first
+    visits reuse them on the models they reach."""
+    options, names = CASES[name]
+    policy = build_policy(name, options, names)
+    engines = chain_engines(chain_dirs, names, prefix_caching=caching)
+    prompts = shared_prompts()
+    results, hits = run_waves(policy, engines, [prompts[:2], prompts[2:]])
+    models = [(n, chain_reference_models[n]) for n in names]
+    for prompt, got in zip(prompts, results, strict=True):
+        want = reference_generate(
+            models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
+        )
+        assert got.error is None
+        assert (got.token_ids, got.counts, got.handoffs) == (
+            want.token_ids,
+            want.counts,
+            want.handoffs,
+        )
+    if not caching:
+        assert hits == [0] * len(names)
+        return
+    assert hits[0] >= 6 * 16  # every request of the second wave hit the system prompt
+    if name != "never":
+        assert hits[-1] > 0  # first visits of handoffs hit on the last model too

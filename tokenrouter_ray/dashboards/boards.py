@@ -259,6 +259,9 @@ def scheduler(prefix: str) -> dict[str, Any]:
     t = Promql(prefix, selector=APP)  # tuner series without a model label
     model = ["model"]
     by_model = "{{model}}"
+    queries = q.rate("tokenrouter_prefix_cache_queries_total", model)
+    # Ray exports a counter from its first increment: a model with no hit yet reads 0.
+    hits = f"({q.rate('tokenrouter_prefix_cache_hits_total', model)} or 0 * {queries})"
     return dashboard(
         "tokenrouter-scheduler",
         "tokenrouter-ray / Scheduler",
@@ -398,6 +401,24 @@ def scheduler(prefix: str) -> dict[str, Any]:
                     target(q.value("tokenrouter_kv_blocks_total", model), f"total {by_model}"),
                 ],
                 "short",
+            ),
+            timeseries(
+                "Prefix cache hit rate",
+                [target(f"{hits} / {queries}", by_model)],
+                "percentunit",
+                "Of the prompt tokens looked up on a model (prompts, handoffs' first visits, "
+                "recomputes), the fraction whose KV was cached (vLLM's prefix_cache_hits / "
+                "prefix_cache_queries).",
+                max_value=1,
+            ),
+            timeseries(
+                "Prefix cache tokens / s",
+                [
+                    target(queries, f"queried {by_model}"),
+                    target(hits, f"hit {by_model}"),
+                ],
+                "short",
+                "Prompt tokens looked up in the prefix cache and those found (not prefilled).",
             ),
             timeseries(
                 "Preemptions / s",

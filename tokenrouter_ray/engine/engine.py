@@ -73,6 +73,11 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description="Longest sequence; default: the model's position limit."
     )
+    prefix_caching: bool = Field(
+        True,
+        description="Automatic prefix caching: full KV blocks are cached by content hash and "
+        "reused by later requests (and handoffs' first visits) with the same prefix.",
+    )
     keep_logits: bool = Field(False, description="Keep next-token logits for the policy.")
     keep_hidden: bool = Field(False, description="Keep last hidden states for the policy.")
     cuda_graphs: bool = Field(
@@ -97,7 +102,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig, num_blocks: int) -> None:
         self.config = config
         self.runner = runner
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
         self._uncommitted: StepResult | None = None

@@ -8,7 +8,9 @@ largest K with ``sum_i (weights_i + K * kv_i) <= memory``). The app builder call
 ``device_group`` of the config and hands every model its budget as its
 ``memory_budget_gb``; the engine then sizes its pool from that budget exactly as for a model
 alone (``plan_num_blocks`` of the budget gives the plan's block count), capped on CUDA by
-what is free after loading (``device_budget``).
+what is free after loading (``device_budget``). Prefix caching needs no memory of its own:
+cached blocks are free blocks of each pool that still hold a prefix (``block_pool.py``), so
+the plan's K tokens per model are what admission can use, cached or not.
 
 Footprints come from the checkpoint without loading it (``footprint_from_checkpoint``): the
 model config gives layers, KV heads and head size; the weight files' headers give the

@@ -5,7 +5,8 @@ status. A request owns its token list and its computed count, and changes them o
 through its methods: ``append_tokens`` (sampled here or received from a peer model),
 ``truncate`` (tokens past an anchor that another model replaced), ``advance_computed``
 (the runner computed KV for a chunk) and ``keep_computed`` (KV past a point was freed).
-The scheduler moves requests between statuses; the KV cache manager owns ``block_ids``.
+The scheduler moves requests between statuses; the KV cache manager owns ``block_ids``,
+``block_hashes`` and ``num_hashed_blocks``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_CACHE_SALT = 256  # characters of a per-request cache_salt
 
 
 class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
@@ -50,6 +52,9 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     (``SamplingOptions.to_spec``), it travels on a request's first visit to each model
     (``PeerReq.sampling``; the protocol calls it ``SamplingSpec``), and the engine samples
     and stops by it. Invalid values raise ``ValueError`` (on decode: ``ProtocolError``).
+
+    ``cache_salt`` (vLLM's field, appended last too) keeps tenants' prefix caches apart:
+    a request's KV blocks are only shared with requests carrying the same salt.
 
     Two optional reports per committed token, off by default (appended last, so older
     frames still decode): ``logprobs`` (None: none; k: the chosen token's log-probability
@@ -66,6 +71,7 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to report per token (0..MAX_LOGPROBS)
     trace: bool = False  # report router scores and dropped proposals per token
+    cache_salt: str | None = None  # prefix caching: only requests with equal salts share KV
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -78,6 +84,8 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT:
+            raise ValueError(f"cache_salt must be 1..{MAX_CACHE_SALT} characters")
 
     @property
     def is_greedy(self) -> bool:
@@ -101,6 +109,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # its full blocks' chained hashes
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache (or tried)
     runnable_since: float = 0.0  # when it last became WAITING/RUNNING (deferred launch)
     num_preemptions: int = 0
     seed: int = -1  # resolved seed: the given one, or drawn once at admission

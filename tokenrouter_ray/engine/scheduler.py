@@ -6,8 +6,11 @@ handoff); ``schedule`` returns a ``SchedulerOutput`` naming how many tokens of e
 the next forward computes, or an empty output saying why it waits. Prefill, extend and
 decode are one thing at different sizes: a request needs ``num_tokens -
 num_computed_tokens`` tokens computed, and a long need is cut into chunks by the token
-budget. When KV is full, new work queues; a running request that cannot grow preempts the
-most recently arrived request (pending ones first) by recompute.
+budget. A request computing its tokens for the first time here (a prompt, a handoff's
+first visit, a recompute after preemption) starts past its cached prefix
+(``KVCacheManager.cached_prefix``). When KV is full, new work queues; a running request
+that cannot grow preempts the most recently arrived request (pending ones first) by
+recompute.
 
 Deferred launch: a step starts only once at least ``B`` requests are runnable, ``B`` read
 from the scheduler's ``ThresholdTable`` (``thresholds.py``: the lookup rule) at ``N``, the
@@ -115,8 +118,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def pause(self, request: Request) -> None:
-        """Out of the batch, KV kept."""
+        """Out of the batch, KV kept (and its computed full blocks cached for others)."""
         self._remove(request)
+        self.kv.cache_computed(request)
         request.status = RequestStatus.PENDING
         self.pending[request.request_id] = request
 
@@ -202,8 +206,10 @@ class Scheduler:
         # Then waiting requests (prefills, extends, recomputes), FCFS, while KV lasts.
         while self.waiting and budget > 0 and len(out.chunks) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_uncomputed_tokens, budget)
-            if self.kv.allocate_slots(request, n) is None:
+            prefix = self.kv.cached_prefix(request)  # a first computation: reuse cached KV
+            cached = prefix.num_tokens if prefix is not None else 0
+            n = min(request.num_uncomputed_tokens - cached, budget)
+            if self.kv.allocate_slots(request, n, prefix) is None:
                 # KV full: the request stays queued, unless nothing runs at all and idle
                 # requests hold the KV (then they pay by recompute, not a stall).
                 victim = None if out.chunks else self._idle_victim(exclude=request)

@@ -5,11 +5,11 @@ A ``MetricDef`` is a name, a kind, a help text, its label names and (histograms)
 boundaries. Names follow Prometheus conventions: base units (``_seconds``), ``_total`` on
 counters. Where vLLM exports a metric with the same meaning, ours has vLLM's name after the
 ``tokenrouter_`` prefix (``kv_cache_usage_perc``, ``inter_token_latency_seconds``,
-``request_queue_time_seconds``, ``prompt_tokens_total``, ``request_success_total`` with
-``finished_reason``, ...), so queries written for vLLM carry over by swapping the prefix. The
-routing counters are modelled on vLLM's speculative-decoding counters
-(``spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``): plain event
-and token counts whose ratios are the rates a dashboard shows.
+``request_queue_time_seconds``, ``prompt_tokens_total``, ``prefix_cache_hits_total``,
+``request_success_total`` with ``finished_reason``, ...), so queries written for vLLM carry
+over by swapping the prefix. The routing counters are modelled on vLLM's speculative-decoding
+counters (``spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``): plain
+event and token counts whose ratios are the rates a dashboard shows.
 
 Every metric carries ``model_name`` (the served model name clients ask for, vLLM's label),
 last in its label order, so several apps can share one Prometheus. Labels are
@@ -205,6 +205,17 @@ PREEMPTIONS = _counter(
     "Requests preempted (KV freed, recomputed later).",
     "model",
 )
+PREFIX_CACHE_QUERIES = _counter(
+    "tokenrouter_prefix_cache_queries_total",
+    "Prompt tokens looked up in the prefix cache (a request's first computation on a model: "
+    "its prompt, a handoff's first visit, a recompute).",
+    "model",
+)
+PREFIX_CACHE_HITS = _counter(
+    "tokenrouter_prefix_cache_hits_total",
+    "Of the tokens looked up in the prefix cache, those whose KV was found cached.",
+    "model",
+)
 GENERATION_TOKENS = _counter(
     "tokenrouter_generation_tokens_total", "Output tokens committed, all models together."
 )
@@ -321,6 +332,8 @@ DEFINITIONS: tuple[MetricDef, ...] = (
     KV_BLOCKS_USED,
     KV_BLOCKS_TOTAL,
     PREEMPTIONS,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
     GENERATION_TOKENS,
     ERRORS,
     PEER_REJECTED,

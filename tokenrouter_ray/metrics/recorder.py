@@ -41,6 +41,8 @@ class Metrics:
         # model -> scheduler counts already exported (the scheduler keeps running totals)
         self._preemptions: dict[str, int] = {}
         self._deferred_timeouts: dict[str, int] = {}
+        self._cache_queries: dict[str, int] = {}
+        self._cache_hits: dict[str, int] = {}
 
     @classmethod
     def noop(cls) -> Metrics:
@@ -107,8 +109,8 @@ class Metrics:
         self._observe(m.PEER_LATENCY_SECONDS, seconds, model)
 
     def engine_state(self, model: str, engine: Engine) -> None:
-        """Queue depths, threshold, active count, KV usage, new preemptions and new
-        deferred-launch timeouts."""
+        """Queue depths, threshold, active count, KV usage (cached free blocks count as
+        free), new preemptions, new deferred-launch timeouts and prefix-cache tokens."""
         sched, pool = engine.scheduler, engine.kv.pool
         self._set(m.REQUESTS_WAITING, len(sched.waiting), model)
         self._set(m.REQUESTS_RUNNING, len(sched.running), model)
@@ -123,6 +125,13 @@ class Metrics:
         self._count_new(
             m.DEFERRED_TIMEOUTS, self._deferred_timeouts, model, sched.deferred_timeouts
         )
+        kv = engine.kv
+        if kv.prefix_cache_queries > self._cache_queries.get(model, 0):
+            # Hits go out with every growth of the queries, by 0 too: both series exist.
+            hits = kv.prefix_cache_hits - self._cache_hits.get(model, 0)
+            self._inc(m.PREFIX_CACHE_HITS, hits, model)
+            self._cache_hits[model] = kv.prefix_cache_hits
+        self._count_new(m.PREFIX_CACHE_QUERIES, self._cache_queries, model, kv.prefix_cache_queries)
 
     def _count_new(self, metric: m.MetricDef, seen: dict[str, int], model: str, now: int) -> None:
         """Export the growth of a running total kept elsewhere (the scheduler's)."""

@@ -240,6 +240,13 @@ class _SamplingRequest(_Lenient):
     routing_trace: bool | None = Field(
         None, description="Extension: per choice, which model wrote each token and why."
     )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Extension (vLLM's): prefix-cache salt; only requests with the same salt "
+        "share cached KV (keeps tenants apart).",
+    )
     # vLLM extensions this server does not implement: only their neutral values pass
     min_tokens: int | None = Field(None, ge=0, description="Extension: only 0 supported.")
     use_beam_search: bool | None = Field(None, description="Extension: only false supported.")

@@ -78,6 +78,7 @@ class SamplingOptions:
     include_usage: bool = False
     logprobs: int | None = None  # None: not asked; k: each token's and the k most likely
     routing_trace: bool = False
+    cache_salt: str | None = None  # prefix caching: only equal salts share KV
 
     @property
     def reports_tokens(self) -> bool:
@@ -100,6 +101,7 @@ class SamplingOptions:
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
             trace=self.routing_trace,
+            cache_salt=self.cache_salt,
         )
 
 
@@ -292,6 +294,7 @@ def _sampling(
         include_usage=request.include_usage,
         logprobs=logprobs,
         routing_trace=bool(request.routing_trace),
+        cache_salt=request.cache_salt,
     )
 
 
