@@ -216,6 +216,9 @@ class Ingress:
             max_active=self._max_active,
             unavailable=self._unavailable,
             models=cfg.model_names,
+            # cache-aware placement of every model's replica (runtime/affinity.py)
+            replicas_of=lambda model: self.peers.by_model.get(model, []),
+            block_sizes={name: spec.block_size for name, spec in cfg.models.items()},
         )
         self._slo = asyncio.create_task(self._follow_slo()) if cfg.tuner.min_tokens_per_s else None
 
@@ -347,6 +350,8 @@ class Ingress:
         unfinished requests assigned to them once each model has a replica again."""
         for name in lost:
             self.channel.forget_peer(name)
+            if hasattr(self, "server"):
+                self.server.forget_replica(name)
         self._lost |= lost
         if self._recovery is None or self._recovery.done():
             self._recovery = asyncio.create_task(self._recover(), name="ingress-recover")

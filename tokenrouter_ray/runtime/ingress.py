@@ -82,6 +82,7 @@ from tokenrouter_ray.protocol import (
     SamplingSpec,
     TokenInfo,
 )
+from tokenrouter_ray.runtime.affinity import PrefixAffinity
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
 
 logger = logging.getLogger(__name__)
@@ -574,6 +575,8 @@ class IngressServer:
         max_active: Callable[[], int] = lambda: 1 << 30,
         unavailable: Callable[[], str | None] = lambda: None,
         models: Sequence[str] = (),
+        replicas_of: Callable[[str], Sequence[str]] | None = None,
+        block_sizes: Mapping[str, int] | None = None,
     ) -> None:
         self.core = core
         self.models = list(models)  # entry first; (): the core's endpoints name them
@@ -586,11 +589,57 @@ class IngressServer:
         self.unavailable = unavailable
         self.entry_load: dict[str, int] = {}  # choices in flight per entry replica
         self.entry_total: dict[str, int] = {}  # choices ever sent per entry replica
+        # cache-aware placement (runtime/affinity.py): with ``replicas_of`` (model -> its
+        # live endpoints), the other models' replicas are chosen like the entry's
+        self.replicas_of = replicas_of
+        self.block_sizes = dict(block_sizes or {})
+        self.affinity: dict[str, PrefixAffinity] = {}  # model ("" = the entry) -> chooser
+        self.assigned_load: dict[str, int] = {}  # choices in flight per non-entry endpoint
+        self._assigned: dict[str, list[str]] = {}  # rid -> its non-entry endpoints
         self._ids = itertools.count()
 
-    def entry(self) -> str:
-        """The least loaded replica of the entry model."""
-        return min(self.entries(), key=lambda e: self.entry_load.get(e, 0))
+    def entry(self, prompt: Sequence[int] | None = None, cache_salt: str | None = None) -> str:
+        """The entry replica for a prompt: the one that last got its longest prefix (its
+        KV cache likely holds it) unless that one is busier than the least loaded by more
+        than the chooser's bound; the least loaded replica without a prompt."""
+        loads = {e: self.entry_load.get(e, 0) for e in self.entries()}
+        if prompt is None or len(loads) < 2:
+            return min(loads, key=loads.__getitem__)
+        return self._chooser("").choose(prompt, loads, cache_salt)
+
+    def _chooser(self, model: str) -> PrefixAffinity:
+        chooser = self.affinity.get(model)
+        if chooser is None:
+            name = model or (self.models[0] if self.models else "")
+            chooser = self.affinity[model] = PrefixAffinity(self.block_sizes.get(name, 16))
+        return chooser
+
+    def forget_replica(self, endpoint: str) -> None:
+        """A replica is gone: no prefix is sent to it for its cache any more."""
+        for chooser in self.affinity.values():
+            chooser.forget(endpoint)
+
+    def _endpoints(
+        self, rid: str, prompt: Sequence[int], cache_salt: str | None
+    ) -> Mapping[str, str] | None:
+        """The replica of each non-entry model a choice will use."""
+        if self.replicas_of is None:
+            return self.endpoints_for(rid) if self.endpoints_for else None
+        out: dict[str, str] = {}
+        for model in self.models[1:]:
+            options = list(self.replicas_of(model))
+            if not options:
+                raise LookupError(f"no replica of model {model!r} is registered")
+            loads = {e: self.assigned_load.get(e, 0) for e in options}
+            out[model] = self._chooser(model).choose(prompt, loads, cache_salt)
+        for endpoint in out.values():
+            self.assigned_load[endpoint] = self.assigned_load.get(endpoint, 0) + 1
+        self._assigned[rid] = list(out.values())
+        return out
+
+    def _unassign(self, rid: str) -> None:
+        for endpoint in self._assigned.pop(rid, ()):
+            self.assigned_load[endpoint] -= 1
 
     async def respond(
         self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
@@ -640,26 +689,30 @@ class IngressServer:
         base = f"{prepared.request_id or 'req'}-{time.time_ns():x}-{next(self._ids)}"
         submitted = []
         try:
+            prompt, salt = prepared.prompt_token_ids, sampling.cache_salt
             for i in range(sampling.n):
-                rid, entry = f"{base}-{i}", self.entry()
+                rid, entry = f"{base}-{i}", self.entry(prompt, salt)
                 self.entry_load[entry] = self.entry_load.get(entry, 0) + 1  # before the await
                 try:
+                    endpoints = self._endpoints(rid, prompt, salt)
                     await self.core.submit(
                         rid,
-                        prepared.prompt_token_ids,
+                        prompt,
                         sampling.to_spec(i),
                         entry,
                         timeout_s=timeout_s,
-                        endpoints=self.endpoints_for(rid) if self.endpoints_for else None,
+                        endpoints=endpoints,
                     )
                 except BaseException:
                     self.entry_load[entry] -= 1
+                    self._unassign(rid)
                     raise
                 self.entry_total[entry] = self.entry_total.get(entry, 0) + 1
                 submitted.append((rid, entry))
         except BaseException as exc:  # incl. cancellation: free the choices already sent
             for rid, entry in submitted:
                 self.entry_load[entry] -= 1
+                self._unassign(rid)
                 self.core.abort_nowait(rid)
                 self.core.release(rid)
             if isinstance(exc, OpenAIError) or not isinstance(exc, Exception):
@@ -805,6 +858,7 @@ class IngressServer:
         if rid not in self.core.live:
             return None
         self.entry_load[entry] -= 1
+        self._unassign(rid)
         self.core.abort_nowait(rid)
         return self.core.release(rid)
 
