@@ -381,13 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=128, help="served answers' length")
     parser.add_argument("--no-served", action="store_true", help="skip the Serve app part")
+    parser.add_argument("--no-in-process", action="store_true", help="skip the in-process part")
     parser.add_argument("--served-levels", default="1,8,32")
     parser.add_argument("--port", type=int, default=18170)
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     print(f"# host path: {machine()}\n# {command()}", flush=True)
-    in_process = run_in_process(levels, args.window_s, args.warmup_s)
+    in_process = [] if args.no_in_process else run_in_process(levels, args.window_s, args.warmup_s)
     served: list[dict[str, Any]] = []
     if not args.no_served:
         served_levels = [int(x) for x in args.served_levels.split(",")]
