@@ -22,6 +22,7 @@ from tokenrouter_ray.config import TransportSpec
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.transport.auth import SECRET_ENV, derive_key
 from tokenrouter_ray.transport.base import Directory, Endpoint, PeerChannel
+from tokenrouter_ray.transport.curve import CurveKeys
 from tokenrouter_ray.transport.zmq_channel import ZmqChannel, ZmqConfig
 
 
@@ -46,22 +47,32 @@ def make_channel(
 
         return RayChannel(model, replica, directory)
     z = spec.zmq
-    advertise = z.advertise_host
-    if z.transport == "tcp" and advertise is None and z.bind_host in ("0.0.0.0", "::"):
+    bind, advertise = z.bind_host, z.advertise_host
+    if z.transport == "tcp" and bind is None:
+        bind = ray.util.get_node_ip_address()  # the pod's own address, never all interfaces
+    if z.transport == "tcp" and advertise is None and bind in ("0.0.0.0", "::"):
         advertise = ray.util.get_node_ip_address()
     on_reject = None
     if metrics is not None:
         on_reject = lambda reason: metrics.peer_rejected(model, reason)  # noqa: E731
+    curve = CurveKeys.from_key(key) if z.curve and key is not None else None
+    if z.curve and key is None:
+        raise ValueError("transport.zmq.curve needs the peer key (derived from the secret)")
     return ZmqChannel(
         model,
         replica,
         directory,
         ZmqConfig(
             transport=z.transport,
-            bind_host=z.bind_host,
+            bind_host=bind,
             advertise_host=advertise,
             port=z.port,
+            port_range=z.port_range,
+            send_hwm=z.send_hwm,
+            recv_hwm=z.recv_hwm,
             key=key,
+            max_frame_bytes=z.max_frame_bytes,
+            curve=curve,
         ),
         on_reject=on_reject,
     )
