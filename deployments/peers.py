@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import ray
 
-from deployments.directory import ServeDirectory
+from deployments.directory import ENDPOINT_TTL_S, ServeDirectory
 from tokenrouter_ray.config import TransportSpec
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.transport.auth import SECRET_ENV, derive_key
@@ -99,6 +99,7 @@ class PeerBook:
         self.own = own
         self.on_lost = on_lost
         self.alive = alive  # heartbeat only while this is true (a broken replica lapses)
+        self.lease_s = ENDPOINT_TTL_S
         self.by_model: dict[str, list[str]] = {m: [] for m in models}
         self.last_refresh = time.monotonic()
         self._task: asyncio.Task | None = None
@@ -129,10 +130,23 @@ class PeerBook:
             if e.model in by_model:
                 by_model[e.model].append(e.name)
         lost = set(self.all()) - {n for names in by_model.values() for n in names}
+        if lost and await self._directory_is_new():
+            return  # it restarted: endpoints come back with their next heartbeat
         self.by_model = by_model
         self.last_refresh = time.monotonic()
         if lost and self.on_lost is not None:
             self.on_lost(lost)
+
+    async def _directory_is_new(self) -> bool:
+        """The directory restarted less than one lease ago (it knows only the endpoints
+        that heartbeat since): missing endpoints are not lost yet."""
+        uptime = getattr(self.directory, "uptime_s", None)
+        if uptime is None:
+            return False
+        try:
+            return await uptime() < self.lease_s
+        except Exception:  # an older directory without uptime_s: decide as before
+            return False
 
     async def _loop(self) -> None:
         while True:

@@ -440,3 +440,135 @@ def test_killed_replica_requests_are_recreated_and_the_app_serves_on(
     assert all(m["alive"] for m in state["models"].values())
     done_s = f"{recovered_s:.1f} s"
     print(f"kill -> all {len(batch)} done {done_s}; recoveries {recoveries}; health {healthy_s}")
+
+
+# ------------------------------------------------------------------ issue 26: strangers
+FLOOD_FRAMES_PER_S = 5000
+
+
+def junk_flood(address: str, stop: threading.Event, sent: list[int]) -> None:
+    """Junk frames (the frame magic, random MACs: each costs the receiver an HMAC) pushed
+    at ``address`` until ``stop``; what cannot be queued is dropped (a stranger's sender)."""
+    import zmq
+
+    from tokenrouter_ray.transport.auth import MAGIC
+
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    n, t0 = 0, time.monotonic()
+    try:
+        while not stop.is_set():
+            frame = MAGIC + os.urandom(56) + os.urandom(200)
+            try:
+                sock.send(frame, flags=zmq.NOBLOCK)
+                n += 1
+            except zmq.Again:
+                time.sleep(0.001)
+            if n % 100 == 0 and n / FLOOD_FRAMES_PER_S > time.monotonic() - t0:
+                time.sleep(0.01)
+    finally:
+        sock.close(linger=0)
+        sent.append(n)
+
+
+def timed_greedy(api: openai.OpenAI, batch: list[list[int]], max_tokens: int) -> tuple:
+    def run(prompt: list[int]) -> list[int]:
+        out = api.completions.create(
+            model="tokenrouter", prompt=prompt, max_tokens=max_tokens, temperature=0
+        )
+        return ids_of(out.choices[0].text)
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        got = list(pool.map(run, batch))
+    return got, time.monotonic() - t0
+
+
+def test_a_junk_flood_at_a_model_leaves_requests_exact_and_health_green(
+    app: str, served_chain_dirs
+) -> None:
+    batch = prompts(4)
+    want = [
+        w.token_ids for w in local_outputs(served_chain_dirs, TWO, "entropy", OPTIONS, batch, 48)
+    ]
+    api = client(app)
+    timed_greedy(api, batch, 48)  # warm
+    got, undisturbed_s = timed_greedy(api, batch, 48)
+    assert got == want
+    large = model_handle("large")
+    address = large.status.remote().result()["address"]
+    before = len(stats(app)["recoveries"])
+    stop, sent, health = threading.Event(), [], []
+
+    def watch() -> None:
+        while not stop.is_set():
+            health.append(httpx.get(root_of(app) + "/health", timeout=10).status_code)
+            time.sleep(0.2)
+
+    flood = threading.Thread(target=junk_flood, args=(address, stop, sent), daemon=True)
+    watcher = threading.Thread(target=watch, daemon=True)
+    flood.start()
+    watcher.start()
+    try:
+        time.sleep(1.0)  # the flood is on before the requests start
+        got, flooded_s = timed_greedy(api, batch, 48)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        flood.join(30)
+        watcher.join(30)
+    rejected = large.status.remote().result()["peer_rejected"]
+    print(
+        f"flood: {sent[0]} junk frames; undisturbed {undisturbed_s:.2f} s, flooded "
+        f"{flooded_s:.2f} s; rejected {rejected}; health {sorted(set(health))}"
+    )
+    assert got == want
+    assert rejected.get("bad_mac", 0) > 0  # the flood reached the model and was refused
+    assert flooded_s <= 1.5 * undisturbed_s
+    assert health and set(health) == {200}
+    assert len(stats(app)["recoveries"]) == before  # nothing was taken for a lost replica
+    wait_clean(app)
+
+
+def test_a_restarted_directory_keeps_the_secret_and_a_new_replica_serves(
+    app: str, served_chain_dirs
+) -> None:
+    """Kill the directory mid-stream, then restart a model replica: the new replica gets the
+    app's one secret from the restarted directory, and no request hangs."""
+    batch = prompts(8)
+    want = local_outputs(served_chain_dirs, TWO, "entropy", OPTIONS, batch, 64)
+    directory = model_handle("EndpointDirectory")
+    secret = directory.peer_secret.remote().result()
+    large = model_handle("large")
+    large.inject_fault.remote("stall", 10_000, 0.03).result()  # long enough to kill mid-way
+    api = client(app, timeout=180)
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        futures = [
+            pool.submit(
+                lambda p: ids_of(
+                    api.completions.create(
+                        model="tokenrouter", prompt=p, max_tokens=64, temperature=0
+                    )
+                    .choices[0]
+                    .text
+                ),
+                p,
+            )
+            for p in batch
+        ]
+        time.sleep(1.0)
+        replica_processes()["EndpointDirectory"].kill()
+        time.sleep(1.0)
+        os.kill(large.status.remote().result()["pid"], signal.SIGKILL)
+        got = [f.result(timeout=300) for f in futures]  # none hangs
+    assert got == [w.token_ids for w in want]
+    assert model_handle("EndpointDirectory").peer_secret.remote().result() == secret
+    wait_healthy(app, 120)
+    fresh = api.completions.create(
+        model="tokenrouter", prompt=batch[0], max_tokens=64, temperature=0
+    )
+    assert ids_of(fresh.choices[0].text) == want[0].token_ids
+    status = model_handle("large").status.remote().result()
+    assert status["peer_rejected"].get("bad_mac", 0) == 0  # its peers' frames verify
+    wait_clean(app)

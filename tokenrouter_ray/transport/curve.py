@@ -18,8 +18,8 @@ import threading
 from dataclasses import dataclass
 
 import zmq
-from zmq.utils import z85
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 
 @dataclass(frozen=True)

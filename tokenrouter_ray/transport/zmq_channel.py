@@ -39,9 +39,9 @@ import collections
 import contextlib
 import logging
 import os
+import random
 import shutil
 import socket
-import random
 import tempfile
 import time
 import uuid
@@ -54,7 +54,6 @@ import zmq.asyncio
 
 from tokenrouter_ray.protocol import PeerReq, encode_batch
 from tokenrouter_ray.transport.auth import FrameSigner, FrameVerifier
-from tokenrouter_ray.transport.curve import CurveKeys, curve_allowlist
 from tokenrouter_ray.transport.base import (
     ChannelClosed,
     Directory,
@@ -63,6 +62,7 @@ from tokenrouter_ray.transport.base import (
     PeerUnreachableError,
     decode_frame,
 )
+from tokenrouter_ray.transport.curve import CurveKeys, curve_allowlist
 
 logger = logging.getLogger(__name__)
 
