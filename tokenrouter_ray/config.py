@@ -140,6 +140,24 @@ class TransportSpec(_Strict):
     zmq: ZmqSpec = Field(default_factory=ZmqSpec)
 
 
+class RequestLimitSpec(_Strict):
+    """What one request may ask for (each past-limit request is a 400 naming the limit)."""
+
+    max_body_mib: float = Field(
+        8.0, gt=0, description="Largest HTTP body (413, from Content-Length and while reading)."
+    )
+    max_messages: int = Field(1024, ge=1, description="Most chat messages in one request.")
+    max_content_chars: int = Field(
+        1 << 20, ge=1, description="Most characters of prompt text (all messages together)."
+    )
+    max_stop_chars: int = Field(256, ge=1, description="Longest stop string.")
+    max_stop_token_ids: int = Field(64, ge=0, description="Most stop_token_ids.")
+    max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries.")
+    max_total_tokens: int | None = Field(
+        None, ge=1, description="Cap on n x max_tokens; None: the n cap x the context."
+    )
+
+
 class IngressSpec(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(
@@ -154,6 +172,23 @@ class IngressSpec(_Strict):
         description="Deadline of a request (its `timeout` extension may change it): past "
         "it, the request ends with a 503 timeout error and is aborted on every model.",
     )
+    admission_queue: int = Field(
+        32,
+        ge=0,
+        description="Requests that may wait for a slot when all max_active_requests are taken "
+        "(first come, first served); past it, or past admission_wait_s, a 429 with "
+        "Retry-After. 0: refuse at once.",
+    )
+    admission_wait_s: float = Field(
+        1.0, ge=0, description="Longest wait in the admission queue before a 429."
+    )
+    max_queued_requests: int = Field(
+        1024,
+        ge=-1,
+        description="Serve's own queue in front of each ingress replica (max_queued_requests; "
+        "-1: unbounded); Serve answers 503 past it.",
+    )
+    limits: RequestLimitSpec = Field(default_factory=RequestLimitSpec)
 
 
 class AppConfig(_Strict):
