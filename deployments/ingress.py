@@ -279,7 +279,9 @@ class Ingress:
             prepared = await asyncio.to_thread(
                 prepare_completion, parsed, self.tokenizer, self.limits
             )
-            return await self._respond(prepared, chat=False, timeout_s=_timeout_of(data))
+            timeout_s = _timeout_of(data)
+        # Out of the queue's block: nothing suspends before the core counts the request.
+        return await self._respond(prepared, chat=False, timeout_s=timeout_s)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -289,7 +291,8 @@ class Ingress:
             data, parsed = await _parse_off_loop(ChatCompletionRequest, body, self.limits)
             check_model(parsed.model, [self.cfg.served_model_name])
             prepared = await asyncio.to_thread(prepare_chat, parsed, self.tokenizer, self.limits)
-            return await self._respond(prepared, chat=True, timeout_s=_timeout_of(data))
+            timeout_s = _timeout_of(data)
+        return await self._respond(prepared, chat=True, timeout_s=timeout_s)
 
     @app.get("/v1/tokenrouter/tuner")
     async def tuner_status(self) -> dict[str, Any]:

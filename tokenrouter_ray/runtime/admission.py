@@ -6,13 +6,15 @@ a time. Past either bound it is refused with 429 and ``Retry-After`` (the OpenAI
 so a burst slightly above capacity is absorbed and a flood is refused cheaply (no body read
 yet, nothing parsed).
 
-Data enters as ``async with queue.admit(has_room):`` around everything a request does up
-to its submission; ``has_room(reserved)`` says whether a slot is free now, given the
-``reserved`` requests admitted by the queue that have not submitted yet (they read, parse
-and tokenize before ``IngressCore`` counts them). It leaves as the entered block, or as
-``QueueFullError``. Slots are counted by the caller (``IngressCore.num_active``); the queue
-only polls ``has_room`` (every ``poll_s`` while someone waits), so it needs no hook in the
-core. Wiring (deployments/ingress.py): ``has_room = lambda r: num_active + r < max_active``.
+Data enters as ``async with queue.admit(has_room):`` around everything a request does
+before its submission (leave the block right before submitting, with no await in between:
+the core counts the request before anything suspends). ``has_room(reserved)`` says whether
+a slot is free now, given the ``reserved`` requests admitted by the queue that have not
+submitted yet (they read, parse and tokenize before ``IngressCore`` counts them). It leaves
+as the entered block, or as ``QueueFullError``. Slots are counted by the caller
+(``IngressCore.num_active``); the queue only polls ``has_room`` (every ``poll_s`` while
+someone waits), so it needs no hook in the core. Wiring (deployments/ingress.py):
+``has_room = lambda reserved: num_active + reserved < max_active``.
 """
 
 from __future__ import annotations
