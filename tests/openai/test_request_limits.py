@@ -122,3 +122,57 @@ def test_a_body_too_large_is_a_413_envelope() -> None:
     assert status == 413
     assert body["error"]["type"] == "invalid_request_error"
     assert body["error"]["code"] == "request_too_large"
+
+
+# ------------------------------------------------ the real ingress routes, in-process
+@pytest.fixture()
+def routes(demo_tokenizer: Any) -> Any:
+    from fastapi.testclient import TestClient
+
+    from tests.openai.ingress_app import ingress_app
+
+    app, obj = ingress_app(demo_tokenizer)
+    obj.max_body_bytes = 4096
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, obj
+    app.dependency_overrides.clear()
+
+
+@pytest.mark.demo
+def test_the_routes_refuse_big_bodies_with_413_and_serve_small_ones(routes: Any) -> None:
+    http, _ = routes
+    big = b'{"model": "tokenrouter", "prompt": "' + b"a" * 8192 + b'"}'
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = http.post(path, content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large"
+
+    def chunks() -> Any:  # no Content-Length: refused while reading
+        for i in range(0, len(big), 1024):
+            yield big[i : i + 1024]
+
+    r = http.post("/v1/completions", content=chunks())
+    assert r.status_code == 413, r.text
+    body = {"model": "tokenrouter", "prompt": "Hello", "max_tokens": 4}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    body["stop_token_ids"] = list(range(65))  # the default limit: 64
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+
+
+@pytest.mark.demo
+def test_the_routes_answer_429_with_retry_after_past_the_admission_queue(routes: Any) -> None:
+    from tokenrouter_ray.runtime.admission import AdmissionQueue
+
+    http, obj = routes
+    obj.admission = AdmissionQueue(max_waiting=0, max_wait_s=0.1)
+    obj.cfg.ingress.max_active_requests = 0  # every slot taken
+    body = {"model": "tokenrouter", "prompt": "Hello", "max_tokens": 4}
+    r = http.post("/v1/chat/completions", json=body | {"messages": [USER]})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    obj.admission = AdmissionQueue(max_waiting=4, max_wait_s=0.1)
+    r = http.post("/v1/completions", json=body)  # waited 0.1 s in the queue, then refused
+    assert r.status_code == 429 and obj.admission.stats.refused_timeout == 1
+    obj.cfg.ingress.max_active_requests = 256
+    assert http.post("/v1/completions", json=body).status_code == 200
