@@ -120,6 +120,7 @@ def bind_app(cfg: AppConfig) -> Application:
     }
     return Ingress.options(
         num_replicas=cfg.ingress.num_replicas,
+        max_queued_requests=cfg.ingress.max_queued_requests,  # issue 26
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
     ).bind(data, directory, models, tuner)
 

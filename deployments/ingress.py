@@ -1,11 +1,13 @@
 """The OpenAI HTTP ingress (FastAPI inside Serve): parse, tokenize, submit, stream.
 
 A request is validated and tokenized (``tokenrouter_ray.openai``), then answered by an
-``IngressServer`` (``tokenrouter_ray/runtime/ingress.py``, no Ray in it): admitted (503
-past ``max_active_requests``), and submitted ``n`` times as NEW PeerReqs to the
-least-loaded replica of the entry model. Commits come back over this replica's peer channel from
-whichever model committed; ``IngressCore`` orders them and the incremental detokenizer turns
-them into text (stop strings cut the text and abort the request everywhere). A client
+``IngressServer`` (``tokenrouter_ray/runtime/ingress.py``, no Ray in it): admitted (past
+``max_active_requests`` a request waits in a short bounded queue, then 429 with
+Retry-After; bodies past ``ingress.limits.max_body_mib`` are a 413), and submitted ``n``
+times as NEW PeerReqs to the least-loaded replica of the entry model. Commits come back over
+this replica's peer channel from whichever model committed; ``IngressCore`` orders them and
+the incremental detokenizer turns them into text (stop strings cut the text and abort the
+request everywhere). A client
 disconnect or cancellation aborts every choice on every model (the cleanup never awaits, so
 a cancelled handler cannot skip it).
 
@@ -61,17 +63,21 @@ from tokenrouter_ray.openai.sse import (
 )
 from tokenrouter_ray.openai.tokenize import detokenize, model_of, tokenize
 from tokenrouter_ray.openai.validation import (
+    PayloadTooLargeError,
     PreparedRequest,
     RequestLimits,
     check_model,
+    check_raw_limits,
     parse_request,
     prepare_chat,
     prepare_completion,
 )
+from tokenrouter_ray.runtime.admission import AdmissionQueue
 from tokenrouter_ray.runtime.ingress import IngressCore, IngressServer, StreamedChoices
 
 logger = logging.getLogger("ray.serve")
 MAX_TIMEOUT_S = 24 * 3600.0
+PARSE_INLINE_BYTES = 64 << 10  # bodies above this are parsed off the event loop
 
 app = FastAPI(title="tokenrouter-ray", docs_url=None, redoc_url=None)
 
@@ -104,6 +110,43 @@ def _load_json(body: bytes) -> Any:
         raise InvalidRequestError(
             "The JSON body is nested too deeply to parse.", code="invalid_json"
         ) from None
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused with 413 past ``max_bytes``: from Content-Length before reading,
+    and while reading (a chunked or lying client never makes the ingress buffer more)."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise InvalidRequestError("Invalid Content-Length header.")
+        if int(length) > max_bytes:
+            raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        f"The request body is larger than this server accepts ({max_bytes} bytes)."
+    )
+
+
+def _parse(cls: type, body: bytes, limits: RequestLimits) -> tuple[Any, Any]:
+    """JSON, the cheap count limits, then the schema: ``(data, parsed request)``."""
+    data = _load_json(body)
+    check_raw_limits(data, limits)
+    return data, parse_request(cls, data)
+
+
+async def _parse_off_loop(cls: type, body: bytes, limits: RequestLimits) -> tuple[Any, Any]:
+    if len(body) <= PARSE_INLINE_BYTES:  # a thread hop costs more than a small parse
+        return _parse(cls, body, limits)
+    return await asyncio.to_thread(_parse, cls, body, limits)
 
 
 def _timeout_of(data: Any) -> float | None:
@@ -182,10 +225,14 @@ class Ingress:
             else GenerationDefaults()
         )
         infos = [await models[name].info.remote() for name in cfg.model_names]
+        lim = cfg.ingress.limits
         self.limits = RequestLimits(
             max_model_len=min(i["max_model_len"] for i in infos),
             vocab_size=min([len(self.tokenizer), *(i["vocab_size"] for i in infos)]),
+            **lim.model_dump(exclude={"max_body_mib"}),
         )
+        self.max_body_bytes = int(lim.max_body_mib * 2**20)
+        self.admission = AdmissionQueue(cfg.ingress.admission_queue, cfg.ingress.admission_wait_s)
         ray_metrics(model_name=cfg.served_model_name)  # labels every ray_metrics() here
         replica = serve.get_replica_context().replica_id.unique_id
         serve_directory = ServeDirectory(directory)
@@ -304,27 +351,32 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        self.server.check_admission()  # before any parsing: a refusal costs nothing
-        data = _load_json(await request.body())
-        parsed = parse_request(CompletionRequest, data)
-        check_model(parsed.model, [self.cfg.served_model_name])
-        prepared = await asyncio.to_thread(
-            prepare_completion, parsed, self.tokenizer, self.limits, self.generation_defaults
-        )
-        prepared = _with_request_id(prepared, request)
-        return await self._respond(prepared, chat=False, timeout_s=_timeout_of(data))
+        async with self.admission.admit(self._has_room):  # before any reading: 429 is cheap
+            self.server.check_admission()
+            body = await _read_body(request, self.max_body_bytes)
+            data, parsed = await _parse_off_loop(CompletionRequest, body, self.limits)
+            check_model(parsed.model, [self.cfg.served_model_name])
+            prepared = await asyncio.to_thread(
+                prepare_completion, parsed, self.tokenizer, self.limits, self.generation_defaults
+            )
+            prepared = _with_request_id(prepared, request)
+            timeout_s = _timeout_of(data)
+        # Out of the queue's block: nothing suspends before the core counts the request.
+        return await self._respond(prepared, chat=False, timeout_s=timeout_s)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        self.server.check_admission()  # before any parsing: a refusal costs nothing
-        data = _load_json(await request.body())
-        parsed = parse_request(ChatCompletionRequest, data)
-        check_model(parsed.model, [self.cfg.served_model_name])
-        prepared = await asyncio.to_thread(
-            prepare_chat, parsed, self.tokenizer, self.limits, self.generation_defaults
-        )
-        prepared = _with_request_id(prepared, request)
-        return await self._respond(prepared, chat=True, timeout_s=_timeout_of(data))
+        async with self.admission.admit(self._has_room):  # before any reading: 429 is cheap
+            self.server.check_admission()
+            body = await _read_body(request, self.max_body_bytes)
+            data, parsed = await _parse_off_loop(ChatCompletionRequest, body, self.limits)
+            check_model(parsed.model, [self.cfg.served_model_name])
+            prepared = await asyncio.to_thread(
+                prepare_chat, parsed, self.tokenizer, self.limits, self.generation_defaults
+            )
+            prepared = _with_request_id(prepared, request)
+            timeout_s = _timeout_of(data)
+        return await self._respond(prepared, chat=True, timeout_s=timeout_s)
 
     @app.get("/v1/tokenrouter/tuner")
     async def tuner_status(self) -> dict[str, Any]:
@@ -385,6 +437,11 @@ class Ingress:
     def _entry(self) -> str:
         return self.server.entry()
 
+    def _has_room(self, reserved: int) -> bool:
+        """A slot is free for one more request, counting those the admission queue let in
+        that have not been submitted yet."""
+        return self.core.num_active + reserved < self._max_active()
+
     def _max_active(self) -> int:
         """Admission limit: the configured cap, or the tuner's SLO cap when lower."""
         return min(self.cfg.ingress.max_active_requests, self.slo_cap or 1 << 30)
@@ -411,6 +468,7 @@ class Ingress:
             self._slo.cancel()
         if self._recovery is not None:
             self._recovery.cancel()
+        await self.admission.close()
         await self.core.stop()
         await self.peers.stop()
         await self.channel.close()

@@ -72,7 +72,13 @@ def build_engine(cfg: AppConfig, name: str, launcher: RayWorkerLauncher | None) 
 
         index = cfg.model_names.index(name)
         return sim_engine_for(
-            spec.sim, name, index, cfg.scheduler_for(name), spec.max_model_len, spec.block_size
+            spec.sim,
+            name,
+            index,
+            cfg.scheduler_for(name),
+            spec.max_model_len,
+            spec.block_size,
+            spec.prefix_caching,
         )
     return Engine.from_config(engine_config(cfg, name), launcher)
 
@@ -116,6 +122,7 @@ class ModelServer:
         key = await peer_key(self.directory)
         metrics = ray_metrics(policy=cfg.policy.name, model_name=cfg.served_model_name)
         self.channel = make_channel(cfg.transport, model, replica, self.directory, key, metrics)
+        self.bad_mac_unhealthy_s = cfg.transport.zmq.bad_mac_unhealthy_s
         await self.channel.start()
         self.peers = PeerBook(
             self.directory,
@@ -228,6 +235,9 @@ class ModelServer:
             raise RuntimeError(f"{self.model}: {problem}")
         if not self.peers.refreshing:
             raise RuntimeError(f"{self.model}: endpoint heartbeat stopped")
+        bad_mac_s = getattr(self.channel, "key_mismatch_s", lambda: 0.0)()  # issue 26
+        if bad_mac_s > self.bad_mac_unhealthy_s:
+            raise RuntimeError(f"{self.model}: every peer frame bad_mac for {bad_mac_s:.0f} s")
         self.engine.check_health()  # tensor parallel (issue 15): every worker rank is alive
 
     async def inject_fault(self, kind: str, count: int = 1, seconds: float = 0.0) -> None:

@@ -17,11 +17,12 @@ from collections.abc import Callable
 
 import ray
 
-from deployments.directory import ServeDirectory
+from deployments.directory import ENDPOINT_TTL_S, ServeDirectory
 from tokenrouter_ray.config import TransportSpec
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.transport.auth import SECRET_ENV, derive_key
 from tokenrouter_ray.transport.base import Directory, Endpoint, PeerChannel
+from tokenrouter_ray.transport.curve import CurveKeys
 from tokenrouter_ray.transport.zmq_channel import ZmqChannel, ZmqConfig
 
 
@@ -46,22 +47,32 @@ def make_channel(
 
         return RayChannel(model, replica, directory)
     z = spec.zmq
-    advertise = z.advertise_host
-    if z.transport == "tcp" and advertise is None and z.bind_host in ("0.0.0.0", "::"):
+    bind, advertise = z.bind_host, z.advertise_host
+    if z.transport == "tcp" and bind is None:
+        bind = ray.util.get_node_ip_address()  # the pod's own address, never all interfaces
+    if z.transport == "tcp" and advertise is None and bind in ("0.0.0.0", "::"):
         advertise = ray.util.get_node_ip_address()
     on_reject = None
     if metrics is not None:
         on_reject = lambda reason: metrics.peer_rejected(model, reason)  # noqa: E731
+    curve = CurveKeys.from_key(key) if z.curve and key is not None else None
+    if z.curve and key is None:
+        raise ValueError("transport.zmq.curve needs the peer key (derived from the secret)")
     return ZmqChannel(
         model,
         replica,
         directory,
         ZmqConfig(
             transport=z.transport,
-            bind_host=z.bind_host,
+            bind_host=bind,
             advertise_host=advertise,
             port=z.port,
+            port_range=z.port_range,
+            send_hwm=z.send_hwm,
+            recv_hwm=z.recv_hwm,
             key=key,
+            max_frame_bytes=z.max_frame_bytes,
+            curve=curve,
         ),
         on_reject=on_reject,
     )
@@ -88,6 +99,7 @@ class PeerBook:
         self.own = own
         self.on_lost = on_lost
         self.alive = alive  # heartbeat only while this is true (a broken replica lapses)
+        self.lease_s = ENDPOINT_TTL_S
         self.by_model: dict[str, list[str]] = {m: [] for m in models}
         self.last_refresh = time.monotonic()
         self._task: asyncio.Task | None = None
@@ -118,10 +130,23 @@ class PeerBook:
             if e.model in by_model:
                 by_model[e.model].append(e.name)
         lost = set(self.all()) - {n for names in by_model.values() for n in names}
+        if lost and await self._directory_is_new():
+            return  # it restarted: endpoints come back with their next heartbeat
         self.by_model = by_model
         self.last_refresh = time.monotonic()
         if lost and self.on_lost is not None:
             self.on_lost(lost)
+
+    async def _directory_is_new(self) -> bool:
+        """The directory restarted less than one lease ago (it knows only the endpoints
+        that heartbeat since): missing endpoints are not lost yet."""
+        uptime = getattr(self.directory, "uptime_s", None)
+        if uptime is None:
+            return False
+        try:
+            return await uptime() < self.lease_s
+        except Exception:  # an older directory without uptime_s: decide as before
+            return False
 
     async def _loop(self) -> None:
         while True:

@@ -111,16 +111,76 @@ class PolicySpec(_Strict):
 
 class ZmqSpec(_Strict):
     transport: Literal["ipc", "tcp"] = "ipc"
-    bind_host: str = Field("127.0.0.1", description="tcp: interface to bind (0.0.0.0: all).")
+    bind_host: str | None = Field(
+        None,
+        description="tcp: interface to bind; default: this node's (pod's) own address. "
+        "0.0.0.0 (all interfaces) only when set explicitly.",
+    )
     advertise_host: str | None = Field(
         None, description="tcp: address peers dial (the RoCE NIC's IP); default: node IP."
     )
     port: int = Field(0, ge=0, le=65535, description="tcp: 0 picks a free port per replica.")
+    port_range: tuple[int, int] | None = Field(
+        None,
+        description="tcp (with port 0): bind a free port in [lo, hi], so a NetworkPolicy can "
+        "name the peer ports (the Helm chart's zmqPorts); default: any free port.",
+    )
+    send_hwm: int = Field(1024, ge=1, description="Frames queued per peer before sends fail.")
+    recv_hwm: int = Field(
+        1024, ge=1, description="Frames queued per incoming connection (bounds a flood)."
+    )
+    max_frame_mib: float = Field(
+        16.0,
+        gt=0,
+        description="Largest frame accepted (ZeroMQ drops bigger ones); must hold the "
+        "largest legitimate frame (max_num_seqs whole sequences: the config check).",
+    )
+    curve: bool = Field(
+        False,
+        description="ZeroMQ CURVE: encrypt peer traffic and refuse, in the handshake, any "
+        "client without the app's key pair (derived from the peer secret).",
+    )
+    bad_mac_unhealthy_s: float = Field(
+        15.0,
+        gt=0,
+        description="A replica that received only bad_mac frames for this long (its peers "
+        "sign with another secret) fails its health check and is restarted.",
+    )
+
+    @model_validator(mode="after")
+    def _ports(self) -> ZmqSpec:
+        if self.port_range is not None:
+            lo, hi = self.port_range
+            if not 0 < lo <= hi <= 65535:
+                raise ValueError(f"port_range {list(self.port_range)}: need 1 <= lo <= hi")
+        return self
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return int(self.max_frame_mib * 2**20)
 
 
 class TransportSpec(_Strict):
     kind: Literal["zmq", "ray"] = "zmq"
     zmq: ZmqSpec = Field(default_factory=ZmqSpec)
+
+
+class RequestLimitSpec(_Strict):
+    """What one request may ask for (each past-limit request is a 400 naming the limit)."""
+
+    max_body_mib: float = Field(
+        8.0, gt=0, description="Largest HTTP body (413, from Content-Length and while reading)."
+    )
+    max_messages: int = Field(1024, ge=1, description="Most chat messages in one request.")
+    max_content_chars: int = Field(
+        1 << 20, ge=1, description="Most characters of prompt text (all messages together)."
+    )
+    max_stop_chars: int = Field(256, ge=1, description="Longest stop string.")
+    max_stop_token_ids: int = Field(64, ge=0, description="Most stop_token_ids.")
+    max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries.")
+    max_total_tokens: int | None = Field(
+        None, ge=1, description="Cap on n x max_tokens; None: the n cap x the context."
+    )
 
 
 class IngressSpec(_Strict):
@@ -143,6 +203,23 @@ class IngressSpec(_Strict):
         "(temperature, top_p, top_k) apply when a request omits them, as vLLM does; `none`: "
         "OpenAI's defaults only.",
     )
+    admission_queue: int = Field(
+        32,
+        ge=0,
+        description="Requests that may wait for a slot when all max_active_requests are taken "
+        "(first come, first served); past it, or past admission_wait_s, a 429 with "
+        "Retry-After. 0: refuse at once.",
+    )
+    admission_wait_s: float = Field(
+        1.0, ge=0, description="Longest wait in the admission queue before a 429."
+    )
+    max_queued_requests: int = Field(
+        1024,
+        ge=-1,
+        description="Serve's own queue in front of each ingress replica (max_queued_requests; "
+        "-1: unbounded); Serve answers 503 past it.",
+    )
+    limits: RequestLimitSpec = Field(default_factory=RequestLimitSpec)
 
 
 class AppConfig(_Strict):
@@ -167,6 +244,7 @@ class AppConfig(_Strict):
             self.scheduler_for(name)  # each merged scheduler config must validate
         self._check_deadlock_free()
         self._check_device_groups()
+        self._check_frame_limit()
         unknown = set(self.tuner.fixed) - set(self.models)
         if unknown:
             raise ValueError(f"tuner.fixed names unknown models {sorted(unknown)}")
@@ -182,6 +260,22 @@ class AppConfig(_Strict):
         applies B_i(N) to the requests placed on it."""
         tables = {n: ThresholdTable.of(self.scheduler_for(n).batch_thresholds) for n in self.models}
         check_tables(tables, {name: spec.num_replicas for name, spec in self.models.items()})
+
+    def _check_frame_limit(self) -> None:
+        """The ZeroMQ frame limit must hold every model's largest legitimate frame."""
+        from tokenrouter_ray.transport.zmq_channel import largest_frame_bytes
+
+        z = self.transport.zmq
+        for name, spec in self.models.items():
+            if spec.max_model_len is None:
+                continue  # the model's own context length is read at load
+            need = largest_frame_bytes(spec.max_model_len, self.scheduler_for(name).max_num_seqs)
+            if need > z.max_frame_bytes:
+                raise ValueError(
+                    f"transport.zmq.max_frame_mib={z.max_frame_mib:g} is below model {name!r}'s "
+                    f"largest legitimate frame ({need / 2**20:.1f} MiB: max_num_seqs whole "
+                    "sequences of max_model_len tokens); raise it"
+                )
 
     def device_groups(self) -> dict[str, list[str]]:
         """Shared device -> the models on it, in config order."""

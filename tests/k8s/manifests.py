@@ -32,6 +32,7 @@ HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
 # One k8s/ file per kind; dashboards (ConfigMaps) come from k8s/dashboards/ instead.
 FILE_BY_KIND = {
     "RayService": "rayservice.yaml",
+    "NetworkPolicy": "networkpolicy.yaml",
     "Ingress": "ingress.yaml",
     "PodMonitor": "podmonitor.yaml",
 }
@@ -111,8 +112,8 @@ def generate(objects: list[dict[str, Any]], dashboards_dir: Path) -> dict[str, s
     """The k8s/ files (relative path -> text) for the chart's default render."""
     files: dict[str, str] = {}
     for obj in objects:
-        if obj["kind"] == "ConfigMap":
-            continue
+        if obj["kind"] in ("ConfigMap", "Secret"):
+            continue  # the peer Secret is random: k8s/ users create it (docs/kubernetes.md)
         if obj["kind"] not in FILE_BY_KIND:
             raise HelmError(f"no k8s/ file for kind {obj['kind']}: extend FILE_BY_KIND")
         files[FILE_BY_KIND[obj["kind"]]] = HEADER + _dump(strip_helm_labels(obj))

@@ -59,7 +59,13 @@ def kinds(objects: Objects) -> list[str]:
 
 
 def test_default_render_is_the_cross_node_layout(default_render: Objects) -> None:
-    assert kinds(default_render) == ["Ingress", "PodMonitor", "RayService"]
+    assert kinds(default_render) == [
+        "Ingress",
+        "NetworkPolicy",
+        "PodMonitor",
+        "RayService",
+        "Secret",
+    ]
     dashboards = sorted(k for o in default_render if o["kind"] == "ConfigMap" for k in o["data"])
     assert dashboards == sorted(p.name for p in (manifests.K8S / "dashboards").glob("*.json"))
 
@@ -74,8 +80,15 @@ def test_head_group(default_render: Objects) -> None:
     head = only(default_render, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert head["rayStartParams"] == {
         "num-cpus": "0",
-        "dashboard-host": "0.0.0.0",
+        "dashboard-host": "$(POD_IP)",  # the pod's own address, not every interface
         "metrics-export-port": "8080",
+        "node-manager-port": "6380",
+        "object-manager-port": "6381",
+        "runtime-env-agent-port": "6382",
+        "dashboard-agent-grpc-port": "6383",
+        "dashboard-agent-listen-port": "52365",
+        "min-worker-port": "10002",
+        "max-worker-port": "10999",
     }
     assert ports(head["template"]) == {
         "gcs-server": 6379,
@@ -99,7 +112,7 @@ def test_one_gpu_worker_group_per_model(default_render: Objects) -> None:
         spec = group["template"]["spec"]
         container = spec["containers"][0]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
-        assert ports(group["template"]) == {"serve": 8000, "metrics": 8080, "peer-zmq": 5555}
+        assert ports(group["template"]) == {"serve": 8000, "metrics": 8080}
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert mounts["dshm"] == "/dev/shm"
@@ -144,8 +157,8 @@ def test_transport_ray_opens_no_peer_port(render_values: Callable[..., Objects])
 
 def test_values_variant(render_values: Callable[..., Objects]) -> None:
     values = manifests.default_values()
-    values["serve"]["extraOverrides"] = ["transport.port=6000", "tuner.period_s=5"]
-    values["transport"]["port"] = 6000
+    values["serve"]["extraOverrides"] = ["tuner.period_s=5"]
+    values["transport"]["zmqPorts"] = {"first": 6000, "last": 6007}
     values["ingress"].update(
         className="nginx",
         host="tokenrouter.example.com",
@@ -158,12 +171,11 @@ def test_values_variant(render_values: Callable[..., Objects]) -> None:
     values["models"][2]["worker"]["nodeSelector"] = {"nvidia.com/gpu.product": "NVIDIA-H100"}
     objects = render_values(values)
 
-    assert kinds(objects) == ["Ingress", "RayService"]
+    assert kinds(objects) == ["Ingress", "NetworkPolicy", "RayService", "Secret"]
     overrides = serve_config(objects)["applications"][0]["args"]["overrides"]
-    assert overrides[5:] == ["transport.port=6000", "tuner.period_s=5"]
+    assert overrides[5:] == ["transport.zmq.port_range=[6000,6007]", "tuner.period_s=5"]
     groups = only(objects, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert [g["groupName"] for g in groups] == ["small", "medium", "large"]
-    assert ports(groups[1]["template"])["peer-zmq"] == 6000
     assert groups[2]["template"]["spec"]["nodeSelector"] == {
         "nvidia.com/gpu.product": "NVIDIA-H100"
     }
@@ -242,8 +254,7 @@ def test_routers_fetched_by_an_init_container(render_values: Callable[..., Objec
         assert init["command"][:2] == ["sh", "-ec"], name
         assert script == [
             f"curl -fsSL --retry 5 -o '/routers/r2r.safetensors' '{url}'",
-            f"curl -fsSL --retry 5 -o '/routers/citer.safetensors' "
-            f"'{url.replace('r2r', 'citer')}'",
+            f"curl -fsSL --retry 5 -o '/routers/citer.safetensors' '{url.replace('r2r', 'citer')}'",
         ]
         assert next(v for v in spec["volumes"] if v["name"] == "routers")["emptyDir"] == {}
 

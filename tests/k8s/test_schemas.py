@@ -28,7 +28,8 @@ def assert_valid(objects: Objects) -> None:
 
 
 def test_k8s_objects_are_valid(k8s_objects: Objects) -> None:
-    assert {obj["kind"] for obj in k8s_objects} == {"RayService", "Ingress", "PodMonitor"}
+    kinds = {obj["kind"] for obj in k8s_objects}
+    assert kinds == {"RayService", "Ingress", "PodMonitor", "NetworkPolicy"}
     assert_valid(k8s_objects)
 
 

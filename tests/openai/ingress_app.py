@@ -12,6 +12,7 @@ from typing import Any
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, encode_batch
+from tokenrouter_ray.runtime.admission import AdmissionQueue
 from tokenrouter_ray.runtime.ingress import Completion, IngressServer
 
 SERVED = "tokenrouter"
@@ -83,6 +84,8 @@ def ingress_app(tokenizer: Any) -> tuple[Any, Any]:
     obj.tokenizer = tokenizer
     obj.limits = RequestLimits(max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer))
     obj.generation_defaults = GenerationDefaults()
+    obj.max_body_bytes = 8 << 20  # issue 26: the route's body limit and admission queue
+    obj.admission = AdmissionQueue(max_waiting=32, max_wait_s=1.0)
     obj.core = FakeCore(list(tokenizer.encode(FILLER, add_special_tokens=False)))
     obj.peers = FakePeers()
     obj.models = {}

@@ -83,11 +83,11 @@ def test_the_ingress_places_every_model_by_prefix_and_releases_the_load() -> Non
         block_sizes={"small": 4, "large": 4},
     )
     system = list(range(100, 140))  # a shared 40-token system prompt: ten full blocks
-    first = server.entry(system + [1, 2, 3])
+    first = server.entry([*system, 1, 2, 3])
     server.entry_load[first] = 1
-    placed = server._endpoints("r1", system + [1, 2, 3], None)
-    again = server.entry(system + [7, 8])  # same prefix: same replica despite its load
-    placed_again = server._endpoints("r2", system + [7, 8], None)
+    placed = server._endpoints("r1", [*system, 1, 2, 3], None)
+    again = server.entry([*system, 7, 8])  # same prefix: same replica despite its load
+    placed_again = server._endpoints("r2", [*system, 7, 8], None)
     assert again == first and placed_again == placed
     assert server.assigned_load[placed["large"]] == 2
     other = server.entry([9] * 43)  # nothing shared: the least loaded replica
@@ -97,4 +97,4 @@ def test_the_ingress_places_every_model_by_prefix_and_releases_the_load() -> Non
     assert all(n == 0 for n in server.assigned_load.values())
     server.forget_replica(first)  # lost: its prefixes go to whoever is least loaded now
     server.entry_load = {first: 5}
-    assert server.entry(system + [4]) != first
+    assert server.entry([*system, 4]) != first

@@ -3,18 +3,24 @@
 Data enters as raw bytes (or an already-parsed dict) and the served model's `RequestLimits`;
 it leaves as a `PreparedRequest` or as an `OpenAIError` (400 / 404) raised on the way:
 
+0. `check_raw_limits(data, limits)`: counts a decoded body may not exceed, checked with
+   ``len`` before the schema builds anything (messages, stop, stop_token_ids, logit_bias
+   entries): each a 400 ``limit_exceeded`` naming the limit. The body's byte size is the
+   ingress's (413 ``PayloadTooLargeError``, from Content-Length and while reading).
 1. `parse_request(cls, body)`: JSON and schema (malformed JSON and schema errors → 400).
 2. `check_model(name, served)`: 404 ``model_not_found`` for a model not served.
-3. `prepare_completion` / `prepare_chat`: tokenize (chat: apply the chat template), then check
-   the limits that depend on the model: ``n`` cap, token ids inside the vocabulary, prompt
-   plus completion within the context (400 ``context_length_exceeded``).
+3. `prepare_completion` / `prepare_chat`: check content length (characters of the prompt or
+   of all messages) before tokenizing (chat: apply the chat template), then the limits that
+   depend on the model: ``n`` cap, ``n × max_tokens``, token ids inside the vocabulary,
+   prompt plus completion within the context (400 ``context_length_exceeded``).
 
 The model's generation_config.json sampling values (`GenerationDefaults`) fill what a
 request omits, before OpenAI's defaults (vLLM's behaviour; ``ingress.generation_config``
 ``"none"`` turns it off). A chat request also gets its output parsers (`ChatOutputSpec`:
 the template's reasoning format, the tool-call parser when tools are offered).
 
-Tokenizing is CPU work; an ingress serving long prompts should run step 3 off its event loop.
+Tokenizing is CPU work; the ingress runs step 3 (and steps 0-1 for large bodies) off its
+event loop.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenrouter_ray.openai.chat import render_chat, template_supports_tools
 from tokenrouter_ray.openai.chat_output import ChatOutputParser, ChatOutputSpec
 from tokenrouter_ray.openai.errors import (
+    INVALID_REQUEST,
     ContextLengthExceededError,
     InvalidRequestError,
     ModelNotFoundError,
+    OpenAIError,
     from_json_error,
     from_validation_error,
 )
@@ -57,6 +65,61 @@ class RequestLimits(BaseModel):
     max_output_tokens: int | None = Field(
         None, ge=1, description="Server cap on completion tokens; None: only the context."
     )
+    max_messages: int = Field(1024, ge=1, description="Most chat messages in one request.")
+    max_content_chars: int = Field(
+        1 << 20, ge=1, description="Most characters of prompt text (all messages together)."
+    )
+    max_stop: int = Field(4, ge=0, description="Most stop strings.")
+    max_stop_chars: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_stop_token_ids: int = Field(64, ge=0, description="Most stop_token_ids.")
+    max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries.")
+    max_total_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Cap on n x max_tokens (completion tokens one request may ask for); "
+        "None: n cap x context length.",
+    )
+
+
+class PayloadTooLargeError(OpenAIError):
+    """413: the body is larger than the server accepts (read no further)."""
+
+    status_code = 413
+    error_type = INVALID_REQUEST
+    default_code = "request_too_large"
+
+
+class LimitExceededError(InvalidRequestError):
+    """400 naming the server limit a request exceeds."""
+
+    default_code = "limit_exceeded"
+
+    def __init__(self, field: str, got: int, limit: int, what: str) -> None:
+        super().__init__(
+            f"Invalid value for '{field}': {got} {what}, more than this server allows ({limit}).",
+            param=field,
+        )
+        self.limit = limit
+
+
+def check_raw_limits(data: Any, limits: RequestLimits) -> None:
+    """Counts of a decoded JSON body, checked before the schema validates (and copies) it:
+    a million ``stop_token_ids`` or ``logit_bias`` entries cost one ``len``, not a parse."""
+    if not isinstance(data, Mapping):
+        return  # parse_request reports the shape
+    for field, limit, what in (
+        ("messages", limits.max_messages, "messages"),
+        ("stop", limits.max_stop, "stop sequences"),
+        ("stop_token_ids", limits.max_stop_token_ids, "stop token ids"),
+        ("logit_bias", limits.max_logit_bias, "logit_bias entries"),
+    ):
+        value = data.get(field)
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise LimitExceededError(field, len(value), limit, what)
+    stop = data.get("stop")
+    for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []:
+        if isinstance(text, str) and len(text) > limits.max_stop_chars:
+            raise LimitExceededError("stop", len(text), limits.max_stop_chars, "characters")
 
 
 @dataclass(frozen=True)
@@ -152,12 +215,16 @@ def prepare_completion(
     """Tokenize ``prompt`` (with the tokenizer's special tokens) and resolve sampling
     (``defaults``: the model's generation_config values for what the request omits)."""
     _check_cheap_limits(request, limits)
+    if len(request.prompt) > limits.max_content_chars:
+        what = "characters" if isinstance(request.prompt, str) else "token ids"
+        raise LimitExceededError("prompt", len(request.prompt), limits.max_content_chars, what)
     if isinstance(request.prompt, str):
         prompt_ids = list(tokenizer.encode(request.prompt, add_special_tokens=True))
     else:
         prompt_ids = list(request.prompt)
         _check_vocab(prompt_ids, "prompt", limits)
     max_tokens = _max_tokens(request.max_tokens, "max_tokens", len(prompt_ids), "prompt", limits)
+    _check_total(request.n, max_tokens, "max_tokens", limits)
     return PreparedRequest(request.model, prompt_ids, _sampling(request, max_tokens, defaults))
 
 
@@ -189,9 +256,13 @@ def prepare_chat(
         if request.offers_tools
         else None
     )
+    chars = sum(len(m.content or "") for m in request.messages)
+    if chars > limits.max_content_chars:
+        raise LimitExceededError("messages", chars, limits.max_content_chars, "content characters")
     prompt_ids = render_chat(tokenizer, request.messages, request.chat_template_kwargs, tools)
     budget, field = request.completion_budget
     max_tokens = _max_tokens(budget, field, len(prompt_ids), "messages", limits)
+    _check_total(request.n, max_tokens, field, limits)
     fmt = reasoning_parser_for(tokenizer)
     output = ChatOutputSpec(
         reasoning=fmt,
@@ -214,7 +285,23 @@ def _check_cheap_limits(
             param="n",
             code="invalid_value",
         )
-    _check_vocab(request.stop_token_ids or (), "stop_token_ids", limits)
+    stop_ids = request.stop_token_ids or ()
+    if len(stop_ids) > limits.max_stop_token_ids:
+        raise LimitExceededError(
+            "stop_token_ids", len(stop_ids), limits.max_stop_token_ids, "stop token ids"
+        )
+    _check_vocab(stop_ids, "stop_token_ids", limits)
+
+
+def _check_total(n: int | None, max_tokens: int, field: str, limits: RequestLimits) -> None:
+    """``n × max_tokens`` (the resolved budget: an unset one is what is left of the context)
+    within the server's cap."""
+    cap = limits.max_total_tokens
+    if cap is None:
+        return
+    total = (n or 1) * max_tokens
+    if total > cap:
+        raise LimitExceededError(f"n x {field}", total, cap, "completion tokens in all")
 
 
 def _check_vocab(token_ids: Sequence[int], field: str, limits: RequestLimits) -> None:

@@ -114,6 +114,7 @@ def sim_engine_for(
     scheduler: SchedulerConfig,
     max_model_len: int | None,
     block_size: int = 16,
+    prefix_caching: bool = True,
 ) -> Engine:
     """The engine a ``ModelServer`` runs for a simulated model."""
     tokenizer = sim_tokenizer()
@@ -130,6 +131,7 @@ def sim_engine_for(
         block_size=block_size,
         num_blocks=SIM_NUM_BLOCKS,
         max_model_len=max_model_len,
+        prefix_caching=prefix_caching,
         scheduler=scheduler,
     )
     return Engine(runner, config, SIM_NUM_BLOCKS)

@@ -16,6 +16,20 @@ replayed, duplicated and malformed frames are dropped unread and counted in `rej
 (and passed to `on_reject`, which the deployments export as
 ``tokenrouter_peer_rejected_total{reason}``). ipc socket files are mode 0600 in a private
 (0700) directory; frames above `max_frame_bytes` are refused by ZeroMQ itself.
+
+Strangers on the network (docs/reliability.md, "junk flood"):
+- ``recv`` yields to the event loop every ``YIELD_EVERY`` frames or ``YIELD_S`` seconds, so a
+  flood of queued junk (pyzmq completes each receive at once) cannot starve decode,
+  heartbeats or health checks;
+- each connection queues at most ``recv_hwm`` frames of at most ``max_frame_bytes``;
+- tcp binds this node's own address by default (``bind_host=None``), never 0.0.0.0 unless
+  asked, and a ``port_range`` gives the fixed ports a NetworkPolicy can name;
+- with ``curve`` set (``transport.curve``: a CURVE key pair derived from the peer key, the
+  same for every replica of the app), the PULL socket is a CURVE server whose ZAP handler
+  admits only the app's own public key: a stranger is refused in the handshake and never
+  delivers a frame;
+- ``key_mismatch_s()`` says for how long every frame received was ``bad_mac`` (this replica
+  holds another key than its peers): the model server fails its health check past a bound.
 """
 
 from __future__ import annotations
@@ -25,9 +39,11 @@ import collections
 import contextlib
 import logging
 import os
+import random
 import shutil
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,10 +62,24 @@ from tokenrouter_ray.transport.base import (
     PeerUnreachableError,
     decode_frame,
 )
+from tokenrouter_ray.transport.curve import CurveKeys, curve_allowlist
 
 logger = logging.getLogger(__name__)
 
 _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, 104 on macOS
+YIELD_EVERY = 64  # frames received back to back before recv yields to the event loop
+YIELD_S = 0.005  # or this long since it last yielded
+
+
+FRAME_BYTES_PER_TOKEN = 9  # msgpack: an int up to 2**64 (token ids are far below)
+FRAME_BYTES_PER_MESSAGE = 64 << 10  # ids, RouteState, sampling, extras, token reports
+
+
+def largest_frame_bytes(max_model_len: int, max_num_seqs: int) -> int:
+    """An upper bound on a legitimate frame: one step's batch to one destination holds at
+    most ``max_num_seqs`` messages, each at most a whole sequence of token ids (a NEW that
+    re-creates a request) plus its bounded per-message fields."""
+    return max_num_seqs * (max_model_len * FRAME_BYTES_PER_TOKEN + FRAME_BYTES_PER_MESSAGE)
 
 
 @dataclass(frozen=True)
@@ -57,14 +87,16 @@ class ZmqConfig:
     """How a replica's mailbox is bound and advertised."""
 
     transport: Literal["ipc", "tcp"] = "ipc"
-    bind_host: str = "127.0.0.1"  # tcp: interface to bind ("0.0.0.0": all)
+    bind_host: str | None = None  # tcp: interface to bind; None: this node's own address
     advertise_host: str | None = None  # tcp: host peers connect to; default: bind_host or IP
-    port: int = 0  # tcp: 0 picks a free port
+    port: int = 0  # tcp: 0 picks a free port (or one of port_range)
+    port_range: tuple[int, int] | None = None  # tcp: bind the first free port in [lo, hi]
     ipc_dir: str | None = None  # ipc: directory for socket files; default: a fresh temp dir
-    send_hwm: int = 100_000  # frames queued per peer before send waits
-    recv_hwm: int = 100_000
+    send_hwm: int = 1024  # frames queued per peer before sends fail fast
+    recv_hwm: int = 1024  # frames queued per incoming connection
     key: bytes | None = None  # HMAC key (`auth.derive_key`); None: frames are not signed
-    max_frame_bytes: int = 64 << 20  # larger frames are dropped by ZeroMQ
+    max_frame_bytes: int = 16 << 20  # larger frames are dropped by ZeroMQ
+    curve: CurveKeys | None = None  # CURVE handshake with the app's own key pair only
 
 
 class ZmqChannel(PeerChannel):
@@ -90,6 +122,11 @@ class ZmqChannel(PeerChannel):
         self._connecting: dict[str, asyncio.Future[zmq.asyncio.Socket]] = {}
         self._pending_recv: asyncio.Future[bytes] | None = None
         self._ipc_dir_owned: str | None = None
+        self._last_yield = time.monotonic()
+        self._burst = 0  # frames received since recv last yielded
+        self._last_good: float | None = None  # when a frame last verified
+        self._bad_since: float | None = None  # first bad_mac after the last good frame
+        self._last_bad: float | None = None
 
     @property
     def context(self) -> zmq.asyncio.Context:
@@ -103,6 +140,9 @@ class ZmqChannel(PeerChannel):
         pull.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
         pull.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
         try:
+            if self.config.curve is not None:
+                curve_allowlist(self.context, self.config.curve)
+                self.config.curve.serve(pull)
             address = self._bind(pull)
         except BaseException:
             pull.close(linger=0)
@@ -125,9 +165,12 @@ class ZmqChannel(PeerChannel):
             return f"ipc://{path}"
         if cfg.transport != "tcp":
             raise ValueError(f"unknown zmq transport {cfg.transport!r} (ipc or tcp)")
-        port = "*" if cfg.port == 0 else str(cfg.port)
-        pull.bind(f"tcp://{cfg.bind_host}:{port}")
-        bound = pull.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://host:port
+        host = cfg.bind_host or self._advertised_host()
+        if cfg.port_range is not None and cfg.port == 0:
+            bound = _bind_in_range(pull, host, cfg.port_range)
+        else:
+            pull.bind(f"tcp://{host}:{'*' if cfg.port == 0 else cfg.port}")
+            bound = pull.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://host:port
         bound_port = bound.rsplit(":", 1)[1]
         return f"tcp://{self._advertised_host()}:{bound_port}"
 
@@ -135,7 +178,7 @@ class ZmqChannel(PeerChannel):
         cfg = self.config
         if cfg.advertise_host:
             return cfg.advertise_host
-        if cfg.bind_host not in ("0.0.0.0", "*", "::"):
+        if cfg.bind_host is not None and cfg.bind_host not in ("0.0.0.0", "*", "::"):
             return cfg.bind_host
         return _node_ip()
 
@@ -161,6 +204,8 @@ class ZmqChannel(PeerChannel):
             push = self.context.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.setsockopt(zmq.SNDHWM, self.config.send_hwm)
+            if self.config.curve is not None:
+                self.config.curve.dial(push)
             push.connect(dst.address)
             self._pushes[dst.name] = push
             future.set_result(push)
@@ -182,6 +227,7 @@ class ZmqChannel(PeerChannel):
         if self._pull is None or self._closed:
             raise ChannelClosed(f"channel {self.name!r} is closed")
         while True:
+            await self._maybe_yield()
             self._pending_recv = self._pull.recv(copy=True)
             try:
                 frame = await self._pending_recv
@@ -194,15 +240,40 @@ class ZmqChannel(PeerChannel):
                     continue
             batch = decode_frame(frame, self.name)
             if batch is not None:
+                self._last_good, self._bad_since = time.monotonic(), None
                 return batch
             self._reject("undecodable")
 
+    async def _maybe_yield(self) -> None:
+        """Let the event loop run every ``YIELD_EVERY`` frames or ``YIELD_S`` seconds: a
+        receive on a socket with queued frames completes without ever suspending."""
+        self._burst += 1
+        now = time.monotonic()
+        if self._burst >= YIELD_EVERY or now - self._last_yield >= YIELD_S:
+            await asyncio.sleep(0)
+            self._burst, self._last_yield = 0, time.monotonic()
+
     def _reject(self, reason: str) -> None:
         n = self.rejected[reason] = self.rejected[reason] + 1
+        if reason == "bad_mac":
+            now = self._last_bad = time.monotonic()
+            if self._bad_since is None:
+                self._bad_since = now
         if n in (1, 10, 100, 1000):
             logger.warning("channel %s rejected %d frame(s): %s", self.name, n, reason)
         if self.on_reject is not None:
             self.on_reject(reason)
+
+    def key_mismatch_s(self, recent_s: float = 5.0) -> float:
+        """For how long every frame this channel received was ``bad_mac`` (0.0 when a frame
+        verified since, or no bad frame came within ``recent_s``): its peers sign with
+        another key, so nothing they send gets through."""
+        if self._bad_since is None or self._last_bad is None:
+            return 0.0
+        now = time.monotonic()
+        if now - self._last_bad > recent_s:
+            return 0.0
+        return now - self._bad_since
 
     async def _shut(self) -> None:
         pending = self._pending_recv
@@ -216,6 +287,25 @@ class ZmqChannel(PeerChannel):
             self._pull.close(linger=0)
         if self._ipc_dir_owned is not None:
             shutil.rmtree(self._ipc_dir_owned, ignore_errors=True)
+
+
+def _bind_in_range(pull: zmq.asyncio.Socket, host: str, ports: tuple[int, int]) -> str:
+    """Bind the first free port of ``[lo, hi]``, starting at a random one (replicas on one
+    node race for ports); the bound endpoint, or ``OSError`` when every port is taken."""
+    lo, hi = ports
+    if not 0 < lo <= hi <= 65535:
+        raise ValueError(f"port_range {ports} must be 1 <= lo <= hi <= 65535")
+    start = random.randrange(hi - lo + 1)
+    for i in range(hi - lo + 1):
+        port = lo + (start + i) % (hi - lo + 1)
+        try:
+            pull.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE:
+                raise
+            continue
+        return pull.getsockopt_string(zmq.LAST_ENDPOINT)
+    raise OSError(f"every port of {lo}-{hi} on {host} is taken (widen transport.zmq.port_range)")
 
 
 def _node_ip() -> str:

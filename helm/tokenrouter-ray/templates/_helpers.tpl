@@ -52,6 +52,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - transport={{ .Values.transport.name }}
 - placement={{ .Values.placement }}
 - tuner={{ .Values.tuner }}
+{{- if eq .Values.transport.name "zmq_tcp" }}
+- transport.zmq.port_range=[{{ .Values.transport.zmqPorts.first }},{{ .Values.transport.zmqPorts.last }}]
+{{- if .Values.transport.curve }}
+- transport.zmq.curve=true
+{{- end }}
+{{- end }}
 {{- range .Values.serve.extraOverrides }}
 - {{ . | toJson }}
 {{- end }}
@@ -63,6 +69,7 @@ proxy_location: {{ .Values.serve.proxyLocation }}
 http_options:
   host: 0.0.0.0
   port: {{ .Values.serve.port }}
+  request_timeout_s: {{ .Values.serve.requestTimeoutS }}
 applications:
   - name: {{ .Values.serve.appName }}
     route_prefix: {{ .Values.serve.routePrefix }}
@@ -83,6 +90,15 @@ e.g. "{\"tokenrouter_small\": 1}".
 
 {{/* Environment and volume mounts shared by every Ray container. */}}
 {{- define "tokenrouter-ray.containerEnv" -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: TOKENROUTER_PEER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tokenrouter-ray.peerSecretName" . | quote }}
+      key: {{ .Values.peerSecret.key | quote }}
 - name: HF_HOME
   value: {{ .Values.modelCache.mountPath | quote }}
 - name: TOKENROUTER_ROUTER_DIR
@@ -166,5 +182,38 @@ routers.fetch has neither files nor a command): curl for each of `files`, else `
   volumeMounts:
     - name: routers
       mountPath: {{ .Values.routers.mountPath }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the peer secret: the user's, else the one this chart keeps. */}}
+{{- define "tokenrouter-ray.peerSecretName" -}}
+{{- .Values.peerSecret.existingSecret | default (printf "%s-peer-secret" (include "tokenrouter-ray.fullname" .)) }}
+{{- end }}
+
+{{/* Ray's ports as `ray start` parameters (strings, as KubeRay wants them). */}}
+{{- define "tokenrouter-ray.rayPortParams" -}}
+{{- with .Values.rayPorts }}
+node-manager-port: {{ .nodeManager | quote }}
+object-manager-port: {{ .objectManager | quote }}
+runtime-env-agent-port: {{ .runtimeEnvAgent | quote }}
+dashboard-agent-grpc-port: {{ .dashboardAgentGrpc | quote }}
+dashboard-agent-listen-port: {{ .dashboardAgentListen | quote }}
+min-worker-port: {{ .minWorker | quote }}
+max-worker-port: {{ .maxWorker | quote }}
+{{- end }}
+{{- end }}
+
+{{/* emptyDirs over the read-only root filesystem where Ray, Python and torch write. */}}
+{{- define "tokenrouter-ray.writableVolumes" -}}
+{{- range $i, $path := .Values.writableDirs }}
+- name: writable-{{ $i }}
+  emptyDir: {}
+{{- end }}
+{{- end }}
+
+{{- define "tokenrouter-ray.writableMounts" -}}
+{{- range $i, $path := .Values.writableDirs }}
+- name: writable-{{ $i }}
+  mountPath: {{ $path }}
 {{- end }}
 {{- end }}

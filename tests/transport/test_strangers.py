@@ -1,0 +1,164 @@
+"""The ZeroMQ peer channel against strangers on the network: a queued junk flood is drained
+without starving the event loop, oversized frames never arrive, tcp binds the node's own
+address and a fixed port range, CURVE refuses keys outside the app's own in the handshake,
+and a replica whose peers all sign with another key says so (``key_mismatch_s``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from tests.transport import handoff, recv_n
+from tokenrouter_ray.protocol import encode_batch
+from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport.auth import MAGIC, FrameSigner, derive_key
+from tokenrouter_ray.transport.curve import CurveKeys
+from tokenrouter_ray.transport.zmq_channel import YIELD_EVERY
+
+KEY = derive_key(os.urandom(32))
+
+
+def junk(i: int) -> bytes:
+    """A frame with the right magic and a random MAC: costs the receiver a full HMAC."""
+    return MAGIC + os.urandom(16) + i.to_bytes(8, "big") + os.urandom(32) + os.urandom(200)
+
+
+def rogue(address: str, curve: CurveKeys | None = None) -> zmq.asyncio.Socket:
+    sock = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # a flood queues without limit on the stranger's side
+    if curve is not None:
+        sock.curve_secretkey, sock.curve_publickey = curve.secret, curve.public
+        sock.curve_serverkey = curve.public
+    sock.connect(address)
+    return sock
+
+
+async def wait_for(cond, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+@pytest.mark.asyncio
+async def test_a_queued_junk_flood_is_drained_while_the_loop_keeps_running() -> None:
+    n = 16 * YIELD_EVERY
+    async with ZmqChannel("large", "0", InMemoryDirectory(), ZmqConfig(key=KEY)) as large:
+        sock = rogue(large.address)
+        for i in range(n):
+            await sock.send(junk(i))
+        await asyncio.sleep(0.5)  # the flood is queued at the receiver before anyone reads
+        seen: list[int] = []
+
+        async def ticker() -> None:  # what decode, heartbeats and health checks need
+            while True:
+                seen.append(large.rejected["bad_mac"])
+                await asyncio.sleep(0)
+
+        receiving = asyncio.ensure_future(recv_n(large, 1, timeout_s=60))
+        ticking = asyncio.ensure_future(ticker())
+        await wait_for(lambda: large.rejected["bad_mac"] >= n, 60)
+        small = ZmqChannel("small", "0", large.directory, ZmqConfig(key=KEY))
+        async with small:
+            await small.send("large/0", [handoff(0)])
+            got = await receiving
+        ticking.cancel()
+        sock.close()
+    assert [m.handoff_seq for b in got for m in b] == [0]
+    during = {c for c in seen if 0 < c < n}
+    assert len(during) >= 10, f"the loop ran only at {sorted(during)} rejected frames"
+
+
+@pytest.mark.asyncio
+async def test_frames_over_the_limit_never_arrive_and_honest_ones_do() -> None:
+    directory = InMemoryDirectory()
+    config = ZmqConfig(key=KEY, max_frame_bytes=4096)
+    async with (
+        ZmqChannel("large", "0", directory, config) as large,
+        ZmqChannel("small", "0", directory, config) as small,
+    ):
+        sock = rogue(large.address)
+        big = FrameSigner(KEY).sign("large/0", b"\x00" * 8192)  # correctly signed, too big
+        await sock.send(big)
+        await small.send("large/0", [handoff(0)])
+        got = await recv_n(large, 1)
+        sock.close()
+    assert [m.handoff_seq for b in got for m in b] == [0]
+    assert sum(large.rejected.values()) == 0  # ZeroMQ dropped it before any read
+
+
+@pytest.mark.asyncio
+async def test_tcp_binds_the_node_address_and_the_configured_port_range() -> None:
+    probe = zmq.Context.instance().socket(zmq.PULL)  # find two free neighbouring ports
+    base = probe.bind_to_random_port("tcp://127.0.0.1", min_port=30000, max_port=60000)
+    probe.close(linger=0)
+    config = ZmqConfig(transport="tcp", key=KEY, port_range=(base, base + 1))
+    directory = InMemoryDirectory()
+    async with (
+        ZmqChannel("large", "0", directory, config) as a,
+        ZmqChannel("large", "1", directory, config) as b,
+    ):
+        bound = [c._pull.getsockopt_string(zmq.LAST_ENDPOINT) for c in (a, b)]
+        assert not any("0.0.0.0" in e or "*" in e for e in bound)
+        assert sorted(int(e.rsplit(":", 1)[1]) for e in bound) == [base, base + 1]
+        with pytest.raises(OSError, match="every port"):
+            async with ZmqChannel("large", "2", directory, config):
+                pass
+        async with ZmqChannel("small", "0", directory, ZmqConfig(transport="tcp", key=KEY)) as s:
+            await s.send("large/1", [handoff(0, dst="large/1")])
+            got = await recv_n(b, 1)
+    assert [m.handoff_seq for batch in got for m in batch] == [0]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+async def test_curve_refuses_strangers_in_the_handshake(transport: str) -> None:
+    curve = CurveKeys.from_key(KEY)
+    other = CurveKeys.from_key(derive_key(b"another app"))
+    assert CurveKeys.from_key(KEY) == curve  # every replica derives the same pair
+    directory = InMemoryDirectory()
+    config = ZmqConfig(transport=transport, key=KEY, curve=curve)
+    async with (
+        ZmqChannel("large", "0", directory, config) as large,
+        ZmqChannel("small", "0", directory, config) as small,
+    ):
+        strangers = [rogue(large.address), rogue(large.address, other)]
+        signer = FrameSigner(KEY)  # even frames that would pass the MAC (a replayed capture)
+        for sock in strangers:  # a plain socket, and CURVE with another app's key pair
+            for seq in range(5, 25):
+                await sock.send(signer.sign("large/0", encode_batch([handoff(seq)])))
+        await small.send("large/0", [handoff(0)])
+        await small.send("large/0", [handoff(1)])
+        got = await recv_n(large, 2)
+        await asyncio.sleep(0.3)
+        for sock in strangers:
+            sock.close()
+    assert [m.handoff_seq for b in got for m in b] == [0, 1]
+    assert sum(large.rejected.values()) == 0  # nothing of theirs was ever read
+
+
+@pytest.mark.asyncio
+async def test_only_bad_mac_frames_mean_a_key_mismatch_until_one_verifies() -> None:
+    directory = InMemoryDirectory()
+    async with (
+        ZmqChannel("large", "0", directory, ZmqConfig(key=KEY)) as large,
+        ZmqChannel("small", "0", directory, ZmqConfig(key=derive_key(b"old secret"))) as stale,
+        ZmqChannel("small", "1", directory, ZmqConfig(key=KEY)) as good,
+    ):
+        receiving = asyncio.ensure_future(recv_n(large, 1, timeout_s=30))
+        assert large.key_mismatch_s() == 0.0
+        for seq in range(3):
+            await stale.send("large/0", [handoff(seq)])
+            await asyncio.sleep(0.1)
+        await wait_for(lambda: large.rejected["bad_mac"] == 3)
+        assert large.key_mismatch_s() >= 0.15
+        assert large.key_mismatch_s(recent_s=0.0) == 0.0  # no bad frame that recent
+        await good.send("large/0", [handoff(0)])
+        await receiving
+        assert large.key_mismatch_s() == 0.0
