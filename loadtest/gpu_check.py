@@ -247,19 +247,19 @@ def check_capture(tmp: Path, report: dict, background: bool = False) -> bool:
     for t in (*kv.keys, *kv.values):
         t.normal_()
     before = [t[: runner.scratch_block].clone() for t in (*kv.keys, *kv.values)]
-    stop = threading.Event()
-    worker = threading.Thread(target=_busy_cuda, args=(stop,), daemon=True)
-    if background:
-        worker.start()
+    busy = BusyThread(DEVICE) if background else None
+    if busy is not None:
+        busy.start()
     try:
         mem0 = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+        before_capture = busy.iterations if busy is not None else 0
         built = runner.capture_static()
         sync()
+        during = (busy.iterations - before_capture) if busy is not None else 0
         pool = (torch.cuda.memory_allocated() - mem0) if DEVICE == "cuda" else 0
     finally:
-        stop.set()
-        if background:
-            worker.join()
+        if busy is not None:
+            busy.stop()
     untouched = all(
         torch.equal(b, t[: runner.scratch_block])
         for b, t in zip(before, (*kv.keys, *kv.values), strict=True)
@@ -276,6 +276,15 @@ def check_capture(tmp: Path, report: dict, background: bool = False) -> bool:
         "kv_outside_scratch_unchanged": untouched,
     }
     ok = untouched and built > 0 and graphs == built
+    if busy is not None:  # the thread must have lived and worked through the capture
+        problem = busy_problem(busy, during, MIN_BUSY_ITERATIONS[DEVICE == "cuda"])
+        report[name]["busy_thread"] = {
+            "iterations": busy.iterations,
+            "iterations_during_capture": during,
+            "error": busy.error,
+            "problem": problem,
+        }
+        ok &= problem is None
     if not background:  # and the engine's start-up capture serves steps by replay
         eng = engine(path, "bfloat16", graphs=True)
         run = workload(eng, prompts_of(256, PROMPT_LENGTHS, seed=7), [1, 2, 3], 8)
@@ -286,17 +295,65 @@ def check_capture(tmp: Path, report: dict, background: bool = False) -> bool:
     return ok
 
 
-def _busy_cuda(stop: threading.Event) -> None:
-    """Another serving thread: allocations and kernels on its own stream until ``stop``."""
-    if DEVICE != "cuda":
-        stop.wait()
-        return
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        while not stop.is_set():
-            a = torch.randn(512, 512, device=DEVICE)
-            (a @ a).sum()
-            stream.synchronize()
+# Iterations the busy thread must finish while the buckets are captured (CPU dry run, CUDA).
+MIN_BUSY_ITERATIONS = {False: 2, True: 10}
+
+
+class BusyThread:
+    """Another serving thread: allocations and matrix products on its own stream until
+    ``stop``. Plain tensor math, no random numbers: PyTorch puts the default CUDA generator
+    in capture mode during every capture, and a draw from it on this thread would raise
+    ("Offset increment outside graph capture"). It counts its iterations and keeps its
+    exception, so the check can tell a thread that worked through the capture from one that
+    died at once or was blocked. ``work``: one iteration (default: the matrix product)."""
+
+    def __init__(self, device: str, work: Callable[[], None] | None = None) -> None:
+        self.device = device
+        self.work = work or self._matmul
+        self.iterations = 0
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _matmul(self) -> None:
+        n = 512 if self.device == "cuda" else 64
+        a = torch.full((n, n), 1.0 / n, device=self.device)
+        (a @ a).sum()
+
+    def _run(self) -> None:
+        try:
+            stream = torch.cuda.Stream() if self.device == "cuda" else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                while not self._stop.is_set():
+                    self.work()
+                    if stream is not None:
+                        stream.synchronize()
+                    self.iterations += 1
+                    self._started.set()
+        except Exception:  # kept for the report: a dead thread fails the check
+            self.error = traceback.format_exc()
+        finally:
+            self._started.set()
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start, and return once the first iteration finished (or the thread died)."""
+        self._thread.start()
+        self._started.wait(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30.0)
+
+
+def busy_problem(busy: BusyThread, during: int, minimum: int) -> str | None:
+    """Why the busy thread does not count as having run beside the capture, or None."""
+    if busy.error is not None:
+        last = busy.error.strip().splitlines()[-1]
+        return f"the busy thread died after {busy.iterations} iterations: {last}"
+    if during < minimum:
+        return f"the busy thread did {during} iterations during the capture, under {minimum}"
+    return None
 
 
 def check_capture_threads(tmp: Path, report: dict) -> bool:

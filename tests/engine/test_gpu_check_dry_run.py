@@ -58,3 +58,42 @@ def test_a_failing_check_is_reported_and_the_rest_still_run(
     assert "ZeroDivisionError" in report["errors"]["boom"]
     assert "Traceback" in report["errors"]["boom"]
     assert report["boom"] == {"ran": True} and "skipped" in report["bench"]
+
+
+def test_the_busy_thread_check_fails_when_its_thread_died() -> None:
+    def draw_in_capture_mode() -> None:  # what torch.randn on the captured generator did
+        raise RuntimeError("Offset increment outside graph capture")
+
+    busy = gpu_check.BusyThread("cpu", work=draw_in_capture_mode)
+    busy.start()
+    busy.stop()
+    problem = gpu_check.busy_problem(busy, during=0, minimum=2)
+    assert busy.iterations == 0 and "Offset increment" in busy.error
+    assert problem is not None and "died" in problem
+
+
+def test_the_busy_thread_check_fails_when_its_thread_did_too_little() -> None:
+    import threading
+
+    gate = threading.Event()
+    busy = gpu_check.BusyThread("cpu", work=lambda: gate.wait(0.01))
+    busy.start()
+    before = busy.iterations
+    after = busy.iterations  # no time passed: a thread blocked through the "capture"
+    busy.stop()
+    assert busy.error is None and busy.iterations >= 1
+    problem = gpu_check.busy_problem(busy, during=after - before, minimum=2)
+    assert problem is not None and "did 0 iterations" in problem
+
+
+def test_the_busy_thread_check_passes_a_thread_that_worked() -> None:
+    import time
+
+    busy = gpu_check.BusyThread("cpu")
+    busy.start()
+    before = busy.iterations
+    time.sleep(0.2)
+    during = busy.iterations - before
+    busy.stop()
+    assert busy.error is None and during >= 2
+    assert gpu_check.busy_problem(busy, during, minimum=2) is None

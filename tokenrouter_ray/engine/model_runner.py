@@ -235,13 +235,16 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)[None]  # (1, num_tokens)
         position_ids = torch.tensor(positions, dtype=torch.long, device=dev)[None]
+        # Built before the forward is launched: a host-to-device copy queued after it would
+        # wait for the whole forward (a sync) before the lm_head could be launched.
+        row_index = torch.tensor(rows, dtype=torch.long, device=dev)  # (num_rows,)
         batch = PagedBatch.build(self.kv, seqs, dev, use_flash=self.use_flash)
         t1 = time.perf_counter()
 
         hidden = self.decoder(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, paged=batch
         ).last_hidden_state[0]  # (num_tokens, hidden_size)
-        last = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]  # (num_rows, hidden)
+        last = hidden.index_select(0, row_index)  # (num_rows, hidden)
         logits = self.lm_head(last).float()  # (num_rows, vocab)
         t2 = time.perf_counter()
         timings.prepare, timings.forward = t1 - t0, t2 - t1
