@@ -29,6 +29,7 @@ from tokenrouter_ray.engine.static_forward import (
     DEFAULT_QUERY_BUCKETS,
     MAX_STATIC_CONTEXT,
     StaticForward,
+    StaticOutputs,
     bucket,
     build_host_batch,
     static_path_blocker,
@@ -128,6 +129,7 @@ class ModelRunner:
         )
         self.static_shapes = set(shapes)
         self.static: dict[tuple[int, int, int], StaticForward] = {}
+        self._static_outputs: StaticOutputs | None = None  # shared by every bucket
         self.static_steps = 0  # steps that took the bucketed path
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.capture_seconds = 0.0  # time capture_static took
@@ -180,6 +182,11 @@ class ModelRunner:
 
     def _new_static_forward(self, shape: tuple[int, int, int]) -> StaticForward:
         batch, q_len, width = shape
+        if self._static_outputs is None:  # once, outside any graph
+            cfg = self.model.config
+            self._static_outputs = StaticOutputs.allocate(
+                max(self.batch_buckets), cfg.vocab_size, cfg.hidden_size, self.dtype, self.device
+            )
         return StaticForward(
             self.decoder,
             self.lm_head,
@@ -189,6 +196,7 @@ class ModelRunner:
             width,
             use_flash=self.use_flash,
             scratch_block=self.scratch_block,
+            outputs=self._static_outputs,
         )
 
     # ------------------------------------------- what the engine reads of its model
