@@ -42,30 +42,37 @@ def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
       sorted prefix whose mass reaches p (the token crossing p is kept).
     """
     rows, vocab = logits.shape
-    out = logits.clone()
     temps = [p.temperature for p in params]
-    for t in sorted(set(temps)):
-        idx = [i for i, v in enumerate(temps) if v == t]
-        if len(idx) == rows:
-            out = logits / t
-        else:
-            index = torch.tensor(idx, device=logits.device)
+    if len(set(temps)) == 1:
+        out = logits / temps[0]
+    else:
+        out = torch.empty_like(logits)
+        for t in set(temps):
+            index = torch.tensor([i for i, v in enumerate(temps) if v == t], device=logits.device)
             out[index] = logits.index_select(0, index) / t
     ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    ranked = order = None  # the top-k survivors, descending, when top-k saw them all
     if any(ks):
         k_max = max(ks)
-        top = torch.topk(out, k_max, dim=-1).values  # (rows, k_max), descending
+        top, top_ids = torch.topk(out, k_max, dim=-1)  # (rows, k_max), descending
         k_index = torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)
         kth = top.gather(1, k_index[:, None])  # (rows, 1)
         unlimited = torch.tensor([k == 0 for k in ks], device=logits.device)[:, None]
         kth = kth.masked_fill(unlimited, float("-inf"))
-        out = out.masked_fill(out < kth, float("-inf"))
+        cut = out < kth
+        out = out.masked_fill(cut, float("-inf"))
+        if not unlimited.any() and int((~cut).sum(-1).max()) <= k_max:  # no tie past k_max
+            ranked, order = top.masked_fill(top < kth, float("-inf")), top_ids
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        index = torch.tensor(nucleus, device=logits.device)
-        part = out.index_select(0, index)  # (n, vocab)
+        whole = len(nucleus) == rows
+        index = None if whole else torch.tensor(nucleus, device=logits.device)
+        part = out if whole else out.index_select(0, index)  # (n, vocab)
         top_p = torch.tensor([params[i].top_p for i in nucleus], device=logits.device)
-        if all(ks[i] for i in nucleus):  # only the finite tokens can be kept
+        if ranked is not None:  # the survivors, already ranked by top-k
+            if not whole:
+                ranked, order = ranked.index_select(0, index), order.index_select(0, index)
+        elif all(ks[i] for i in nucleus):  # only the finite tokens can be kept
             width = int(torch.isfinite(part).sum(-1).max())
             ranked, order = torch.topk(part, width, dim=-1)  # (n, width) descending
         else:
@@ -74,7 +81,11 @@ def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         before = probs.cumsum(-1) - probs  # mass strictly before each token
         keep = torch.zeros_like(part, dtype=torch.bool)
         keep.scatter_(1, order, before < top_p[:, None])
-        out[index] = part.masked_fill(~keep, float("-inf"))
+        part = part.masked_fill(~keep, float("-inf"))
+        if whole:
+            out = part
+        else:
+            out[index] = part
     return out
 
 
@@ -84,19 +95,23 @@ def sample(
     seeds: Sequence[int],
     positions: Sequence[int],
 ) -> torch.Tensor:
-    tokens = logits.argmax(-1)  # (num_rows,) greedy for every row, overwritten below
     hot = [row for row, p in enumerate(params) if not p.is_greedy]
     if not hot:
-        return tokens
+        return logits.argmax(-1)  # (num_rows,)
+    whole = len(hot) == len(params)
     index = torch.tensor(hot, device=logits.device)
-    probs = filter_rows(logits.index_select(0, index).float(), [params[r] for r in hot])
-    probs = probs.softmax(-1)  # (num_hot, vocab)
+    chosen = logits if whole else logits.index_select(0, index)
+    probs = filter_rows(chosen.float(), [params[r] for r in hot]).softmax(-1)  # (hot, vocab)
     noise = torch.empty_like(probs)
     for j, row in enumerate(hot):  # each row's own (seed, position) stream
         gen = torch.Generator(device=logits.device)
         gen.manual_seed(position_seed(seeds[row], positions[row]))
         noise[j].exponential_(generator=gen)
-    tokens[index] = (probs / noise).argmax(-1)
+    drawn = (probs / noise).argmax(-1)
+    if whole:
+        return drawn
+    tokens = logits.argmax(-1)  # greedy rows; the sampled ones overwritten
+    tokens[index] = drawn
     return tokens
 
 
