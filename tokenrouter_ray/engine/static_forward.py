@@ -241,9 +241,7 @@ class StaticForward:
             kv=kv,
             slot_mapping=torch.zeros(rows, dtype=torch.long, device=device),
             spans=[],
-            decode_rows=None,
-            decode_blocks=None,
-            decode_mask=None,
+            decode=[],
             static=self.meta,
         )
         # Buffers start as padding, aimed at the scratch block (see the module doc).
