@@ -131,6 +131,7 @@ class ModelRunner:
         self.static: dict[tuple[int, int, int], StaticForward] = {}
         self._static_outputs: StaticOutputs | None = None  # shared by every bucket
         self.static_steps = 0  # steps that took the bucketed path
+        self.taps_open = 0  # open LayerTaps: static buckets run eagerly (hooks need it)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.capture_seconds = 0.0  # time capture_static took
 
@@ -275,7 +276,7 @@ class ModelRunner:
             with_mask=not self.use_flash,
         )
         t1 = time.perf_counter()
-        logits, last = fwd.run(host)
+        logits, last = fwd.run(host, replay=not self.taps_open)
         t2 = time.perf_counter()
         timings.prepare, timings.forward = t1 - t0, t2 - t1
         self.static_steps += 1

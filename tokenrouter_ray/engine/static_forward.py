@@ -305,11 +305,12 @@ class StaticForward:
         self.meta.block_table.copy_(host.block_table, non_blocking=True)
         self.meta.ctx_lens.copy_(host.ctx_lens, non_blocking=True)
 
-    def run(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, host: HostBatch, replay: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, last hidden) of the real sequences; copies, so the next replay cannot
-        overwrite what a policy still reads."""
+        overwrite what a policy still reads. ``replay=False``: run the forward eagerly even
+        when captured (forward hooks, e.g. a layer tap, run only then)."""
         self.load(host)
-        if self.graph is not None:  # pragma: no cover - needs CUDA
+        if self.graph is not None and replay:  # pragma: no cover - needs CUDA
             self.graph.replay()
         else:
             self._forward()
