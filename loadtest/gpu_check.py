@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -65,8 +66,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from loadtest import gpu_flagship
 from tokenrouter_ray.engine.attention import flash_attn_unusable
-from tokenrouter_ray.engine.engine import Engine, EngineConfig, _forward_reserve
+from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.loader import load_causal_lm
 from tokenrouter_ray.engine.model_runner import ModelRunner
 from tokenrouter_ray.engine.request import SamplingParams
@@ -81,16 +83,6 @@ TINY = dict(
     num_key_value_heads=2,
     head_dim=16,
     max_position_embeddings=256,  # 16 KV widths of 16: fewer buckets to capture
-)
-MID = dict(  # about Qwen3-0.6B's shape, fewer layers
-    vocab_size=32000,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=12,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=1024,
 )
 FLASH_HEAD_DIM = 64  # flash-attn needs head_dim % 8 == 0: the tiny models' 16 qualifies too
 FLASH_LOGIT_RTOL = 0.03  # bf16 flash vs SDPA: |logit diff| <= this x max |logit|
@@ -478,47 +470,6 @@ def _teacher_forced(ref: Run, got: Run) -> dict[str, Any]:
     }
 
 
-def bench(tmp: Path, report: dict) -> None:
-    shape = MID if DEVICE == "cuda" else TINY  # the dry run only exercises the code
-    path = build(tmp / "mid", "qwen3", torch.bfloat16, seed=4, shape=shape)
-    variants = [("sdpa", 16, False), ("sdpa+graphs", 16, True)]
-    if flash_skip_reason() is None:
-        variants += [("flash", 256, False), ("flash+graphs", 256, True)]
-    batches, steps, prompt = ((1, 8, 32), 64, 128) if DEVICE == "cuda" else ((1, 2), 2, 8)
-    rows: dict[str, dict[str, Any]] = {}
-    for name, block, graphs in variants:
-        if DEVICE == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        eng = engine(path, "bfloat16", graphs=graphs, block_size=block, memory_gib=8)
-        row: dict[str, Any] = {"capture_seconds": round(eng.runner.capture_seconds, 2)}
-        for batch in batches:
-            prompts = prompts_of(shape["vocab_size"], [prompt] * batch, seed=batch)
-            for i, p in enumerate(prompts):
-                sampling = SamplingParams(max_tokens=steps + 16, ignore_eos=True)
-                eng.add_request(f"{name}-{batch}-{i}", p, sampling)
-            for _ in range(8):  # prefill and a few decodes
-                eng.step()
-            sync()
-            t0 = time.perf_counter()
-            tokens = sum(len(eng.step()) for _ in range(steps))
-            sync()
-            row[f"batch_{batch}_tokens_per_s"] = round(tokens / (time.perf_counter() - t0), 1)
-            for i in range(batch):
-                eng.abort(f"{name}-{batch}-{i}")
-        if DEVICE == "cuda":
-            model = eng.runner.model
-            fixed = sum(p.numel() * p.element_size() for p in model.parameters())
-            fixed += eng.runner.kv.nbytes
-            row["peak_beyond_weights_and_kv_mib"] = round(
-                (torch.cuda.max_memory_allocated() - fixed) / 2**20, 1
-            )
-            row["reserve_mib"] = round(_forward_reserve(model, eng.config) / 2**20, 1)
-        rows[name] = row
-        del eng
-        release()
-    report["bench"] = rows
-
-
 def check_tensor_parallel(tmp: Path, report: dict) -> bool | None:
     """TP=2 against TP=1 (``loadtest.tp_bench.check_tp``): SKIP with fewer than two GPUs."""
     from loadtest.tp_bench import check_tp
@@ -529,14 +480,30 @@ def check_tensor_parallel(tmp: Path, report: dict) -> bool | None:
     return check_tp(tmp, report, 2, "cpu", small, (1, 4), steps=3)
 
 
+def check_flagship_small(tmp: Path, report: dict) -> bool:
+    return gpu_flagship.check_flagship("qwen3_0.6b", report)
+
+
+def check_flagship_large(tmp: Path, report: dict) -> bool:
+    return gpu_flagship.check_flagship("qwen3_32b", report)
+
+
+def check_nccl_graph(tmp: Path, report: dict) -> bool:
+    return gpu_flagship.check_nccl_graph(report)
+
+
 CHECKS: list[tuple[str, Callable[[Path, dict], bool | None]]] = [
     ("capture", check_capture),
     ("capture_threads", check_capture_threads),
     ("exact", check_exact),
     ("graphs_bf16", check_graphs_bf16),
     ("flash", check_flash),
+    ("flagship_qwen3_0.6b", check_flagship_small),
+    ("flagship_qwen3_32b", check_flagship_large),
+    ("nccl_graph", check_nccl_graph),
     ("tensor_parallel", check_tensor_parallel),
 ]
+BUDGET_S = 500  # every check and the benchmark start within this; the device kills at 570
 VERDICT = {None: "SKIP", True: "PASS", False: "FAIL"}
 
 
@@ -546,9 +513,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--device", default="cuda", help="cpu: dry-run the checks here")
     parser.add_argument("--only", nargs="*", help="run only these checks")
+    parser.add_argument(
+        "--budget-s", type=float, default=BUDGET_S, help="no check starts after this many seconds"
+    )
     args = parser.parse_args(argv)
     global DEVICE
     DEVICE = args.device
+    gpu_flagship.DEVICE = args.device
+    deadline = time.monotonic() + args.budget_s
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run on a GPU machine, or --device cpu", file=sys.stderr)
         return 2
@@ -562,8 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        "transformers": transformers.__version__,
+        "capability": list(torch.cuda.get_device_capability()) if DEVICE == "cuda" else None,
         "flash_attn": flash_skip_reason() or "usable",
+        "budget_s": args.budget_s,
         "verdicts": {},
+        "skipped": {},
         "errors": {},
         "seconds": {},
     }
@@ -578,6 +554,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, check in CHECKS:
             if args.only and name not in args.only:
+                continue
+            if time.monotonic() > deadline:
+                report["verdicts"][name] = "SKIP"
+                report["skipped"][name] = f"time budget ({args.budget_s:.0f} s) spent"
+                save()
                 continue
             t0 = time.perf_counter()
             try:
@@ -602,13 +583,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             t0 = time.perf_counter()
             try:
-                bench(Path(tmp), report)
+                gpu_flagship.bench_flagship(report, deadline, save)
                 report["verdicts"]["bench"] = "DONE"
             except Exception:
                 report["verdicts"]["bench"] = "FAIL"
                 report["errors"]["bench"] = traceback.format_exc()
             report["seconds"]["bench"] = round(time.perf_counter() - t0, 1)
         print(f"{'bench':16} {report['verdicts']['bench']}", flush=True)
+        gpu_flagship.drop_models()
         save()
     print(json.dumps(report, indent=2, default=str))
     failed = "FAIL" in report["verdicts"].values()
