@@ -1,24 +1,30 @@
-"""The prepared device check for the engine's CUDA paths (issues 2 and 18): one run on a
-GPU, a full verdict.
+"""The prepared device check for the engine's CUDA paths (issues 2, 18 and 25): one run
+on a GPU, a full verdict.
 
 What the CPU cannot run: the engine on CUDA (SDPA over the paged cache), the bucketed
-static path captured as CUDA graphs at start-up, and flash-attn's paged kernels. Models
-are random-weight checkpoints built here (the device has no network and no hub), so only
-this repo and the wheels ``scripts/device_wheels.sh`` prepares (pydantic and its companions,
-which the device image lacks) are needed. The exact device command is in README.md,
-section "On a GPU".
+static path captured as CUDA graphs at start-up, flash-attn's paged kernels, NCCL, and the
+flagship's shapes at full size. Models are random-weight, built here (the device has no
+network and no hub), so only this repo and the wheels ``scripts/device_wheels.sh``
+prepares (msgspec, pydantic and its companions, which the device image lacks; a CI test
+checks the import closure against a dated copy of the image's package list) are needed.
+The exact device command is in README.md, section "On a GPU"; docs/gpu_check.md says what
+each check covers and what it cannot.
 
-``--device cpu`` dry-runs every check here (graphs "on" = the static path run eagerly), and
-a CPU test runs it, so the script cannot rot before it spends device time.
+``--device cpu`` dry-runs every check here (graphs "on" = the static path run eagerly, the
+flagship shapes at toy sizes), and a CPU test runs it, so the script cannot rot before it
+spends device time.
 
 Checks, in order; each prints ``name PASS|FAIL|SKIP`` and the JSON report (``--out``) is
-rewritten after every check, so a run cut short still returns what ran. Each check
+rewritten after every check, so a run cut short still returns what ran; no check starts
+after ``--budget-s`` (default 500 s; the device command kills at 570). Each check
 synchronizes the device before it ends, so an asynchronous CUDA error is blamed on it, and
 records its full traceback when it fails.
 1. ``capture``: every bucket captured at start-up into one pool writes K/V only into the
    scratch block (the rest of a randomly filled cache is unchanged), then serves steps.
 2. ``capture_threads``: the same capture while another thread runs CUDA work on its own
-   stream (``capture_error_mode="thread_local"``).
+   stream (``capture_error_mode="thread_local"``); the thread does plain tensor math (no
+   draw from the default generator, which a capture owns) and must live and finish
+   iterations during the capture, or the check fails.
 3. ``exact``: float64 (exact arithmetic's stand-in), 8 requests with a pause and a 3-token
    extend, ``ignore_eos``: engine greedy tokens == a greedy loop over the plain model, graphs
    off and on, for Llama, Qwen3, Mistral (sliding window) and Gemma 2 (softcap, against
@@ -30,9 +36,17 @@ records its full traceback when it fails.
    argmax differs, the reference's top-2 margin is below ``2 * FLASH_LOGIT_RTOL`` of the
    scale (a near tie, not a bug); flash graphs == flash eager static bit-for-bit. SKIP
    with the reason when flash-attn cannot be imported or used.
-6. ``bench``: only when nothing failed. Decode tokens/s of a ~0.5B-shaped random Qwen3 in
-   bf16 at batch 1, 8, 32, graphs off vs on (and flash when present), with the capture
-   time and peak memory against the activation reserve.
+6. ``flagship_qwen3_0.6b``, ``flagship_qwen3_32b`` (``gpu_flagship.py``): the Qwen3 shapes
+   built on the device, block size 256: decode and extend buckets captured, seeded sampled
+   decoding with logprobs graphs == eager bit for bit, a long-context mixed batch, peak
+   memory beyond weights and KV within the reserve.
+7. ``nccl_graph``: a one-rank NCCL all-reduce captured in a graph and replayed.
+8. ``tensor_parallel``: TP=2 vs TP=1 (``tp_bench.check_tp``); SKIP with the reason on one
+   GPU.
+9. ``bench``: only when nothing failed (``gpu_flagship.bench_flagship``): decode step time
+   of both shapes at batch 1, 8, 32, 64 with graphs beside the bandwidth floor, the graph
+   replay alone at batch 1 (host or device dominates), the 0.6B batch-1 2 ms target, and
+   the sampler at batch 64 before and after batching.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ PINS=(
     typing-inspection==0.4.5
     typing-extensions==4.16.0
 )
-PY=${PYTHON:-python3}
+PY=${PYTHON:-.venv/bin/python}  # any Python with pip; it only downloads
+[ -x "$PY" ] || PY=python3
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
