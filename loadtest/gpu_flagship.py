@@ -352,7 +352,8 @@ def check_nccl_graph(report: dict) -> bool:
     out: dict[str, Any] = {"backend": "nccl" if cuda else "gloo"}
     report["nccl_graph"] = out
     if cuda:
-        out["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        version = torch.cuda.nccl.version()
+        out["nccl_version"] = ".".join(map(str, version)) if isinstance(version, tuple) else version
     dist.init_process_group(out["backend"], store=dist.HashStore(), rank=0, world_size=1)
     try:
         x = torch.full((1 << 20,), 2.0, device=DEVICE)
