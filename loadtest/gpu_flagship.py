@@ -415,6 +415,28 @@ def replay_ms(eng: Engine, batch: int) -> float | None:
     return (time.perf_counter() - t0) / 20 * 1e3
 
 
+def kernels_per_forward(eng: Engine, batch: int) -> int | str:
+    """CUDA kernels one decode forward of ``batch`` launches (run eagerly on the padding
+    batch under the profiler: what its graph replays), or why it could not be counted."""
+    if DEVICE != "cuda":
+        return "no CUDA"
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    shapes = [k for k in eng.runner.static if k[0] == batch and k[1] == 1]
+    if not shapes:
+        return "no bucket"
+    fwd = eng.runner.static[min(shapes, key=lambda k: k[2])]
+    try:
+        fwd.load(fwd.padding)  # scratch block only
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fwd._forward()
+            torch.cuda.synchronize()
+        return sum(e.device_type == DeviceType.CUDA for e in prof.events())
+    except Exception as exc:  # the profiler is a nicety here, never a failure
+        return f"not counted: {type(exc).__name__}: {exc}"
+
+
 def bench_flagship(report: dict, deadline: float, save: Callable[[], None] = lambda: None) -> None:
     """Decode step times with graphs beside the bandwidth floor, per shape and batch;
     ``save`` rewrites the JSON after each shape."""
@@ -470,6 +492,8 @@ def bench_flagship(report: dict, deadline: float, save: Callable[[], None] = lam
             if batch == 1:
                 replay = replay_ms(eng, 1)
                 row["graph_replay_ms"] = None if replay is None else round(replay, 3)
+                row["kernels_per_forward"] = kernels_per_forward(eng, 1)
+                row["host_to_device_copies_per_step"] = 5  # StaticForward.load: 5 buffers
                 if replay is not None:
                     host = step - replay
                     row["dominant"] = "host (prepare, sample, commit)" if host > replay else (
