@@ -132,10 +132,17 @@ def layer_bytes(shape: dict[str, Any], dtype_bytes: int = 2) -> tuple[int, int]:
 
 
 def kv_tokens_needed(s: Sizes) -> int:
-    """KV tokens the checks of one engine hold at once (mixed batch, its decodes, slack)."""
-    mixed = s.long_prompt + s.shorts * s.short_prompt + (s.shorts + 1) * (s.mixed_steps + 8)
-    bench = max(s.bench_batches) * (s.bench_prompt + s.bench_steps + 16)
-    return max(mixed, bench) + 8 * BLOCK_SIZE
+    """KV tokens the checks of one engine hold at once (the mixed batch, or the largest
+    benchmark batch), each request rounded up to whole blocks, plus slack."""
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // BLOCK_SIZE)
+
+    mixed = blocks(s.long_prompt + s.mixed_steps + 8)
+    mixed += s.shorts * blocks(s.short_prompt + s.mixed_steps + 8)
+    bench = max(s.bench_batches) * blocks(s.bench_prompt + s.bench_steps + 24)
+    sampled = s.sampled_requests * blocks(5 + 7 * s.sampled_requests + s.sampled_tokens + 8)
+    return (max(mixed, bench, sampled) + 8) * BLOCK_SIZE
 
 
 def plan_layers(name: str, reserve_guess: int) -> dict[str, Any]:
