@@ -427,14 +427,14 @@ def kernels_per_forward(eng: Engine, batch: int) -> int | str:
     batch under the profiler: what its graph replays), or why it could not be counted."""
     if DEVICE != "cuda":
         return "no CUDA"
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     shapes = [k for k in eng.runner.static if k[0] == batch and k[1] == 1]
     if not shapes:
         return "no bucket"
     fwd = eng.runner.static[min(shapes, key=lambda k: k[2])]
     try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
         fwd.load(fwd.padding)  # scratch block only
         with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
             fwd._forward()
@@ -483,17 +483,21 @@ def bench_flagship(report: dict, deadline: float, save: Callable[[], None] = lam
             t0 = time.perf_counter()
             for _ in range(s.bench_steps):
                 result = _execute(eng)
+                if result is None:  # nothing runnable: the rows below say how many ran
+                    break
                 timings.append(result.timings)
             sync()
-            step = (time.perf_counter() - t0) / s.bench_steps * 1e3
+            step = (time.perf_counter() - t0) / max(1, len(timings)) * 1e3
+            n_steps = max(1, len(timings))
             ctx = s.bench_prompt + 4 + s.bench_steps / 2
             floor = (weights + batch * ctx * per_token) / bw * 1e3 if bw else None
             row: dict[str, Any] = {
                 "step_ms": round(step, 3),
                 "floor_ms": None if floor is None else round(floor, 3),
                 "x_floor": None if floor is None else round(step / floor, 2),
-                "host_prepare_ms": round(1e3 * sum(t.prepare for t in timings) / len(timings), 3),
-                "host_sample_ms": round(1e3 * sum(t.sample for t in timings) / len(timings), 3),
+                "steps": len(timings),
+                "host_prepare_ms": round(1e3 * sum(t.prepare for t in timings) / n_steps, 3),
+                "host_sample_ms": round(1e3 * sum(t.sample for t in timings) / n_steps, 3),
                 "static_share": round(eng.runner.static_steps / max(1, len(timings)), 2),
             }
             if batch == 1:
