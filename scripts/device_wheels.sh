@@ -1,32 +1,43 @@
 #!/usr/bin/env bash
-# Prepare .whl/: the wheels the GPU device image lacks, for its Python (3.12, x86-64), so
-# `loadtest.gpu_check` runs there with nothing downloaded (the device has no network).
-# The engine needs only pydantic beyond what that image holds (torch, transformers,
-# safetensors, ...): pydantic, pydantic-core, annotated-types and typing-inspection, plus
-# typing-extensions at least as new as pydantic wants. Versions are this venv's, so the
-# device runs what the tests here ran. About 2.5 MB; .whl/ is git-ignored (info/exclude)
-# and travels with `carry: [".whl"]`. The device command is in README.md ("On a GPU").
+# Prepare .whl/: the wheels the GPU device image lacks, for its Python (3.12, x86-64,
+# manylinux), so `loadtest.gpu_check` imports there with nothing downloaded (the device has
+# no network). The image (loadtest/device/image_packages_*.txt, a dated copy of its list)
+# holds torch, transformers, numpy, safetensors, ... but not msgspec (engine/request.py's
+# sampling struct) nor pydantic (engine/engine.py's EngineConfig) and its companions;
+# typing-extensions comes too, as new as pydantic-core wants (the image's may be older).
+# Versions are exact, the venv's the tests here ran with; tests/engine/
+# test_gpu_check_imports.py fails when gpu_check imports anything neither the image nor
+# this list provides, or when a pin drifts from the venv. About 3 MB; .whl/ is git-ignored
+# (info/exclude) and travels with `carry: [".whl"]`. The device command: README.md,
+# "On a GPU".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+PINS=(
+    msgspec==0.23.0
+    pydantic==2.14.4
+    pydantic-core==2.50.5
+    annotated-types==0.8.0
+    typing-inspection==0.4.5
+    typing-extensions==4.16.0
+)
+PY=${PYTHON:-.venv/bin/python}  # any Python with pip; it only downloads
+[ -x "$PY" ] || PY=python3
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
 
-pins=$("$PY" - <<'PY'
-from importlib.metadata import version
-names = ["pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions"]
-print(" ".join(f"{n}=={version(n)}" for n in names))
-PY
-)
 rm -rf .whl
 mkdir .whl
 platforms=()
 for p in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do
     platforms+=(--platform "${p}_x86_64")
 done
-# shellcheck disable=SC2086  # $pins is a list of NAME==VERSION words
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp "${platforms[@]}" -d .whl $pins
+    --implementation cp --abi cp312 --abi abi3 --abi none "${platforms[@]}" -d .whl "${PINS[@]}"
+count=$(find .whl -type f -name '*.whl' | wc -l)
+if [ "$count" -ne "${#PINS[@]}" ]; then
+    echo "expected ${#PINS[@]} wheels in .whl/, got $count" >&2
+    exit 1
+fi
 ls .whl
 du -sh .whl

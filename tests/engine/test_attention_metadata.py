@@ -10,8 +10,15 @@ from tokenrouter_ray.engine.kv_cache import PagedKVCache
 
 
 def cache() -> PagedKVCache:
-    return PagedKVCache(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2,
-                        dtype=torch.float32, device="cpu")
+    return PagedKVCache(
+        num_layers=1,
+        num_blocks=8,
+        block_size=4,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device="cpu",
+    )
 
 
 SEQS = [(0, 5, [3, 6]), (6, 1, [1, 2]), (2, 3, [7, 0])]  # prefill, decode, extend
@@ -21,9 +28,10 @@ def test_slots_and_split_for_sdpa() -> None:
     batch = PagedBatch.build(cache(), SEQS, torch.device("cpu"))
     # prefill 0..4 -> blocks 3,6; decode at 6 -> block 2 slot 2; extend 2..4 -> block 7, 0
     assert batch.slot_mapping.tolist() == [12, 13, 14, 15, 24, 10, 30, 31, 0]
-    assert batch.decode_rows.tolist() == [5]
-    assert batch.decode_blocks.tolist() == [[1, 2]]
-    assert batch.decode_mask[0, 0, 0].tolist() == [True] * 7 + [False]
+    (decode,) = batch.decode
+    assert decode.rows.tolist() == [5]
+    assert decode.blocks.tolist() == [[1, 2]]
+    assert decode.mask[0, 0, 0].tolist() == [True] * 7 + [False]
     fresh, extend = batch.spans
     assert (fresh.q_start, fresh.q_len, fresh.ctx_len, fresh.mask) == (0, 5, 5, None)
     assert (extend.q_start, extend.q_len, extend.ctx_len) == (6, 3, 5)
@@ -40,4 +48,4 @@ def test_varlen_metadata_for_flash_attn() -> None:
     assert (meta["max_seqlen_q"], meta["max_seqlen_k"]) == (5, 7)
     assert meta["block_table"].tolist() == [[3, 6], [1, 2], [7, 0]]
     assert meta["block_table"].dtype == torch.int32
-    assert batch.decode_rows is None and not batch.spans
+    assert not batch.decode and not batch.spans

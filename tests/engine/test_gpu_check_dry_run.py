@@ -1,7 +1,7 @@
 """``loadtest.gpu_check`` dry-runs on CPU, so the one device command cannot rot: every check
-runs (graphs "on" = the static path eagerly), flash-attn reports SKIP with its reason, a
-failing check is recorded with its traceback, the rest still run, and the benchmark is
-skipped."""
+runs (graphs "on" = the static path eagerly; the flagship shapes at toy sizes), flash-attn
+reports SKIP with its reason, a failing check is recorded with its traceback, the rest still
+run, and the benchmark is skipped; a spent time budget skips what is left."""
 
 from __future__ import annotations
 
@@ -23,9 +23,25 @@ def test_dry_run_gives_a_full_verdict(tmp_path: Path) -> None:
         "exact": "PASS",
         "graphs_bf16": "PASS",
         "flash": "SKIP",
+        "flagship_qwen3_0.6b": "PASS",
+        "flagship_qwen3_32b": "PASS",
+        "nccl_graph": "PASS",  # gloo, one rank, eagerly
         "tensor_parallel": "PASS",  # two gloo ranks on CPU stand in for two GPUs
         "bench": "DONE",
     }
+    assert report["transformers"] and report["torch"] and "cuda" in report
+    busy = report["capture_threads"]["busy_thread"]
+    assert busy["error"] is None and busy["problem"] is None
+    assert busy["iterations_during_capture"] >= 2
+    for name in ("qwen3_0.6b", "qwen3_32b"):
+        flagship = report[f"flagship_{name}"]
+        assert flagship["decode_buckets"] > 0 and flagship["extend_buckets"] > 0
+        assert flagship["sampled_tokens_equal"] and flagship["logprobs_equal"]
+        assert flagship["logprobs_present"] and flagship["mixed"]["all_finished"]
+        assert flagship["plan"]["layers"] == flagship["plan"]["of"]
+        rows = report["bench_flagship"][name]
+        assert {"batch_1", "batch_2"} <= set(rows)
+        assert rows["batch_1"]["step_ms"] > 0 and rows["batch_1"]["static_share"] == 1.0
     assert report["flash"]["skipped"]  # the reason, e.g. "flash_attn is not installed"
     harness = report["flash"]["harness_dry_run"]  # SDPA standing in for flash-attn
     assert harness["graphs_equal_static_eager_bitwise"] is True
@@ -36,7 +52,6 @@ def test_dry_run_gives_a_full_verdict(tmp_path: Path) -> None:
         entry = report[f"exact_{arch}_graphs_True"]
         assert entry["requests_equal"] == entry["of"] and entry["static_steps"] > 0
     assert report["graphs_bf16"]["logits_bitwise_equal"] is True
-    assert set(report["bench"]) == {"sdpa", "sdpa+graphs"}
     assert report["tp"]["tokens_equal"] is True
 
 
@@ -58,3 +73,56 @@ def test_a_failing_check_is_reported_and_the_rest_still_run(
     assert "ZeroDivisionError" in report["errors"]["boom"]
     assert "Traceback" in report["errors"]["boom"]
     assert report["boom"] == {"ran": True} and "skipped" in report["bench"]
+
+
+def test_the_busy_thread_check_fails_when_its_thread_died() -> None:
+    def draw_in_capture_mode() -> None:  # what torch.randn on the captured generator did
+        raise RuntimeError("Offset increment outside graph capture")
+
+    busy = gpu_check.BusyThread("cpu", work=draw_in_capture_mode)
+    busy.start()
+    busy.stop()
+    problem = gpu_check.busy_problem(busy, during=0, minimum=2)
+    assert busy.iterations == 0 and "Offset increment" in busy.error
+    assert problem is not None and "died" in problem
+
+
+def test_the_busy_thread_check_fails_when_its_thread_did_too_little() -> None:
+    import threading
+
+    gate = threading.Event()
+    busy = gpu_check.BusyThread("cpu", work=lambda: gate.wait(0.01))
+    busy.start()
+    before = busy.iterations
+    after = busy.iterations  # no time passed: a thread blocked through the "capture"
+    busy.stop()
+    assert busy.error is None and busy.iterations >= 1
+    problem = gpu_check.busy_problem(busy, during=after - before, minimum=2)
+    assert problem is not None and "did 0 iterations" in problem
+
+
+def test_the_busy_thread_check_passes_a_thread_that_worked() -> None:
+    import time
+
+    busy = gpu_check.BusyThread("cpu")
+    busy.start()
+    before = busy.iterations
+    time.sleep(0.2)
+    during = busy.iterations - before
+    busy.stop()
+    assert busy.error is None and during >= 2
+    assert gpu_check.busy_problem(busy, during, minimum=2) is None
+
+
+def test_a_spent_time_budget_skips_the_remaining_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fine(tmp: Path, report: dict) -> bool:
+        return True
+
+    monkeypatch.setattr(gpu_check, "CHECKS", [("fine", fine), ("late", fine)])
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--device", "cpu", "--out", str(out), "--budget-s", "0"]) == 0
+    report = json.loads(out.read_text())
+    assert report["verdicts"]["fine"] == "SKIP" and report["verdicts"]["late"] == "SKIP"
+    assert "time budget" in report["skipped"]["late"]

@@ -33,3 +33,21 @@ def test_not_a_causal_lm(tmp_path) -> None:
 def test_unknown_dtype(tiny_llama_dir) -> None:
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         load_causal_lm(tiny_llama_dir, dtype="float7")
+
+
+def test_weights_load_straight_onto_the_device(tiny_llama_dir, monkeypatch) -> None:
+    """No ``.to(device)`` after loading: the weights are placed while they are read (on a
+    GPU, a 32B model never sits in host RAM first)."""
+    import torch
+
+    moved: list[tuple] = []
+    original = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        moved.append(args)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", to)
+    model = load_causal_lm(tiny_llama_dir, "float32", "cpu")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert not [a for a in moved if a and isinstance(a[0], (str, torch.device))]

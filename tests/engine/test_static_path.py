@@ -112,3 +112,25 @@ def test_static_forward_never_reads_device_data_on_the_host(tiny_model_dir) -> N
             fwd._forward()
         assert fwd.logits.device.type == "meta"
         assert fwd.logits.shape == (batch, cfg.vocab_size)
+
+
+def test_the_forward_computes_the_mask_the_host_would_build(tiny_model_dir) -> None:
+    """The runner sends no mask: each bucket's forward computes it from ``ctx_lens`` on the
+    device, equal to the host-built one, and every bucket writes its logits into one
+    shared buffer (not one fp32 logits tensor per captured graph)."""
+    engine = make_engine(tiny_model_dir, static_batches=True)
+    runner = engine.runner
+    runner.capture_static()
+    fwd = runner.static[max(runner.static, key=lambda s: (s[1], s[0]))]
+    seqs = [(5, [11, 12, 13][: fwd.q_len], [3, 7]), (2, [21], [4])][: fwd.batch]
+    host = build_host_batch(seqs, fwd.batch, fwd.q_len, fwd.max_blocks, runner.kv.block_size,
+                            runner.scratch_block, with_mask=False)  # fmt: skip
+    want = build_host_batch(seqs, fwd.batch, fwd.q_len, fwd.max_blocks, runner.kv.block_size,
+                            runner.scratch_block, with_mask=True).mask  # fmt: skip
+    assert host.mask is None
+    with torch.inference_mode():
+        fwd.run(host)
+    assert torch.equal(fwd.meta.mask, want)
+    buffers = {f.logits.data_ptr() for f in runner.static.values()}
+    assert len(runner.static) > 1 and len(buffers) == 1
+    assert all(f.logits.dtype == torch.float32 for f in runner.static.values())

@@ -9,9 +9,15 @@ each pass their own.
 
 A batch packs all scheduled tokens into one row of ``num_tokens``. Each attention layer
 writes the new K/V into its blocks, then attends:
-- CPU / no flash-attn: decode rows (one query token) go through one batched SDPA over
-  their gathered blocks; prefill and extend rows go through one SDPA per sequence with a
-  causal mask offset by the tokens already in cache.
+- CPU / no flash-attn: decode rows (one query token) go through batched SDPA over their
+  gathered blocks, in groups (``DecodeGroup``): rows whose contexts span a similar number
+  of blocks (the same power of two) share a gather padded to the group's widest, and a
+  group is split so its padded gather stays within ``MAX_DECODE_GATHER_TOKENS`` (a row
+  longer than that gathers alone). One 40k-token request beside 63 short ones thus gathers
+  about 40k + 63 x short tokens per layer, not 64 x 40k. Prefill and extend rows go
+  through one SDPA per sequence with a causal mask offset by the tokens already in cache
+  (a long extend in query chunks, so its folded mask stays within
+  ``MAX_SPAN_MASK_ELEMENTS``).
 - CUDA with flash-attn: one ``flash_attn_varlen_func`` call over the whole batch reading
   K/V straight from the block table. Chosen only where it can run
   (``flash_attn_unusable``): fp16/bf16, head_dim a multiple of 8 up to 256, block_size a
@@ -54,6 +60,12 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# SDPA decode: one group's padded K/V gather holds at most this many tokens per layer
+# (rows x width x block_size), unless one row alone is longer (it then gathers alone).
+MAX_DECODE_GATHER_TOKENS = 64 * 1024
+# SDPA extend: the folded mask of one call (query rows x query group x keys) holds at most
+# this many elements; a long chunked-prefill extend attends in query chunks under it.
+MAX_SPAN_MASK_ELEMENTS = 32 * 2**20
 # Attention kwargs of modelling code that change the result and that we do not implement.
 UNSUPPORTED_KWARGS = ("s_aux",)
 
@@ -105,6 +117,43 @@ class SeqSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows attended together over one padded gather of their blocks."""
+
+    rows: torch.Tensor  # (n,) packed rows with one query token
+    blocks: torch.Tensor  # (n, width) block table, padded with block 0 (masked)
+    mask: torch.Tensor  # (n, 1, 1, width * block_size) bool: keys within each context
+
+
+def decode_groups(
+    tables: Sequence[Sequence[int]], block_size: int, max_tokens: int = MAX_DECODE_GATHER_TOKENS
+) -> list[list[int]]:
+    """Indices into ``tables`` (each row's used blocks), grouped: rows whose block counts
+    round up to the same power of two, in chunks whose padded gather (rows x the chunk's
+    widest x block_size) stays within ``max_tokens``; a longer row forms a chunk alone."""
+    by_width: dict[int, list[int]] = {}
+    for i, t in enumerate(tables):
+        by_width.setdefault(1 << max(len(t) - 1, 0).bit_length(), []).append(i)
+    groups: list[list[int]] = []
+    for _, members in sorted(by_width.items()):
+        members.sort(key=lambda i: len(tables[i]))
+        chunk: list[int] = []
+        for i in members:  # ascending width: the newest member is the chunk's widest
+            if chunk and (len(chunk) + 1) * len(tables[i]) * block_size > max_tokens:
+                groups.append(chunk)
+                chunk = []
+            chunk.append(i)
+        groups.append(chunk)
+    return groups
+
+
+def decode_gather_tokens(max_model_len: int, max_tokens: int = MAX_DECODE_GATHER_TOKENS) -> int:
+    """The most K/V tokens one decode group gathers per layer: the budget, or one row of
+    the longest context (rounded up to whole blocks by the caller's block size)."""
+    return max(max_model_len, max_tokens)
+
+
+@dataclass
 class StaticMeta:
     """Fixed-shape metadata of a bucketed batch: ``batch`` sequences x ``q_len`` rows."""
 
@@ -120,9 +169,7 @@ class PagedBatch:
     kv: PagedKVCache
     slot_mapping: torch.Tensor  # (num_tokens,) cache slot of every new token
     spans: list[SeqSpan]
-    decode_rows: torch.Tensor | None  # (num_decode,) packed rows with one query token
-    decode_blocks: torch.Tensor | None  # (num_decode, max_blocks)
-    decode_mask: torch.Tensor | None  # (num_decode, 1, 1, max_blocks * block_size)
+    decode: list[DecodeGroup]  # decode rows, grouped by context width (SDPA only)
     varlen: dict[str, torch.Tensor | int] | None = None  # flash-attn metadata
     static: StaticMeta | None = None  # bucketed batch (static_forward.py)
 
@@ -162,22 +209,24 @@ class PagedBatch:
             kv=kv,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             spans=spans,
-            decode_rows=None,
-            decode_blocks=None,
-            decode_mask=None,
+            decode=[],
         )
         if use_flash:
             batch.varlen = _varlen_metadata(seqs, bs, device)
-        elif dec_rows:
-            width = max(len(t) for t in dec_tables)
-            table = torch.zeros((len(dec_rows), width), dtype=torch.long)
-            for i, t in enumerate(dec_tables):
-                table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            lens = torch.tensor(dec_lens)
-            mask = torch.arange(width * bs)[None, :] < lens[:, None]  # (num_decode, width*bs)
-            batch.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
-            batch.decode_blocks = table.to(device)
-            batch.decode_mask = mask[:, None, None, :].to(device)
+        for group in decode_groups(dec_tables, bs):
+            if not group:
+                continue
+            width = max(len(dec_tables[i]) for i in group)
+            table = [list(dec_tables[i]) + [0] * (width - len(dec_tables[i])) for i in group]
+            lens = torch.tensor([dec_lens[i] for i in group])
+            mask = torch.arange(width * bs)[None, :] < lens[:, None]  # (n, width * bs)
+            batch.decode.append(
+                DecodeGroup(
+                    rows=torch.tensor([dec_rows[i] for i in group], device=device),
+                    blocks=torch.tensor(table, dtype=torch.long, device=device),
+                    mask=mask[:, None, None, :].to(device),
+                )
+            )
         return batch
 
 
@@ -316,18 +365,25 @@ def _sdpa_attention(
     paged: PagedBatch, layer: int, q: torch.Tensor, variant: Variant
 ) -> torch.Tensor:
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
-    if paged.decode_rows is not None:
-        k, v = paged.kv.gather(layer, paged.decode_blocks)  # (nd, L, num_kv_heads, head_dim)
-        q_dec = q.index_select(0, paged.decode_rows).unsqueeze(2)  # (nd, num_heads, 1, head_dim)
-        o = _attend(q_dec, k.transpose(1, 2), v.transpose(1, 2), paged.decode_mask, variant)
-        out.index_copy_(0, paged.decode_rows, o.squeeze(2))  # o: (nd, num_heads, 1, head_dim)
+    for group in paged.decode:
+        k, v = paged.kv.gather(layer, group.blocks)  # (nd, L, num_kv_heads, head_dim)
+        q_dec = q.index_select(0, group.rows).unsqueeze(2)  # (nd, num_heads, 1, head_dim)
+        o = _attend(q_dec, k.transpose(1, 2), v.transpose(1, 2), group.mask, variant)
+        out.index_copy_(0, group.rows, o.squeeze(2))  # o: (nd, num_heads, 1, head_dim)
+    group = q.shape[1] // paged.kv.num_kv_heads
     for span in paged.spans:
         k, v = paged.kv.gather(layer, span.block_table[None])  # (1, L, num_kv_heads, head_dim)
         k, v = k[:, : span.ctx_len].transpose(1, 2), v[:, : span.ctx_len].transpose(1, 2)
-        q_seq = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)[None]
-        mask = None if span.mask is None else span.mask[None, None]
-        o = _attend(q_seq, k, v, mask, variant)  # (1, num_heads, q_len, head_dim)
-        out[span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
+        step = span.q_len  # an extend's mask, folded per query group, is cut into chunks
+        if span.mask is not None:
+            step = max(1, MAX_SPAN_MASK_ELEMENTS // (span.ctx_len * group))
+        for lo in range(0, span.q_len, step):
+            hi = min(lo + step, span.q_len)
+            rows = slice(span.q_start + lo, span.q_start + hi)
+            q_seq = q[rows].transpose(0, 1)[None]  # (1, num_heads, hi - lo, head_dim)
+            mask = None if span.mask is None else span.mask[lo:hi][None, None]
+            o = _attend(q_seq, k, v, mask, variant)  # (1, num_heads, hi - lo, head_dim)
+            out[rows] = o[0].transpose(0, 1)
     return out
 
 

@@ -3,7 +3,9 @@
 Accepts a local directory, a hub id, or a directory/file holding a GGUF checkpoint
 (``gguf_file``). The model comes back in eval mode on the requested device and dtype, with
 our paged attention as its attention implementation (a model whose modelling code does not
-take it is refused: its attention would silently bypass the paged cache).
+take it is refused: its attention would silently bypass the paged cache). Weights load
+straight onto the device (``device_map``): a 32B model is never materialised in host RAM
+first.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def load_causal_lm(
             str(path) if looks_local else model,
             gguf_file=gguf_file,
             dtype=torch_dtype,
+            device_map=dev,  # straight to the device, not through host RAM
             attn_implementation=register_attention(),
             **overrides,
         )
@@ -77,4 +80,4 @@ def load_causal_lm(
             f"{model!r} ({', '.join(archs) or config.model_type}) does not route attention "
             "through transformers' AttentionInterface, which the engine's paged cache needs"
         )
-    return lm.to(dev).eval()
+    return lm.eval()

@@ -29,6 +29,7 @@ from tokenrouter_ray.engine.static_forward import (
     DEFAULT_QUERY_BUCKETS,
     MAX_STATIC_CONTEXT,
     StaticForward,
+    StaticOutputs,
     bucket,
     build_host_batch,
     static_path_blocker,
@@ -128,7 +129,9 @@ class ModelRunner:
         )
         self.static_shapes = set(shapes)
         self.static: dict[tuple[int, int, int], StaticForward] = {}
+        self._static_outputs: StaticOutputs | None = None  # shared by every bucket
         self.static_steps = 0  # steps that took the bucketed path
+        self.taps_open = 0  # open LayerTaps: static buckets run eagerly (hooks need it)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.capture_seconds = 0.0  # time capture_static took
 
@@ -180,6 +183,11 @@ class ModelRunner:
 
     def _new_static_forward(self, shape: tuple[int, int, int]) -> StaticForward:
         batch, q_len, width = shape
+        if self._static_outputs is None:  # once, outside any graph
+            cfg = self.model.config
+            self._static_outputs = StaticOutputs.allocate(
+                max(self.batch_buckets), cfg.vocab_size, cfg.hidden_size, self.dtype, self.device
+            )
         return StaticForward(
             self.decoder,
             self.lm_head,
@@ -189,6 +197,7 @@ class ModelRunner:
             width,
             use_flash=self.use_flash,
             scratch_block=self.scratch_block,
+            outputs=self._static_outputs,
         )
 
     # ------------------------------------------- what the engine reads of its model
@@ -235,13 +244,16 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)[None]  # (1, num_tokens)
         position_ids = torch.tensor(positions, dtype=torch.long, device=dev)[None]
+        # Built before the forward is launched: a host-to-device copy queued after it would
+        # wait for the whole forward (a sync) before the lm_head could be launched.
+        row_index = torch.tensor(rows, dtype=torch.long, device=dev)  # (num_rows,)
         batch = PagedBatch.build(self.kv, seqs, dev, use_flash=self.use_flash)
         t1 = time.perf_counter()
 
         hidden = self.decoder(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, paged=batch
         ).last_hidden_state[0]  # (num_tokens, hidden_size)
-        last = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]  # (num_rows, hidden)
+        last = hidden.index_select(0, row_index)  # (num_rows, hidden)
         logits = self.lm_head(last).float()  # (num_rows, vocab)
         t2 = time.perf_counter()
         timings.prepare, timings.forward = t1 - t0, t2 - t1
@@ -264,7 +276,7 @@ class ModelRunner:
             with_mask=not self.use_flash,
         )
         t1 = time.perf_counter()
-        logits, last = fwd.run(host)
+        logits, last = fwd.run(host, replay=not self.taps_open)
         t2 = time.perf_counter()
         timings.prepare, timings.forward = t1 - t0, t2 - t1
         self.static_steps += 1

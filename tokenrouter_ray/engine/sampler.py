@@ -25,16 +25,68 @@ def position_seed(seed: int, position: int) -> int:
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, then top-p, on one row of (vocab,) float logits."""
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the token crossing p
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return logits
+    return filter_rows(logits[None], [params])[0]
+
+
+def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, on (num_rows, vocab) float logits, one
+    ``SamplingParams`` per row, batched: a handful of kernels for the whole batch, never a
+    loop of full-vocabulary sorts. The arithmetic per row is the one-row recipe's:
+
+    - temperature: each distinct temperature divides its rows by the same Python scalar;
+    - top-k: one ``topk`` at the largest k; a row's k-th largest value is its threshold
+      (ties with it are kept);
+    - top-p: the sorted order restricted to the candidates that can survive (after top-k,
+      the finite ones: one ``topk`` of that many instead of a sort of the vocabulary; a
+      full batched sort only when some row has no top-k); the kept set is the shortest
+      sorted prefix whose mass reaches p (the token crossing p is kept).
+    """
+    rows, vocab = logits.shape
+    temps = [p.temperature for p in params]
+    if len(set(temps)) == 1:
+        out = logits / temps[0]
+    else:
+        out = torch.empty_like(logits)
+        for t in set(temps):
+            index = torch.tensor([i for i, v in enumerate(temps) if v == t], device=logits.device)
+            out[index] = logits.index_select(0, index) / t
+    ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    ranked = order = None  # the top-k survivors, descending, when top-k saw them all
+    if any(ks):
+        k_max = max(ks)
+        top, top_ids = torch.topk(out, k_max, dim=-1)  # (rows, k_max), descending
+        k_index = torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)
+        kth = top.gather(1, k_index[:, None])  # (rows, 1)
+        unlimited = torch.tensor([k == 0 for k in ks], device=logits.device)[:, None]
+        kth = kth.masked_fill(unlimited, float("-inf"))
+        cut = out < kth
+        out = out.masked_fill(cut, float("-inf"))
+        if not unlimited.any() and int((~cut).sum(-1).max()) <= k_max:  # no tie past k_max
+            ranked, order = top.masked_fill(top < kth, float("-inf")), top_ids
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        whole = len(nucleus) == rows
+        index = None if whole else torch.tensor(nucleus, device=logits.device)
+        part = out if whole else out.index_select(0, index)  # (n, vocab)
+        top_p = torch.tensor([params[i].top_p for i in nucleus], device=logits.device)
+        if ranked is not None:  # the survivors, already ranked by top-k
+            if not whole:
+                ranked, order = ranked.index_select(0, index), order.index_select(0, index)
+        elif all(ks[i] for i in nucleus):  # only the finite tokens can be kept
+            width = int(torch.isfinite(part).sum(-1).max())
+            ranked, order = torch.topk(part, width, dim=-1)  # (n, width) descending
+        else:
+            ranked, order = torch.sort(part, dim=-1, descending=True)  # (n, vocab)
+        probs = ranked.softmax(-1)  # (n, width): the -inf past a row's survivors add 0
+        before = probs.cumsum(-1) - probs  # mass strictly before each token
+        keep = torch.zeros_like(part, dtype=torch.bool)
+        keep.scatter_(1, order, before < top_p[:, None])
+        part = part.masked_fill(~keep, float("-inf"))
+        if whole:
+            out = part
+        else:
+            out[index] = part
+    return out
 
 
 def sample(
@@ -43,15 +95,23 @@ def sample(
     seeds: Sequence[int],
     positions: Sequence[int],
 ) -> torch.Tensor:
-    tokens = logits.argmax(-1)  # (num_rows,) greedy for every row, overwritten below
-    for row, p in enumerate(params):
-        if p.is_greedy:
-            continue
-        probs = filter_logits(logits[row].float(), p).softmax(-1)
+    hot = [row for row, p in enumerate(params) if not p.is_greedy]
+    if not hot:
+        return logits.argmax(-1)  # (num_rows,)
+    whole = len(hot) == len(params)
+    index = torch.tensor(hot, device=logits.device)
+    chosen = logits if whole else logits.index_select(0, index)
+    probs = filter_rows(chosen.float(), [params[r] for r in hot]).softmax(-1)  # (hot, vocab)
+    noise = torch.empty_like(probs)
+    for j, row in enumerate(hot):  # each row's own (seed, position) stream
         gen = torch.Generator(device=logits.device)
         gen.manual_seed(position_seed(seeds[row], positions[row]))
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        tokens[row] = (probs / noise).argmax()
+        noise[j].exponential_(generator=gen)
+    drawn = (probs / noise).argmax(-1)
+    if whole:
+        return drawn
+    tokens = logits.argmax(-1)  # greedy rows; the sampled ones overwritten
+    tokens[index] = drawn
     return tokens
 
 

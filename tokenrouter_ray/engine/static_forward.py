@@ -9,12 +9,15 @@ convention) is right for them; padded rows and padded sequences read and write a
 block that the block pool never hands out. Only the last row of every sequence goes through
 ``lm_head``: a static batch is eligible only when every chunk samples.
 
-All metadata is built on the host and copied into preallocated device buffers, then the
-forward runs on those buffers. On CUDA each bucket's forward is captured once as a CUDA
+All metadata is built on the host as plain lists, one tensor per field, and copied into
+preallocated device buffers; the SDPA mask is computed on the device from the context
+lengths inside the forward (``static_mask``), so no mask crosses the bus. The last rows'
+logits and hidden states land in one set of output buffers all buckets share
+(``StaticOutputs``). On CUDA each bucket's forward is captured once as a CUDA
 graph (``StaticForward.capture``) and replayed; elsewhere the same code runs eagerly, which
 is how the CPU tests check the path token for token against the dynamic one. A graph's
-outputs stay allocated in the shared pool, so no other bucket's replay overwrites them;
-``run`` copies them out all the same, for the policy to keep.
+outputs are copied into the shared output buffers, and ``run`` copies them out, for the
+policy to keep.
 
 Buckets: batch size, query rows per sequence, and KV width in blocks (powers of two up to
 ``MAX_STATIC_CONTEXT`` tokens for SDPA, whose longer contexts take the dynamic path), so the
@@ -129,34 +132,50 @@ def build_host_batch(
     with_mask: bool,
 ) -> HostBatch:
     """``seqs``: per sequence (start, new token ids, block ids), at most ``batch`` of them,
-    each with 1..``q_len`` new tokens."""
+    each with 1..``q_len`` new tokens. Filled as Python lists, then one tensor per field
+    (no small tensor op per sequence). ``with_mask``: build the SDPA mask here too (the
+    runner leaves it to the forward, which computes it on the device from ``ctx_lens``)."""
     rows = batch * q_len
     scratch_slot = scratch_block * block_size
-    ids = torch.zeros(rows, dtype=torch.long)
-    pos = torch.zeros(rows, dtype=torch.long)
-    slots = torch.full((rows,), scratch_slot, dtype=torch.long)
-    table = torch.full((batch, max_blocks), scratch_block, dtype=torch.int32)
-    ctx = torch.ones(batch, dtype=torch.int32)  # padded sequences: one scratch token
+    ids = [0] * rows
+    pos = [0] * rows
+    slots = [scratch_slot] * rows
+    table = [[scratch_block] * max_blocks for _ in range(batch)]
+    ctx = [1] * batch  # padded sequences: one scratch token
     for i, (start, tokens, blocks) in enumerate(seqs):
         n = len(tokens)
         end = start + n
         first = i * q_len + q_len - n  # front padding: real rows last
-        ids[first : first + n] = torch.as_tensor(tokens, dtype=torch.long)
-        pos[first : first + n] = torch.arange(start, end)
-        p = torch.arange(start, end)
-        used = torch.as_tensor(blocks[: -(-end // block_size)], dtype=torch.long)
-        slots[first : first + n] = used[p // block_size] * block_size + p % block_size
-        table[i, : len(used)] = used.to(torch.int32)
+        ids[first : first + n] = tokens
+        pos[first : first + n] = range(start, end)
+        slots[first : first + n] = [
+            blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
+        ]
+        used = -(-end // block_size)
+        table[i][:used] = blocks[:used]
         ctx[i] = end
-    mask = None
-    if with_mask:
-        # Query row j of sequence i sits at ctx_i - q_len + j (bottom-right) and sees keys
-        # up to it; rows before the sequence start see key 0 only (never an empty row).
-        q_pos = ctx[:, None].long() - q_len + torch.arange(q_len)[None, :]  # (B, L)
-        k_pos = torch.arange(max_blocks * block_size)  # (W*bs,)
-        mask = k_pos[None, None, :] <= q_pos.clamp(min=0)[:, :, None]  # (B, L, W*bs)
-        mask = mask[:, None]  # (B, 1, L, W*bs)
-    return HostBatch(ids, pos, slots, table, ctx, mask, len(seqs))
+    ctx_lens = torch.tensor(ctx, dtype=torch.int32)
+    mask = static_mask(ctx_lens, q_len, max_blocks * block_size) if with_mask else None
+    return HostBatch(
+        torch.tensor(ids, dtype=torch.long),
+        torch.tensor(pos, dtype=torch.long),
+        torch.tensor(slots, dtype=torch.long),
+        torch.tensor(table, dtype=torch.int32),
+        ctx_lens,
+        mask,
+        len(seqs),
+    )
+
+
+def static_mask(ctx_lens: torch.Tensor, q_len: int, width: int) -> torch.Tensor:
+    """(B, 1, L, width) bool SDPA mask from ``ctx_lens`` (B,), on their device. Query row j
+    of sequence i sits at ctx_i - q_len + j (bottom-right) and sees keys up to it; rows
+    before the sequence start see key 0 only (never an empty row). No host read: the
+    captured forward computes it on the device."""
+    rows = torch.arange(q_len, device=ctx_lens.device)
+    q_pos = (ctx_lens[:, None].long() - q_len + rows[None, :]).clamp(min=0)  # (B, L)
+    k_pos = torch.arange(width, device=ctx_lens.device)  # (width,)
+    return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # (B, 1, L, width)
 
 
 def padding_batch(
@@ -164,6 +183,26 @@ def padding_batch(
 ) -> HostBatch:
     """A bucket with no real sequence: every row reads and writes the scratch block."""
     return build_host_batch([], batch, q_len, max_blocks, block_size, scratch_block, with_mask)
+
+
+@dataclass
+class StaticOutputs:
+    """Output buffers every bucket writes into (allocated once, outside any graph): the
+    last rows' fp32 logits and hidden states. A graph's own outputs would stay allocated
+    in the pool per graph (about 1 GiB of fp32 logits over the buckets at Qwen3's
+    vocabulary); steps run one at a time and ``run`` copies out, so one set serves all."""
+
+    logits: torch.Tensor  # (max_batch, vocab) float32
+    hidden: torch.Tensor  # (max_batch, hidden)
+
+    @classmethod
+    def allocate(
+        cls, max_batch: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> StaticOutputs:
+        return cls(
+            torch.zeros((max_batch, vocab), dtype=torch.float32, device=device),
+            torch.zeros((max_batch, hidden), dtype=dtype, device=device),
+        )
 
 
 class StaticForward:
@@ -179,8 +218,10 @@ class StaticForward:
         max_blocks: int,
         use_flash: bool,
         scratch_block: int,
+        outputs: StaticOutputs | None = None,
     ) -> None:
         self.decoder, self.lm_head = decoder, lm_head
+        self.outputs = outputs
         self.batch, self.q_len, self.max_blocks = batch, q_len, max_blocks
         device = kv.keys[0].device
         rows = batch * q_len
@@ -200,28 +241,36 @@ class StaticForward:
             kv=kv,
             slot_mapping=torch.zeros(rows, dtype=torch.long, device=device),
             spans=[],
-            decode_rows=None,
-            decode_blocks=None,
-            decode_mask=None,
+            decode=[],
             static=self.meta,
         )
         # Buffers start as padding, aimed at the scratch block (see the module doc).
         self.padding = padding_batch(batch, q_len, max_blocks, kv.block_size, scratch_block,
-                                     with_mask=not use_flash)  # fmt: skip
+                                     with_mask=False)  # fmt: skip
         self.load(self.padding)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None  # (batch, hidden) outputs of the last run
         self.logits: torch.Tensor | None = None  # (batch, vocab)
 
     def _forward(self) -> None:
+        if self.meta.mask is not None:  # SDPA: the mask from ctx_lens, on the device
+            width = self.meta.mask.shape[-1]
+            self.meta.mask.copy_(static_mask(self.meta.ctx_lens, self.q_len, width))
         hidden = self.decoder(
             input_ids=self.input_ids,
             position_ids=self.positions,
             use_cache=False,
             paged=self.paged,
         ).last_hidden_state[0]  # (batch*q_len, hidden)
-        self.hidden = hidden.view(self.batch, self.q_len, -1)[:, -1]  # last row per sequence
-        self.logits = self.lm_head(self.hidden).float()
+        last = hidden.view(self.batch, self.q_len, -1)[:, -1]  # last row per sequence
+        logits = self.lm_head(last)  # (batch, vocab)
+        out = self.outputs
+        if out is None or out.logits.shape[1] != logits.shape[-1] or len(out.logits) < self.batch:
+            self.hidden, self.logits = last, logits.float()  # this bucket's own outputs
+            return
+        self.hidden, self.logits = out.hidden[: self.batch], out.logits[: self.batch]
+        self.hidden.copy_(last)
+        self.logits.copy_(logits)  # to fp32 in place
 
     def warm_up(self, steps: int = 2) -> None:
         """Run the all-padding batch ``steps`` times (allocator, kernel autotuning): reads
@@ -255,14 +304,13 @@ class StaticForward:
         self.paged.slot_mapping.copy_(host.slots, non_blocking=True)
         self.meta.block_table.copy_(host.block_table, non_blocking=True)
         self.meta.ctx_lens.copy_(host.ctx_lens, non_blocking=True)
-        if self.meta.mask is not None:
-            self.meta.mask.copy_(host.mask, non_blocking=True)
 
-    def run(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, host: HostBatch, replay: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, last hidden) of the real sequences; copies, so the next replay cannot
-        overwrite what a policy still reads."""
+        overwrite what a policy still reads. ``replay=False``: run the forward eagerly even
+        when captured (forward hooks, e.g. a layer tap, run only then)."""
         self.load(host)
-        if self.graph is not None:  # pragma: no cover - needs CUDA
+        if self.graph is not None and replay:  # pragma: no cover - needs CUDA
             self.graph.replay()
         else:
             self._forward()

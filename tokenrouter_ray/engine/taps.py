@@ -24,39 +24,55 @@ class LayerTap:
 
     A forward hook on that layer sees one packed row of all scheduled tokens; the runner's
     ``SchedulerOutput`` (captured by wrapping ``runner.execute``) says which request and
-    positions each slice belongs to. Chunks are kept in order, so a recomputed (preempted)
-    request overwrites its earlier states. States are kept in bf16.
+    positions each slice belongs to. On the bucketed static path the row is padded: each
+    sequence owns ``q_len`` rows with its real tokens last (``static_forward.py``), and
+    while a tap is open the runner runs those buckets eagerly instead of replaying their
+    CUDA graphs (a replay runs no Python hook). Chunks are kept in order, so a recomputed
+    (preempted) request overwrites its earlier states. States are kept in bf16.
     """
 
     def __init__(self, runner: ModelRunner, k: int) -> None:
         self.runner = runner
         self.layer = runner.model.get_decoder().layers[k - 1]
         self.chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        self._scheduled: list[tuple[str, int, int]] = []
+        self._scheduled: list[tuple[str, int, int, int]] = []  # (rid, start, n, first row)
 
     def __enter__(self) -> LayerTap:
         execute = self.runner.execute
 
         def tapped(out: SchedulerOutput, timings: StepTimings) -> StepResult:
-            self._scheduled = [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
+            self._scheduled = self.layout(out)
             return execute(out, timings)
 
         self.runner.execute = tapped
+        self.runner.taps_open += 1  # static buckets eagerly: hooks run
         self._hook = self.layer.register_forward_hook(self._record)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._hook.remove()
+        self.runner.taps_open -= 1
         del self.runner.execute  # back to the class's method
 
-    def _record(self, module: torch.nn.Module, args: tuple, output: object) -> None:
-        hidden = output[0] if isinstance(output, tuple) else output  # (1, num_tokens, hidden)
+    def layout(self, out: SchedulerOutput) -> list[tuple[str, int, int, int]]:
+        """Per chunk (request id, start, tokens, its first row in the layer's output):
+        packed back to back on the dynamic path; on a static (batch, q_len) bucket
+        sequence i owns rows i*q_len .. i*q_len + q_len - 1, its tokens last."""
+        shape = self.runner._static_bucket(out)
+        rows: list[tuple[str, int, int, int]] = []
         row = 0
-        for rid, start, n in self._scheduled:
+        for i, c in enumerate(out.chunks):
+            first = row if shape is None else i * shape[1] + shape[1] - c.num_tokens
+            rows.append((c.request.request_id, c.start, c.num_tokens, first))
+            row += c.num_tokens
+        return rows
+
+    def _record(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output  # (1, rows, hidden)
+        for rid, start, n, first in self._scheduled:
             self.chunks.setdefault(rid, []).append(
-                (start, hidden[0, row : row + n].to(torch.bfloat16))
+                (start, hidden[0, first : first + n].to(torch.bfloat16))
             )
-            row += n
 
     def states(self, request_id: str, length: int) -> torch.Tensor:
         """(length, hidden) bf16 states of the request's first ``length`` tokens."""
