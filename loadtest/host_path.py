@@ -197,9 +197,10 @@ def _print_level(level: Level) -> None:
 SimDeploy = Callable[[list[str], str], AbstractContextManager[str]]
 
 
-def sim_overrides(profile: str) -> list[str]:
-    """``conf/sim_paper.yaml``'s app with both models on ``profile``."""
-    return [
+def sim_overrides(profile: str, large_thresholds: list[int] | None = None) -> list[str]:
+    """``conf/sim_paper.yaml``'s app with both models on ``profile`` (and, if given, the large
+    model's deferred-launch table, index = N, with no max wait)."""
+    out = [
         "models=sim_paper",
         "policy=bernoulli",
         "transport=zmq_ipc",
@@ -207,24 +208,45 @@ def sim_overrides(profile: str) -> list[str]:
         f"models.small.sim.profile={profile}",
         f"models.large.sim.profile={profile}",
     ]
+    if large_thresholds is not None:
+        table = ",".join(str(b) for b in large_thresholds)
+        out += [f"models.large.scheduler.batch_thresholds=[{table}]",
+                "scheduler.max_defer_s=1000000"]  # fmt: skip
+    return out
+
+
+def tuned_table(levels: list[int]) -> list[int]:
+    """One table for the large model holding the model's best B at each served N."""
+    table = [1] * (max(levels) + 1)
+    for n in levels:
+        (_, b), _ = best_thresholds(paper_r2r(), n)
+        table[n] = b
+    return table
 
 
 def run_served(
     levels: list[int], window_s: float, max_tokens: int, deploy: SimDeploy,
-    profiles: tuple[str, ...] = ("paper", "zero"),
+    systems: tuple[str, ...] = ("paper eager", "paper tuned", "zero"),
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Each profile's app deployed with ``deploy(overrides, name)`` (a context manager
+    """Each system's app deployed with ``deploy(overrides, name)`` (a context manager
     yielding the app's OpenAI base URL), driven at each level."""
     rows: list[dict[str, Any]] = []
-    for profile in profiles:
-        with deploy(sim_overrides(profile), f"host-{profile}") as base:
+    for system in systems:
+        profile = system.split()[0]
+        table = tuned_table(levels) if system == "paper tuned" else None
+        name = "host-" + system.replace(" ", "-")
+        with deploy(sim_overrides(profile, table), name) as base:
             url = base.removesuffix("/v1")
             asyncio.run(_wait_ready(url))
             for n in levels:
+                if table is not None and table[n] == 1:
+                    continue  # the model's best at this N is all-1: the eager app's run
                 row = asyncio.run(_served_level(url, n, window_s, max_tokens))
-                row.update(profile=profile, n=n)
+                row.update(profile=profile, system=system, n=n)
                 if profile == "paper":
-                    row["predicted"] = throughput(paper_r2r(), n, (1, 1)).throughput
+                    b = (1, table[n] if table else 1)
+                    row["thresholds"] = b
+                    row["predicted"] = throughput(paper_r2r(), n, b).throughput
                 rows.append(row)
                 _print_served(row)
     return rows
@@ -278,6 +300,14 @@ async def _served_level(url: str, n: int, window_s: float, max_tokens: int) -> d
                         ttfts.append(time.perf_counter() - t0)
                         first = False
 
+    import httpx
+
+    async with httpx.AsyncClient() as http:  # Serve's own round trip, for comparison
+        rtts = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            await http.get(f"{url}/health", timeout=5)
+            rtts.append(time.perf_counter() - t0)
     tasks = [asyncio.create_task(one_client()) for _ in range(n)]
     await asyncio.sleep(min(2.0, window_s))  # warm-up
     s0, t0, c0, ttft0 = await _stats(url), time.perf_counter(), chunks[0], len(ttfts)
@@ -287,6 +317,8 @@ async def _served_level(url: str, n: int, window_s: float, max_tokens: int) -> d
     await asyncio.wait(tasks, timeout=60)
     for t in tasks:
         t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await client.close()
     elapsed = t1 - t0
     tokens = s1["tokens_received"] - s0["tokens_received"]
     models = {}
@@ -294,10 +326,12 @@ async def _served_level(url: str, n: int, window_s: float, max_tokens: int) -> d
         before = s0["models"][name]
         sim0, sim1 = before.get("sim") or {}, st.get("sim") or {}
         steps = max(1, sim1.get("steps", 0) - sim0.get("steps", 0))
+        host = st.get("host", {}).get("per_step_us") or {}
         models[name] = {
-            "step_ms": elapsed / steps * 1e3,
+            "step_ms": host.get("period", 0.0) / 1e3 or elapsed / steps * 1e3,
             "mean_batch": sim1.get("mean_batch"),
-            "host_us": st.get("host", {}).get("per_step_us"),
+            "rows": st.get("host", {}).get("rows", 0) / max(1, st.get("host", {}).get("steps", 1)),
+            "host_us": host,
         }
     window_ttfts = ttfts[ttft0:] or ttfts
     return {
@@ -306,6 +340,7 @@ async def _served_level(url: str, n: int, window_s: float, max_tokens: int) -> d
         "frames_per_token": (s1["frames_received"] - s0["frames_received"]) / max(1, tokens),
         "ingress_cpu_us_per_token": (s1["cpu_s"] - s0["cpu_s"]) / max(1, tokens) * 1e6,
         "ttft_ms_p50": 1e3 * statistics.median(window_ttfts) if window_ttfts else None,
+        "health_rtt_ms_p50": 1e3 * statistics.median(rtts),  # GET /health through the proxy
         "models": models,
     }
 
@@ -319,9 +354,10 @@ def _print_served(row: dict[str, Any]) -> None:
         for m, v in row["models"].items()
     )
     print(
-        f"served {row['profile']:5} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
-        f"{row['ttft_ms_p50'] or 0:.1f} ms  ingress CPU {row['ingress_cpu_us_per_token']:.0f} "
-        f"µs/token  SSE chunks/token {row['sse_chunks_per_token']:.2f}  frames/token "
+        f"served {row['system']:11} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
+        f"{row['ttft_ms_p50'] or 0:.1f} ms (GET /health {row['health_rtt_ms_p50']:.1f} ms)  "
+        f"ingress CPU {row['ingress_cpu_us_per_token']:.0f} µs/token  "
+        f"SSE chunks/token {row['sse_chunks_per_token']:.2f}  frames/token "
         f"{row['frames_per_token']:.2f}  [{steps}]",
         flush=True,
     )
@@ -353,17 +389,40 @@ def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str
             bound = 300 + 10 * h.get("rows", 0)
             crit = h.get("critical", 0.0)
             out.append((
-                f"zero N={x.n} {model}: critical host <= 0.3 ms + 10 µs/row",
+                f"in-process zero N={x.n} {model}: critical host <= 0.3 ms + 10 µs/row",
                 crit <= bound,
                 f"{crit:.0f} µs vs {bound:.0f}",
             ))  # fmt: skip
-    for x in (x for x in levels if x.system.startswith("paper") and x.n >= 32):
+    for x in (x for x in levels if x.system == "paper eager" and x.n >= 32):
         ratio = x.step_ms[1] / x.profiled_ms[1]
         out.append((
             f"{x.system} N={x.n}: large step period <= 1.05x profile",
             ratio <= 1.05,
             f"{x.step_ms[1]:.2f} ms vs {x.profiled_ms[1]:.2f} ({ratio:.3f}x)",
         ))  # fmt: skip
+
+    def served_row(system: str, n: int) -> dict[str, Any] | None:
+        return next((r for r in served if r["system"] == system and r["n"] == n), None)
+
+    for n in sorted({r["n"] for r in served}):
+        eager, tuned = served_row("paper eager", n), served_row("paper tuned", n)
+        if eager and tuned:
+            measured = tuned["tok_s"] / eager["tok_s"]
+            model = tuned["predicted"] / eager["predicted"]
+            out.append((
+                f"served N={n} tuned/eager within 3 points of the model",
+                abs(measured - model) <= 0.03,
+                f"measured {measured:.3f}, model {model:.3f}",
+            ))  # fmt: skip
+        zero = served_row("zero", n)
+        for model_name, m in (zero or {}).get("models", {}).items():
+            bound = 300 + 10 * m.get("rows", 0)
+            crit = (m.get("host_us") or {}).get("critical", 0.0)
+            out.append((
+                f"served zero N={n} {model_name}: critical host <= 0.3 ms + 10 µs/row",
+                crit <= bound,
+                f"{crit:.0f} µs vs {bound:.0f}",
+            ))  # fmt: skip
     for row in served:
         if row["profile"] == "zero" and row["n"] == 1 and row["ttft_ms_p50"] is not None:
             out.append((

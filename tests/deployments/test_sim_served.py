@@ -54,7 +54,7 @@ def test_host_benchmark_runs_end_to_end_at_a_tiny_size(serve_app, capsys) -> Non
     printed = capsys.readouterr().out
     assert "paper eager  N=  4" in printed and "zero         N=  4" in printed
     assert "PASS" in printed or "MISS" in printed
-    rows = run_served([1], 1.0, 16, serve_app, profiles=("zero",))
+    rows = run_served([1], 1.0, 16, serve_app, systems=("zero",))
     (row,) = rows
     assert row["tok_s"] > 0 and row["ttft_ms_p50"] is not None
     assert set(row["models"]) == {"small", "large"}

@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -51,16 +54,25 @@ def seeded_uniform(seed: int, position: int) -> float:
     return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
+def seeded_uniforms(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """``seeded_uniform`` for a whole batch at once (uint64 arithmetic wraps as the masks
+    do, so every draw is bit-identical to the scalar one): (B,) float64."""
+    z = np.array(seeds, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z += np.array(positions, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
+    z += np.uint64(0x632BE59BD9B4E019)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((z ^ (z >> np.uint64(31))) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
 @register_policy
 class Bernoulli(EscalateOnce):
     name = "bernoulli"
     Config = BernoulliConfig
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
-        draws = [
-            seeded_uniform(s, p) for s, p in zip(batch.seeds, batch.positions.tolist(), strict=True)
-        ]
-        return torch.tensor(draws, device=batch.device) < self.config.p
+        draws = seeded_uniforms(batch.seeds, batch.positions.tolist())
+        return torch.from_numpy(draws).to(batch.device) < self.config.p
 
 
 class EntropyConfig(PolicyConfig):
