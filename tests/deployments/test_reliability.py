@@ -7,6 +7,7 @@ docs/reliability.md."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -476,6 +477,42 @@ def junk_flood(address: str, stop: threading.Event, sent: list[int]) -> None:
         sent.append(n)
 
 
+@contextlib.contextmanager
+def decoy_flood() -> Iterator[None]:
+    """The junk flood at a PULL socket of this process, drained by a thread."""
+    import tempfile
+
+    import zmq
+
+    with tempfile.TemporaryDirectory() as tmp:
+        address = f"ipc://{tmp}/decoy.sock"
+        pull = zmq.Context.instance().socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.RCVTIMEO, 100)
+        pull.bind(address)
+        stop, sent = threading.Event(), []
+
+        def drain() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(zmq.Again):
+                    pull.recv()
+
+        threads = [
+            threading.Thread(target=drain, daemon=True),
+            threading.Thread(target=junk_flood, args=(address, stop, sent), daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(0.5)
+            yield
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+            pull.close(linger=0)
+
+
 def timed_greedy(api: openai.OpenAI, batch: list[list[int]], max_tokens: int) -> tuple:
     def run(prompt: list[int]) -> list[int]:
         out = api.completions.create(
@@ -498,7 +535,12 @@ def test_a_junk_flood_at_a_model_leaves_requests_exact_and_health_green(
     ]
     api = client(app)
     timed_greedy(api, batch, 48)  # warm
-    got, undisturbed_s = timed_greedy(api, batch, 48)
+    # The baseline runs beside the same flood aimed at a decoy socket this process drains,
+    # so both timings carry the flooder's own CPU on these two cores: the difference is
+    # what the junk costs the model. Best of two runs each, the same for both.
+    with decoy_flood():
+        runs = [timed_greedy(api, batch, 48) for _ in range(2)]
+    got, undisturbed_s = runs[0][0], min(t for _, t in runs)
     assert got == want
     large = model_handle("large")
     address = large.status.remote().result()["address"]
@@ -516,7 +558,9 @@ def test_a_junk_flood_at_a_model_leaves_requests_exact_and_health_green(
     watcher.start()
     try:
         time.sleep(1.0)  # the flood is on before the requests start
-        got, flooded_s = timed_greedy(api, batch, 48)
+        runs = [timed_greedy(api, batch, 48) for _ in range(2)]
+        got, flooded_s = runs[0][0], min(t for _, t in runs)
+        assert runs[1][0] == got
         time.sleep(1.0)
     finally:
         stop.set()

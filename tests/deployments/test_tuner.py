@@ -23,6 +23,7 @@ TUNER = [
     "tuner.grain_ms=0.2",
     "policy.options.threshold=0.45",
     "tuner.min_tokens_per_s=1e9",  # an SLO nothing meets: admit the smallest tuned N (1)
+    "ingress.admission_queue=0",  # past the cap: refused at once (no wait for a slot)
 ]
 
 
@@ -76,20 +77,22 @@ def test_replicas_follow_the_tuner(serve_app, served_chain_dirs) -> None:
         ok = call(prompts()[0])  # still serving under the tuned thresholds
         assert ok.usage.completion_tokens == 24
 
-        # SLO mode: the ingress admits what the tuner's cap allows and 503s the rest.
+        # SLO mode: the ingress admits what the tuner's cap allows and refuses the rest
+        # (429 with Retry-After: the admission queue's answer, here with no queue).
         assert status["last"]["max_concurrency"] == 1
 
         def burst() -> list[int]:
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 return list(pool.map(lambda p: post(base, p), prompts()[:4]))
 
-        codes = wait_for(lambda: (c := burst()) and 503 in c and c, 15.0)
+        codes = wait_for(lambda: (c := burst()) and 429 in c and c, 15.0)
         assert 200 in codes  # one at a time still gets through
 
 
 def post(base: str, prompt: list[int]) -> int:
     body = {"model": "tokenrouter", "prompt": prompt, "max_tokens": 48, "temperature": 0}
     response = httpx.post(f"{base}/completions", json=body, timeout=60)
-    if response.status_code == 503:
-        assert response.json()["error"]["code"] == "overloaded"
+    if response.status_code == 429:
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        assert response.headers.get("retry-after")
     return response.status_code
