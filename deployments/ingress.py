@@ -73,7 +73,8 @@ from tokenrouter_ray.openai.validation import (
     prepare_completion,
 )
 from tokenrouter_ray.runtime.admission import AdmissionQueue
-from tokenrouter_ray.runtime.ingress import IngressCore, IngressServer, StreamedChoices
+from tokenrouter_ray.runtime.ingress import IngressCore
+from tokenrouter_ray.runtime.openai_server import IngressServer, StreamedChoices
 
 logger = logging.getLogger("ray.serve")
 MAX_TIMEOUT_S = 24 * 3600.0

@@ -333,8 +333,8 @@ def test_cli_url_against_a_served_app(served_chain_dirs, tmp_path: Path, capsys)
     from tests.tiny_models import chain_engines
     from tokenrouter_ray.openai.validation import RequestLimits
     from tokenrouter_ray.routing.policy import build_policy
-    from tokenrouter_ray.runtime.ingress import IngressServer
     from tokenrouter_ray.runtime.local import LocalRuntime
+    from tokenrouter_ray.runtime.openai_server import IngressServer
 
     tokenizer = AutoTokenizer.from_pretrained(served_chain_dirs["small"])
     app, ingress = ingress_app(tokenizer)

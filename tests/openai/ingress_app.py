@@ -13,7 +13,8 @@ from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, encode_batch
 from tokenrouter_ray.runtime.admission import AdmissionQueue
-from tokenrouter_ray.runtime.ingress import Completion, IngressServer
+from tokenrouter_ray.runtime.ingress import Completion
+from tokenrouter_ray.runtime.openai_server import IngressServer
 
 SERVED = "tokenrouter"
 MAX_MODEL_LEN = 64

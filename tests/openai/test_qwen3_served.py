@@ -23,8 +23,8 @@ from tokenrouter_ray.openai.reasoning import QWEN3
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.ingress import IngressServer
 from tokenrouter_ray.runtime.local import LocalRuntime
+from tokenrouter_ray.runtime.openai_server import IngressServer
 
 TWO = ["small", "large"]
 MESSAGES = [

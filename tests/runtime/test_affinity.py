@@ -70,7 +70,7 @@ def test_short_prompts_salts_dead_replicas_and_capacity() -> None:
 
 
 def test_the_ingress_places_every_model_by_prefix_and_releases_the_load() -> None:
-    from tokenrouter_ray.runtime.ingress import IngressServer
+    from tokenrouter_ray.runtime.openai_server import IngressServer
 
     replicas = {"small": ["small/0", "small/1"], "large": ["large/0", "large/1", "large/2"]}
     server = IngressServer(

@@ -20,8 +20,8 @@ from tokenrouter_ray.openai.schemas import CompletionRequest
 from tokenrouter_ray.openai.validation import RequestLimits, parse_request, prepare_completion
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.ingress import IngressServer
 from tokenrouter_ray.runtime.local import LocalRuntime
+from tokenrouter_ray.runtime.openai_server import IngressServer
 
 TWO = ["small", "large"]
 PROMPTS = [[(5 * i + j) % 128 for j in range(4 + 3 * i)] for i in range(3)]

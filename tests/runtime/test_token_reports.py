@@ -27,8 +27,8 @@ from tests.openai.ingress_app import SERVED, ingress_app
 from tests.tiny_models import chain_engines
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.ingress import IngressServer
 from tokenrouter_ray.runtime.local import LocalRuntime
+from tokenrouter_ray.runtime.openai_server import IngressServer
 from tokenrouter_ray.traceview.model import trace_from_json
 
 TWO = ["small", "large"]
