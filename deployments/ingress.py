@@ -343,6 +343,7 @@ class Ingress:
             "entry_requests": self.server.entry_total,
             "tokens_received": self.core.tokens_received,  # committed tokens seen here
             "frames_received": self.core.frames_received,
+            "bytes_sent": self.channel.bytes_sent,  # NEW, ACTIVE, ABORT frames
             "cpu_s": time.process_time(),  # this ingress process's CPU time
 
             "endpoints": self.peers.by_model,

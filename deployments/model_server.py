@@ -209,6 +209,8 @@ class ModelServer:
             "peer_rejected": dict(getattr(self.channel, "rejected", {})),
             "steps": self.server.num_steps,
             "host": self.server.steps.profile.snapshot(),  # per-phase host time per step
+            "bytes_sent": self.channel.bytes_sent,
+            "frames_sent": self.channel.frames_sent,
             "sim": _sim_stats(self.engine.runner),
         }
 

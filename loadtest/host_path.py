@@ -103,10 +103,13 @@ async def in_process_level(
         await asyncio.sleep(warmup_s)
         before = [_host(s) for s in loop.servers]
         ingress0 = loop.runtime.ingress.frames_received if loop.runtime.ingress else 0
+        channels = [s.channel for s in loop.servers] + [loop.runtime.ingress.channel]
+        bytes0 = sum(c.bytes_sent for c in channels)
         m = await loop.measure(window_s, thresholds)
         after = [_host(s) for s in loop.servers]
         servers = list(loop.servers)
         ingress1 = loop.runtime.ingress.frames_received if loop.runtime.ingress else 0
+        bytes1 = sum(c.bytes_sent for c in channels)
     host = {}
     frames = ingress1 - ingress0
     messages = 0
@@ -139,7 +142,11 @@ async def in_process_level(
         host,
         frames / tokens,
         messages / tokens,
-        {"median_gap_ms": m.median_gap_ms, "oversleep_ms": m.oversleep_ms},
+        {
+            "median_gap_ms": m.median_gap_ms,
+            "oversleep_ms": m.oversleep_ms,
+            "bytes_per_token": (bytes1 - bytes0) / tokens,
+        },
     )
 
 
@@ -188,7 +195,8 @@ def _print_level(level: Level) -> None:
         f"pred {pred} ({ratio})  step ms {level.step_ms[0]:.2f}/{level.step_ms[1]:.2f} "
         f"(profile {level.profiled_ms[0]:.2f}/{level.profiled_ms[1]:.2f}, batch "
         f"{level.mean_batch[0]:.1f}/{level.mean_batch[1]:.1f})  frames/tok "
-        f"{level.frames_per_token:.2f} msgs/tok {level.messages_per_token:.2f}  [{host}]",
+        f"{level.frames_per_token:.2f} msgs/tok {level.messages_per_token:.2f} bytes/tok "
+        f"{level.extra.get('bytes_per_token', 0):.0f}  [{host}]",
         flush=True,
     )
 
@@ -338,6 +346,13 @@ async def _served_level(url: str, n: int, window_s: float, max_tokens: int) -> d
         "tok_s": tokens / elapsed,
         "sse_chunks_per_token": (c1 - c0) / max(1, tokens),
         "frames_per_token": (s1["frames_received"] - s0["frames_received"]) / max(1, tokens),
+        "bytes_per_token": (
+            s1["bytes_sent"]
+            - s0["bytes_sent"]
+            + sum(m.get("bytes_sent", 0) for m in s1["models"].values())
+            - sum(m.get("bytes_sent", 0) for m in s0["models"].values())
+        )
+        / max(1, tokens),
         "ingress_cpu_us_per_token": (s1["cpu_s"] - s0["cpu_s"]) / max(1, tokens) * 1e6,
         "ttft_ms_p50": 1e3 * statistics.median(window_ttfts) if window_ttfts else None,
         "health_rtt_ms_p50": 1e3 * statistics.median(rtts),  # GET /health through the proxy
@@ -358,7 +373,7 @@ def _print_served(row: dict[str, Any]) -> None:
         f"{row['ttft_ms_p50'] or 0:.1f} ms (GET /health {row['health_rtt_ms_p50']:.1f} ms)  "
         f"ingress CPU {row['ingress_cpu_us_per_token']:.0f} µs/token  "
         f"SSE chunks/token {row['sse_chunks_per_token']:.2f}  frames/token "
-        f"{row['frames_per_token']:.2f}  [{steps}]",
+        f"{row['frames_per_token']:.2f}  bytes/token {row['bytes_per_token']:.0f}  [{steps}]",
         flush=True,
     )
 

@@ -146,6 +146,8 @@ class PeerChannel(ABC):
         self._address: str | None = None
         self._peers: dict[str, Endpoint] = {}
         self._closed = False
+        self.frames_sent = 0  # frames handed to the transport (for the host-path benchmarks)
+        self.bytes_sent = 0  # their encoded size, signature included
 
     @property
     def name(self) -> str:
@@ -178,7 +180,9 @@ class PeerChannel(ABC):
             raise ChannelClosed(f"channel {self.name!r} is closed")
         if not msgs:
             return
-        await self._send_frame(await self._resolve(dst), msgs)
+        size = await self._send_frame(await self._resolve(dst), msgs)
+        self.frames_sent += 1
+        self.bytes_sent += size or 0
 
     async def send_grouped(self, msgs: Sequence[PeerReq]) -> None:
         """Send messages leaving in one step: one frame per distinct `msg.dst`."""
@@ -220,7 +224,8 @@ class PeerChannel(ABC):
     async def _open(self) -> str: ...
 
     @abstractmethod
-    async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> None: ...
+    async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> int | None:
+        """Send one frame; its size in bytes (None: not known)."""
 
     @abstractmethod
     async def _shut(self) -> None: ...

@@ -57,8 +57,10 @@ class InProcChannel(PeerChannel):
         self._queue = FrameQueue()
         return self.hub.bind(self.name, self._queue)
 
-    async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> None:
-        self.hub.deliver(dst.address, encode_batch(msgs))
+    async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> int:
+        frame = encode_batch(msgs)
+        self.hub.deliver(dst.address, frame)
+        return len(frame)
 
     async def recv(self) -> list[PeerReq]:
         if self._queue is None:

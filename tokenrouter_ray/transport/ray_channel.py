@@ -193,12 +193,13 @@ class RayChannel(PeerChannel):
             logger.error("channel %s lost its inbox: %s", self.name, exc)
             self._queue.close(exc)
 
-    async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> None:
+    async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> int:
         target = self._targets.get(dst.name) or await self._target(dst)
         n = target.next_n
         target.next_n += 1
         assert self._outbox is not None
-        self._outbox.put_nowait((target, n, encode_batch(msgs)))  # numbered now, in order
+        frame = encode_batch(msgs)
+        self._outbox.put_nowait((target, n, frame))  # numbered now, in order
         while len(target.in_flight) > self.max_in_flight:
             ref = target.in_flight.popleft()
             try:  # almost always long done: the window only bounds memory. Shielded: a
@@ -211,6 +212,7 @@ class RayChannel(PeerChannel):
                 raise PeerUnreachableError(
                     f"peer {dst.name!r} did not take a frame: {exc}"
                 ) from exc
+        return len(frame)
 
     async def _send_loop(self) -> None:
         """Issue the delivery calls, in order, from this long-lived task (see the module

@@ -182,7 +182,7 @@ class ZmqChannel(PeerChannel):
             return cfg.bind_host
         return _node_ip()
 
-    async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> None:
+    async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> int:
         push = self._pushes.get(dst.name) or await self._connect(dst)
         frame = encode_batch(msgs)
         if self._signer is not None:
@@ -193,6 +193,7 @@ class ZmqChannel(PeerChannel):
             raise PeerUnreachableError(
                 f"{dst.name} is not reading: {self.config.send_hwm} frames already queued"
             ) from None
+        return len(frame)
 
     async def _connect(self, dst: Endpoint) -> zmq.asyncio.Socket:
         pending = self._connecting.get(dst.name)
