@@ -224,36 +224,3 @@ def test_only_requests_assigned_to_a_lost_replica_are_recreated(chain_dirs) -> N
             assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
     asyncio.run(go())
-
-
-def test_a_copy_the_ingress_no_longer_holds_is_aborted_when_it_reports(chain_dirs) -> None:
-    """A model still committing for a request the ingress dropped (re-created after its
-    replica's lease ran out, say) is told to stop by its next COMMIT: freed within a few
-    steps, long before its deadline or the silent-ingress sweep."""
-    policy = build_policy("bernoulli", {"p": 0.3}, TWO)
-    spec = SamplingSpec(temperature=0.0, max_tokens=10_000, seed=3, ignore_eos=True)
-
-    async def go() -> float:
-        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
-            for server in rt.subservers:  # 40 ms steps: its context limit is many s away
-                runner = server.engine.runner
-
-                def slow(out, timings, real=runner.execute):  # type: ignore[no-untyped-def]
-                    time.sleep(0.04)
-                    return real(out, timings)
-
-                runner.execute = slow
-            await rt.ingress.submit("stale", [1, 2, 3], spec, timeout_s=600)
-            while not rt.ingress.live["stale"].log.tokens:
-                await asyncio.sleep(0.005)
-            live = rt.ingress.live.pop("stale")  # as if re-created under another wire id
-            rt.ingress._wire.pop(live.wire_rid)
-            live.timer.cancel()
-            t0 = time.monotonic()
-            await rt.wait_idle(timeout=5)  # the orphan's next COMMIT brings its ABORT
-            assert all_free(rt)
-            for server in rt.subservers:
-                del server.engine.runner.execute
-            return time.monotonic() - t0
-
-    assert asyncio.run(go()) < 5

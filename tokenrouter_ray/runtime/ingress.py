@@ -56,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 ACTIVE_REFRESH_S = 1.0  # a non-zero active count is republished this often
-ORPHANS_REMEMBERED = 4096  # request ids an ingress remembers having told to stop
 
 
 @dataclass
@@ -132,7 +131,6 @@ class IngressCore:
         self._background: set[asyncio.Task] = set()
         self._publish_due = False  # an ACTIVE broadcast is scheduled for this loop turn
         self._published: int | None = None  # the count last sent in an ACTIVE
-        self._orphans_told: dict[str, None] = {}  # wire ids told to stop (insertion order)
         self.tokens_received = 0  # committed tokens received (for host-path benchmarks)
         self.frames_received = 0
 
@@ -452,11 +450,7 @@ class IngressCore:
 
     def _on_message(self, msg: PeerReq) -> None:
         live = self._wire.get(msg.rid)
-        if live is None:
-            if msg.kind == MsgKind.COMMIT:
-                self._abort_orphan(msg)
-            return
-        if live.done:
+        if live is None or live.done:
             return
         if msg.kind == MsgKind.COMMIT:
             model = msg.src.split("/", 1)[0]
@@ -487,21 +481,6 @@ class IngressCore:
             live.completion.summary = summary
         if live.complete:
             live.updates.put_nowait(None)
-
-    def _abort_orphan(self, msg: PeerReq) -> None:
-        """A model still reports on a request this ingress no longer holds (a copy left
-        on a replica that stalled past its lease while the request was re-created, or whose
-        ABORT was lost): tell that model to drop it. Once per request id (bounded memory)."""
-        if msg.rid in self._orphans_told:
-            return
-        self._orphans_told[msg.rid] = None
-        if len(self._orphans_told) > ORPHANS_REMEMBERED:
-            self._orphans_told.pop(next(iter(self._orphans_told)))
-        self.metrics.error(INGRESS, "orphan_aborted")
-        abort = PeerReq(
-            rid=msg.rid, src=self.channel.name, dst=msg.src, kind=MsgKind.ABORT, handoff_seq=0
-        )
-        self._spawn(self._send_each([abort]))
 
     def _record_tokens(self, live: _Live, n: int) -> None:
         now = time.monotonic()
