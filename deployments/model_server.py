@@ -232,6 +232,9 @@ class ModelServer:
         }
 
     async def check_health(self) -> None:
+        flush = getattr(self.channel, "on_reject", None)
+        if hasattr(flush, "flush"):  # rejected-frame counts the channel held back
+            flush.flush()
         problem = self.server.health_problem(self.spec.max_step_s, self.spec.max_failed_steps)
         if problem is not None:
             raise RuntimeError(f"{self.model}: {problem}")

@@ -8,12 +8,14 @@ directory's registrations are leases), and it reports model endpoints that disap
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import time
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -54,7 +56,7 @@ def make_channel(
         advertise = ray.util.get_node_ip_address()
     on_reject = None
     if metrics is not None:
-        on_reject = lambda reason: metrics.peer_rejected(model, reason)  # noqa: E731
+        on_reject = RejectCounter(metrics, model)
     curve = CurveKeys.from_key(key) if z.curve and key is not None else None
     if z.curve and key is None:
         raise ValueError("transport.zmq.curve needs the peer key (derived from the secret)")
@@ -79,6 +81,32 @@ def make_channel(
 
 
 logger = logging.getLogger("ray.serve")
+
+
+class RejectCounter:
+    """Rejected peer frames into ``tokenrouter_peer_rejected_total``, exported at most every
+    ``FLUSH_S`` (a junk flood would otherwise pay one Ray metric call per frame on the
+    model's event loop, beside its step loop); the first rejection after a quiet spell is
+    exported at once, and ``flush`` (the health check calls it) exports the rest."""
+
+    FLUSH_S = 0.5
+
+    def __init__(self, metrics: Any, model: str) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.pending: collections.Counter[str] = collections.Counter()
+        self.flushed_at = 0.0
+
+    def __call__(self, reason: str) -> None:
+        self.pending[reason] += 1
+        if time.monotonic() - self.flushed_at >= self.FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        for reason, n in self.pending.items():
+            self.metrics.peer_rejected(self.model, reason, n)
+        self.pending.clear()
+        self.flushed_at = time.monotonic()
 
 
 class PeerBook:

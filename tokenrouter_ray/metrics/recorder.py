@@ -142,9 +142,9 @@ class Metrics:
     def error(self, model: str, kind: str) -> None:
         self._inc(m.ERRORS, 1, model, kind)
 
-    def peer_rejected(self, model: str, reason: str) -> None:
-        """A peer-channel frame dropped unread (malformed, bad_mac, replay)."""
-        self._inc(m.PEER_REJECTED, 1, model, reason)
+    def peer_rejected(self, model: str, reason: str, n: int = 1) -> None:
+        """``n`` peer-channel frames dropped unread (malformed, bad_mac, replay)."""
+        self._inc(m.PEER_REJECTED, n, model, reason)
 
     # ------------------------------------------------------------------ ingress
     def ingress_active(self, num_active: int) -> None:
