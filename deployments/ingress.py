@@ -345,7 +345,6 @@ class Ingress:
             "frames_received": self.core.frames_received,
             "bytes_sent": self.channel.bytes_sent,  # NEW, ACTIVE, ABORT frames
             "cpu_s": time.process_time(),  # this ingress process's CPU time
-
             "endpoints": self.peers.by_model,
             "recoveries": self.recoveries[-20:],
             "models": models,
@@ -353,32 +352,30 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        return await self._complete_request(
+            request, CompletionRequest, prepare_completion, chat=False
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete_request(request, ChatCompletionRequest, prepare_chat, chat=True)
+
+    async def _complete_request(
+        self, request: Request, schema: type, prepare: Any, chat: bool
+    ) -> Response:
+        """Admission, body, parsing and tokenizing (off the loop), then the response."""
         async with self.admission.admit(self._has_room):  # before any reading: 429 is cheap
             self.server.check_admission()
             body = await _read_body(request, self.max_body_bytes)
-            data, parsed = await _parse_off_loop(CompletionRequest, body, self.limits)
+            data, parsed = await _parse_off_loop(schema, body, self.limits)
             check_model(parsed.model, [self.cfg.served_model_name])
             prepared = await asyncio.to_thread(
-                prepare_completion, parsed, self.tokenizer, self.limits, self.generation_defaults
+                prepare, parsed, self.tokenizer, self.limits, self.generation_defaults
             )
             prepared = _with_request_id(prepared, request)
             timeout_s = _timeout_of(data)
         # Out of the queue's block: nothing suspends before the core counts the request.
-        return await self._respond(prepared, chat=False, timeout_s=timeout_s)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        async with self.admission.admit(self._has_room):  # before any reading: 429 is cheap
-            self.server.check_admission()
-            body = await _read_body(request, self.max_body_bytes)
-            data, parsed = await _parse_off_loop(ChatCompletionRequest, body, self.limits)
-            check_model(parsed.model, [self.cfg.served_model_name])
-            prepared = await asyncio.to_thread(
-                prepare_chat, parsed, self.tokenizer, self.limits, self.generation_defaults
-            )
-            prepared = _with_request_id(prepared, request)
-            timeout_s = _timeout_of(data)
-        return await self._respond(prepared, chat=True, timeout_s=timeout_s)
+        return await self._respond(prepared, chat=chat, timeout_s=timeout_s)
 
     @app.get("/v1/tokenrouter/tuner")
     async def tuner_status(self) -> dict[str, Any]:

@@ -51,14 +51,13 @@ logger = logging.getLogger(__name__)
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 MAX_WAIT_S = 3600.0  # an idle wait re-checks at least this often (also: inf deadlines)
-CRITICAL_PHASES = ("route", "commit", "receive", "launch")  # launch: schedule + prepare
-OVERLAPPED_PHASES = ("report", "send")
 
 
 @dataclass
 class HostProfile:
-    """Host seconds per phase over ``steps`` steps (``send``: the event loop's encoding and
-    sending; everything else: the step loop's thread). ``critical_s`` is the time from a
+    """Host seconds per phase over ``steps`` steps: on the critical path ``route``,
+    ``commit``, ``receive`` and ``launch`` (schedule + prepare); overlapped ``report`` and
+    ``send`` (the event loop's encoding and sending). ``critical_s`` is the time from a
     forward's end (collect returned) to the next launch returned, summed: the part of the
     step period the host adds; ``wait_s``, the time the host waited for the device."""
 
