@@ -45,7 +45,7 @@ class Bench:
     deploy: ServeDeploy  # (overrides, app name) -> context manager yielding the v1 URL
     log_dir: str
     policy_apps: dict[str, list[str]] = field(default_factory=dict)  # r2r / rstitch overrides
-    port_base: int = 18220  # stock small, stock large, dispatcher, step-sync: +0..+3
+    port_base: int = 18220  # stock small, stock large, dispatcher, step-sync, speculative: +0..+4
     dtype: str = "auto"
     memory_budget_gb: float = 1.5
     in_process: bool = False  # baseline servers on threads here (tests), not processes
@@ -260,6 +260,29 @@ def dispatcher_server(bench: Bench) -> ServerProcess | ThreadServer:
     return dispatcher(bench, {"small": small.url, "large": large.url}, bench.p, "dispatcher")
 
 
+def speculative_server(bench: Bench) -> ServerProcess | ThreadServer:
+    """transformers' assisted generation (small drafts, large verifies), batch 1."""
+    port = bench.port_base + 4
+    if bench.in_process:
+        from loadtest.baselines.speculative import build_app
+
+        app = build_app(bench.small_dir, bench.large_dir, dtype=bench.dtype)
+        return ThreadServer("speculative", app, port)
+    argv = python_module(
+        "loadtest.baselines.speculative",
+        "--serve",
+        "--small",
+        bench.small_dir,
+        "--large",
+        bench.large_dir,
+        "--dtype",
+        bench.dtype,
+        "--port",
+        str(port),
+    )
+    return start_server("speculative", argv, port, bench.log_dir)
+
+
 @contextlib.contextmanager
 def stock_alone(bench: Bench, which: str) -> Iterator[str]:
     """A stock server behind the dispatcher, which never hands off."""
@@ -288,6 +311,10 @@ SYSTEMS: dict[str, tuple[str, Callable[[Bench], contextlib.AbstractContextManage
     ),
     "large_stock": ("large alone (stock server)", lambda b: stock_alone(b, "large")),
     "std_serving": ("Std. Serving", lambda b: process(dispatcher_server(b))),
+    "speculative": (
+        "speculative (transformers assisted, batch 1)",
+        lambda b: process(speculative_server(b)),
+    ),
 }
 
 

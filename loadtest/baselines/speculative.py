@@ -2,6 +2,13 @@
 
     python -m loadtest.baselines.speculative                 # demo pair, batch 1, CPU
     python -m loadtest.baselines.speculative --prompts 2 --max-tokens 16   # tiny (CI)
+    python -m loadtest.baselines.speculative --serve --port 18214       # over the chat API
+
+``--serve`` (``build_app``) puts the same assisted generation behind the harness's chat API
+(``loadtest.baselines.api``), so ``python -m loadtest --systems speculative,...`` puts it in
+the speed / quality table beside the routed systems. Assisted generation takes one sequence
+at a time, so the server runs one request at a time, in arrival order, on its own thread;
+tokens stream as transformers' streamer hands them over (a verified run at a time).
 
 On CPU it is transformers' assisted generation (``generate(..., assistant_model=small)``)
 with the demo's small model as the draft and the large model as the target, batch 1
@@ -23,17 +30,26 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loadtest.common import QUESTIONS, command, machine
 
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
-def load_pair(small: str, large: str) -> tuple[Any, Any, Any]:
+    from fastapi import FastAPI
+
+    from loadtest.baselines.api import Answer, ChatRequest
+
+
+def load_pair(small: str, large: str, dtype: str = "float32") -> tuple[Any, Any, Any]:
+    """Tokenizer, target and draft; ``dtype`` a torch dtype name or "auto" (the checkpoint's,
+    as our engine's "auto")."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(large)
-    kwargs = {"dtype": torch.float32}
+    kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
     target = AutoModelForCausalLM.from_pretrained(large, **kwargs).eval()
     draft = AutoModelForCausalLM.from_pretrained(small, **kwargs).eval()
     return tok, target, draft
@@ -101,6 +117,89 @@ def run_vllm(small: str, large: str, prompts: list[str], max_tokens: int, k: int
     return results
 
 
+class SpeculativeServer:
+    """Assisted generation behind the chat API: one request at a time, on one thread."""
+
+    def __init__(self, small: str, large: str, draft_tokens: int, dtype: str) -> None:
+        import threading
+
+        self.tokenizer, self.target, self.draft = load_pair(small, large, dtype)
+        self.target.generation_config.num_assistant_tokens = draft_tokens
+        self.lock = threading.Lock()  # batch 1: requests take turns, in arrival order
+
+    def _run(self, ids: list[int], req: ChatRequest, emit: Any) -> None:
+        import torch
+        from transformers.generation.streamers import BaseStreamer
+
+        class Tokens(BaseStreamer):  # transformers' streamer interface: ids as verified
+            first = True
+
+            def put(self, value: torch.Tensor) -> None:
+                if self.first:  # generate() hands the prompt over first
+                    self.first = False
+                    return
+                emit(("tokens", value.reshape(-1).tolist()))
+
+            def end(self) -> None:
+                pass
+
+        prompt = torch.tensor([ids])
+        lengths = {"min_new_tokens": req.max_tokens} if req.ignore_eos else {}
+        try:
+            with self.lock, torch.inference_mode():
+                self.target.generate(
+                    prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    assistant_model=self.draft,
+                    max_new_tokens=req.max_tokens,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.eos_token_id,
+                    streamer=Tokens(),
+                    **lengths,
+                )
+        except Exception as exc:  # the client gets it as an error message
+            emit(("error", str(exc)))
+        emit(("end", None))
+
+    async def generate(self, req: ChatRequest, answer: Answer) -> AsyncIterator[str]:
+        import asyncio
+
+        from tokenrouter_ray.openai.chat import render_chat
+        from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
+
+        ids = render_chat(self.tokenizer, req.messages)
+        answer.prompt_tokens = len(ids)
+        loop, out = asyncio.get_running_loop(), asyncio.Queue()
+        emit = lambda item: loop.call_soon_threadsafe(out.put_nowait, item)  # noqa: E731
+        work = loop.run_in_executor(None, self._run, ids, req, emit)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=ids)
+        eos = self.tokenizer.eos_token_id
+        try:
+            while True:
+                kind, value = await out.get()
+                if kind == "error":
+                    raise ValueError(value)
+                if kind == "end":
+                    break
+                if not req.ignore_eos and eos in value:  # generate() stops there; so do we
+                    value = value[: value.index(eos)]
+                    answer.finish_reason = "stop"
+                answer.completion_tokens += len(value)
+                yield detok.push(value)
+        finally:
+            await work
+        answer.tokens_per_model = {"large": answer.completion_tokens}  # the target's tokens
+        if answer.completion_tokens >= req.max_tokens:
+            answer.finish_reason = "length"
+
+
+def build_app(small: str, large: str, draft_tokens: int = 5, dtype: str = "float32") -> FastAPI:
+    from loadtest.baselines.api import chat_app
+
+    server = SpeculativeServer(small, large, draft_tokens, dtype)
+    return chat_app(server.generate, "speculative")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", help="draft model dir (default: the demo's small model)")
@@ -110,12 +209,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-tokens", type=int, default=5, help="tokens drafted per round")
     parser.add_argument("--vllm", action="store_true", help="vLLM's draft-model spec decode")
     parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--serve", action="store_true", help="serve it over the chat API")
+    parser.add_argument("--port", type=int, default=18214)
+    parser.add_argument("--dtype", default="float32", help="torch dtype name, or auto")
     args = parser.parse_args(argv)
     small, large = args.small, args.large
     if small is None or large is None:
         from tokenrouter_ray.demo import built_artifact
 
         small, large = small or built_artifact("small"), large or built_artifact("large")
+    if args.serve:
+        import uvicorn
+
+        app = build_app(small, large, args.draft_tokens, args.dtype)
+        uvicorn.run(app, host="127.0.0.1", port=args.port)
+        return 0
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
     print(f"# speculative decoding baseline: {machine()}\n# {command()}", flush=True)
     run = run_vllm if args.vllm else run_transformers
