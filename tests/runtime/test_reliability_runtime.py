@@ -6,6 +6,8 @@ undisturbed greedy output."""
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 import random
 import time
 
@@ -146,17 +148,23 @@ def test_a_stalled_model_ends_the_request_at_its_deadline(chain_dirs) -> None:
     asyncio.run(go())
 
 
-def test_recreated_requests_reproduce_the_undisturbed_greedy_output(chain_dirs) -> None:
+@pytest.mark.parametrize("caching", [True, False])
+def test_recreated_requests_reproduce_the_undisturbed_greedy_output(chain_dirs, caching) -> None:
+    """Re-created mid-generation, with prefix caching on and off: the same tokens as an
+    undisturbed run; with caching on, the re-created copies reuse the cached blocks of what
+    the first copies had computed (their prompts and committed tokens)."""
     policy = build_policy("bernoulli", {"p": 0.4}, TWO)
     batch = prompts(6)
 
     async def go() -> None:
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
             want = await rt.complete_all(batch, SPEC)
-            await rt.wait_idle()
+        engines = chain_engines(chain_dirs, TWO, prefix_caching=caching)  # nothing cached yet
+        async with LocalRuntime(engines, policy) as rt:
             tasks = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in batch]
             while sum(len(live.log.tokens) for live in rt.ingress.live.values()) < 60:
                 await asyncio.sleep(0.002)
+            hits_before = sum(e.kv.prefix_cache_hits for _, e in engines)  # ~0: fresh
             recreated = await rt.ingress.recreate(reason="test")
             assert recreated > 0
             got = await asyncio.wait_for(asyncio.gather(*tasks), 120)
@@ -165,6 +173,8 @@ def test_recreated_requests_reproduce_the_undisturbed_greedy_output(chain_dirs) 
             assert [c.token_ids for c in got] == [c.token_ids for c in want]
             assert [sum(c.counts.values()) for c in got] == [SPEC.max_tokens] * len(batch)
             assert sum(c.recreated for c in got) == recreated
+            hits = sum(e.kv.prefix_cache_hits for _, e in engines) - hits_before
+            assert (hits > 0) == caching
 
     asyncio.run(go())
 
