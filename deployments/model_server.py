@@ -185,7 +185,7 @@ class ModelServer:
             "steps": self.server.num_steps,
             "kv_blocks_free": self.engine.kv.pool.num_free_blocks,
             "kv_blocks_total": self.engine.kv.pool.num_blocks,
-            "routing_stats": self.server.stats.snapshot(),
+            "routing_stats": self.server.stats.snapshot().to_json(),
             "batch_thresholds": self.engine.batch_thresholds,
         }
 

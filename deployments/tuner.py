@@ -25,6 +25,7 @@ from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.solver import Decision
 from tokenrouter_ray.tuning.tuner import TunerCore, run_tuner
+from tokenrouter_ray.tuning.window import WindowSnapshot
 
 logger = logging.getLogger("ray.serve")
 
@@ -42,7 +43,7 @@ class Tuner:
             run_tuner(self.core, self._stop, publish=self._publish), name="tuner"
         )
 
-    async def report(self, model: str, replica: str, snapshot: dict[str, Any]) -> list[int]:
+    async def report(self, model: str, replica: str, snapshot: WindowSnapshot) -> list[int]:
         return self.core.report(model, replica, snapshot)
 
     async def status(self) -> dict[str, Any]:

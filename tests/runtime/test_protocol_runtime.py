@@ -143,6 +143,7 @@ def test_out_of_vocabulary_prompt_is_refused_without_harm(chain_dirs) -> None:
 
 def test_replicas_record_the_statistics_the_tuner_needs(chain_dirs) -> None:
     from tokenrouter_ray.tuning.tuner import build_profile
+    from tokenrouter_ray.tuning.window import Tally
 
     policy = build_policy("bernoulli", {"p": 0.35}, TWO)
 
@@ -153,10 +154,10 @@ def test_replicas_record_the_statistics_the_tuner_needs(chain_dirs) -> None:
             return snaps, done
 
     snaps, done = asyncio.run(go())
-    moves = snaps["small"][0]["moves"]
-    escalations = moves["small->large"][0]
-    assert moves["small->large"][1] == 0  # the escalated token was dropped
-    assert snaps["large"][0]["moves"] == {"large->small": [escalations, escalations]}
-    assert moves["small->small"][1] == sum(d.counts["small"] for d in done)
+    moves = snaps["small"][0].moves
+    escalations = moves[("small", "large")].count
+    assert moves[("small", "large")].total == 0  # the escalated token was dropped
+    assert snaps["large"][0].moves == {("large", "small"): Tally(escalations, escalations)}
+    assert moves[("small", "small")].total == sum(d.counts["small"] for d in done)
     profile = build_profile(snaps, TWO, grain_ms=1.0, min_moves=10)
     assert 0.15 < profile.route_prob[0][1] < 0.55  # bernoulli(0.35), 120 draws

@@ -6,11 +6,10 @@ undisturbed greedy output."""
 from __future__ import annotations
 
 import asyncio
-
-import pytest
 import random
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.runtime.test_protocol_runtime import all_free

@@ -10,7 +10,6 @@ import asyncio
 import numpy as np
 import pytest
 
-from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.simulation.backend import calibrate_sleep_bias
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import check_admissible, is_admissible
@@ -22,6 +21,7 @@ from tokenrouter_ray.tuning.replicas import binding
 from tokenrouter_ray.tuning.search import candidates, resolve_method, sweep
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec
+from tokenrouter_ray.tuning.window import WindowStats
 
 MODELS = ["small", "large"]
 SMALL_MC = MonteCarloConfig(replicas=32, warmup_events=200, events=1500, seed=1)

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.thresholds import is_admissible
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 from tokenrouter_ray.tuning.tuner import build_profile
+from tokenrouter_ray.tuning.window import Tally, WindowStats
 
 MODELS = ["small", "large"]
 
@@ -36,7 +36,7 @@ def test_window_forgets_old_observations() -> None:
     stats.record_move("small", "large", 0, now=0)
     stats.record_move("small", "small", 1, now=8)
     snap = stats.snapshot(now=12)
-    assert snap["moves"] == {"small->small": [1, 1]}
+    assert snap.moves == {("small", "small"): Tally(1, 1)}
 
 
 def test_window_counts_steps_per_active_request_count() -> None:
@@ -47,8 +47,8 @@ def test_window_counts_steps_per_active_request_count() -> None:
     stats.record_step(1, 0.01, now=3)  # N unknown: not counted
     stats.record_step(2, 0.9, now=4, active=4, num_tokens=60)  # a prefill: N yes, time no
     snap = stats.snapshot(now=5)
-    assert snap["active"] == {"4": [3, 7], "1": [1, 1]}
-    assert snap["steps"] == {"2": [1, 0.01], "3": [1, 0.01], "1": [2, 0.02]}
+    assert snap.active == {4: Tally(3, 7), 1: Tally(1, 1)}
+    assert snap.steps == {2: Tally(1, 0.01), 3: Tally(1, 0.01), 1: Tally(2, 0.02)}
 
 
 def test_profile_matches_what_was_observed() -> None:

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.simulation.backend import calibrate_sleep_bias
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import is_admissible
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec, drive_local, fill_step_times
+from tokenrouter_ray.tuning.window import WindowStats
 
 MODELS = ["small", "large"]
 

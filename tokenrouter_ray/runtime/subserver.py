@@ -44,8 +44,8 @@ from tokenrouter_ray.protocol import (
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, Send, host_scores
 from tokenrouter_ray.runtime.step_loop import StepLoop
 from tokenrouter_ray.runtime.tracking import Tracked
-from tokenrouter_ray.runtime.window_stats import WindowStats
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
+from tokenrouter_ray.tuning.window import WindowStats
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 ``TunerCore`` is the tuner without Ray: the core of the tuner deployment
 (``deployments/tuner.py``) and of ``drive_local`` (the same loop over a ``LocalRuntime``'s
 sub-servers); both run ``run_tuner``, the one tuner loop. Every model replica reports its
-``WindowStats`` snapshot (``runtime/window_stats.py``) each ``period_s`` and gets back the
+``WindowSnapshot`` (``tuning/window.py``) each ``period_s`` and gets back the
 threshold list it should run with (replicas pull; the tuner never needs to reach a replica).
 Each period the core merges the fresh reports into a ``RoutingProfile`` (``build_profile``)
 and hands it to ``ThresholdSolver`` (``solver.py``), which re-solves when the statistics
@@ -40,7 +40,6 @@ from typing import Any, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tokenrouter_ray.runtime.window_stats import merge_snapshots, step_means_ms
 from tokenrouter_ray.tuning.profile import (
     ModelProfile,
     RoutingProfile,
@@ -48,6 +47,7 @@ from tokenrouter_ray.tuning.profile import (
     read_profile_file,
 )
 from tokenrouter_ray.tuning.solver import Decision, ThresholdSolver
+from tokenrouter_ray.tuning.window import WindowSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class TunerCore:
     def last(self) -> Decision:
         return self.solver.last
 
-    def report(self, model: str, replica: str, snapshot: dict[str, Any]) -> list[int]:
+    def report(self, model: str, replica: str, snapshot: WindowSnapshot) -> list[int]:
         """Store one replica's window; answer with the thresholds that model should use."""
         if model not in self.reports:
             raise ValueError(f"unknown model {model!r}; tuned models are {self.models}")
@@ -154,15 +154,15 @@ class TunerCore:
         with ``sum_i R_i (B_i - 1) < N``."""
         now = self.clock()
         stale = now - 3 * self.spec.period_s
-        merged: dict[str, list[dict[str, Any]]] = {}  # model -> [all replicas' window]
+        merged: dict[str, list[WindowSnapshot]] = {}  # model -> [all replicas' window]
         counts: dict[str, int] = {}
         for model, replicas in self.reports.items():
             for replica in [r for r, (at, _) in replicas.items() if at < stale]:
                 del replicas[replica]
-            window = merge_snapshots([snap for _, snap in replicas.values()])
+            window = WindowSnapshot.merge(snap for _, snap in replicas.values())
             if replicas:  # the fresh reporters are the live replicas of the model
                 counts[model] = len(replicas)
-            self.step_ms[model].update(step_means_ms(window))
+            self.step_ms[model].update(window.step_means_ms())
             merged[model] = [window]
         if self.solver.set_replicas(counts):
             self.replica_changes += 1
@@ -199,8 +199,8 @@ class TunerCore:
     def _active_histogram(self) -> dict[str, int]:
         """Steps run under each active-request count N, all replicas' windows together."""
         snaps = [snap for replicas in self.reports.values() for _, snap in replicas.values()]
-        merged = merge_snapshots(snaps)["active"]
-        return {n: int(merged[n][0]) for n in sorted(merged, key=int)}
+        merged = WindowSnapshot.merge(snaps).active
+        return {str(n): merged[n].count for n in sorted(merged)}
 
     def status(self) -> dict[str, Any]:
         """What the tuner decided and why, and the statistics it decided from (JSON)."""
@@ -222,7 +222,7 @@ class TunerCore:
 
 
 def build_profile(
-    per_model: Mapping[str, Sequence[Mapping[str, Any]]],
+    per_model: Mapping[str, Sequence[WindowSnapshot]],
     models: Sequence[str],
     grain_ms: float,
     min_moves: int = 50,
@@ -232,13 +232,12 @@ def build_profile(
     ``min_moves`` observed moves or no step times yet. ``step_ms`` (model -> batch -> ms)
     replaces the snapshots' step times when given: step times are a property of the
     hardware, so a caller may remember batch sizes the current window has not seen."""
-    merged = {m: merge_snapshots(per_model.get(m, ())) for m in models}
+    merged = {m: WindowSnapshot.merge(per_model.get(m, ())) for m in models}
     p, c, profiles = [], [], []
     for src in models:
-        moves = merged[src]["moves"]
-        counts = [moves.get(f"{src}->{dst}", [0, 0]) for dst in models]
+        counts = [(t.count, t.total) for t in merged[src].moves_from(src, models)]
         total = sum(n for n, _ in counts)
-        table = step_ms[src] if step_ms is not None else step_means_ms(merged[src])
+        table = step_ms[src] if step_ms is not None else merged[src].step_means_ms()
         points = sorted((int(b), float(ms)) for b, ms in table.items())
         if total < min_moves or not points:
             return None
