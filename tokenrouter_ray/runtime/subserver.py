@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenrouter_ray.engine.engine import Engine
@@ -33,15 +33,14 @@ from tokenrouter_ray.engine.outputs import RequestOutput, StepResult
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import (
     Dropped,
-    FinishSummary,
     MsgKind,
     PeerReq,
     RequestLedger,
     RouteState,
-    TokenInfo,
-    with_own_size,
 )
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, Send, host_scores
+from tokenrouter_ray.runtime.active_count import INGRESS_SILENCE_S, ActiveCount
+from tokenrouter_ray.runtime.messages import HandoffRecord, Messages
 from tokenrouter_ray.runtime.step_loop import StepLoop
 from tokenrouter_ray.runtime.tracking import Tracked
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
@@ -51,21 +50,6 @@ logger = logging.getLogger(__name__)
 
 SWEEP_PERIOD_S = 1.0
 EXPIRY_GRACE_S = 10.0  # past a request's deadline, before a model frees it on its own
-INGRESS_SILENCE_S = 10.0  # an ingress count not refreshed for this long is dropped
-
-
-@dataclass(frozen=True)
-class HandoffRecord:
-    """What one handoff put on the wire (for tests, metrics and benchmarks)."""
-
-    rid: str
-    seq: int  # handoff_seq of the message
-    src: str
-    dst: str
-    anchor: int  # where the suffix starts: what dst already held
-    end: int  # sequence length at the handoff
-    num_tokens: int  # suffix length actually sent
-    first_visit: bool
 
 
 @dataclass
@@ -108,16 +92,17 @@ class SubServer:
         self.engine = engine
         self.policy = policy
         self.channel = channel
-        self.pick_endpoint = pick_endpoint  # (model, request id) -> endpoint, first visit
         self.ledger = RequestLedger()
         self.tracked: dict[str, Tracked] = {}
         self.inbox: deque[PeerReq] = deque()
-        self.handoff_log: deque[HandoffRecord] = deque(maxlen=100_000)
         self.stats = WindowStats()  # for the threshold tuner
-        self.active_requests = 0  # global N: the sum of the latest count of every ingress
-        self._ingress_counts: dict[str, tuple[int, float]] = {}  # ingress -> (n, when)
+        self.active = ActiveCount(INGRESS_SILENCE_S)  # global N, from every ingress's count
         self.num_steps = 0
         self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
+        self.pick_endpoint = pick_endpoint  # (model, request id) -> endpoint, first visit
+        self.messages = Messages(
+            models, self.name, channel.name, lambda m, r: self.pick_endpoint(m, r), self.metrics
+        )
         self._deferred_since: float | None = None  # when the launch threshold began holding
         self._unqueued: dict[str, float] = {}  # rid -> NEW's sent_at (s), until first computed
         self.next_sweep = 0.0  # monotonic time of the next expired-request sweep
@@ -133,6 +118,15 @@ class SubServer:
     @property
     def endpoint(self) -> str:
         return self.channel.name
+
+    @property
+    def active_requests(self) -> int:
+        """Global N: the sum of the latest active count of every ingress."""
+        return self.active.total
+
+    @property
+    def handoff_log(self) -> deque[HandoffRecord]:
+        return self.messages.log
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -252,7 +246,7 @@ class SubServer:
         while self.inbox:
             msg = self.inbox.popleft()
             if msg.active_requests is not None:  # from an ingress, 0 included
-                self._ingress_counts[msg.src] = (msg.active_requests, time.monotonic())
+                self.active.update(msg.src, msg.active_requests)
                 counted = True
             if msg.kind == MsgKind.ACTIVE or not self.ledger.accept(msg):
                 continue
@@ -270,23 +264,18 @@ class SubServer:
         self.metrics.engine_state(self.name, self.engine)
 
     def _update_active(self) -> None:
-        """Global N = the sum of every ingress's latest count (each ingress publishes its
-        own on every admission and completion, so the sum is within one message delay of
-        the truth); None to the engine until some ingress has spoken."""
-        self.active_requests = sum(n for n, _ in self._ingress_counts.values())
-        self.engine.set_active_requests(self.active_requests if self._ingress_counts else None)
+        """The engine's deferred launches follow N; None until some ingress has spoken."""
+        self.engine.set_active_requests(self.active.total if self.active.known else None)
 
     def _forget_silent_ingresses(self, out: list[PeerReq]) -> None:
-        """An ingress republishes a non-zero count every second (``ACTIVE_REFRESH_S``); one
-        silent for ``INGRESS_SILENCE_S`` is gone (its replica died): its count no longer
-        holds launches back, and its requests, which nobody will read, are ended here and
-        on every other model that holds them (not generated to their length limit)."""
-        cutoff = time.monotonic() - INGRESS_SILENCE_S
-        silent = {src for src, (n, t) in self._ingress_counts.items() if n and t < cutoff}
+        """An ingress silent for ``INGRESS_SILENCE_S`` is gone (its replica died): its
+        count no longer holds launches back, and its requests, which nobody will read, are
+        ended here and on every other model that holds them (not generated to their
+        length limit)."""
+        silent = self.active.forget_silent()
         for src in silent:
             logger.warning("%s: no active count from %s for %.0f s", self.name, src,
-                           INGRESS_SILENCE_S)  # fmt: skip
-            del self._ingress_counts[src]
+                           self.active.silence_s)  # fmt: skip
         if silent:
             self._update_active()
             for tracked in [t for t in self.tracked.values() if t.ingress in silent]:
@@ -570,9 +559,9 @@ class SubServer:
                     committed += len(o.new_token_ids)
                     info = None
                     if tracked.sampling.reports_tokens:
-                        info = [self._token_info(tracked, result, row, scores)]
+                        info = [self.messages.token_info(tracked, result, row, scores)]
                     reports.append(
-                        self._to_ingress(
+                        self.messages.to_ingress(
                             tracked,
                             MsgKind.COMMIT,
                             o.new_token_ids,
@@ -584,25 +573,13 @@ class SubServer:
                     self._finished(tracked, o.finish_reason, reports)
                 elif rid in leaving:
                     dst, send = leaving[rid]
-                    out.append(self._handoff(tracked, self.engine.sequence(rid), dst, send.extras))
+                    out.append(
+                        self.messages.handoff(tracked, self.engine.sequence(rid), dst, send.extras)
+                    )
             except Exception as exc:  # e.g. no replica of the destination is known
                 failed[rid] = f"handing {rid} on failed: {exc!r}"
         out += reports
         return committed
-
-    @staticmethod
-    def _token_info(
-        tracked: Tracked, result: StepResult, row: int, scores: list[float | None] | None
-    ) -> TokenInfo:
-        """The report on the token a row committed (what the request asked for)."""
-        score, dropped = None, []
-        if tracked.sampling.trace:
-            score = scores[row] if scores is not None else None
-            dropped, tracked.drops = tracked.drops, []
-        lp = result.logprobs[row] if result.logprobs is not None else None
-        if lp is None:
-            return TokenInfo(score=score, dropped=dropped)
-        return TokenInfo(score, lp[0], lp[1], lp[2], dropped)
 
     def _fail_requests(self, failed: dict[str, str], out: list[PeerReq]) -> None:
         for rid, error in failed.items():
@@ -617,98 +594,15 @@ class SubServer:
     def _count(self, tracked: Tracked, n: int) -> None:
         tracked.counts[self.name] = tracked.counts.get(self.name, 0) + n
 
-    def _handoff(
-        self, tracked: Tracked, sequence: Sequence[int], dst: int, extras: dict
-    ) -> PeerReq:
-        model = self.models[dst]
-        first_visit = not tracked.anchors.visited(model)
-        anchor, suffix = tracked.anchors.suffix_for(model, sequence)
-        tracked.anchors.advance(self.name, len(sequence))  # both now hold the whole sequence
-        tracked.anchors.advance(model, len(sequence))
-        endpoint = tracked.endpoints.get(model) or self.pick_endpoint(model, tracked.rid)
-        tracked.endpoints[model] = endpoint
-        tracked.handoffs += 1
-        tracked.seq += 1
-        tracked.went_pending(self.name)  # paused here with its KV
-        self.metrics.handoff(self.name, model, len(suffix))
-        self.handoff_log.append(
-            HandoffRecord(
-                tracked.rid,
-                tracked.seq,
-                self.name,
-                model,
-                anchor,
-                len(sequence),
-                len(suffix),
-                first_visit,
-            )
-        )
-        msg = with_own_size(  # peer_bytes counts this message too
-            PeerReq(
-                rid=tracked.rid,
-                src=self.endpoint,
-                dst=endpoint,
-                kind=MsgKind.HANDOFF,
-                handoff_seq=tracked.seq,
-                tokens=suffix,
-                anchor=anchor,
-                committed=max(0, len(sequence) - max(anchor, tracked.prompt_len)),
-                sampling=tracked.sampling if first_visit else None,
-                route=tracked.route_state(),
-                extras=extras,
-            )
-        )
-        tracked.peer_bytes = msg.route.peer_bytes
-        tracked.drops = []  # they travel with the route now
-        return msg
-
-    def _to_ingress(
-        self,
-        tracked: Tracked,
-        kind: MsgKind,
-        tokens: list[int],
-        anchor: int,
-        reason: str | None = None,
-        summary: FinishSummary | None = None,
-        token_info: list[TokenInfo] | None = None,
-    ) -> PeerReq:
-        return PeerReq(
-            rid=tracked.rid,
-            src=self.endpoint,
-            dst=tracked.ingress,
-            kind=kind,
-            handoff_seq=tracked.seq,
-            tokens=tokens,
-            anchor=anchor,
-            committed=len(tokens),
-            finish_reason=reason,
-            summary=summary,
-            token_info=token_info or [],
-        )
-
     def _finished(
         self, tracked: Tracked, reason: str | None, out: list[PeerReq], error: str | None = None
     ) -> None:
-        """FINISHED to the ingress (with the final counts) and to every other holder."""
+        """End ``tracked`` here: KV freed, FINISHED to the ingress and every other holder."""
         rid = tracked.rid
         self.tracked.pop(rid, None)
         self.ledger.finish(rid)
         self.engine.abort(rid)
-        total = tracked.prompt_len + sum(tracked.counts.values())
-        summary = tracked.summary(error)
-        out.append(self._to_ingress(tracked, MsgKind.FINISHED, [], total, reason, summary))
-        for model, endpoint in tracked.endpoints.items():
-            if model != self.name:
-                out.append(
-                    PeerReq(
-                        rid=rid,
-                        src=self.endpoint,
-                        dst=endpoint,
-                        kind=MsgKind.FINISHED,
-                        handoff_seq=tracked.seq + 1,
-                        finish_reason=reason,
-                    )
-                )
+        out += self.messages.finished(tracked, reason, error)
 
     def fail_runnable(self, error: str) -> list[PeerReq]:
         """End every request that could have been in the failed step, with an error."""
