@@ -63,6 +63,13 @@ class RoutingInfo(BaseModel):
     handoffs: int = Field(0, ge=0, description="Times control passed between models.")
 
     @classmethod
+    def of(cls, metrics: RequestMetrics, handoffs: int) -> RoutingInfo:
+        """A choice's routing, from the one count of its tokens per writer (its metrics':
+        the tokens of the response, so a stop string's cut is not counted)."""
+        counts = {m: n for m, n in metrics.tokens_per_model.items() if n}
+        return cls(tokens_per_model=counts, handoffs=handoffs)
+
+    @classmethod
     def merge(cls, infos: Iterable[RoutingInfo | None]) -> RoutingInfo:
         """The sum over choices."""
         tokens: dict[str, int] = {}
@@ -109,9 +116,6 @@ class ChoiceResult:
     # of ``text`` is content)
     message: ParsedMessage | None = None
 
-    @staticmethod
-    def routing_of(counts: Mapping[str, int], handoffs: int) -> RoutingInfo:
-        return RoutingInfo(tokens_per_model=dict(counts), handoffs=handoffs)
 
 
 class CompletionChoice(BaseModel):

@@ -27,6 +27,7 @@ from tokenrouter_ray.openai.errors import (
 from tokenrouter_ray.openai.responses import (
     ChatCompletion,
     ChoiceResult,
+    RoutingInfo,
     build_chat_completion,
     build_completion,
     finish_reason,
@@ -316,7 +317,7 @@ class IngressServer:
             detok.text,
             reason,
             n,
-            ChoiceResult.routing_of(done.counts, done.handoffs),
+            RoutingInfo.of(metrics, done.handoffs),
             metrics,
             details,
             parser.message if parser is not None else None,

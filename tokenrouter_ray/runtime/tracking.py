@@ -1,6 +1,8 @@
 """Per-request routing state a sub-server keeps, and how it travels as ``RouteState``.
 
-The owner of a request (the model generating it now) holds the authoritative copy; it
+``Tracked`` has every field of ``RouteState`` under the same name (and a test checks it), so
+the two conversions below are written once, by field name. The owner of a request (the
+model generating it now) holds the authoritative copy; it
 travels with every HANDOFF (``PeerReq.route``) so the next owner knows every model's anchor
 (which suffix to send it), which replica of each model holds the request, where commits go,
 and the running per-model token counts. A NEW from the ingress carries one too (no anchors).
@@ -13,6 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenrouter_ray.protocol import Anchors, Dropped, FinishSummary, RouteState, SamplingSpec
+
+_ROUTE_FIELDS = RouteState.__struct_fields__  # Tracked has each, under the same name
+_ADOPTED = tuple(f for f in _ROUTE_FIELDS if f not in ("ingress", "prompt_len", "anchors"))
+
+
+def _copied(value: Any) -> Any:
+    """A route field's value, with containers copied (the two sides never share one)."""
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, list):
+        return list(value)
+    return value
 
 
 @dataclass
@@ -45,17 +59,9 @@ class Tracked:
     def adopt(self, route: RouteState, seq: int) -> None:
         """Take the state the previous owner sent (its copy is authoritative)."""
         self.seq = seq
+        for name in _ADOPTED:
+            setattr(self, name, _copied(getattr(route, name)))
         self.anchors = Anchors(route.anchors)
-        self.endpoints = dict(route.endpoints)
-        self.counts = dict(route.counts)
-        self.handoffs = route.handoffs
-        self.deadline = route.deadline
-        self.queue_s = route.queue_s
-        self.pending_s = dict(route.pending_s)
-        self.pending_since = dict(route.pending_since)
-        self.peer_bytes = route.peer_bytes
-        self.dropped = route.dropped
-        self.drops = list(route.drops)
 
     def owned_by(self, model: str, now: float | None = None) -> None:
         """``model`` owns the request again: the time it held it pending ends."""
@@ -69,21 +75,10 @@ class Tracked:
         self.pending_since[model] = time.time() if now is None else now
 
     def route_state(self) -> RouteState:
-        return RouteState(
-            ingress=self.ingress,
-            prompt_len=self.prompt_len,
-            anchors=self.anchors.as_dict(),
-            endpoints=dict(self.endpoints),
-            counts=dict(self.counts),
-            handoffs=self.handoffs,
-            deadline=self.deadline,
-            queue_s=self.queue_s,
-            pending_s=dict(self.pending_s),
-            pending_since=dict(self.pending_since),
-            peer_bytes=self.peer_bytes,
-            dropped=self.dropped,
-            drops=list(self.drops),
-        )
+        """The state that travels with a HANDOFF: every ``RouteState`` field, by name."""
+        values = {name: _copied(getattr(self, name)) for name in _ROUTE_FIELDS}
+        values["anchors"] = self.anchors.as_dict()
+        return RouteState(**values)
 
     def summary(self, error: str | None = None, now: float | None = None) -> FinishSummary:
         """The finish report: counts and the metrics, pending intervals still open (models
