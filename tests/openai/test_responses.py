@@ -17,8 +17,10 @@ from tokenrouter_ray.openai import (
 )
 
 CHOICES = [
-    ChoiceResult(1, "second", "length", 4, ChoiceResult.routing_of({"large": 4}, 1)),
-    ChoiceResult(0, "first 😀", "stop", 3, ChoiceResult.routing_of({"small": 2, "large": 1}, 2)),
+    ChoiceResult(1, "second", "length", 4, RoutingInfo(tokens_per_model={"large": 4}, handoffs=1)),
+    ChoiceResult(
+        0, "first 😀", "stop", 3, RoutingInfo(tokens_per_model={"small": 2, "large": 1}, handoffs=2)
+    ),
 ]
 
 
