@@ -8,6 +8,11 @@ placement is testable on the same cluster every other Ray test uses.
 ``TOKENROUTER_TEST_SERVE_PORT``).
 
 Ray is imported inside the fixtures, so sessions that never ask for it do not pay for it.
+
+Markers are applied at collection (`pytest_collection_modifyitems`): `ray` on every test that
+uses a Ray fixture (or sits in a module that starts Ray itself), `demo` on every test that
+uses a demo fixture (the SmolLM2 build). The fast tier deselects them together with `slow`:
+``pytest -m "not ray and not demo and not slow"`` (scripts/test_fast.sh).
 """
 
 from __future__ import annotations
@@ -29,6 +34,26 @@ def _free_port() -> int:
 
 
 SERVE_PORT = int(os.environ.get("TOKENROUTER_TEST_SERVE_PORT") or _free_port())
+
+# Fixtures (direct or through other fixtures) that start Ray or need the demo build.
+RAY_FIXTURES = frozenset({"ray_cluster", "serve_http", "serve_app"})
+DEMO_FIXTURES = frozenset({"demo_model_dir", "demo_tokenizer", "demo_pair", "flagship_paths"})
+# Tests (node-id prefixes) that do so without those fixtures.
+RAY_TESTS = ("tests/deployments/test_serve_run.py",)  # `serve run` in a subprocess
+DEMO_TESTS = (
+    "tests/deployments/test_api_keys.py",  # its module fixture loads the demo tokenizer
+    "tests/test_cli.py::test_prepare_demo_is_idempotent",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `ray` / `demo` from what each test uses, so ``-m`` can select tiers."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & RAY_FIXTURES or item.nodeid.startswith(RAY_TESTS):
+            item.add_marker(pytest.mark.ray)
+        if names & DEMO_FIXTURES or item.nodeid.startswith(DEMO_TESTS):
+            item.add_marker(pytest.mark.demo)
 
 
 @pytest.fixture(scope="session", autouse=True)
