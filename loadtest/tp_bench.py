@@ -15,7 +15,7 @@ machine a 2-thread process slows down several-fold when other work competes for 
 so TP=2 uses two cores where TP=1 uses one; the control share is the figure.
 
 GPU check (needs two GPUs, skipped with the reason otherwise): ``check_tp(tmp, report)``
-has the shape of ``loadtest/gpu_check.py``'s checks, so that script can call it:
+has the shape of ``loadtest/device/gpu_check.py``'s checks, so that script can call it:
 ``check_tp(tmp_dir, report)`` returns True/False (None: skipped) and fills
 ``report["tp"]`` with greedy-token agreement and max |logit difference| of TP=2 vs TP=1 in
 float64, and bf16 decode step times at batch 1/8/32 for both. Standalone, and as a CPU dry

@@ -1,4 +1,4 @@
-"""The flagship's shapes through the engine on one GPU (issue 25), for ``loadtest.gpu_check``.
+"""The flagship's shapes through the engine on one GPU (issue 25), for ``device.gpu_check``.
 
 Random-weight models with Qwen3-0.6B's and Qwen3-32B's shapes (vocabulary 151,936; 28 and
 64 layers; 16/8 and 64/8 query/KV heads of 128) are built directly on the device in bf16,
