@@ -71,16 +71,9 @@ import torch
 import transformers
 from transformers import (
     AutoModelForCausalLM,
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 
+from loadtest.common import save_random_model
 from loadtest.device import gpu_flagship
 from tokenrouter_ray.engine.attention import flash_attn_unusable
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
@@ -105,6 +98,7 @@ PROMPT_LENGTHS = [3, 9, 5, 12, 7, 4, 10, 6]
 NEW_TOKENS = 12  # per request in the exactness workloads (twice that for bf16)
 CAPTURE_BUCKETS: dict[str, tuple[int, ...]] = {}  # the default buckets on CUDA
 DEVICE = "cuda"
+ARCHS = {"llama": "Llama", "qwen3": "Qwen3"}
 
 
 def dry_run_sizes() -> None:
@@ -118,24 +112,21 @@ def dry_run_sizes() -> None:
 def build(path: Path, arch: str, dtype: torch.dtype, seed: int = 0, shape: dict = TINY) -> str:
     """A random-weight checkpoint of ``arch``: llama, qwen3, mistral (sliding window 6) or
     gemma2 (window 6, softcap 2 on scores made large enough to bend)."""
-    torch.manual_seed(seed)
     common = {**shape, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
-    elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=6))
-    else:
-        cfg = Gemma2Config(**common, sliding_window=6, query_pre_attn_scalar=16,
-                           attn_logit_softcapping=2.0, final_logit_softcapping=5.0)  # fmt: skip
-        model = Gemma2ForCausalLM(cfg)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.q_proj.weight.mul_(40)
-                layer.self_attn.k_proj.weight.mul_(40)
-    model.to(dtype).save_pretrained(path)
-    return str(path)
+    if arch in ("llama", "qwen3"):
+        return save_random_model(path, ARCHS[arch], dtype, seed, **common)
+    if arch == "mistral":
+        return save_random_model(path, "Mistral", dtype, seed, sliding_window=6, **common)
+
+    def bend_scores(model: torch.nn.Module) -> None:
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(40)
+            layer.self_attn.k_proj.weight.mul_(40)
+
+    gemma = {"sliding_window": 6, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0}
+    return save_random_model(
+        path, "Gemma2", dtype, seed, bend_scores, final_logit_softcapping=5.0, **gemma, **common
+    )
 
 
 def engine(
