@@ -46,9 +46,18 @@ DEMO_TESTS = (
 )
 
 
+# Tests (node-id prefixes) that take many seconds on two cores: out of the fast tier.
+SLOW_TESTS = (
+    "tests/engine/test_gpu_check_dry_run.py::test_dry_run_gives_a_full_verdict",
+    "tests/engine/test_static_path.py::test_the_forward_computes_the_mask_the_host_would_build",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark `ray` / `demo` from what each test uses, so ``-m`` can select tiers."""
+    """Mark `ray` / `demo` / `slow` from what each test uses, so ``-m`` can select tiers."""
     for item in items:
+        if item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
         names = set(getattr(item, "fixturenames", ()))
         if names & RAY_FIXTURES or item.nodeid.startswith(RAY_TESTS):
             item.add_marker(pytest.mark.ray)
