@@ -37,8 +37,7 @@ import time
 import msgspec
 from transformers import AutoTokenizer
 
-from loadtest.common import chat_prompts, command, machine
-from loadtest.local_bench import demo_pair_configs
+from loadtest.common import chat_prompts, command, demo_pair_configs, machine
 from tokenrouter_ray.demo import register_resolver
 from tokenrouter_ray.demo.artifacts import built_artifact
 from tokenrouter_ray.engine.engine import Engine
