@@ -46,19 +46,29 @@ DEMO_TESTS = (
 )
 
 
-# Tests (node-id prefixes) that take many seconds on two cores: out of the fast tier.
+# Tests that take many seconds on two cores, out of the fast tier: the float64 reference
+# runs of the tiny chain (a fixture), and (node-id prefixes) real-time measurement windows
+# on the simulated runtime, the runtime-vs-reference exactness file, the device dry run.
+SLOW_FIXTURES = frozenset({"chain_reference_models"})
 SLOW_TESTS = (
     "tests/engine/test_gpu_check_dry_run.py::test_dry_run_gives_a_full_verdict",
     "tests/engine/test_static_path.py::test_the_forward_computes_the_mask_the_host_would_build",
+    "tests/runtime/test_runtime_vs_reference.py",
+    "tests/simulation/test_backend.py::test_measured_throughput_tracks_the_prediction",
+    "tests/simulation/test_open_loop.py::test_open_loop_moderate_load_without_a_timeout",
+    "tests/simulation/test_open_loop.py::test_step_load_follows_the_client_count",
+    "tests/simulation/test_no_timeout.py::test_closed_loop_without_a_timeout_never_stalls",
+    "tests/simulation/test_no_timeout.py::test_open_loop_without_a_timeout_never_stalls",
+    "tests/tuning/test_tuner_core.py::test_tuner_follows_a_routing_shift_on_the_simulated",
 )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `ray` / `demo` / `slow` from what each test uses, so ``-m`` can select tiers."""
     for item in items:
-        if item.nodeid.startswith(SLOW_TESTS):
-            item.add_marker(pytest.mark.slow)
         names = set(getattr(item, "fixturenames", ()))
+        if names & SLOW_FIXTURES or item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
         if names & RAY_FIXTURES or item.nodeid.startswith(RAY_TESTS):
             item.add_marker(pytest.mark.ray)
         if names & DEMO_FIXTURES or item.nodeid.startswith(DEMO_TESTS):
