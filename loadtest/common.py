@@ -10,10 +10,7 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from tokenrouter_ray.engine.config import EngineConfig
+from typing import Any
 
 # Set by ``python -m loadtest <benchmark>`` so ``command()`` reproduces the subcommand.
 INVOKED_AS: str | None = None
@@ -91,22 +88,3 @@ def save_random_model(
             adjust(model)
     model.to(dtype or torch.float32).save_pretrained(path)
     return str(path)
-
-
-def demo_pair_configs() -> tuple[EngineConfig, EngineConfig, str]:
-    """Engine configs of the demo pair (small, large; built once by ``prepare_demo``) and a
-    label; the large model cut to 8 layers stands in where the small one cannot be built."""
-    from tokenrouter_ray.demo import prepare_demo
-    from tokenrouter_ray.engine.config import EngineConfig
-
-    large = str(prepare_demo(quiet=True))
-    try:
-        from tokenrouter_ray.demo.small import prepare_small_model
-
-        small = EngineConfig(model=str(prepare_small_model(large, quiet=True)))
-        label = "demo small model"
-    except ImportError:
-        small = EngineConfig(model=large, num_hidden_layers=8)
-        label = "large truncated to 8 layers"
-    budget = dict(memory_budget_bytes=2 * 2**30)
-    return (small.model_copy(update=budget), EngineConfig(model=large, **budget), label)

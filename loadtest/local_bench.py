@@ -19,8 +19,9 @@ import time
 
 from transformers import AutoTokenizer
 
-from loadtest.common import chat_prompts, command, demo_pair_configs, machine
-from tokenrouter_ray.engine.engine import Engine
+from loadtest.common import chat_prompts, command, machine
+from tokenrouter_ray.demo import prepare_demo
+from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.baselines import seeded_uniform
@@ -28,6 +29,20 @@ from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.runtime.local import LocalRuntime
 
 SEED = 7
+
+
+def demo_pair_configs() -> tuple[EngineConfig, EngineConfig, str]:
+    large = str(prepare_demo(quiet=True))
+    try:
+        from tokenrouter_ray.demo.small import prepare_small_model
+
+        small = EngineConfig(model=str(prepare_small_model(large, quiet=True)))
+        label = "demo small model"
+    except ImportError:
+        small = EngineConfig(model=large, num_hidden_layers=8)
+        label = "large truncated to 8 layers"
+    budget = dict(memory_budget_bytes=2 * 2**30)
+    return (small.model_copy(update=budget), EngineConfig(model=large, **budget), label)
 
 
 def glue_dispatch(

@@ -37,7 +37,8 @@ import time
 import msgspec
 from transformers import AutoTokenizer
 
-from loadtest.common import chat_prompts, command, demo_pair_configs, machine
+from loadtest.common import chat_prompts, command, machine
+from loadtest.local_bench import demo_pair_configs
 from tokenrouter_ray.demo import register_resolver
 from tokenrouter_ray.demo.artifacts import built_artifact
 from tokenrouter_ray.engine.engine import Engine
