@@ -60,6 +60,11 @@ SLOW_TESTS = (
     "tests/simulation/test_no_timeout.py::test_closed_loop_without_a_timeout_never_stalls",
     "tests/simulation/test_no_timeout.py::test_open_loop_without_a_timeout_never_stalls",
     "tests/tuning/test_tuner_core.py::test_tuner_follows_a_routing_shift_on_the_simulated",
+    "tests/tuning/test_step_times.py::test_profile_file_feeds_tune",  # profiles a real model
+    "tests/tuning/test_solver.py::test_three_models_past_the_exact_range_use_monte_carlo",
+    "tests/tuning/test_replicas.py::test_tuner_choice_for_two_large_replicas_is_the_measured",
+    "tests/tuning/test_replicas.py::test_tuner_resolves_and_stays_admissible_when_replicas",
+    "tests/engine/test_tensor_parallel.py",  # worker processes per test
 )
 
 
