@@ -10,13 +10,12 @@ from pathlib import Path
 from loadtest.__main__ import BENCHMARKS
 
 LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
-# Modules with a ``main`` that are not benchmarks: the entry itself, a server that the
-# harness starts as a system under test, and the shim kept for the old device command.
+# Modules with a ``main`` that are not benchmarks: the entry itself and two servers the
+# harness starts as systems under test.
 NOT_BENCHMARKS = {
     "loadtest.__main__",
     "loadtest.baselines.dispatcher",
     "loadtest.baselines.step_sync",
-    "loadtest.gpu_check",
 }
 
 
