@@ -175,35 +175,36 @@ class ModelServer:
     async def info(self) -> dict[str, Any]:
         import ray
 
+        engine = self.engine.status()
         return {
             "model": self.model,
             "endpoint": self.server.endpoint,
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.vocab_size,
             "node_id": ray.get_runtime_context().get_node_id(),
-            "active_requests": len(self.engine.requests),
+            "active_requests": engine.requests,
             "steps": self.server.num_steps,
-            "kv_blocks_free": self.engine.kv.pool.num_free_blocks,
-            "kv_blocks_total": self.engine.kv.pool.num_blocks,
+            "kv_blocks_free": engine.kv_blocks_free,
+            "kv_blocks_total": engine.kv_blocks_total,
             "routing_stats": self.server.stats.snapshot().to_json(),
             "batch_thresholds": self.engine.batch_thresholds,
         }
 
     async def status(self) -> dict[str, Any]:
         """What this replica holds now (cheap: no statistics snapshot)."""
-        sched, pool = self.engine.scheduler, self.engine.kv.pool
+        engine = self.engine.status()
         return {
             "model": self.model,
             "endpoint": self.server.endpoint,
             "pid": os.getpid(),
-            "requests": len(self.engine.requests),
+            "requests": engine.requests,
             "tracked": len(self.server.tracked),
-            "waiting": len(sched.waiting),
-            "running": len(sched.running),
-            "pending": len(sched.pending),
-            "deferred_timeouts": sched.deferred_timeouts,  # launches forced by max_defer_s
-            "kv_blocks_used": pool.num_used_blocks,
-            "kv_blocks_total": pool.num_blocks,
+            "waiting": engine.waiting,
+            "running": engine.running,
+            "pending": engine.pending,
+            "deferred_timeouts": engine.deferred_timeouts,  # launches forced by max_defer_s
+            "kv_blocks_used": engine.kv_blocks_used,
+            "kv_blocks_total": engine.kv_blocks_total,
             "alive": self.server.alive,
             "address": self.channel.address,
             "peer_rejected": dict(getattr(self.channel, "rejected", {})),
@@ -217,10 +218,10 @@ class ModelServer:
     async def explain(self, rid: str | None = None) -> dict[str, Any]:
         """Debugging: what this replica knows of one request (default: its oldest)."""
         if rid is None:
-            rid = next(iter(self.engine.requests), None)
+            rid = next(iter(self.engine.request_ids()), None)
             if rid is None:
                 return {}
-        request, tracked = self.engine.requests.get(rid), self.server.tracked.get(rid)
+        request, tracked = self.engine.get_request(rid), self.server.tracked.get(rid)
         return {
             "rid": rid,
             "status": request.status.name if request is not None else None,

@@ -5,6 +5,8 @@
     python -m loadtest --preset sim                  # the simulated ablation alone, ~30 s
     python -m loadtest --preset host                 # the host path (loadtest/host_path.py)
     python -m loadtest --preset paper --small DIR --large DIR --app-overrides ...   # GPU
+    python -m loadtest list                          # every other benchmark, one line each
+    python -m loadtest <benchmark> [its arguments]   # e.g. `engine --help`, `serve --url ...`
 
 Brings each system up in turn (tokenrouter tuned, Eager-Async, R2R and R-Stitch, Step-Sync,
 each model alone, the large model on its stock server, Std. Serving on stock ``transformers
@@ -17,18 +19,60 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 
 import yaml
 
+from loadtest import common
 from loadtest.common import command, machine
 from loadtest.quality import quality_table
 from loadtest.report import markdown_table, plots, targets
 from loadtest.run import ALL_SYSTEMS, PRESETS, run_bench
 from loadtest.systems import Bench
+
+# name -> (module with a ``main``, what it measures). Each parses its own arguments.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "serve": ("loadtest.harness", "closed-loop levels against an app that is already running"),
+    "host": ("loadtest.host_path", "the runtime's host path on simulated models (= --preset host)"),
+    "host-ab": ("loadtest.host_ab", "host path before / after, on any checkout"),
+    "engine": ("loadtest.engine_bench", "engine throughput vs model.generate, demo model"),
+    "sampler": ("loadtest.sampler_bench", "the sampler's step time at batch 64"),
+    "tp": ("loadtest.tp_bench", "tensor parallel: rank 0's driving cost (and a GPU check)"),
+    "handoff": ("loadtest.handoff_bench", "one-way PeerReq handoff latency per transport"),
+    "local": ("loadtest.local_bench", "LocalRuntime vs a glue dispatcher, demo pair"),
+    "trace-overhead": ("loadtest.trace_overhead", "what routing traces and metrics cost"),
+    "demo-pair": ("loadtest.demo_pair_bench", "the demo pair's agreement and step times"),
+    "multiturn": ("loadtest.multiturn", "multi-turn chats, prefix caching on vs off"),
+    "prefix-cost": ("loadtest.prefix_cost", "prefix caching's cost when nothing is shared"),
+    "reliability": ("loadtest.reliability_bench", "failure scenarios on the served demo"),
+    "markov": ("loadtest.markov_bench", "the deferred-batching throughput model"),
+    "markov-validate": ("loadtest.markov_validate", "the Markov model vs the simulated runtime"),
+    "markov-open-loop": ("loadtest.markov_open_loop", "open loop at the tuned thresholds"),
+    "markov-replicas": ("loadtest.markov_replicas", "the model with R_large = 2 replicas"),
+    "sim-ablation": ("loadtest.sim_ablation", "where deferral pays (= the sim preset's part)"),
+    "speculative": ("loadtest.baselines.speculative", "stock speculative decoding (lossless)"),
+    "gpu-check": ("loadtest.device.gpu_check", "the prepared device check (docs/gpu_check.md)"),
+}
+
+
+def run_benchmark(name: str, argv: list[str]) -> int:
+    """Run one benchmark's ``main`` with ``argv`` as its command line."""
+    module = importlib.import_module(BENCHMARKS[name][0])
+    common.INVOKED_AS = f"loadtest {name}"
+    sys.argv = [f"python -m loadtest {name}", *argv]
+    code = module.main()
+    return code if isinstance(code, int) else 0
+
+
+def list_benchmarks() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in BENCHMARKS.items()]
+    return "python -m loadtest <benchmark> [--help]:\n" + "\n".join(lines)
 
 
 def local_yaml_overrides(path: str = "conf/local.yaml") -> list[str]:
@@ -111,7 +155,16 @@ def write_outputs(result: dict, out_dir: str, header: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if len(sys.argv) > 1 and sys.argv[1] in (*BENCHMARKS, "list"):
+        if sys.argv[1] == "list":
+            print(list_benchmarks())
+            return
+        raise SystemExit(run_benchmark(sys.argv[1], sys.argv[2:]))
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=list_benchmarks(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--preset", choices=sorted([*PRESETS, "host"]), default="quick")
     parser.add_argument("--systems", default=None, help=f"comma list of {', '.join(ALL_SYSTEMS)}")
     parser.add_argument("--concurrency", default=None, help="override the preset's N list")
@@ -137,9 +190,7 @@ def main() -> None:
     )
     args, rest = parser.parse_known_args()
     if args.preset == "host":  # the host path on simulated models (loadtest/host_path.py)
-        from loadtest.host_path import main as host_main
-
-        raise SystemExit(host_main(rest))
+        raise SystemExit(run_benchmark("host", rest))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.render:

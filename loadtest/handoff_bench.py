@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from loadtest.common import percentile
 from tokenrouter_ray.protocol import MsgKind, PeerReq, RouteState, SamplingSpec, encode_batch
 from tokenrouter_ray.transport import (
     Directory,
@@ -248,11 +249,6 @@ async def run_actor_benches(
     for kind in kinds:
         results[kind] = await bench_actors(peers, kind, args)
         report_line(kind, results[kind])
-
-
-def percentile(values: list[int], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def report_line(kind: str, s: Samples) -> None:

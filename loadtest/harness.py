@@ -1,6 +1,14 @@
 """The load generator: closed- or open-loop streaming chat requests against one OpenAI base
 URL, with the official ``openai`` client, bounded in requests and in time.
 
+Against an app that is already running (``serve run conf/local.yaml``, or any app):
+
+    python -m loadtest serve [--url http://127.0.0.1:8000/v1] [--concurrency 1,4,8]
+                             [--requests 16] [--max-tokens 64] [--workload short_chat]
+
+prints one row per concurrency (output tok/s, TTFT / ITL / end-to-end p50 and p99, tokens
+per model, handoffs per request) and the thresholds the app's tuner published, if any.
+
 Every system under test speaks the same API (``/v1/chat/completions``, streaming, with the
 ``seed`` and ``ignore_eos`` extensions and a ``routing`` object in the final usage chunk),
 so the harness measures every one of them the same way, as a user sees it. A request still
@@ -9,6 +17,7 @@ streaming at the time limit is cancelled and counted with the tokens it had rece
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import math
@@ -22,7 +31,8 @@ from typing import Any
 import openai
 from tqdm import tqdm
 
-from loadtest.workloads import Workload
+from loadtest.common import command, machine, percentile
+from loadtest.workloads import WORKLOADS, Workload
 
 
 @dataclass
@@ -158,14 +168,7 @@ async def run_load(
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": math.nan, "p90": math.nan, "p99": math.nan}
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+    return {f"p{round(100 * q)}": percentile(values, q) for q in (0.5, 0.9, 0.99)}
 
 
 def summarize(records: list[Record], elapsed: float) -> dict[str, Any]:
@@ -200,3 +203,53 @@ def summarize(records: list[Record], elapsed: float) -> dict[str, Any]:
         ),
         "tokens_per_model": dict(sorted(per_model.items())),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loadtest serve``: the closed-loop levels against a running app."""
+    parser = argparse.ArgumentParser(prog="python -m loadtest serve", description=__doc__)
+    parser.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--model", default="tokenrouter", help="the served model name")
+    parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument("--requests", type=int, default=16, help="per concurrency level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per level")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="short_chat")
+    parser.add_argument(
+        "--stop-at-eos", action="store_true", help="let answers end early (no ignore_eos)"
+    )
+    args = parser.parse_args(argv)
+    workload = WORKLOADS[args.workload]()
+    print(f"machine: {machine()}\nreproduce: {command()}")
+    print("| C | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p99 | tokens per model "
+          "| handoffs/req |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    for c in [int(n) for n in args.concurrency.split(",")]:
+        spec = LoadSpec(
+            workload,
+            concurrency=c,
+            max_requests=args.requests,
+            time_limit_s=args.time_limit,
+            max_tokens=args.max_tokens,
+            ignore_eos=not args.stop_at_eos,
+        )
+        r = asyncio.run(run_load(args.url, spec, model=args.model, desc=f"C={c}"))
+        ttft, itl, e2e = (
+            {q: 1e3 * v for q, v in r[k].items()} for k in ("ttft_s", "itl_s", "e2e_s")
+        )
+        per_model = ", ".join(f"{m} {n}" for m, n in r["tokens_per_model"].items())
+        print(
+            f"| {c} | {r['tok_s']:.1f} | {ttft['p50']:.0f} ms | {ttft['p99']:.0f} ms "
+            f"| {itl['p50']:.0f} ms | {itl['p99']:.0f} ms | {e2e['p99']:.0f} ms "
+            f"| {per_model} | {r['handoffs_per_request']:.1f} |",
+            flush=True,
+        )
+        if r["errors"]:
+            print(f"C={c} errors: {r['errors']}")
+    import httpx
+
+    tuner = httpx.get(f"{args.url}/tokenrouter/tuner", timeout=30)
+    if tuner.status_code == 200:
+        status = tuner.json()
+        print(f"tuner: {status['decisions']} periods, thresholds {status['thresholds']}")
+    return 0

@@ -15,7 +15,7 @@ machine a 2-thread process slows down several-fold when other work competes for 
 so TP=2 uses two cores where TP=1 uses one; the control share is the figure.
 
 GPU check (needs two GPUs, skipped with the reason otherwise): ``check_tp(tmp, report)``
-has the shape of ``loadtest/gpu_check.py``'s checks, so that script can call it:
+has the shape of ``loadtest/device/gpu_check.py``'s checks, so that script can call it:
 ``check_tp(tmp_dir, report)`` returns True/False (None: skipped) and fills
 ``report["tp"]`` with greedy-token agreement and max |logit difference| of TP=2 vs TP=1 in
 float64, and bf16 decode step times at batch 1/8/32 for both. Standalone, and as a CPU dry
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from loadtest.common import save_random_model
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
@@ -58,10 +58,8 @@ CONTROL_TARGET = 0.05
 
 
 def build_model(path: Path, dtype: torch.dtype = torch.float32, **shape: Any) -> str:
-    torch.manual_seed(0)
-    cfg = Qwen3Config(**{**DEMO_SHAPE, **shape}, bos_token_id=None, eos_token_id=None)
-    Qwen3ForCausalLM(cfg).to(dtype).save_pretrained(path)
-    return str(path)
+    fields = {**DEMO_SHAPE, **shape, "bos_token_id": None, "eos_token_id": None}
+    return save_random_model(path, "Qwen3", dtype, seed=0, **fields)
 
 
 def make_engine(path: str, tp: int, device: str, dtype: str, **kwargs: Any) -> Engine:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepare .whl/: the wheels the GPU device image lacks, for its Python (3.12, x86-64,
-# manylinux), so `loadtest.gpu_check` imports there with nothing downloaded (the device has
+# manylinux), so `loadtest.device.gpu_check` imports there with nothing downloaded (the device has
 # no network). The image (loadtest/device/image_packages_*.txt, a dated copy of its list)
 # holds torch, transformers, numpy, safetensors, ... but not msgspec (engine/request.py's
 # sampling struct) nor pydantic (engine/engine.py's EngineConfig) and its companions;

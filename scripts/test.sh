@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install everything the tests need into .venv (idempotent), build the demo model once
-# (cached under $XDG_CACHE_HOME/tokenrouter-ray), and run the test suite.
+# Install everything the tests need into .venv (idempotent), lint (ruff check and
+# ruff format --check, before anything slow), build the demo model once (cached under
+# $XDG_CACHE_HOME/tokenrouter-ray), and run the test suite.
 # Extra arguments go to pytest. pytest's "no tests collected" (exit 5) fails this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,7 @@ apt_install() {  # apt_install COMMAND WHAT-SKIPS
 apt_install prometheus "the live dashboard test"
 apt_install chromium "the trace viewer's browser test"
 echo "test.sh: environment ready ($((SECONDS - start)) s)" >&2
+bash scripts/lint.sh
 mark=$SECONDS
 echo "test.sh: demo models (built once and cached; a first build takes 10-25 minutes)" >&2
 # Its progress goes to stderr; outside a terminal (CI logs) one line per 30 s per bar.

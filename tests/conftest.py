@@ -8,6 +8,11 @@ placement is testable on the same cluster every other Ray test uses.
 ``TOKENROUTER_TEST_SERVE_PORT``).
 
 Ray is imported inside the fixtures, so sessions that never ask for it do not pay for it.
+
+Markers are applied at collection (`pytest_collection_modifyitems`): `ray` on every test that
+uses a Ray fixture (or sits in a module that starts Ray itself), `demo` on every test that
+uses a demo fixture (the SmolLM2 build). The fast tier deselects them together with `slow`:
+``pytest -m "not ray and not demo and not slow"`` (scripts/test_fast.sh).
 """
 
 from __future__ import annotations
@@ -29,6 +34,50 @@ def _free_port() -> int:
 
 
 SERVE_PORT = int(os.environ.get("TOKENROUTER_TEST_SERVE_PORT") or _free_port())
+
+# Fixtures (direct or through other fixtures) that start Ray or need the demo build.
+RAY_FIXTURES = frozenset({"ray_cluster", "serve_http", "serve_app"})
+DEMO_FIXTURES = frozenset({"demo_model_dir", "demo_tokenizer", "demo_pair", "flagship_paths"})
+# Tests (node-id prefixes) that do so without those fixtures.
+RAY_TESTS = ("tests/deployments/test_serve_run.py",)  # `serve run` in a subprocess
+DEMO_TESTS = (
+    "tests/deployments/test_api_keys.py",  # its module fixture loads the demo tokenizer
+    "tests/test_cli.py::test_prepare_demo_is_idempotent",
+)
+
+
+# Tests that take many seconds on two cores, out of the fast tier: the float64 reference
+# runs of the tiny chain (a fixture), and (node-id prefixes) real-time measurement windows
+# on the simulated runtime, the runtime-vs-reference exactness file, the device dry run.
+SLOW_FIXTURES = frozenset({"chain_reference_models"})
+SLOW_TESTS = (
+    "tests/engine/test_gpu_check_dry_run.py::test_dry_run_gives_a_full_verdict",
+    "tests/engine/test_static_path.py::test_the_forward_computes_the_mask_the_host_would_build",
+    "tests/runtime/test_runtime_vs_reference.py",
+    "tests/simulation/test_backend.py::test_measured_throughput_tracks_the_prediction",
+    "tests/simulation/test_open_loop.py::test_open_loop_moderate_load_without_a_timeout",
+    "tests/simulation/test_open_loop.py::test_step_load_follows_the_client_count",
+    "tests/simulation/test_no_timeout.py::test_closed_loop_without_a_timeout_never_stalls",
+    "tests/simulation/test_no_timeout.py::test_open_loop_without_a_timeout_never_stalls",
+    "tests/tuning/test_tuner_core.py::test_tuner_follows_a_routing_shift_on_the_simulated",
+    "tests/tuning/test_step_times.py::test_profile_file_feeds_tune",  # profiles a real model
+    "tests/tuning/test_solver.py::test_three_models_past_the_exact_range_use_monte_carlo",
+    "tests/tuning/test_replicas.py::test_tuner_choice_for_two_large_replicas_is_the_measured",
+    "tests/tuning/test_replicas.py::test_tuner_resolves_and_stays_admissible_when_replicas",
+    "tests/engine/test_tensor_parallel.py",  # worker processes per test
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `ray` / `demo` / `slow` from what each test uses, so ``-m`` can select tiers."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & SLOW_FIXTURES or item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
+        if names & RAY_FIXTURES or item.nodeid.startswith(RAY_TESTS):
+            item.add_marker(pytest.mark.ray)
+        if names & DEMO_FIXTURES or item.nodeid.startswith(DEMO_TESTS):
+            item.add_marker(pytest.mark.demo)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -71,13 +71,6 @@ def launch_stock(
     }
 
 
-def start_stock(
-    models: dict[str, str], ports: dict[str, int], log_dir: str, device: str = "cpu"
-) -> dict[str, ServerProcess]:
-    """One stock server per model (``name -> directory``), started side by side."""
-    return wait_stock(launch_stock(models, ports, log_dir, device))
-
-
 def wait_stock(servers: dict[str, ServerProcess]) -> dict[str, ServerProcess]:
     """Until every server answers ``/v1/models``; on a failure all of them are stopped."""
     try:

@@ -1,4 +1,4 @@
-"""``loadtest.gpu_check`` dry-runs on CPU, so the one device command cannot rot: every check
+"""``loadtest.device.gpu_check`` dry-runs on CPU, so the one device command cannot rot: every check
 runs (graphs "on" = the static path eagerly; the flagship shapes at toy sizes), flash-attn
 reports SKIP with its reason, a failing check is recorded with its traceback, the rest still
 run, and the benchmark is skipped; a spent time budget skips what is left."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import gpu_check
+from loadtest.device import gpu_check
 
 
 def test_dry_run_gives_a_full_verdict(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``loadtest.gpu_check`` must start on the GPU image as it is: every third-party module it
+"""``loadtest.device.gpu_check`` must start on the GPU image as it is: every third-party module it
 can import (through our own modules, at the top of a file or inside a function) is in the
 image's package list (``loadtest/device/image_packages_*.txt``, a dated copy) or among the
 wheels ``scripts/device_wheels.sh`` prepares. Optional imports (inside ``try`` with an
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = ("tokenrouter_ray", "loadtest")
-ENTRY = "loadtest.gpu_check"
+ENTRY = "loadtest.device.gpu_check"
 
 
 def module_file(name: str) -> Path | None:
@@ -133,7 +133,7 @@ def test_every_third_party_import_of_the_gpu_check_is_on_the_image_or_carried() 
         if not candidates & (image | set(wheels)):
             missing.append(f"{name} (distribution {', '.join(sorted(candidates))})")
     assert not missing, (
-        f"loadtest.gpu_check imports modules that neither {listing.name} nor "
+        f"loadtest.device.gpu_check imports modules that neither {listing.name} nor "
         f"scripts/device_wheels.sh provides: {missing}; add their wheels to PINS"
     )
 

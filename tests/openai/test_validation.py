@@ -21,8 +21,6 @@ from tokenrouter_ray.openai import (
     prepare_completion,
 )
 
-pytestmark = pytest.mark.demo
-
 LIMITS = RequestLimits(max_model_len=64, vocab_size=49152)
 
 

@@ -4,7 +4,6 @@ measurement on ``LocalRuntime`` against the Markov prediction, and ``simulate`` 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -33,14 +32,33 @@ def _two_models(small_ms: float, large_ms: float, q: float) -> RoutingProfile:
     )
 
 
+class FakeClock:
+    """An injected host clock: ``sleep`` advances it (by ``oversleep_s`` more than asked,
+    as a busy machine's timer does), nothing waits."""
+
+    def __init__(self, oversleep_s: float = 0.0) -> None:
+        self.now = 100.0
+        self.oversleep_s = oversleep_s
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds + self.oversleep_s
+
+
 # ------------------------------------------------------------------------- SimRunner
 def test_sim_runner_step_result_shape() -> None:
-    engine = sim_engine(lambda b: 0.002 * b, num_blocks=64)  # 2 ms per request in the batch
+    clock = FakeClock()
+    # 2 ms per request in the batch
+    engine = sim_engine(lambda b: 0.002 * b, num_blocks=64, clock=clock, sleep=clock.sleep)
     engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.add_request("b", [7], SamplingParams(max_tokens=4, ignore_eos=True))
-    t0 = time.perf_counter()
+    t0 = clock()
     result = engine.execute()
-    elapsed = time.perf_counter() - t0
+    elapsed = clock() - t0
     assert result is not None
     assert result.request_ids == ["a", "b"]
     assert result.token_ids == [1, 1]
@@ -48,7 +66,8 @@ def test_sim_runner_step_result_shape() -> None:
     assert result.sampled.dtype == torch.long and result.sampled.tolist() == [1, 1]
     assert result.logits is None and result.hidden is None
     assert result.batch_size == 2 and result.num_scheduled_tokens == 4  # two prefills
-    assert elapsed >= 0.002 * 2 * 0.8  # slept (about) the profiled time for batch 2
+    assert elapsed == pytest.approx(0.002 * 2)  # slept the profiled time for batch 2
+    assert clock.slept == [pytest.approx(0.004)] and result.timings.forward == pytest.approx(0.004)
     outputs = engine.commit(result)
     assert [o.new_token_ids for o in outputs] == [[1], [1]]
     assert engine.requests["a"].token_ids == [3, 4, 5, 1]
@@ -59,6 +78,23 @@ def test_sim_runner_step_result_shape() -> None:
     while engine.has_unfinished:
         engine.step()
     assert engine.runner.stats.steps == 4
+
+
+def test_sim_runner_learns_the_timers_oversleep() -> None:
+    """A timer that oversleeps by 1 ms: the sleep bias moves toward 1 ms step by step, so
+    steps end at their profiled time again (injected clock: exact, no waiting)."""
+    clock = FakeClock(oversleep_s=0.001)
+    engine = sim_engine(lambda b: 0.010, num_blocks=64, clock=clock, sleep=clock.sleep)
+    engine.add_request("a", [3], SamplingParams(max_tokens=60, ignore_eos=True))
+    first = engine.execute()
+    engine.commit(first)
+    assert first.timings.forward == pytest.approx(0.011)  # slept 10 ms, woke 1 ms late
+    assert engine.runner.sleep_bias_s == pytest.approx(0.2 * 0.001)
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.runner.sleep_bias_s == pytest.approx(0.001, rel=1e-3)
+    assert clock.slept[-1] == pytest.approx(0.009, rel=1e-3)  # asks 1 ms short
+    assert engine.runner.stats.steps == 60
 
 
 def test_sim_runner_keeps_logits_and_hidden_when_asked() -> None:

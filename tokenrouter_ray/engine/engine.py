@@ -21,81 +21,30 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from tokenrouter_ray.engine.block_pool import KVCacheManager, device_budget, plan_num_blocks
+from tokenrouter_ray.engine.config import EngineConfig
 from tokenrouter_ray.engine.loader import load_causal_lm
-from tokenrouter_ray.engine.memory_reserve import forward_reserve_bytes
+from tokenrouter_ray.engine.memory_reserve import forward_reserve
 from tokenrouter_ray.engine.model_runner import ModelRunner, model_footprint
-from tokenrouter_ray.engine.outputs import RequestOutput, StepResult, StepTimings
+from tokenrouter_ray.engine.outputs import (
+    EngineStatus,
+    PendingStep,
+    RequestOutput,
+    StepResult,
+    StepTimings,
+)
 from tokenrouter_ray.engine.request import Request, RequestStatus, SamplingParams
-from tokenrouter_ray.engine.scheduler import Scheduler, SchedulerConfig
-from tokenrouter_ray.engine.static_forward import DEFAULT_BATCH_BUCKETS, DEFAULT_QUERY_BUCKETS
+from tokenrouter_ray.engine.scheduler import Scheduler
 from tokenrouter_ray.thresholds import ThresholdTable
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.taps import LayerTap
     from tokenrouter_ray.engine.tensor_parallel import WorkerLauncher
 
-
-class PendingStep:
-    """A launched forward: ``wait()`` returns its ``StepResult`` once the device is done
-    (``Engine.collect`` calls it); ``waited_s`` is how long the host then waited for it."""
-
-    __slots__ = ("batch_size", "num_tokens", "wait", "waited_s")
-
-    def __init__(self, wait: Callable[[], StepResult], num_tokens: int, batch_size: int) -> None:
-        self.wait = wait
-        self.num_tokens = num_tokens
-        self.batch_size = batch_size
-        self.waited_s = 0.0
-
-
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(description="HF causal-LM directory or hub id.")
-    gguf_file: str | None = Field(None, description="GGUF file inside `model`, if any.")
-    dtype: str = Field("auto", description="auto (bf16 on CUDA, fp32 otherwise) or a dtype.")
-    device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0.")
-    num_hidden_layers: int | None = Field(
-        None, ge=1, description="Run only the first N layers (early-exit small models)."
-    )
-    block_size: int = Field(
-        16, ge=1, description="Tokens per KV block (flash-attn's paged path needs 256)."
-    )
-    num_blocks: int | None = Field(
-        None, ge=1, description="KV blocks; default: as many as kv_cache_bytes allows."
-    )
-    memory_budget_bytes: int = Field(
-        2 * 2**30, ge=1, description="Device memory for weights + KV when num_blocks is unset."
-    )
-    max_model_len: int | None = Field(
-        None, ge=2, description="Longest sequence; default: the model's position limit."
-    )
-    prefix_caching: bool = Field(
-        True,
-        description="Automatic prefix caching: full KV blocks are cached by content hash and "
-        "reused by later requests (and handoffs' first visits) with the same prefix.",
-    )
-    keep_logits: bool = Field(False, description="Keep next-token logits for the policy.")
-    keep_hidden: bool = Field(False, description="Keep last hidden states for the policy.")
-    cuda_graphs: bool = Field(
-        True, description="On CUDA, capture decode/small-extend steps as CUDA graphs per bucket."
-    )
-    static_batches: bool = Field(
-        False, description="Run the bucketed fixed-shape path eagerly off CUDA (for checks)."
-    )
-    tensor_parallel: int = Field(
-        1, ge=1, description="Ranks the model is split over (tensor_parallel.py); 1: one device."
-    )
-    collective_timeout_s: float = Field(
-        120.0, gt=0, description="Tensor parallel: a collective or the start-up join fails after."
-    )
-    startup_timeout_s: float = Field(
-        600.0, gt=0, description="Tensor parallel: how long rank 0 waits for workers to connect."
-    )
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+# Re-exported: ``from tokenrouter_ray.engine.engine import EngineConfig`` (and ``PendingStep``)
+# keep working; their homes are engine/config.py and engine/outputs.py.
+__all__ = ["Engine", "EngineConfig", "PendingStep"]
 
 
 class Engine:
@@ -129,7 +78,7 @@ class Engine:
         device = next(model.parameters()).device
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         if free is not None:  # activations and CUDA graphs first, KV gets the rest
-            free = max(0, free - _forward_reserve(model, config))
+            free = max(0, free - forward_reserve(model, config))
         budget = device_budget(config.memory_budget_bytes, footprint.weight_bytes, free)
         num_blocks = config.num_blocks or plan_num_blocks(budget, footprint, config.block_size)
         runner = ModelRunner.for_engine(model, num_blocks, config)
@@ -313,8 +262,21 @@ class Engine:
         t0 = time.perf_counter()
         result = pending.wait()
         pending.waited_s = time.perf_counter() - t0
+        self._annotate(result)
         self._uncommitted = result
         return result
+
+    def _annotate(self, result: StepResult) -> None:
+        """Each row's previous token, whether it is the request's first output token (before
+        ``commit`` appends the sampled ones) and its seed: what a routing policy reads."""
+        rows = self.step_requests(result)
+        result.prev_token_ids = [r.last_token_id for r in rows]
+        result.is_first = [r.num_output_tokens == 0 for r in rows]
+        result.seeds = [r.seed for r in rows]
+
+    def step_requests(self, result: StepResult) -> list[Request]:
+        """The requests of a collected, not yet committed step's rows, in row order."""
+        return [self.requests[rid] for rid in result.request_ids]
 
     def commit(
         self,
@@ -379,6 +341,46 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is here and not finished."""
+        return request_id in self.requests
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The request as this engine holds it (read it; change it only through the
+        lifecycle calls), ``None`` when it is not here."""
+        return self.requests.get(request_id)
+
+    def request_ids(self, runnable_only: bool = False) -> list[str]:
+        """The requests held here, oldest first (``runnable_only``: not paused)."""
+        if runnable_only:
+            return [rid for rid, r in self.requests.items() if r.is_runnable]
+        return list(self.requests)
+
+    @property
+    def active_requests(self) -> int:
+        """N for the deferred-launch rule: the global count when known, else the local."""
+        return self.scheduler.current_n
+
+    def status(self) -> EngineStatus:
+        """A snapshot of queue depths, the launch rule, KV blocks and running totals."""
+        sched, kv = self.scheduler, self.kv
+        pool = kv.pool
+        return EngineStatus(
+            requests=len(self.requests),
+            waiting=len(sched.waiting),
+            running=len(sched.running),
+            pending=len(sched.pending),
+            active_requests=sched.current_n,
+            threshold=sched.threshold(),
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_free=pool.num_free_blocks,
+            kv_blocks_total=pool.num_blocks,
+            preemptions=sched.num_preemptions,
+            deferred_timeouts=sched.deferred_timeouts,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
+
     @property
     def has_runnable(self) -> bool:
         return self.scheduler.num_runnable > 0
@@ -397,18 +399,3 @@ class Engine:
                 if out.request_id in produced:
                     produced[out.request_id].extend(out.new_token_ids)
         return [produced[rid] for rid in ids]
-
-
-def _forward_reserve(model: torch.nn.Module, config: EngineConfig) -> int:
-    """Device bytes kept free for activations and CUDA graphs (``memory_reserve.py``)."""
-    cfg = model.config
-    limit = getattr(cfg, "max_position_embeddings", None) or 4096
-    return forward_reserve_bytes(
-        cfg,
-        next(model.parameters()).element_size(),
-        config.scheduler.max_num_batched_tokens,
-        config.scheduler.max_num_seqs,
-        min(config.max_model_len or limit, limit),
-        static_rows=max(DEFAULT_BATCH_BUCKETS) * max(DEFAULT_QUERY_BUCKETS),
-        graphs=config.cuda_graphs,
-    )

@@ -1,7 +1,8 @@
 """Device memory a replica needs beyond weights and KV: activations and CUDA graphs.
 
 The KV cache is sized from what is free after the weights load (``Engine.from_config``).
-Before it takes its share, ``forward_reserve_bytes`` is set aside for what a forward
+Before it takes its share, ``forward_reserve`` (a loaded model and its ``EngineConfig``;
+``forward_reserve_bytes`` on the raw shapes) is set aside for what a forward
 allocates on top: the largest dynamic step (``max_num_batched_tokens`` tokens through the
 MLP; the largest SDPA K/V gather one layer makes, which is one decode group's, at most
 ``MAX_DECODE_GATHER_TOKENS`` or one row of the longest context, or one prefill span's
@@ -15,11 +16,21 @@ estimate with generous factors, not a measurement: the device check reports the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transformers import PretrainedConfig
 
 from tokenrouter_ray.engine.attention import MAX_SPAN_MASK_ELEMENTS, decode_gather_tokens
-from tokenrouter_ray.engine.static_forward import MAX_STATIC_GATHER_TOKENS
+from tokenrouter_ray.engine.static_forward import (
+    DEFAULT_BATCH_BUCKETS,
+    DEFAULT_QUERY_BUCKETS,
+    MAX_STATIC_GATHER_TOKENS,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenrouter_ray.engine.config import EngineConfig
 
 FIXED_MARGIN_BYTES = 1 << 30  # context, cuBLAS/cuDNN workspaces, fragmentation
 
@@ -84,3 +95,20 @@ def forward_reserve_bytes(
     static_gather = gather_bytes(cfg, dtype_bytes, MAX_STATIC_GATHER_TOKENS)
     static = step(static_rows, static_gather, max_num_seqs) if graphs else 0
     return 2 * (dynamic + static) + FIXED_MARGIN_BYTES
+
+
+def forward_reserve(model: torch.nn.Module, config: EngineConfig) -> int:
+    """Device bytes a replica of ``model`` built from ``config`` keeps free for activations
+    and CUDA graphs before the KV cache takes the rest (one rank's share under tensor
+    parallel: ``model`` is that rank's shard)."""
+    cfg = model.config
+    limit = getattr(cfg, "max_position_embeddings", None) or 4096
+    return forward_reserve_bytes(
+        cfg,
+        next(model.parameters()).element_size(),
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.max_num_seqs,
+        min(config.max_model_len or limit, limit),
+        static_rows=max(DEFAULT_BATCH_BUCKETS) * max(DEFAULT_QUERY_BUCKETS),
+        graphs=config.cuda_graphs,
+    )

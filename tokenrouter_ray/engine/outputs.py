@@ -1,10 +1,18 @@
-"""What leaves the engine: per-step results for routing policies and per-request updates."""
+"""What leaves the engine: per-step results for routing policies, per-request updates, and
+the handle of a launched step.
+
+Torch-free at import time (tensors appear in annotations only), so the runtime's step loop
+and the routing interface import these types without loading torch.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # one row's logprobs: the sampled token's, then the top-k ids and their logprobs
 TokenLogprobs = tuple[float, list[int], list[float]]
@@ -50,6 +58,30 @@ class StepResult:
     # per row: (logprob of the sampled token, top ids, their logprobs) for rows whose
     # request asked for logprobs, else None; the list itself is None when no row asked
     logprobs: list[TokenLogprobs | None] | None = None
+    # per row, filled by ``Engine.collect`` (what a routing policy reads besides tensors):
+    prev_token_ids: list[int] = field(default_factory=list)  # the token before the sampled
+    is_first: list[bool] = field(default_factory=list)  # the request's first output token
+    seeds: list[int] = field(default_factory=list)  # the request's sampling seed
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """What an engine holds now (``Engine.status()``): queue depths, the launch rule's N and
+    B, KV blocks (cached free blocks count as free) and the running totals since start."""
+
+    requests: int  # held, finished ones excluded
+    waiting: int
+    running: int
+    pending: int  # paused: handed to another model, KV kept
+    active_requests: int  # N for the deferred-launch rule (global when known)
+    threshold: int  # B at that N
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    preemptions: int
+    deferred_timeouts: int  # launches below the threshold forced by max_defer_s
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found cached
 
 
 @dataclass
@@ -60,3 +92,16 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
+
+
+class PendingStep:
+    """A launched forward: ``wait()`` returns its ``StepResult`` once the device is done
+    (``Engine.collect`` calls it); ``waited_s`` is how long the host then waited for it."""
+
+    __slots__ = ("batch_size", "num_tokens", "wait", "waited_s")
+
+    def __init__(self, wait: Callable[[], StepResult], num_tokens: int, batch_size: int) -> None:
+        self.wait = wait
+        self.num_tokens = num_tokens
+        self.batch_size = batch_size
+        self.waited_s = 0.0

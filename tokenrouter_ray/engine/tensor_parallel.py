@@ -51,7 +51,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -65,14 +65,13 @@ from tokenrouter_ray.engine.block_pool import (
     kv_bytes_per_token,
     plan_num_blocks,
 )
+from tokenrouter_ray.engine.config import EngineConfig
 from tokenrouter_ray.engine.loader import resolve_dtype
+from tokenrouter_ray.engine.memory_reserve import forward_reserve
 from tokenrouter_ray.engine.model_runner import ModelRunner
 from tokenrouter_ray.engine.outputs import StepResult, StepTimings
 from tokenrouter_ray.engine.scheduler import SchedulerOutput
 from tokenrouter_ray.errors import ModelLoadError
-
-if TYPE_CHECKING:
-    from tokenrouter_ray.engine.engine import EngineConfig
 
 OP_STEP, OP_STOP = 1, 2
 _LEN = struct.Struct("<Q")
@@ -270,8 +269,6 @@ class LocalProcessLauncher:
 
 
 def _config(data: dict[str, Any]) -> EngineConfig:
-    from tokenrouter_ray.engine.engine import EngineConfig
-
     return EngineConfig.model_validate(data)
 
 
@@ -387,9 +384,7 @@ def _build_rank(
     footprint = tp_footprint(model, world)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     if free is not None:  # activations and CUDA graphs first (full-width: conservative)
-        from tokenrouter_ray.engine.engine import _forward_reserve
-
-        free = max(0, free - _forward_reserve(model, config))
+        free = max(0, free - forward_reserve(model, config))
     budget = device_budget(config.memory_budget_bytes, footprint.weight_bytes, free)
     num_blocks = config.num_blocks or plan_num_blocks(budget, footprint, config.block_size)
     agreed = torch.tensor([num_blocks], dtype=torch.long)

@@ -111,27 +111,27 @@ class Metrics:
     def engine_state(self, model: str, engine: Engine) -> None:
         """Queue depths, threshold, active count, KV usage (cached free blocks count as
         free), new preemptions, new deferred-launch timeouts and prefix-cache tokens."""
-        sched, pool = engine.scheduler, engine.kv.pool
-        self._set(m.REQUESTS_WAITING, len(sched.waiting), model)
-        self._set(m.REQUESTS_RUNNING, len(sched.running), model)
-        self._set(m.REQUESTS_PENDING, len(sched.pending), model)
-        self._set(m.BATCH_THRESHOLD, sched.threshold(), model)
-        self._set(m.ACTIVE_REQUESTS, sched.current_n, model)
-        used, total = pool.num_used_blocks, pool.num_blocks
+        state = engine.status()
+        self._set(m.REQUESTS_WAITING, state.waiting, model)
+        self._set(m.REQUESTS_RUNNING, state.running, model)
+        self._set(m.REQUESTS_PENDING, state.pending, model)
+        self._set(m.BATCH_THRESHOLD, state.threshold, model)
+        self._set(m.ACTIVE_REQUESTS, state.active_requests, model)
+        used, total = state.kv_blocks_used, state.kv_blocks_total
         self._set(m.KV_USAGE, used / total if total else 0.0, model)
         self._set(m.KV_BLOCKS_USED, used, model)
         self._set(m.KV_BLOCKS_TOTAL, total, model)
-        self._count_new(m.PREEMPTIONS, self._preemptions, model, sched.num_preemptions)
+        self._count_new(m.PREEMPTIONS, self._preemptions, model, state.preemptions)
         self._count_new(
-            m.DEFERRED_TIMEOUTS, self._deferred_timeouts, model, sched.deferred_timeouts
+            m.DEFERRED_TIMEOUTS, self._deferred_timeouts, model, state.deferred_timeouts
         )
-        kv = engine.kv
-        if kv.prefix_cache_queries > self._cache_queries.get(model, 0):
+        if state.prefix_cache_queries > self._cache_queries.get(model, 0):
             # Hits go out with every growth of the queries, by 0 too: both series exist.
-            hits = kv.prefix_cache_hits - self._cache_hits.get(model, 0)
+            hits = state.prefix_cache_hits - self._cache_hits.get(model, 0)
             self._inc(m.PREFIX_CACHE_HITS, hits, model)
-            self._cache_hits[model] = kv.prefix_cache_hits
-        self._count_new(m.PREFIX_CACHE_QUERIES, self._cache_queries, model, kv.prefix_cache_queries)
+            self._cache_hits[model] = state.prefix_cache_hits
+        queries = state.prefix_cache_queries
+        self._count_new(m.PREFIX_CACHE_QUERIES, self._cache_queries, model, queries)
 
     def _count_new(self, metric: m.MetricDef, seen: dict[str, int], model: str, now: int) -> None:
         """Export the growth of a running total kept elsewhere (the scheduler's)."""

@@ -25,12 +25,17 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from tokenrouter_ray.engine.outputs import StepResult
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where tensors are made, not at import time: the runtime imports this
+# interface and stays torch-free until a step runs (tests/test_layering.py).
 
 
 class PolicyConfig(BaseModel):
@@ -65,6 +70,8 @@ class RouteBatch:
         """The batch for one step of model ``model``: per-row facts come in as host lists
         (one per row of ``step``) and go to the step's device here, so the runtime that
         calls this needs no torch."""
+        import torch
+
         dev = step.sampled.device
         return cls(
             model=model,
@@ -129,6 +136,8 @@ class Policy(ABC):
     def route_step(self, batch: RouteBatch) -> list[int]:
         """``route`` without autograd; only the index vector leaves the device (the scores
         ``route`` left in ``batch.scores`` stay there: see ``host_scores``)."""
+        import torch
+
         with torch.inference_mode():
             return self.route(batch).tolist()
 
@@ -153,6 +162,8 @@ class EscalateOnce(Policy):
 
     def route(self, batch: RouteBatch) -> torch.Tensor:
         if batch.model != 0:
+            import torch
+
             return torch.zeros(batch.size, dtype=torch.long, device=batch.device)
         return self.escalate(batch).long()
 
@@ -166,7 +177,7 @@ def host_scores(batch: RouteBatch) -> list[float | None] | None:
 
 def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:
     """H(softmax(logits)) / log(V) per row: 0 for a certain model, 1 for a uniform one."""
-    logp = torch.log_softmax(logits.double(), dim=-1)  # (B, V)
+    logp = logits.double().log_softmax(dim=-1)  # (B, V)
     return -(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])
 
 

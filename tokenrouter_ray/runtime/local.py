@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import Policy
@@ -20,6 +20,9 @@ from tokenrouter_ray.runtime.ingress import Completion, IngressCore
 from tokenrouter_ray.runtime.subserver import HandoffRecord, SubServer
 from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_name
 from tokenrouter_ray.transport.inproc import InProcChannel, InProcHub
+
+if TYPE_CHECKING:
+    from tokenrouter_ray.engine.engine import Engine
 
 
 class LocalRuntime:

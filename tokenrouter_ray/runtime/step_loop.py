@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tokenrouter_ray.engine.engine import PendingStep
+from tokenrouter_ray.engine.outputs import PendingStep
 
 if TYPE_CHECKING:
     from tokenrouter_ray.runtime.subserver import SubServer

@@ -27,8 +27,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.outputs import RequestOutput, StepResult
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import (
@@ -45,6 +45,9 @@ from tokenrouter_ray.runtime.step_loop import StepLoop
 from tokenrouter_ray.runtime.tracking import Tracked
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
 from tokenrouter_ray.tuning.window import WindowStats
+
+if TYPE_CHECKING:
+    from tokenrouter_ray.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +199,7 @@ class SubServer:
     def holds_anything(self) -> bool:
         """Requests, messages to apply or messages to send (``LocalRuntime.wait_idle``)."""
         return bool(
-            self.engine.requests
+            self.engine.has_unfinished
             or self.tracked
             or self.has_work_waiting
             or (self._outbox is not None and not self._outbox.empty())
@@ -318,7 +321,7 @@ class SubServer:
             tracked.owned_by(self.name)
         view = RequestView(rid, self.index, msg.anchor + len(msg.tokens), tracked.policy_state)
         tokens = self.policy.receive(view, list(msg.tokens), dict(msg.extras))
-        if rid in self.engine.requests:
+        if self.engine.holds(rid):
             self.engine.resume(rid, tokens, anchor=msg.anchor)
         elif msg.anchor == 0:
             self.engine.add_request(
@@ -326,7 +329,7 @@ class SubServer:
             )
         else:
             raise ValueError(f"extend at {msg.anchor} but this replica holds no state")
-        if rid not in self.engine.requests:  # the extend reached the context limit
+        if not self.engine.holds(rid):  # the extend reached the context limit
             self._finished(tracked, "length", out)
 
     # ------------------------------------------------------------------ sending
@@ -423,14 +426,13 @@ class SubServer:
         and the per-row scores on the host when some row's request asked for a trace."""
         if not result.request_ids:
             return Routed([])
-        requests = [self.engine.requests[rid] for rid in result.request_ids]
-        is_first = [r.num_output_tokens == 0 for r in requests]
+        requests, is_first = self.engine.step_requests(result), result.is_first
         batch = RouteBatch.of_step(
             self.index,
             result,
-            prev_tokens=[r.last_token_id for r in requests],
+            prev_tokens=result.prev_token_ids,
             is_first=is_first,
-            seeds=[r.seed for r in requests],
+            seeds=result.seeds,
             embed=self._embed,
         )
         t0 = time.perf_counter()
@@ -482,7 +484,7 @@ class SubServer:
         """Queue time (the ingress sent the NEW -> the start of the first step computing
         it here) of the new requests this step computed."""
         for rid, sent in list(self._unqueued.items()):
-            request = self.engine.requests.get(rid)
+            request = self.engine.get_request(rid)
             tracked = self.tracked.get(rid)
             if request is None or tracked is None:
                 del self._unqueued[rid]
@@ -513,7 +515,7 @@ class SubServer:
     def _record_step(self, result: StepResult, destinations: list[int], drop: set[str]) -> None:
         """The step and every row's move into the threshold tuner's statistics window."""
         now = time.monotonic()
-        active = self.engine.scheduler.current_n
+        active = self.engine.active_requests
         self.stats.record_step(
             result.batch_size, result.timings.total, now, active, result.num_scheduled_tokens
         )
@@ -608,7 +610,7 @@ class SubServer:
         """End every request that could have been in the failed step, with an error."""
         self.engine.discard_uncommitted()
         out: list[PeerReq] = []
-        for rid in [r.request_id for r in self.engine.requests.values() if r.is_runnable]:
+        for rid in self.engine.request_ids(runnable_only=True):
             tracked = self.tracked.get(rid)
             if tracked is not None:
                 self._finished(tracked, "error", out, error=error)

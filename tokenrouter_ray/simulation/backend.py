@@ -93,7 +93,11 @@ class SimRunner:
         record_gaps: bool = True,
         adaptive: bool = True,
         token_of: Callable[[int], int] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        """``clock`` / ``sleep``: the host's (``time.perf_counter`` / ``time.sleep``) unless
+        a test injects a fake pair to check the timing logic without waiting."""
         if not 0 <= token_id < vocab_size:
             raise ValueError(f"token_id {token_id} outside the vocabulary 0..{vocab_size - 1}")
         self.step_seconds = step_seconds
@@ -109,6 +113,8 @@ class SimRunner:
         self.adaptive = adaptive
         self.stats = SimStats()
         self._last_end: float | None = None
+        self._clock = clock
+        self._sleep = sleep
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Zero embeddings (policies that read embeddings see a constant)."""
@@ -127,7 +133,7 @@ class SimRunner:
         waits until the device is done (the profiled step time after the launch) and gives
         the result. Host work done between the two overlaps the step, as it does on a GPU
         whose kernels are queued and whose sampled tokens are read back at the end."""
-        t0 = time.perf_counter()
+        t0 = self._clock()
         sampling = [c.request for c in out.chunks if c.samples]
         batch = len(out.chunks)
         duration = self.step_seconds(batch)
@@ -153,11 +159,11 @@ class SimRunner:
         stats.batch_sum += batch
 
         def wait() -> StepResult:
-            remaining = ready_at - time.perf_counter() - self.sleep_bias_s
+            remaining = ready_at - self._clock() - self.sleep_bias_s
             slept = remaining > 0
             if slept:
-                time.sleep(remaining)
-            t1 = time.perf_counter()
+                self._sleep(remaining)
+            t1 = self._clock()
             if slept and self.adaptive:  # learn the timer's oversleep
                 error = t1 - ready_at
                 self.sleep_bias_s = min(max(0.0, self.sleep_bias_s + 0.2 * error), duration / 2)
@@ -203,9 +209,11 @@ def sim_engine(
     num_blocks: int = 4096,
     block_size: int = 16,
     sleep_bias_s: float = 0.0,
+    **runner_options: Any,
 ) -> Engine:
-    """An ``Engine`` over a ``SimRunner`` with the given deferred-launch settings."""
-    runner = SimRunner(step_seconds, sleep_bias_s=sleep_bias_s)
+    """An ``Engine`` over a ``SimRunner`` with the given deferred-launch settings
+    (``runner_options``: more ``SimRunner`` arguments, e.g. an injected ``clock`` and ``sleep``)."""
+    runner = SimRunner(step_seconds, sleep_bias_s=sleep_bias_s, **runner_options)
     config = EngineConfig(
         model="sim",
         block_size=block_size,

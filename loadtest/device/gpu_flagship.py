@@ -1,4 +1,4 @@
-"""The flagship's shapes through the engine on one GPU (issue 25), for ``loadtest.gpu_check``.
+"""The flagship's shapes through the engine on one GPU (issue 25), for ``device.gpu_check``.
 
 Random-weight models with Qwen3-0.6B's and Qwen3-32B's shapes (vocabulary 151,936; 28 and
 64 layers; 16/8 and 64/8 query/KV heads of 128) are built directly on the device in bf16,
@@ -38,8 +38,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from tokenrouter_ray.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from tokenrouter_ray.engine.block_pool import kv_bytes_per_token
-from tokenrouter_ray.engine.engine import Engine, EngineConfig, _forward_reserve
-from tokenrouter_ray.engine.memory_reserve import forward_reserve_bytes
+from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.memory_reserve import forward_reserve, forward_reserve_bytes
 from tokenrouter_ray.engine.model_runner import ModelRunner
 from tokenrouter_ray.engine.outputs import StepResult
 from tokenrouter_ray.engine.request import SamplingParams
@@ -317,7 +317,7 @@ def check_flagship(name: str, report: dict) -> bool:
         out[f"static_steps_graphs_{graphs}"] = eng.runner.static_steps
         if graphs:  # the long-context mixed batch; peak over capture and both runs
             out["mixed"] = mixed_run(eng, vocab, s)
-            reserve = _forward_reserve(lm, eng.config)
+            reserve = forward_reserve(lm, eng.config)
             out["reserve_gib"] = round(reserve / 2**30, 2)
             if DEVICE == "cuda":
                 beyond = torch.cuda.max_memory_allocated() - base - eng.runner.kv.nbytes

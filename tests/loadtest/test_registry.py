@@ -1,0 +1,38 @@
+"""Every benchmark in loadtest/ is reachable from ``python -m loadtest``: each module with a
+``main`` is in ``BENCHMARKS`` (or is the harness's own entry), and each entry names a module
+with a ``main``. Read from the source (AST): nothing is imported or run."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from loadtest.__main__ import BENCHMARKS
+
+LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
+# Modules with a ``main`` that are not benchmarks: the entry itself and two servers the
+# harness starts as systems under test.
+NOT_BENCHMARKS = {
+    "loadtest.__main__",
+    "loadtest.baselines.dispatcher",
+    "loadtest.baselines.step_sync",
+}
+
+
+def modules_with_main() -> set[str]:
+    found = set()
+    for path in LOADTEST.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            rel = path.relative_to(LOADTEST.parent).with_suffix("")
+            found.add(".".join(rel.parts))
+    return found
+
+
+def test_every_benchmark_module_is_a_subcommand() -> None:
+    registered = {module for module, _ in BENCHMARKS.values()}
+    assert modules_with_main() - NOT_BENCHMARKS - registered == set()
+
+
+def test_every_subcommand_names_a_module_with_main() -> None:
+    assert {module for module, _ in BENCHMARKS.values()} <= modules_with_main()

@@ -1,0 +1,59 @@
+"""How one engine is built: ``EngineConfig`` (model, dtype, device, KV blocks, memory budget,
+CUDA graphs, tensor parallel, the scheduler's own config).
+
+Torch-free and import-cheap: config.py (the app's), the memory reserve and the tensor-parallel
+launcher read it without loading the engine. ``Engine.from_config`` takes it.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenrouter_ray.engine.scheduler import SchedulerConfig
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="HF causal-LM directory or hub id.")
+    gguf_file: str | None = Field(None, description="GGUF file inside `model`, if any.")
+    dtype: str = Field("auto", description="auto (bf16 on CUDA, fp32 otherwise) or a dtype.")
+    device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0.")
+    num_hidden_layers: int | None = Field(
+        None, ge=1, description="Run only the first N layers (early-exit small models)."
+    )
+    block_size: int = Field(
+        16, ge=1, description="Tokens per KV block (flash-attn's paged path needs 256)."
+    )
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks; default: as many as kv_cache_bytes allows."
+    )
+    memory_budget_bytes: int = Field(
+        2 * 2**30, ge=1, description="Device memory for weights + KV when num_blocks is unset."
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Longest sequence; default: the model's position limit."
+    )
+    prefix_caching: bool = Field(
+        True,
+        description="Automatic prefix caching: full KV blocks are cached by content hash and "
+        "reused by later requests (and handoffs' first visits) with the same prefix.",
+    )
+    keep_logits: bool = Field(False, description="Keep next-token logits for the policy.")
+    keep_hidden: bool = Field(False, description="Keep last hidden states for the policy.")
+    cuda_graphs: bool = Field(
+        True, description="On CUDA, capture decode/small-extend steps as CUDA graphs per bucket."
+    )
+    static_batches: bool = Field(
+        False, description="Run the bucketed fixed-shape path eagerly off CUDA (for checks)."
+    )
+    tensor_parallel: int = Field(
+        1, ge=1, description="Ranks the model is split over (tensor_parallel.py); 1: one device."
+    )
+    collective_timeout_s: float = Field(
+        120.0, gt=0, description="Tensor parallel: a collective or the start-up join fails after."
+    )
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="Tensor parallel: how long rank 0 waits for workers to connect."
+    )
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
