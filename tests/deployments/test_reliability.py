@@ -655,3 +655,52 @@ def test_a_big_body_is_a_413_at_once_and_limits_are_400s(app: str) -> None:
     )
     assert ok.status_code == 200
     print(f"64 MiB body: 413 in {declared_s:.2f} s (Content-Length), {chunked_s:.2f} s chunked")
+
+
+def test_clients_that_never_read_leave_the_ingress_bounded_and_everything_freed(
+    app: str,
+) -> None:
+    """Two clients send a streaming ``n=16`` request each and never read (raw sockets with a
+    4 KiB receive buffer): the ingress replica's resident memory grows by less than the
+    bound, its own buffered-token count stays within ``n x stream_buffer_tokens`` per
+    stream, and once they go nothing is held anywhere. Behind Serve's HTTP proxy the
+    ingress's sends never block (the proxy takes every frame and buffers it), so the
+    stall rule is not what ends these streams here: closing the sockets is (see
+    docs/reliability.md, backpressure; tests/runtime/test_backpressure_http.py shows the
+    rule over a server that blocks)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(app)
+    procs = replica_processes()
+    import psutil
+
+    proxies = [p for p in psutil.process_iter(["cmdline"])
+               if "ProxyActor" in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    watched = {"ingress": procs["Ingress"], **{f"proxy{i}": p for i, p in enumerate(proxies)}}
+    before = {k: p.memory_info().rss for k, p in watched.items()}
+    peak = dict(before)
+    body = json.dumps({"model": "tokenrouter", "prompt": [7, 8, 9], "max_tokens": 200, "n": 16,
+                       "stream": True, "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
+    head = (f"POST {url.path}/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    socks = []
+    for _ in range(2):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((url.hostname, url.port))
+        sock.sendall(head + body)  # and never read
+        socks.append(sock)
+    buffered, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < 20:  # the tiny models finish 2 x 16 x 200 tokens in this
+        for k, p in watched.items():
+            peak[k] = max(peak[k], p.memory_info().rss)
+        buffered = max(buffered, stats(app)["stream_buffered_tokens"])
+        time.sleep(0.25)
+    for sock in socks:
+        sock.close()
+    growth = {k: round((peak[k] - before[k]) / 2**20, 1) for k in watched}
+    print(f"never-reading clients: RSS growth MiB {growth}; ingress buffered peak {buffered}")
+    assert buffered <= 2 * 16 * (256 + 1)  # the config's default stream_buffer_tokens
+    assert growth["ingress"] < 64, growth
+    wait_clean(app)
