@@ -17,7 +17,10 @@ model ends with an OpenAI error (non-streaming: the envelope, 503 with ``Retry-A
 retry should work; streaming: an error event, then ``[DONE]``). When a model replica
 disappears from the directory (its lease ran out: the process died), every unfinished
 request is re-created from its committed sequence on the replicas that remain or replace it.
-``/health`` is 503 while a model has no replica.
+``/health`` is 503 while a model has no replica. A streamed choice waits once it is
+``ingress.stream_buffer_tokens`` ahead of its client, and a client blocked for
+``ingress.client_stall_s`` is cut (runtime/backpressure.py; Serve's proxy, which buffers
+what the client does not read, hides that from this replica: docs/reliability.md).
 """
 
 # No `from __future__ import annotations` here: FastAPI resolves the route methods'

@@ -147,6 +147,7 @@ def _undisturbed(base: str, n: int, max_tokens: int) -> list[str]:
 def directory_restart(base: str, n: int = 8, max_tokens: int = 64) -> dict[str, Any]:
     want = _undisturbed(base, n, max_tokens)
     secret = rb.handle("EndpointDirectory").peer_secret.remote().result()
+    before = len(rb.stats(base)["recoveries"])
     futures, started = _streams(base, n, max_tokens)
     for ev in started:
         ev.wait(120)
@@ -163,7 +164,10 @@ def directory_restart(base: str, n: int = 8, max_tokens: int = 64) -> dict[str, 
         "requests_in_flight": n,
         "outcomes": outcomes,
         "same_secret_after_restart": same_secret,
-        "healthy_again_s": None if back is None else round(time.monotonic() - t0, 1),
+        "healthy_checked_after_streams_s": None
+        if back is None
+        else round(time.monotonic() - t0, 1),
+        "recoveries": rb.stats(base)["recoveries"][before:],
         "bad_mac_on_new_large": _model_states()["large"]["peer_rejected"].get("bad_mac", 0),
         "new_request_equal_undisturbed": fresh == want[0],
         "settled_s": seconds,

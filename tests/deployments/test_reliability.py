@@ -27,7 +27,12 @@ TWO = ["small", "large"]
 APP = "reliability"
 MAX_ACTIVE = 64
 OPTIONS = {"threshold": 0.45}  # entropy policy: deterministic routing
-EXTRA = ["policy.options.threshold=0.45", f"ingress.max_active_requests={MAX_ACTIVE}"]
+MAX_STEP_S = 8  # above every stall the other tests inject (4 s at most)
+EXTRA = [
+    "policy.options.threshold=0.45",
+    f"ingress.max_active_requests={MAX_ACTIVE}",
+    f"models.large.max_step_s={MAX_STEP_S}",
+]
 KEPT_TOKENS = 160  # the requests kept while others are cancelled run through the waves
 RSS_GROWTH_BOUND_MIB = 256  # per replica process, during a 512-request burst
 
@@ -703,4 +708,44 @@ def test_clients_that_never_read_leave_the_ingress_bounded_and_everything_freed(
     print(f"never-reading clients: RSS growth MiB {growth}; ingress buffered peak {buffered}")
     assert buffered <= 2 * 16 * (256 + 1)  # the config's default stream_buffer_tokens
     assert growth["ingress"] < 64, growth
+    wait_clean(app)
+
+
+def test_a_wedged_step_fails_health_and_its_requests_recover_exact(
+    app: str, served_chain_dirs
+) -> None:
+    """The large model's next step never returns (it sleeps an hour): past
+    ``max_step_s`` its health check fails, Serve replaces the replica, and the requests in
+    flight are re-created on the new one and finish equal to an undisturbed run."""
+    batch = prompts(4)
+    want = local_outputs(served_chain_dirs, TWO, "entropy", OPTIONS, batch, 64)
+    large = model_handle("large")
+    old_pid = large.status.remote().result()["pid"]
+    before = len(stats(app)["recoveries"])
+    large.inject_fault.remote("stall", 10_000, 0.05).result()  # slow: the wedge lands mid-way
+    api = client(app, timeout=240)
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        futures = [
+            pool.submit(
+                lambda p: ids_of(
+                    api.completions.create(
+                        model="tokenrouter", prompt=p, max_tokens=64, temperature=0
+                    )
+                    .choices[0]
+                    .text
+                ),
+                p,
+            )
+            for p in batch
+        ]
+        time.sleep(1.0)
+        large.inject_fault.remote("stall", 1, 3600.0).result()  # the next step never returns
+        wedged = time.monotonic()
+        got = [f.result(timeout=300) for f in futures]
+    done_s = time.monotonic() - wedged
+    assert got == [w.token_ids for w in want]
+    assert model_handle("large").status.remote().result()["pid"] != old_pid  # replaced
+    recoveries = stats(app)["recoveries"][before:]
+    assert recoveries and sum(r["recreated"] for r in recoveries) >= 1, recoveries
+    print(f"wedged step: all {len(batch)} exact {done_s:.1f} s after the wedge; {recoveries}")
     wait_clean(app)
