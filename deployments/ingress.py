@@ -366,6 +366,7 @@ class Ingress:
             "recoveries": self.recoveries[-20:],
             "stream_buffered_tokens": self.server.buffered_tokens,  # not yet taken by clients
             "client_stalls": self.server.client_stalls,  # streams cut: client stopped reading
+            "orphans_aborted": self.core.orphans_aborted,  # copies told to stop (issue 26)
             "models": models,
         }
 
