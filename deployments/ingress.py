@@ -17,7 +17,10 @@ model ends with an OpenAI error (non-streaming: the envelope, 503 with ``Retry-A
 retry should work; streaming: an error event, then ``[DONE]``). When a model replica
 disappears from the directory (its lease ran out: the process died), every unfinished
 request is re-created from its committed sequence on the replicas that remain or replace it.
-``/health`` is 503 while a model has no replica.
+``/health`` is 503 while a model has no replica. A streamed choice waits once it is
+``ingress.stream_buffer_tokens`` ahead of its client, and a client blocked for
+``ingress.client_stall_s`` is cut (runtime/backpressure.py; Serve's proxy, which buffers
+what the client does not read, hides that from this replica: docs/reliability.md).
 """
 
 # No `from __future__ import annotations` here: FastAPI resolves the route methods'
@@ -73,6 +76,7 @@ from tokenrouter_ray.openai.validation import (
     prepare_completion,
 )
 from tokenrouter_ray.runtime.admission import AdmissionQueue
+from tokenrouter_ray.runtime.backpressure import Backpressure
 from tokenrouter_ray.runtime.ingress import IngressCore
 from tokenrouter_ray.runtime.openai_server import IngressServer, StreamedChoices
 
@@ -175,18 +179,30 @@ def _with_request_id(prepared: PreparedRequest, request: Request) -> PreparedReq
 class _ChoicesResponse(StreamingResponse):
     """A stream whose choices are cancelled however the response ends (a client that
     disconnects before the first byte never starts the body generator, so the body's own
-    cleanup would not run)."""
+    cleanup would not run), and that stops, unfinished, once ``stalled`` returns (the client
+    stopped reading: runtime/backpressure.py); the server then closes the connection."""
 
-    def __init__(self, tasks: list[asyncio.Future], *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, tasks: list[asyncio.Future], stalled: Any, *args: Any, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.tasks = tasks
+        self.stalled = stalled
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        respond = asyncio.ensure_future(super().__call__(scope, receive, send))
+        watch = asyncio.ensure_future(self.stalled()) if self.stalled is not None else None
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait([t for t in (respond, watch) if t is not None],
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if respond.done():
+                respond.result()  # its exception, if any
         finally:
-            for task in self.tasks:
-                task.cancel()
+            for task in (respond, watch, *self.tasks):
+                if task is not None:
+                    task.cancel()
+            with contextlib.suppress(BaseException):
+                await respond
 
 
 # OpenAIError and RequestValidationError are handled inside the middleware stack (Starlette's
@@ -267,6 +283,7 @@ class Ingress:
             # cache-aware placement of every model's replica (runtime/affinity.py)
             replicas_of=lambda model: self.peers.by_model.get(model, []),
             block_sizes={name: spec.block_size for name, spec in cfg.models.items()},
+            backpressure=Backpressure(cfg.ingress.stream_buffer_tokens, cfg.ingress.client_stall_s),
         )
         self._slo = asyncio.create_task(self._follow_slo()) if cfg.tuner.min_tokens_per_s else None
 
@@ -347,6 +364,9 @@ class Ingress:
             "cpu_s": time.process_time(),  # this ingress process's CPU time
             "endpoints": self.peers.by_model,
             "recoveries": self.recoveries[-20:],
+            "stream_buffered_tokens": self.server.buffered_tokens,  # not yet taken by clients
+            "client_stalls": self.server.client_stalls,  # streams cut: client stopped reading
+            "orphans_aborted": self.core.orphans_aborted,  # copies told to stop (issue 26)
             "models": models,
         }
 
@@ -458,7 +478,11 @@ class Ingress:
         result = await self.server.respond(prepared, chat, timeout_s)
         if isinstance(result, StreamedChoices):
             return _ChoicesResponse(
-                result.tasks, result.body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS
+                result.tasks,
+                result.stalled,
+                result.body,
+                media_type=SSE_MEDIA_TYPE,
+                headers=SSE_HEADERS,
             )
         return JSONResponse(result.model_dump(mode="json"))
 

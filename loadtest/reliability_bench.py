@@ -10,7 +10,9 @@ beside a few kept ones), ``fault`` (a forward step of the large model raises), `
 (the large model stalls past the requests' ``timeout``), ``kill`` (the large model's
 replica process is SIGKILLed with streams in flight), ``bad_json`` (a body nested 5,000
 deep), ``forged`` (forged, unsigned, replayed-looking and garbage frames sent to the large
-model's ZeroMQ socket). Each prints one JSON line; ``leaked`` is what the ingress and the
+model's ZeroMQ socket); and, from ``loadtest/reliability_more.py``, ``slow_reader``,
+``directory_restart``, ``wedged_step`` (pass ``--override models.large.max_step_s=5``) and
+``ingress_kill``. Each prints one JSON line; ``leaked`` is what the ingress and the
 models still held once the scenario settled (requests, KV blocks).
 """
 
@@ -342,10 +344,14 @@ SCENARIOS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=18600)
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="also: slow_reader, "
+                        "directory_restart, wedged_step, ingress_kill")  # fmt: skip
     parser.add_argument("--override", action="append", default=[], help="extra Hydra override")
     parser.add_argument("--json-out")
     args = parser.parse_args()
+    from loadtest.reliability_more import SCENARIOS as MORE  # issue 26's scenarios
+
+    SCENARIOS.update(MORE)
     print(f"# {command()}\n# {machine()}", flush=True)
     t0 = time.monotonic()
     base = deploy(args.port, DEMO + args.override)

@@ -219,6 +219,20 @@ class IngressSpec(_Strict):
         description="Serve's own queue in front of each ingress replica (max_queued_requests; "
         "-1: unbounded); Serve answers 503 past it.",
     )
+    stream_buffer_tokens: int = Field(
+        256,
+        ge=1,
+        description="Tokens a streamed choice may be ahead of its client: past it the choice "
+        "reads no more committed tokens until the client takes a chunk (backpressure).",
+    )
+    client_stall_s: float = Field(
+        30.0,
+        gt=0,
+        description="A streaming client that took no chunk for this long while output waits "
+        "for it (a full choice, or generation over) is cut: its request is aborted on every "
+        "model and its memory freed. Seen only where the HTTP server blocks on a full socket "
+        "(docs/reliability.md, backpressure).",
+    )
     limits: RequestLimitSpec = Field(default_factory=RequestLimitSpec)
 
 

@@ -27,7 +27,12 @@ TWO = ["small", "large"]
 APP = "reliability"
 MAX_ACTIVE = 64
 OPTIONS = {"threshold": 0.45}  # entropy policy: deterministic routing
-EXTRA = ["policy.options.threshold=0.45", f"ingress.max_active_requests={MAX_ACTIVE}"]
+MAX_STEP_S = 8  # above every stall the other tests inject (4 s at most)
+EXTRA = [
+    "policy.options.threshold=0.45",
+    f"ingress.max_active_requests={MAX_ACTIVE}",
+    f"models.large.max_step_s={MAX_STEP_S}",
+]
 KEPT_TOKENS = 160  # the requests kept while others are cancelled run through the waves
 RSS_GROWTH_BOUND_MIB = 256  # per replica process, during a 512-request burst
 
@@ -655,3 +660,93 @@ def test_a_big_body_is_a_413_at_once_and_limits_are_400s(app: str) -> None:
     )
     assert ok.status_code == 200
     print(f"64 MiB body: 413 in {declared_s:.2f} s (Content-Length), {chunked_s:.2f} s chunked")
+
+
+def test_clients_that_never_read_leave_the_ingress_bounded_and_everything_freed(
+    app: str,
+) -> None:
+    """Two clients send a streaming ``n=16`` request each and never read (raw sockets with a
+    4 KiB receive buffer): the ingress replica's resident memory grows by less than the
+    bound, its own buffered-token count stays within ``n x stream_buffer_tokens`` per
+    stream, and once they go nothing is held anywhere. Behind Serve's HTTP proxy the
+    ingress's sends never block (the proxy takes every frame and buffers it), so the
+    stall rule is not what ends these streams here: closing the sockets is (see
+    docs/reliability.md, backpressure; tests/runtime/test_backpressure_http.py shows the
+    rule over a server that blocks)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(app)
+    procs = replica_processes()
+    import psutil
+
+    proxies = [p for p in psutil.process_iter(["cmdline"])
+               if "ProxyActor" in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    watched = {"ingress": procs["Ingress"], **{f"proxy{i}": p for i, p in enumerate(proxies)}}
+    before = {k: p.memory_info().rss for k, p in watched.items()}
+    peak = dict(before)
+    body = json.dumps({"model": "tokenrouter", "prompt": [7, 8, 9], "max_tokens": 200, "n": 16,
+                       "stream": True, "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
+    head = (f"POST {url.path}/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    socks = []
+    for _ in range(2):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((url.hostname, url.port))
+        sock.sendall(head + body)  # and never read
+        socks.append(sock)
+    buffered, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < 20:  # the tiny models finish 2 x 16 x 200 tokens in this
+        for k, p in watched.items():
+            peak[k] = max(peak[k], p.memory_info().rss)
+        buffered = max(buffered, stats(app)["stream_buffered_tokens"])
+        time.sleep(0.25)
+    for sock in socks:
+        sock.close()
+    growth = {k: round((peak[k] - before[k]) / 2**20, 1) for k in watched}
+    print(f"never-reading clients: RSS growth MiB {growth}; ingress buffered peak {buffered}")
+    assert buffered <= 2 * 16 * (256 + 1)  # the config's default stream_buffer_tokens
+    assert growth["ingress"] < 64, growth
+    wait_clean(app)
+
+
+def test_a_wedged_step_fails_health_and_its_requests_recover_exact(
+    app: str, served_chain_dirs
+) -> None:
+    """The large model's next step never returns (it sleeps an hour): past
+    ``max_step_s`` its health check fails, Serve replaces the replica, and the requests in
+    flight are re-created on the new one and finish equal to an undisturbed run."""
+    batch = prompts(4)
+    want = local_outputs(served_chain_dirs, TWO, "entropy", OPTIONS, batch, 64)
+    large = model_handle("large")
+    old_pid = large.status.remote().result()["pid"]
+    before = len(stats(app)["recoveries"])
+    large.inject_fault.remote("stall", 10_000, 0.05).result()  # slow: the wedge lands mid-way
+    api = client(app, timeout=240)
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        futures = [
+            pool.submit(
+                lambda p: ids_of(
+                    api.completions.create(
+                        model="tokenrouter", prompt=p, max_tokens=64, temperature=0
+                    )
+                    .choices[0]
+                    .text
+                ),
+                p,
+            )
+            for p in batch
+        ]
+        time.sleep(1.0)
+        large.inject_fault.remote("stall", 1, 3600.0).result()  # the next step never returns
+        wedged = time.monotonic()
+        got = [f.result(timeout=300) for f in futures]
+    done_s = time.monotonic() - wedged
+    assert got == [w.token_ids for w in want]
+    assert model_handle("large").status.remote().result()["pid"] != old_pid  # replaced
+    recoveries = stats(app)["recoveries"][before:]
+    assert recoveries and sum(r["recreated"] for r in recoveries) >= 1, recoveries
+    print(f"wedged step: all {len(batch)} exact {done_s:.1f} s after the wedge; {recoveries}")
+    wait_clean(app)
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -200,6 +201,7 @@ def test_models_free_requests_whose_ingress_is_gone_after_the_deadline(
             for i in range(4):
                 await rt.ingress.submit(f"orphan{i}", [1, 2, 3 + i], spec, timeout_s=0.5)
             await asyncio.sleep(0.3)
+            rt.ingress._abort_orphan = lambda msg: None  # a dead ingress answers nothing
             for i in range(4):  # the ingress dies: nobody will ever abort them
                 live = rt.ingress.live.pop(f"orphan{i}")
                 rt.ingress._wire.pop(live.wire_rid)
@@ -231,5 +233,86 @@ def test_only_requests_assigned_to_a_lost_replica_are_recreated(chain_dirs) -> N
             await rt.wait_idle()
             assert all_free(rt)
             assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+    asyncio.run(go())
+
+
+def slow_steps(rt: LocalRuntime, seconds: float) -> None:
+    for server in rt.subservers:
+        runner = server.engine.runner
+
+        def slow(out, timings, real=runner.execute):  # type: ignore[no-untyped-def]
+            time.sleep(seconds)
+            return real(out, timings)
+
+        runner.execute = slow
+
+
+def test_a_copy_the_ingress_no_longer_holds_is_aborted_on_every_model(chain_dirs) -> None:
+    """A model still committing for a request the ingress forgot (a submission cancelled
+    after its NEW was queued, say) is stopped by its next COMMIT: on every model, including
+    one where the copy only waits paused (issue 26: an ABORT to the sender alone left such a
+    copy held for good over the Ray transport)."""
+    policy = build_policy("bernoulli", {"p": 0.3}, TWO)
+    spec = SamplingSpec(temperature=0.0, max_tokens=10_000, seed=3, ignore_eos=True)
+
+    async def go() -> None:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            slow_steps(rt, 0.04)  # 40 ms steps: its context limit is many seconds away
+            await rt.ingress.submit("stale", [1, 2, 3], spec, timeout_s=600)
+            while not all(s.tracked for s in rt.subservers):  # on both models
+                await asyncio.sleep(0.005)
+            live = rt.ingress.live.pop("stale")  # the ingress forgets it
+            rt.ingress._wire.pop(live.wire_rid)
+            live.timer.cancel()
+            await rt.wait_idle(timeout=10)  # long before its deadline or any sweep
+            assert all_free(rt) and rt.ingress.orphans_aborted == 1
+
+    asyncio.run(go())
+
+
+def test_copies_on_a_replica_that_stalled_past_its_lease_are_aborted(chain_dirs) -> None:
+    """The large model's replica stalls; its lease runs out (it leaves the ingress's
+    endpoints) and its requests are re-created; then it answers again, still holding the
+    old incarnations. Those are aborted once it reports (or reappears), nothing is left
+    on any model, and the re-created requests finish equal to an undisturbed run."""
+    policy = build_policy("bernoulli", {"p": 0.4}, TWO)
+    batch = prompts(4)
+
+    async def go() -> None:
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
+            want = await rt.complete_all(batch, SPEC)
+            await rt.wait_idle()
+            small, large = rt.subservers
+            stalled = threading.Event()
+            real = large.engine.runner.execute
+
+            def stalling(out, timings):  # type: ignore[no-untyped-def]
+                while stalled.is_set():
+                    time.sleep(0.01)
+                return real(out, timings)
+
+            large.engine.runner.execute = stalling
+            tasks = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in batch]
+            while (
+                not large.tracked
+                or sum(len(live.log.tokens) for live in rt.ingress.live.values()) < 20
+            ):
+                await asyncio.sleep(0.002)
+            stalled.set()  # mid-step: the large replica stops answering
+            every = rt.ingress.all_endpoints
+            rt.ingress.all_endpoints = lambda: [small.endpoint]  # its lease ran out
+            old = set(rt.ingress._wire)
+            assert await rt.ingress.recreate(lost={large.endpoint}) > 0
+            await asyncio.sleep(0.2)
+            assert old & set(large.tracked)  # it still holds old incarnations
+            rt.ingress.all_endpoints = every  # its heartbeat registers it again
+            stalled.clear()
+            got = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            await rt.wait_idle(timeout=10)  # the old copies too: within a step or a refresh
+            assert all_free(rt)
+            assert [c.token_ids for c in got] == [c.token_ids for c in want]
+            assert all(c.recreated for c in got)
+            large.engine.runner.execute = real
 
     asyncio.run(go())

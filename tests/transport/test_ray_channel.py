@@ -92,6 +92,30 @@ def echoed(m: PeerReq) -> PeerReq:
     return msgspec.structs.replace(m, src=m.dst, dst=m.src)
 
 
+async def test_a_destination_resolved_again_keeps_receiving(
+    driver: RayChannel, directory: RayDirectory
+) -> None:
+    """After a failed delivery the channel forgets a destination and resolves it again: the
+    frames sent then must arrive, not be taken for duplicates of the earlier sequence."""
+    echo = await start_echo(directory, "again", direct=False)
+    dst = "again/0"
+    first = [handoff(seq, src="driver/0", dst=dst) for seq in range(5)]
+    for m in first:
+        await driver.send(dst, [m])
+    assert [m for b in await recv_n(driver, 5, timeout_s=30) for m in b] == [
+        echoed(m) for m in first
+    ]
+    driver._targets.pop(dst)  # as after a delivery that raised
+    driver.forget_peer(dst)
+    later = [handoff(seq, src="driver/0", dst=dst) for seq in range(5, 8)]
+    for m in later:
+        await driver.send(dst, [m])
+    got = [m for b in await recv_n(driver, 3, timeout_s=30) for m in b]
+    assert got == [echoed(m) for m in later]
+    await echo.stop.remote()
+    ray.kill(echo)
+
+
 async def test_unknown_destination(driver: RayChannel) -> None:
     with pytest.raises(UnknownPeerError, match="'ghost/0'"):
         await driver.send("ghost/0", [handoff(0)])

@@ -26,8 +26,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -200,11 +200,29 @@ class CompletionStream(_Stream):
         return sse_event(self._chunk([self._choice(index, text, reason, extra)], routing))
 
 
+class WriterHooks(Protocol):
+    """What the writer tells a backpressure gate (``runtime/backpressure.py``'s
+    ``StreamGate``): it is about to hand a frame to the server, and the server took it."""
+
+    def sending(self) -> None: ...
+
+    def sent(self, pieces: Iterable[int] = ()) -> None: ...
+
+
+class _NoHooks:
+    def sending(self) -> None:
+        pass
+
+    def sent(self, pieces: Iterable[int] = ()) -> None:
+        pass
+
+
 async def merge_choice_streams(
     stream: ChatStream | CompletionStream,
     tasks: Sequence[asyncio.Future[ChoiceResult]],
     pieces: asyncio.Queue,
     prompt_len: int,
+    hooks: WriterHooks | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE frames of one request whose ``n`` choices run as ``tasks``: text pieces
     ``(index, text, extra)`` from ``pieces`` as they come (``extra``: more fields of that
@@ -212,21 +230,32 @@ async def merge_choice_streams(
     ends (after its last pieces), then usage and ``[DONE]``. A choice that fails ends the
     stream with its OpenAI error event and ``[DONE]`` (the other choices are cancelled),
     never a cut connection. Closing the generator early (a client disconnect) cancels
-    every choice's task."""
+    every choice's task. ``hooks`` hear of every frame handed to the server and of the
+    pieces it carried (backpressure: a frame is taken by the client when the generator is
+    resumed after yielding it)."""
+    hooks = hooks or _NoHooks()
     try:
+        hooks.sending()
         yield stream.start()
+        hooks.sent()
         pending = set(tasks)
         while pending or not pieces.empty():
             getter = asyncio.ensure_future(pieces.get())
             done, _ = await asyncio.wait({getter, *pending}, return_when=asyncio.FIRST_COMPLETED)
             if getter in done:
-                yield stream.delta(*getter.result())
+                piece = getter.result()
+                hooks.sending()
+                yield stream.delta(*piece)
+                hooks.sent((piece[0],))
             else:
                 getter.cancel()
             for task in done - {getter}:
                 pending.discard(task)
                 while not pieces.empty():
-                    yield stream.delta(*pieces.get_nowait())
+                    piece = pieces.get_nowait()
+                    hooks.sending()
+                    yield stream.delta(*piece)
+                    hooks.sent((piece[0],))
                 try:
                     choice = task.result()
                 except Exception as exc:
@@ -235,10 +264,14 @@ async def merge_choice_streams(
                 extra = dict(choice.details or {})
                 if choice.metrics is not None:
                     extra["metrics"] = choice.metrics.model_dump()
+                hooks.sending()
                 yield stream.finish(choice.index, choice.finish_reason, choice.routing, extra=extra)
+                hooks.sent()
         results = [t.result() for t in tasks]
         total = sum(c.num_tokens for c in results)
+        hooks.sending()
         yield stream.end(prompt_len, total, RoutingInfo.merge(c.routing for c in results))
+        hooks.sent()
     finally:
         for task in tasks:
             task.cancel()

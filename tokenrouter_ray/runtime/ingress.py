@@ -23,7 +23,13 @@ Reliability rules (docs/reliability.md):
   here, under a new wire id (``<rid>~<k>``): the old incarnation is aborted everywhere, the
   new one is a NEW to the entry model carrying prompt + committed tokens, the original
   prompt length (so ``max_tokens`` and first-token logic keep their meaning) and the
-  replicas to use. Anchors and policy state start afresh.
+  replicas to use. Anchors and policy state start afresh;
+- copies this ingress no longer wants are stopped: a COMMIT for a wire id it does not hold
+  (an incarnation superseded by ``recreate`` on a replica that only stalled past its lease,
+  or a request whose submission was cancelled after its NEW was queued) brings an ABORT to
+  every model endpoint and its sender, once per id; and an endpoint that (re)appears gets
+  the ABORTs of the incarnations superseded lately, for copies held there that report
+  nothing (paused while another model writes).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 ACTIVE_REFRESH_S = 1.0  # a non-zero active count is republished this often
+STOPPED_REMEMBERED = 4096  # wire ids told to stop, and superseded incarnations, remembered
 
 
 @dataclass
@@ -133,6 +140,10 @@ class IngressCore:
         self._published: int | None = None  # the count last sent in an ACTIVE
         self.tokens_received = 0  # committed tokens received (for host-path benchmarks)
         self.frames_received = 0
+        self._told_to_stop: dict[str, None] = {}  # orphan wire ids aborted (insertion order)
+        self._superseded: dict[str, None] = {}  # wire ids replaced by ``recreate``
+        self._endpoints_seen: set[str] = set()  # model endpoints at the last refresh
+        self.orphans_aborted = 0  # orphan copies told to stop (stats)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._receive_loop(), name="ingress-recv")
@@ -192,6 +203,22 @@ class IngressCore:
             await asyncio.sleep(ACTIVE_REFRESH_S)
             if self._published or self.num_active:
                 self._publish_active()
+            self._abort_superseded_on_new_endpoints()
+
+    def _abort_superseded_on_new_endpoints(self) -> None:
+        """An endpoint that appeared since the last refresh (a replica back from a stall
+        past its lease, or a new one) may hold copies of incarnations ``recreate``
+        superseded while it was away: ABORT them there (unknown ids are ignored)."""
+        now = set(self.all_endpoints())
+        new, self._endpoints_seen = now - self._endpoints_seen, now
+        if not new or not self._superseded:
+            return
+        msgs = [
+            PeerReq(rid=rid, src=self.channel.name, dst=dst, kind=MsgKind.ABORT, handoff_seq=0)
+            for dst in sorted(new)
+            for rid in self._superseded
+        ]
+        self._spawn(self._send_grouped(msgs))
 
     async def submit(
         self,
@@ -221,6 +248,9 @@ class IngressCore:
             live.timer.cancel()  # set just above
             self.live.pop(rid, None)
             self._wire.pop(rid, None)
+            # a send cancelled while it waited (the Ray channel's window) may have queued the
+            # NEW already: the request would run with nobody holding it here
+            self._broadcast_abort(rid)
             raise
         self._active_changed()
 
@@ -402,6 +432,7 @@ class IngressCore:
                 continue
             self._broadcast_abort(live.wire_rid)
             self._wire.pop(live.wire_rid, None)
+            _remember(self._superseded, live.wire_rid)
             live.completion.recreated += 1
             live.wire_rid = f"{live.rid}~{live.completion.recreated}"
             self._wire[live.wire_rid] = live
@@ -450,7 +481,11 @@ class IngressCore:
 
     def _on_message(self, msg: PeerReq) -> None:
         live = self._wire.get(msg.rid)
-        if live is None or live.done:
+        if live is None:
+            if msg.kind == MsgKind.COMMIT:
+                self._abort_orphan(msg)
+            return
+        if live.done:
             return
         if msg.kind == MsgKind.COMMIT:
             model = msg.src.split("/", 1)[0]
@@ -482,6 +517,37 @@ class IngressCore:
         if live.complete:
             live.updates.put_nowait(None)
 
+    def _abort_orphan(self, msg: PeerReq) -> None:
+        """A model still generates a request this ingress does not hold (see the module
+        docstring): ABORT it on every model endpoint and its sender, once per wire id.
+        Every holder, not only the sender: a copy paused on another model (waiting for
+        this one to hand it back) would otherwise be held there for good."""
+        if msg.rid in self._told_to_stop:
+            return
+        _remember(self._told_to_stop, msg.rid)
+        self.orphans_aborted += 1
+        self.metrics.error(INGRESS, "orphan_aborted")
+        logger.info("ingress: %s commits %s, which it no longer holds: aborting", msg.src, msg.rid)
+        msgs = [
+            PeerReq(rid=msg.rid, src=self.channel.name, dst=dst, kind=MsgKind.ABORT, handoff_seq=0)
+            for dst in dict.fromkeys([msg.src, *self.all_endpoints()])
+        ]
+        self._spawn(self._send_each(msgs))
+
+    async def _send_grouped(self, msgs: list[PeerReq]) -> None:
+        """One frame per destination, each destination on its own (like ``_send_each``)."""
+        groups: dict[str, list[PeerReq]] = {}
+        for msg in msgs:
+            groups.setdefault(msg.dst, []).append(msg)
+        for dst, group in groups.items():
+            try:
+                await self.channel.send(dst, group)
+            except ChannelClosed:
+                return
+            except Exception as exc:
+                logger.warning("ingress: %d ABORTs to %s failed: %s", len(group), dst, exc)
+                self.metrics.error(INGRESS, "send_failed")
+
     def _record_tokens(self, live: _Live, n: int) -> None:
         now = time.monotonic()
         if live.first_token_at is None:
@@ -490,6 +556,13 @@ class IngressCore:
         else:
             self.metrics.inter_token((now - live.last_token_at) / n)
         live.last_token_at = now
+
+
+def _remember(ids: dict[str, None], rid: str) -> None:
+    """Add to a bounded insertion-ordered set (the oldest falls out)."""
+    ids[rid] = None
+    if len(ids) > STOPPED_REMEMBERED:
+        ids.pop(next(iter(ids)))
 
 
 def _holders(entry: str, assigned: Mapping[str, str] | None) -> set[str] | None:

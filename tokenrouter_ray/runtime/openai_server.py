@@ -12,10 +12,12 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenrouter_ray.metrics import INGRESS
 from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
 from tokenrouter_ray.openai.errors import (
     OpenAIError,
@@ -49,6 +51,7 @@ from tokenrouter_ray.openai.token_reports import (
 )
 from tokenrouter_ray.openai.validation import PreparedRequest
 from tokenrouter_ray.runtime.affinity import PrefixAffinity
+from tokenrouter_ray.runtime.backpressure import Backpressure, StreamGate
 from tokenrouter_ray.runtime.ingress import Completion, IngressCore
 
 logger = logging.getLogger(__name__)
@@ -65,11 +68,15 @@ def choice_error(done: Completion) -> OpenAIError:
 
 @dataclass
 class StreamedChoices:
-    """A streaming answer: the SSE body, and the choice tasks to cancel however the
-    response ends (a client that leaves before the first byte never starts the body)."""
+    """A streaming answer: the SSE body, the choice tasks to cancel however the response
+    ends (a client that leaves before the first byte never starts the body), and
+    ``stalled()``, which returns once the client stopped reading (runtime/backpressure.py;
+    the choices are aborted by then): the HTTP response must then stop, closing the
+    connection."""
 
     tasks: list[asyncio.Future]
     body: AsyncIterator[bytes]
+    stalled: Callable[[], Coroutine[Any, Any, None]] | None = None
 
 
 class IngressServer:
@@ -99,6 +106,7 @@ class IngressServer:
         models: Sequence[str] = (),
         replicas_of: Callable[[str], Sequence[str]] | None = None,
         block_sizes: Mapping[str, int] | None = None,
+        backpressure: Backpressure | None = None,
     ) -> None:
         self.core = core
         self.models = list(models)  # entry first; (): the core's endpoints name them
@@ -119,6 +127,11 @@ class IngressServer:
         self.assigned_load: dict[str, int] = {}  # choices in flight per non-entry endpoint
         self._assigned: dict[str, list[str]] = {}  # rid -> its non-entry endpoints
         self._ids = itertools.count()
+        # backpressure (runtime/backpressure.py): each stream's choices wait while they are
+        # ``max_buffered_tokens`` ahead of their client; a client that stops reading is cut
+        self.backpressure = backpressure or Backpressure()
+        self._gates: weakref.WeakSet[StreamGate] = weakref.WeakSet()  # open streams
+        self.client_stalls = 0  # streams ended because their client stopped reading
 
     def entry(self, prompt: Sequence[int] | None = None, cache_salt: str | None = None) -> str:
         """The entry replica for a prompt: the one that last got its longest prefix (its
@@ -183,9 +196,30 @@ class IngressServer:
             name, prepared.sampling.n, include_usage=prepared.sampling.include_usage
         )
         pieces: asyncio.Queue = asyncio.Queue()
+        gate = StreamGate(len(submitted), self.backpressure)
+        self._gates.add(gate)
         # Started now: the body may never be iterated if the client leaves first.
-        tasks = self.start_choices(submitted, prepared, pieces, chat)
-        return StreamedChoices(tasks, self._sse(stream, tasks, pieces, prompt_len))
+        tasks = self.start_choices(submitted, prepared, pieces, chat, gate)
+        body = self._sse(stream, tasks, pieces, prompt_len, gate)
+        return StreamedChoices(tasks, body, lambda: self._cut_when_stalled(gate, tasks))
+
+    @property
+    def buffered_tokens(self) -> int:
+        """Tokens produced for open streams that their clients have not taken yet."""
+        return sum(gate.buffered_total for gate in list(self._gates))
+
+    async def _cut_when_stalled(self, gate: StreamGate, tasks: list[asyncio.Future]) -> None:
+        """Returns once the stream's client stopped reading, with its choices aborted
+        everywhere (their tasks' cleanup: ABORT to the models, slots released)."""
+        await gate.watch()
+        self.client_stalls += 1
+        self.core.metrics.error(INGRESS, "client_stalled")
+        logger.warning(
+            "ingress: a streaming client took nothing for %.0f s with %d tokens waiting for it;"
+            " its request is aborted", gate.limits.client_stall_s, gate.buffered_total,
+        )  # fmt: skip
+        for task in tasks:
+            task.cancel()
 
     def check_admission(self, n: int = 1) -> None:
         """503 ``OverloadedError`` when ``n`` more choices would pass ``max_active()``. The
@@ -254,13 +288,18 @@ class IngressServer:
         prepared: PreparedRequest,
         pieces: asyncio.Queue | None,
         chat: bool = False,
+        gate: StreamGate | None = None,
     ) -> ChoiceResult:
         """One choice to its end: text pieces to ``pieces`` (streaming), the result back.
 
         A request that asked for logprobs or a routing trace gets them per token: in a
         streamed chunk for the tokens whose text it carries (``detok.settled()``), the
         rest in the finish chunk; non-streaming, for the whole output. Both stop at the
-        ``completion_tokens`` (a token past a stop string is never reported)."""
+        ``completion_tokens`` (a token past a stop string is never reported).
+
+        Streaming with a ``gate``: once the choice is ``max_buffered_tokens`` ahead of its
+        client it reads no more committed tokens until the client takes some (they wait at
+        the core; the request keeps its slot)."""
         detok = IncrementalDetokenizer(
             self.tokenizer, stop=prepared.sampling.stop, prompt_token_ids=prepared.prompt_token_ids
         )
@@ -284,6 +323,10 @@ class IngressServer:
                             )
                             sent = settled
                     pieces.put_nowait((index, text, extra))
+                    if gate is not None:
+                        gate.produced(index, len(tokens))
+                        if gate.full(index):
+                            await gate.wait_for_room(index)
                 elif reports:
                     out += tokens
                 if detok.stopped:
@@ -302,9 +345,13 @@ class IngressServer:
             details = self._details(prepared, chat, out, done.writers, done.infos, sent, n, detok)
             if tail and pieces is not None:
                 pieces.put_nowait((index, tail, details))
+                if gate is not None:
+                    gate.produced(index, 0)
                 details = None
         elif tail and pieces is not None:
             pieces.put_nowait((index, tail, None))
+            if gate is not None:
+                gate.produced(index, 0)
         reason = finish_reason(done.finish_reason, stopped_by_string=detok.stopped)
         reason = parser.finish_reason(reason) if parser is not None else reason
         models = self.model_names(done.writers)
@@ -365,15 +412,23 @@ class IngressServer:
         prepared: PreparedRequest,
         pieces: asyncio.Queue | None,
         chat: bool = False,
+        gate: StreamGate | None = None,
     ) -> list[asyncio.Task]:
         """One task per choice. Each also closes its request when the task ends: a task
         cancelled before it first ran never enters ``choice``'s ``finally``."""
         tasks = []
         for i, (rid, entry) in enumerate(submitted):
-            task = asyncio.ensure_future(self.choice(i, rid, entry, prepared, pieces, chat))
-            task.add_done_callback(lambda _, rid=rid, entry=entry: self.close_choice(rid, entry))
+            task = asyncio.ensure_future(self.choice(i, rid, entry, prepared, pieces, chat, gate))
+            task.add_done_callback(
+                lambda _, rid=rid, entry=entry: self._choice_ended(rid, entry, gate)
+            )
             tasks.append(task)
         return tasks
+
+    def _choice_ended(self, rid: str, entry: str, gate: StreamGate | None) -> None:
+        self.close_choice(rid, entry)
+        if gate is not None:
+            gate.finished()
 
     def close_choice(self, rid: str, entry: str) -> Completion | None:
         """Abort (a no-op once complete) and release a choice, once; None if already."""
@@ -390,8 +445,9 @@ class IngressServer:
         tasks: list[asyncio.Future],
         pieces: asyncio.Queue,
         prompt_len: int,
+        gate: StreamGate | None = None,
     ) -> AsyncIterator[bytes]:
-        frames = merge_choice_streams(stream, tasks, pieces, prompt_len)
+        frames = merge_choice_streams(stream, tasks, pieces, prompt_len, gate)
         try:
             async with contextlib.aclosing(frames):  # a disconnect aborts the choices now
                 async for frame in frames:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import threading
 import uuid
@@ -127,10 +128,14 @@ class PeerInbox:
 
 
 class _Target:
-    """A resolved destination: its delivery method, frame counter and calls in flight."""
+    """A resolved destination: its delivery method, frame counter and calls in flight.
+    Each resolution numbers its frames from 0 under its own sender id: a destination
+    resolved again (after a failed delivery) must not restart a sequence the receiver has
+    already seen, or it would drop the new frames as duplicates until the count caught up."""
 
-    def __init__(self, method: Any) -> None:
+    def __init__(self, method: Any, sender: str) -> None:
         self.method = method
+        self.sender = sender
         self.next_n = 0
         self.in_flight: collections.deque[ray.ObjectRef] = collections.deque()
 
@@ -148,6 +153,7 @@ class RayChannel(PeerChannel):
         self.host = host
         self.max_in_flight = max_in_flight
         self._sender_id = f"{self.name}#{uuid.uuid4().hex[:12]}"
+        self._resolutions = itertools.count()  # numbers each target's own sender id
         self._queue: FrameQueue | None = None
         self._order = InOrder()  # direct mode
         self._inbox: Any = None  # inbox mode: PeerInbox handle
@@ -221,7 +227,7 @@ class RayChannel(PeerChannel):
         while True:
             target, n, frame = await self._outbox.get()
             try:
-                target.in_flight.append(target.method.remote(self._sender_id, n, frame))
+                target.in_flight.append(target.method.remote(target.sender, n, frame))
             except Exception as exc:  # e.g. the handle is gone: later sends will notice
                 logger.warning("channel %s: delivery call failed: %s", self.name, exc)
             finally:
@@ -241,7 +247,7 @@ class RayChannel(PeerChannel):
             handle = await asyncio.to_thread(ray.get_actor, name, namespace=namespace)
         except ValueError as exc:
             raise PeerUnreachableError(f"peer {dst.name!r}: no actor {name!r} ({exc})") from exc
-        target = _Target(getattr(handle, method))
+        target = _Target(getattr(handle, method), f"{self._sender_id}.{next(self._resolutions)}")
         self._targets[dst.name] = target
         return target
 
