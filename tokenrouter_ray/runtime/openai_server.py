@@ -260,9 +260,7 @@ class IngressServer:
         streamed chunk for the tokens whose text it carries (``detok.settled()``), the
         rest in the finish chunk; non-streaming, for the whole output. Both stop at the
         ``completion_tokens`` (a token past a stop string is never reported)."""
-        detok = IncrementalDetokenizer(
-            self.tokenizer, stop=prepared.sampling.stop, prompt_token_ids=prepared.prompt_token_ids
-        )
+        detok = prepared.detokenizer(self.tokenizer)  # stop strings and tokens, special tokens
         reports = prepared.sampling.reports_tokens
         parser = prepared.chat_parser() if chat else None  # reasoning / tool calls
         out: list[int] = []  # output token ids received
