@@ -199,3 +199,36 @@ def test_a_request_without_processors_is_unchanged_in_a_mixed_batch(tiny_llama_d
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
     assert got[a] == plain and got["b"] != plain
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -2.1},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": 11.0},
+        {"min_p": 1.5},
+        {"min_tokens": -1},
+        {"logit_bias": ((5, 1.0), (3, 1.0))},  # not ascending
+        {"logit_bias": ((5, 1.0), (5, 2.0))},  # not distinct
+        {"logit_bias": ((5, 101.0),)},
+    ],
+    ids=str,
+)
+def test_bad_processor_params_are_refused_on_the_wire_too(fields: dict[str, object]) -> None:
+    import msgspec
+
+    from tokenrouter_ray.protocol import MsgKind, PeerReq, ProtocolError, decode, encode
+
+    with pytest.raises(ValueError):
+        SamplingParams(**fields)
+    good = SamplingParams(min_tokens=3, repetition_penalty=1.2, logit_bias=((2, 1.0),))
+    m = PeerReq("r", "ingress/0", "small/0", MsgKind.NEW, 0, [1], sampling=good)
+    assert decode(encode(m)).sampling == good
+    raw = msgspec.msgpack.decode(encode(m))
+    names = list(SamplingParams.__struct_fields__)
+    for name, value in fields.items():  # the same values in a frame: refused, not run
+        raw[10][names.index(name)] = value
+    with pytest.raises(ProtocolError):
+        decode(msgspec.msgpack.encode(raw))

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from tokenrouter_ray.engine.attention import PagedBatch, flash_attn_unusable
 from tokenrouter_ray.engine.block_pool import ModelFootprint, kv_bytes_per_token
 from tokenrouter_ray.engine.kv_cache import PagedKVCache
-from tokenrouter_ray.engine.logits_processors import apply_processors, uses_processors
+from tokenrouter_ray.engine.logits_processors import apply_processors
 from tokenrouter_ray.engine.outputs import StepResult, StepTimings
 from tokenrouter_ray.engine.sampler import sample, token_logprobs
 from tokenrouter_ray.engine.scheduler import SchedulerOutput
@@ -301,7 +301,7 @@ class ModelRunner:
         sample_positions = [r.num_tokens for r in sampling_requests]
         params = [r.sampling for r in sampling_requests]
         chosen_from = logits  # raw logits stay raw: routing and logprobs read them
-        if uses_processors(params):  # penalties, logit_bias, min_tokens
+        if any(r.uses_processors for r in sampling_requests):  # penalties, bias, min_tokens
             chosen_from = apply_processors(
                 logits,
                 params,

@@ -159,8 +159,11 @@ class Request:
     runnable_since: float = 0.0  # when it last became WAITING/RUNNING (deferred launch)
     num_preemptions: int = 0
     seed: int = -1  # resolved seed: the given one, or drawn once at admission
+    # sampling.has_processors, read once: the runner checks it per row per step
+    uses_processors: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
+        self.uses_processors = self.sampling.has_processors
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
         if self.seed < 0:
