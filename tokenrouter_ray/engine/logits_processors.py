@@ -124,8 +124,8 @@ def _penalize(
     prompts = [sequences[j][: num_prompt[j]] for j in rows]
     out_counts = _bincount(outputs, m, vocab, dev)  # (m, vocab) occurrences in the output
     logits = part.index_select(0, sub)  # (m, vocab)
-    rep = torch.tensor([params[j].repetition_penalty for j in rows], device=dev)[:, None]
-    if bool((rep != 1.0).any()):
+    if any(params[j].repetition_penalty != 1.0 for j in rows):  # decided on the host
+        rep = torch.tensor([params[j].repetition_penalty for j in rows], device=dev)[:, None]
         seen = (out_counts > 0) | (_bincount(prompts, m, vocab, dev) > 0)
         penalty = torch.where(seen, rep, torch.ones_like(rep))  # (m, vocab)
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
