@@ -20,8 +20,9 @@ Then the sampler: greedy argmax, or temperature → min_p → top-k → top-p
 (`sampler.filter_rows`).
 
 Batched: one kernel per processor for the rows that use it; the penalties count tokens
-with one ``bincount`` over the flattened (row, token id) pairs of those rows, on the logits'
-device (no loop over the vocabulary; host work is copying each such row's ids once).
+with one bincount over the flattened (row, token id) pairs of those rows, on the logits'
+device (an ``index_add`` of ones; no loop over the vocabulary; host work is copying each
+such row's ids once).
 """
 
 from __future__ import annotations
@@ -139,10 +140,11 @@ def _penalize(
 def _bincount(
     seqs: Sequence[Sequence[int]], m: int, vocab: int, device: torch.device
 ) -> torch.Tensor:
-    """(m, vocab) float counts of each row's token ids (ids outside the vocabulary are
+    """(m, vocab) float32 counts of each row's token ids (ids outside the vocabulary are
     never committed: the engine checks every id it takes)."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
     ids = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long, device=device)
     rows = torch.repeat_interleave(torch.arange(m, device=device), lengths)
-    flat = torch.bincount(rows * vocab + ids, minlength=m * vocab)
-    return flat.view(m, vocab).to(torch.float32)
+    counts = torch.zeros(m * vocab, dtype=torch.float32, device=device)
+    counts.index_add_(0, rows * vocab + ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts.view(m, vocab)
