@@ -46,6 +46,14 @@ samplings = st.builds(
     stop_token_ids=st.lists(token, max_size=4).map(tuple),
     logprobs=st.none() | st.integers(0, 20),
     trace=st.booleans(),
+    presence_penalty=st.floats(-2, 2),
+    frequency_penalty=st.floats(-2, 2),
+    repetition_penalty=st.floats(0, 10, exclude_min=True),
+    min_p=st.floats(0, 1),
+    logit_bias=st.dictionaries(token, st.floats(-100, 100), max_size=3).map(
+        lambda d: tuple(sorted(d.items()))
+    ),
+    min_tokens=st.integers(0, 1 << 20),
 )
 
 

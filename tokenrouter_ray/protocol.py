@@ -59,6 +59,9 @@ v3 peer without them decodes these frames and simply reports nothing new):
 requests), the per-request metrics in `RouteState` (`queue_s`, `pending_s`,
 `pending_since`, `peer_bytes`, `dropped`, and `drops`: proposals dropped at the position
 the receiver fills next) and their totals in `FinishSummary`.
+Issue 28: `SamplingSpec.presence_penalty`, `.frequency_penalty`, `.repetition_penalty`,
+`.min_p`, `.logit_bias`, `.min_tokens` (defaults: off; an older peer ignores them, so a
+deployment must not mix versions while requests use them).
 """
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]

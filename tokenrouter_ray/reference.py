@@ -6,6 +6,10 @@ next model; ``send`` says whether the token just sampled is dropped) on plain tr
 models, so it checks everything the runtime adds: paged KV, extends after handoffs,
 batching, anchors, the protocol. Greedy ``LocalRuntime`` output must equal it token for
 token.
+
+Sampling is the engine's: the same logits processors (``engine/logits_processors.py``:
+logit_bias, min_tokens, penalties over the whole sequence so far) on the active model's raw
+logits, then the same sampler; routing sees the raw logits, as in the runtime.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from tokenrouter_ray.engine.logits_processors import apply_processors
 from tokenrouter_ray.engine.outputs import StepResult
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.sampler import sample
@@ -54,7 +59,10 @@ def reference_generate(
         out = model(torch.tensor([sequence]), output_hidden_states=True)
         logits = out.logits[0, -1:].float()  # (1, V)
         hidden = out.hidden_states[-1][0, -1:]  # (1, H) after the final norm
-        token = sample(logits, [sampling], [seed], [len(sequence)])
+        chosen_from = apply_processors(
+            logits, [sampling], [sequence], [len(prompt)], _eos_ids(model)
+        )
+        token = sample(chosen_from, [sampling], [seed], [len(sequence)])
         step = StepResult(["ref"], token, token.tolist(), [len(sequence)], logits, hidden)
         batch = RouteBatch(
             model=active,
@@ -75,7 +83,10 @@ def reference_generate(
             sequence.append(t)
             result.token_ids.append(t)
             result.counts[names[active]] = result.counts.get(names[active], 0) + 1
-            if t in sampling.stop_token_ids or (not sampling.ignore_eos and t in _eos_ids(model)):
+            stops = t in sampling.stop_token_ids or (
+                not sampling.ignore_eos and t in _eos_ids(model)
+            )
+            if stops and len(result.token_ids) > sampling.min_tokens:
                 result.finish_reason = "stop"
                 return result
             if len(result.token_ids) >= sampling.max_tokens:

@@ -159,7 +159,7 @@ CASES: list[tuple[str, list[str], Any, int, str | None, str | None]] = [
      "missing_required_parameter"),
     ("tool_choice", [CHAT], with_(CHAT, tool_choice="required"), 400, "tool_choice",
      "unsupported_value"),
-    ("min_p", BOTH, {"min_p": 0.5}, 400, "min_p", None),
+    ("min_p over 1", BOTH, {"min_p": 1.5}, 400, "min_p", "invalid_value"),
     ("stream_options without stream", BOTH, {"stream_options": {"include_usage": True}}, 400, "stream_options", None),
 ]  # fmt: skip
 

@@ -268,22 +268,29 @@ def test_generation_config_defaults_apply_when_omitted(tmp_path: Any) -> None:
         json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1})
     )
     defaults = GenerationDefaults.from_model_dir(tmp_path)
-    assert defaults.ignored == ("repetition_penalty",)  # the sampler has none yet
+    assert defaults.repetition_penalty == 1.1 and defaults.min_p is None
 
     async def body(client: openai.AsyncOpenAI, core: ScriptedCore, ingress: Any) -> None:
         messages = [{"role": "user", "content": "Hi"}]
         await client.chat.completions.create(model=SERVED, messages=messages)
         spec = core.sent[-1][2]
         assert (spec.temperature, spec.top_p, spec.top_k) == (0.6, 0.95, 20)
+        assert spec.repetition_penalty == 1.1
         await client.completions.create(
-            model=SERVED, prompt="Hi", temperature=0, top_p=0.5, extra_body={"top_k": 0}
+            model=SERVED,
+            prompt="Hi",
+            temperature=0,
+            top_p=0.5,
+            extra_body={"top_k": 0, "repetition_penalty": 1.0},
         )
         spec = core.sent[-1][2]
         assert (spec.temperature, spec.top_p, spec.top_k) == (0.0, 0.5, 0)
+        assert spec.repetition_penalty == 1.0
         ingress.generation_defaults = GenerationDefaults()  # generation_config: none
         await client.chat.completions.create(model=SERVED, messages=messages)
         spec = core.sent[-1][2]
         assert (spec.temperature, spec.top_p, spec.top_k) == (1.0, 1.0, 0)
+        assert spec.repetition_penalty == 1.0
 
     serve(body, generation_defaults=defaults)
 

@@ -63,19 +63,42 @@ def test_to_spec_gives_each_choice_its_own_seed() -> None:
     assert SamplingOptions(max_tokens=1).to_spec(1).seed is None  # the ingress picks one
 
 
+def test_sampling_parity_fields_reach_the_engine_spec(demo_tokenizer: Any) -> None:
+    """Penalties, min_p, logit_bias and min_tokens travel to every model in the spec; the
+    output options stay with the ingress's detokenizer. One rule for both endpoints."""
+    fields = dict(
+        presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2, min_p=0.05,
+        logit_bias={"17": 2.5, "3": -100}, min_tokens=4, include_stop_str_in_output=True,
+        skip_special_tokens=False, max_tokens=8,
+    )  # fmt: skip
+    for prepare in (completion, chat):
+        prepared = prepare(demo_tokenizer, **fields)
+        spec = prepared.sampling.to_spec(0)
+        assert (spec.presence_penalty, spec.frequency_penalty) == (0.5, -0.25)
+        assert (spec.repetition_penalty, spec.min_p, spec.min_tokens) == (1.2, 0.05, 4)
+        assert spec.logit_bias == ((3, -100.0), (17, 2.5))  # ids ascending
+        detok = prepared.detokenizer(demo_tokenizer)
+        assert detok.include_stop and not detok.skip_special_tokens and detok.min_tokens == 4
+    plain = completion(demo_tokenizer).sampling
+    assert plain.to_spec(0) == SamplingOptions(max_tokens=16).to_spec(0)
+    assert not plain.to_spec(0).has_processors and plain.skip_special_tokens
+
+
 @pytest.mark.parametrize(
-    "field, value", [("min_p", 0.05), ("repetition_penalty", 1.1), ("repetition_penalty", 0.9)]
+    ("fields", "param"),
+    [
+        ({"logit_bias": {"49152": 1.0}}, "logit_bias"),  # outside the demo vocabulary
+        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),  # more than the budget
+    ],
 )
-def test_unimplemented_sampling_fields_are_refused_not_dropped(
-    demo_tokenizer: Any, field: str, value: float
+def test_sampling_parity_limits_that_need_the_model(
+    demo_tokenizer: Any, fields: dict[str, Any], param: str
 ) -> None:
-    """One rule for every path (Serve and in-process): the engine has no min-p filter or
-    repetition penalty, so asking for one is a 400 naming the field, never ignored."""
+    limits = RequestLimits(max_model_len=64, vocab_size=49152)
     for prepare in (completion, chat):
         with pytest.raises(InvalidRequestError) as caught:
-            prepare(demo_tokenizer, **{field: value})
-        assert caught.value.status_code == 400 and caught.value.param == field
-    assert completion(demo_tokenizer, min_p=0.0, repetition_penalty=1.0).sampling.max_tokens
+            prepare(demo_tokenizer, limits, **fields)
+        assert caught.value.status_code == 400 and caught.value.param == param
 
 
 def test_max_tokens_null_means_rest_of_context(demo_tokenizer: Any) -> None:

@@ -107,7 +107,7 @@ def test_admission_stop_strings_and_refused_fields(served_chain_dirs) -> None:
             await client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=4)
         assert down.value.status_code == 503 and down.value.code == "model_unavailable"
         server.max_active, server.unavailable = (lambda: 8), (lambda: None)
-        for field, value in (("min_p", 0.1), ("repetition_penalty", 1.2)):
+        for field, value in (("min_p", 1.1), ("repetition_penalty", 0)):
             with pytest.raises(openai.BadRequestError) as bad:
                 await client.completions.create(
                     model=SERVED, prompt=PROMPTS[0], max_tokens=4, extra_body={field: value}

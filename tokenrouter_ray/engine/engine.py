@@ -316,8 +316,15 @@ class Engine:
 
     def _stop_status(self, request: Request, new: list[int]) -> RequestStatus | None:
         sp = request.sampling
-        if new and (
-            new[-1] in sp.stop_token_ids or (not sp.ignore_eos and new[-1] in self.eos_token_ids)
+        # min_tokens: a token sampled under its mask (engine/logits_processors.py: output
+        # number k <= min_tokens) never stops the request, whichever model wrote it.
+        if (
+            new
+            and request.num_output_tokens > sp.min_tokens
+            and (
+                new[-1] in sp.stop_token_ids
+                or (not sp.ignore_eos and new[-1] in self.eos_token_ids)
+            )
         ):
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= sp.max_tokens or request.num_tokens >= self.max_model_len:

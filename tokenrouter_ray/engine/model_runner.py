@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from tokenrouter_ray.engine.attention import PagedBatch, flash_attn_unusable
 from tokenrouter_ray.engine.block_pool import ModelFootprint, kv_bytes_per_token
 from tokenrouter_ray.engine.kv_cache import PagedKVCache
+from tokenrouter_ray.engine.logits_processors import apply_processors
 from tokenrouter_ray.engine.outputs import StepResult, StepTimings
 from tokenrouter_ray.engine.sampler import sample, token_logprobs
 from tokenrouter_ray.engine.scheduler import SchedulerOutput
@@ -298,9 +299,19 @@ class ModelRunner:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         sample_positions = [r.num_tokens for r in sampling_requests]
+        params = [r.sampling for r in sampling_requests]
+        chosen_from = logits  # raw logits stay raw: routing and logprobs read them
+        if any(r.uses_processors for r in sampling_requests):  # penalties, bias, min_tokens
+            chosen_from = apply_processors(
+                logits,
+                params,
+                [r.token_ids for r in sampling_requests],
+                [r.num_prompt_tokens for r in sampling_requests],
+                self.eos_token_ids,
+            )
         tokens = sample(
-            logits,
-            [r.sampling for r in sampling_requests],
+            chosen_from,
+            params,
             [r.seed for r in sampling_requests],
             sample_positions,
         )

@@ -43,6 +43,8 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_CACHE_SALT = 256  # characters of a per-request cache_salt
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_REPETITION_PENALTY = 10.0  # a bound keeps x * p finite (and 0 * p not NaN)
 
 
 class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
@@ -60,6 +62,14 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     frames still decode): ``logprobs`` (None: none; k: the chosen token's log-probability
     and the k most likely tokens', from this model's raw logits) and ``trace`` (the
     router's score at each token and the proposals it dropped: the routing trace).
+
+    Logits processors (vLLM's semantics; appended last too; ``engine/logits_processors.py``
+    applies them, the same on every model, from the request's whole committed sequence):
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, on output tokens),
+    ``repetition_penalty`` (on prompt and output tokens), ``logit_bias`` ((token id, bias)
+    pairs, sorted by id), ``min_tokens`` (EOS and ``stop_token_ids`` cannot be sampled, and
+    do not stop, until that many output tokens exist) and ``min_p`` (in the sampler's
+    filters, after temperature).
     """
 
     temperature: float = 0.0
@@ -72,6 +82,12 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     logprobs: int | None = None  # top alternatives to report per token (0..MAX_LOGPROBS)
     trace: bool = False  # report router scores and dropped proposals per token
     cache_salt: str | None = None  # prefix caching: only requests with equal salts share KV
+    presence_penalty: float = 0.0  # -2..2: minus this for every token already in the output
+    frequency_penalty: float = 0.0  # -2..2: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # > 0: tokens seen in prompt or output, / p if > 0 else * p
+    min_p: float = 0.0  # 0..1: drop tokens below min_p x the top token's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100), ids ascending
+    min_tokens: int = 0  # EOS / stop_token_ids masked until this many output tokens exist
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -86,10 +102,39 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
             raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT:
             raise ValueError(f"cache_salt must be 1..{MAX_CACHE_SALT} characters")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
+                f"got {self.repetition_penalty}"
+            )
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        ids = [t for t, _ in self.logit_bias]
+        if any(t < 0 for t in ids) or ids != sorted(set(ids)):
+            raise ValueError("logit_bias token ids must be >= 0, distinct and ascending")
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_processors(self) -> bool:
+        """Some logits processor changes this request's logits (``logits_processors.py``);
+        False for the defaults, so a batch without any costs no extra work."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def reports_tokens(self) -> bool:
@@ -114,8 +159,11 @@ class Request:
     runnable_since: float = 0.0  # when it last became WAITING/RUNNING (deferred launch)
     num_preemptions: int = 0
     seed: int = -1  # resolved seed: the given one, or drawn once at admission
+    # sampling.has_processors, read once: the runner checks it per row per step
+    uses_processors: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
+        self.uses_processors = self.sampling.has_processors
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
         if self.seed < 0:

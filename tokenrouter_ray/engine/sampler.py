@@ -1,4 +1,4 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Next-token sampling: greedy, temperature, min-p, top-k, top-p, with per-request seeds.
 
 A request's random draw at a position depends only on (its seed, that position), never on
 the batch it shares: each sampled row gets its own generator seeded from both, and draws
@@ -24,16 +24,19 @@ def position_seed(seed: int, position: int) -> int:
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, on one row of (vocab,) float logits."""
+    """Temperature, then min-p, top-k and top-p, on one row of (vocab,) float logits."""
     return filter_rows(logits[None], [params])[0]
 
 
 def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, on (num_rows, vocab) float logits, one
-    ``SamplingParams`` per row, batched: a handful of kernels for the whole batch, never a
-    loop of full-vocabulary sorts. The arithmetic per row is the one-row recipe's:
+    """Temperature, then min-p, top-k and top-p (vLLM's order), on (num_rows, vocab) float
+    logits, one ``SamplingParams`` per row, batched: a handful of kernels for the whole
+    batch, never a loop of full-vocabulary sorts. The arithmetic per row is the one-row
+    recipe's:
 
     - temperature: each distinct temperature divides its rows by the same Python scalar;
+    - min-p (only when some row sets it): a token whose probability after temperature is
+      below ``min_p`` times the row's largest is dropped;
     - top-k: one ``topk`` at the largest k; a row's k-th largest value is its threshold
       (ties with it are kept);
     - top-p: the sorted order restricted to the candidates that can survive (after top-k,
@@ -50,6 +53,8 @@ def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         for t in set(temps):
             index = torch.tensor([i for i, v in enumerate(temps) if v == t], device=logits.device)
             out[index] = logits.index_select(0, index) / t
+    if any(p.min_p for p in params):
+        out = _min_p(out, params)
     ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
     ranked = order = None  # the top-k survivors, descending, when top-k saw them all
     if any(ks):
@@ -86,6 +91,18 @@ def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
             out = part
         else:
             out[index] = part
+    return out
+
+
+def _min_p(out: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Drop tokens below ``min_p`` x the top probability, on the rows that set min_p."""
+    rows = [i for i, p in enumerate(params) if p.min_p]  # ``out`` is the temperature's copy
+    index = torch.tensor(rows, device=out.device)
+    part = out.index_select(0, index)  # (n, vocab)
+    probs = part.softmax(-1)
+    min_p = torch.tensor([params[i].min_p for i in rows], device=out.device)[:, None]
+    cut = probs < min_p * probs.max(-1, keepdim=True).values
+    out[index] = part.masked_fill(cut, float("-inf"))
     return out
 
 

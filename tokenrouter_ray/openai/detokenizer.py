@@ -19,7 +19,19 @@ Three things make a token's text not yet safe to show:
   appears, the output is cut before it, `stopped` becomes true, `stop_reason` is that string,
   and further pushes return ``""`` (the caller aborts the request).
 
-Special tokens (EOS, ...) decode to nothing with ``skip_special_tokens=True``.
+Special tokens (EOS, ...) decode to nothing with ``skip_special_tokens=True`` (vLLM's
+default; a request may turn it off).
+
+vLLM's output options (given per request):
+
+- ``include_stop_str_in_output``: the output is cut after the stop string instead of
+  before it (streaming still holds a possible prefix back until it is decided).
+- ``stop_token_ids`` (the request's stop tokens and EOS): a token that ends the output has no
+  text in it unless ``include_stop_str_in_output``. Such a token's text is held back when it
+  arrives; if more tokens follow (it did not end the output) it is emitted before them,
+  and `finish` drops it otherwise.
+- ``min_tokens``: stop strings completed by one of the first ``min_tokens`` output tokens
+  do not stop (the engine masks EOS and stop tokens for those tokens: the same count).
 
 Per-token reports (logprobs, the routing trace) need to know which tokens a piece of text
 belongs to: `token_ends[i]` is where output token i's text ends in the decoded output (set
@@ -30,7 +42,7 @@ in full (every consumed token once the output stopped or finished).
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -47,11 +59,18 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         prompt_token_ids: Sequence[int] | None = None,
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        stop_token_ids: Collection[int] = (),
+        min_tokens: int = 0,
     ) -> None:
         """``prompt_token_ids``: the prompt (only its last few ids are kept) so the first
         output token decodes as a continuation; None decodes the output on its own."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop_str_in_output
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.min_tokens = min_tokens
+        self._held_token: int | None = None  # a stop token that may end the output
         self.stop = tuple(s for s in stop if s)
         self._max_held = max((len(s) for s in self.stop), default=1) - 1
         context = list(prompt_token_ids[-CONTEXT_WINDOW:]) if prompt_token_ids else []
@@ -87,14 +106,31 @@ class IncrementalDetokenizer:
             return ""
         emitted: list[str] = []
         for token_id in token_ids:
-            self._ids.append(int(token_id))
-            self.num_tokens += 1
-            new_text = self._advance(final=False)
-            if new_text:
-                emitted.append(self._filter_stop(new_text, final=False))
+            if self._held_token is not None:  # more came: it did not end the output
+                emitted.append(self._take(self._held_token, self.num_tokens))
+                self._held_token = None
                 if self.stopped:
                     break
+            self.num_tokens += 1
+            if (
+                int(token_id) in self.stop_token_ids
+                and not self.include_stop
+                and self.num_tokens > self.min_tokens
+            ):
+                self._held_token = int(token_id)
+                continue
+            emitted.append(self._take(int(token_id), self.num_tokens))
+            if self.stopped:
+                break
         return self._emit("".join(emitted))
+
+    def _take(self, token_id: int, position: int) -> str:
+        """Decode output token number ``position`` and filter stop strings."""
+        self._ids.append(token_id)
+        new_text = self._advance(final=False)
+        if not new_text:
+            return ""
+        return self._filter_stop(new_text, final=False, check=position > self.min_tokens)
 
     def finish(self) -> str:
         """The output ended: return whatever was held back (stop-string prefixes, an
@@ -102,6 +138,8 @@ class IncrementalDetokenizer:
         if self.stopped or self.finished:
             return ""
         self.finished = True
+        # A held stop token ended the output: counted, its text left out.
+        self._held_token = None
         text = self._emit(self._filter_stop(self._advance(final=True), final=True))
         missing = self.num_tokens - len(self.token_ends)  # e.g. a trailing special token
         self.token_ends += [self._decoded_len] * missing
@@ -135,20 +173,22 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._prefix, self._read)
         return new_text
 
-    def _filter_stop(self, new_text: str, final: bool) -> str:
-        """Cut at the first stop string; hold back a suffix that could start one."""
+    def _filter_stop(self, new_text: str, final: bool, check: bool = True) -> str:
+        """Cut at the first stop string (before it, or after it with
+        ``include_stop_str_in_output``; not when ``check`` is false: before min_tokens);
+        hold back a suffix that could start one."""
         text = self._held + new_text
         self._held = ""
         if not self.stop:
             return text
         cut, reason = -1, None
-        for s in self.stop:
+        for s in self.stop if check else ():
             i = text.find(s)
             if i != -1 and (cut == -1 or i < cut):
                 cut, reason = i, s
         if reason is not None:
             self.stopped, self.stop_reason = True, reason
-            return text[:cut]
+            return text[: cut + len(reason)] if self.include_stop else text[:cut]
         if not final:
             keep = self._stop_prefix_len(text)
             if keep:

@@ -6,10 +6,9 @@ A model directory's ``generation_config.json`` enters `GenerationDefaults.from_m
 OpenAI's defaults, as vLLM does by default (its ``--generation-config auto``). The config
 switch ``ingress.generation_config: none`` (vLLM: ``--generation-config vllm``) turns it off.
 
-Read: ``temperature``, ``top_p``, ``top_k``. ``repetition_penalty`` and ``min_p`` are read
-but the sampler has neither yet: a model default other than off is ignored with one
-warning at start-up (a request asking for them explicitly is still a 400). ``do_sample`` is
-not read (vLLM does not read it either).
+Read (vLLM's list): ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
+``repetition_penalty``; a value outside the range a request may set is skipped. ``do_sample``
+is not read (vLLM does not read it either).
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from tokenrouter_ray.engine.request import MAX_REPETITION_PENALTY
 
-UNSUPPORTED_OFF = {"repetition_penalty": 1.0, "min_p": 0.0}
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,8 @@ class GenerationDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    ignored: tuple[str, ...] = ()  # set in the model's config, not supported by the sampler
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GenerationDefaults:
@@ -46,14 +46,16 @@ class GenerationDefaults:
         temperature = num("temperature", float)
         top_p = num("top_p", float)
         top_k = num("top_k", int)
-        ignored = tuple(
-            name for name, off in UNSUPPORTED_OFF.items() if num(name, float) not in (None, off)
-        )
+        min_p = num("min_p", float)
+        repetition = num("repetition_penalty", float)
         return cls(
             temperature=temperature if temperature is not None and 0 <= temperature <= 2 else None,
             top_p=top_p if top_p is not None and 0 < top_p <= 1 else None,
             top_k=top_k if top_k is not None and top_k >= 0 else None,
-            ignored=ignored,
+            min_p=min_p if min_p is not None and 0 <= min_p <= 1 else None,
+            repetition_penalty=repetition
+            if repetition is not None and 0 < repetition <= MAX_REPETITION_PENALTY
+            else None,
         )
 
     @classmethod
@@ -67,12 +69,4 @@ class GenerationDefaults:
         except (OSError, ValueError) as exc:
             logger.warning("ignoring %s: %s", file, exc)
             return cls()
-        defaults = cls.from_config(config if isinstance(config, dict) else {})
-        if defaults.ignored:
-            logger.warning(
-                "%s sets %s, which this server's sampler does not implement: ignored "
-                "(requests that omit them sample without them)",
-                file,
-                ", ".join(f"{n}={config[n]}" for n in defaults.ignored),
-            )
-        return defaults
+        return cls.from_config(config if isinstance(config, dict) else {})

@@ -14,12 +14,17 @@ Policy on fields:
   busy server's log is not flooded). Fields known to be harmless (``user``, ``store``,
   ``metadata``, ...) are declared and accepted without a warning.
 - Known fields are strict on type: ``"16"`` is not an integer, ``1`` is not a boolean.
-- OpenAI fields this server does not implement (``echo``, ``functions``, penalties, ...) are
+- OpenAI fields this server does not implement (``echo``, ``functions``, ...) are
   declared, accepted at their neutral value (null / false / 0 / empty), and
   rejected with a 400 naming the field (code ``unsupported_value``) otherwise, so a client
   never silently gets something other than what it asked for.
-  That includes vLLM extensions that change the output (``guided_json``, ``min_tokens``,
+  That includes vLLM extensions that change the output (``guided_json``,
   ``use_beam_search``, ``chat_template``, ...).
+- Sampling parity with vLLM: ``presence_penalty`` / ``frequency_penalty`` (-2..2),
+  ``logit_bias`` (token ids as decimal strings -> -100..100; ids inside the vocabulary are
+  checked by `validation`), and vLLM's ``repetition_penalty`` (0 < p <= 10), ``min_p``
+  (0..1), ``min_tokens`` (>= 0, at most the completion budget: `validation`),
+  ``include_stop_str_in_output`` and ``skip_special_tokens`` are served.
 - ``chat_template_kwargs`` (vLLM's extension) reaches the model's chat template, e.g.
   ``{"enable_thinking": false}`` for Qwen3; keys the renderer itself owns are a 400.
 - ``tools`` (function tools), ``tool_choice`` ``"auto"`` / ``"none"`` and, in the history,
@@ -183,14 +188,9 @@ class _SamplingRequest(_Lenient):
     # field -> value(s) it may take although the feature is not implemented (besides null
     # and false)
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "presence_penalty": (0, 0.0),
-        "frequency_penalty": (0, 0.0),
-        "logit_bias": ({},),
         # vLLM extensions that would change the output
-        "min_tokens": (0,),
         "use_beam_search": (),
         "length_penalty": (1, 1.0),
-        "include_stop_str_in_output": (),
         "allowed_token_ids": ([],),
         "bad_words": ([],),
         "prompt_logprobs": (),
@@ -219,16 +219,36 @@ class _SamplingRequest(_Lenient):
     service_tier: str | None = Field(None, description="Accepted and ignored.")
     safety_identifier: str | None = Field(None, description="Accepted and ignored.")
     prompt_cache_key: str | None = Field(None, description="Accepted and ignored.")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 supported.")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Only empty supported.")
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, description="Minus this for each token already in the output."
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, description="Minus this times each token's count in the output."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (a decimal string) -> bias in [-100, 100], added to logits."
+    )
     # extensions (vLLM-compatible names)
     top_k: int | None = Field(  # bounded: the NEW message carries it as a 64-bit integer
         None, ge=0, le=INT64_MAX, description="Extension: top-k filter; 0 or null = off."
     )
-    min_p: float | None = Field(None, ge=0, le=1, description="Extension: only 0 (off).")
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="Extension: drop tokens below min_p x the top probability."
+    )
     repetition_penalty: float | None = Field(
-        None, gt=0, le=10, description="Extension: only 1 (off)."
+        None,
+        gt=0,
+        le=10,
+        description="Extension: tokens of the prompt or output, logit / p if > 0 else x p.",
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, description="Extension: EOS, stop tokens and stop strings only after this many."
+    )
+    include_stop_str_in_output: bool | None = Field(
+        None, description="Extension: keep the stop string (or stop token's text) in the output."
+    )
+    skip_special_tokens: bool | None = Field(
+        None, description="Extension: leave special tokens out of the text (default true)."
     )
     ignore_eos: bool | None = Field(None, description="Extension: keep generating past EOS.")
     timeout: object = Field(  # checked by the ingress (deployments/ingress.py, _timeout_of)
@@ -248,10 +268,8 @@ class _SamplingRequest(_Lenient):
         "share cached KV (keeps tenants apart).",
     )
     # vLLM extensions this server does not implement: only their neutral values pass
-    min_tokens: int | None = Field(None, ge=0, description="Extension: only 0 supported.")
     use_beam_search: bool | None = Field(None, description="Extension: only false supported.")
     length_penalty: float | None = Field(None, description="Extension: only 1 supported.")
-    include_stop_str_in_output: bool | None = Field(None, description="Only false supported.")
     allowed_token_ids: list[int] | None = Field(None, description="Only empty supported.")
     bad_words: list[str] | None = Field(None, description="Only empty supported.")
     prompt_logprobs: int | None = Field(None, description="Only null supported.")
@@ -274,9 +292,8 @@ class _SamplingRequest(_Lenient):
         return value
 
     @field_validator(
-        "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "use_beam_search",
-        "length_penalty", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
-        "prompt_logprobs", "truncate_prompt_tokens", "logits_processors", "guided_json",
+        "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
+        "truncate_prompt_tokens", "logits_processors", "guided_json",
         "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     )  # fmt: skip
     @classmethod
@@ -291,6 +308,25 @@ class _SamplingRequest(_Lenient):
                 f"'{name}' = {json.dumps(value)} is not supported by this server; "
                 "leave it unset or null"
             )
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 18 and str(int(key)) == key):
+                raise PydanticCustomError(
+                    "invalid_value",
+                    "logit_bias keys must be token ids as decimal strings (no sign, no leading "
+                    "zero), got {key}",
+                    {"key": json.dumps(key)},
+                )
+            if not -100 <= bias <= 100:
+                raise PydanticCustomError(
+                    "invalid_value",
+                    "logit_bias values must be in [-100, 100], got {bias} for token {key}",
+                    {"bias": bias, "key": key},
+                )
         return value
 
     @property

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenrouter_ray.openai.chat import render_chat, template_supports_tools
 from tokenrouter_ray.openai.chat_output import ChatOutputParser, ChatOutputSpec
+from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
 from tokenrouter_ray.openai.errors import (
     INVALID_REQUEST,
     ContextLengthExceededError,
@@ -142,6 +143,14 @@ class SamplingOptions:
     logprobs: int | None = None  # None: not asked; k: each token's and the k most likely
     routing_trace: bool = False
     cache_salt: str | None = None  # prefix caching: only equal salts share KV
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # the ingress's (detokenizer), not the engine's
+    skip_special_tokens: bool = True
 
     @property
     def reports_tokens(self) -> bool:
@@ -165,6 +174,12 @@ class SamplingOptions:
             logprobs=self.logprobs,
             trace=self.routing_trace,
             cache_salt=self.cache_salt,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
         )
 
 
@@ -179,6 +194,25 @@ class PreparedRequest:
     sampling: SamplingOptions
     output: ChatOutputSpec | None = None
     request_id: str | None = None
+
+    def detokenizer(self, tokenizer: Any) -> IncrementalDetokenizer:
+        """A fresh detokenizer for one choice: its stop strings and stop tokens (held back,
+        and left out of the text unless ``include_stop_str_in_output``; not before
+        ``min_tokens``), ``skip_special_tokens``."""
+        s = self.sampling
+        eos = getattr(tokenizer, "eos_token_id", None)
+        stop_ids = set(s.stop_token_ids) | (
+            {eos} if eos is not None and not s.ignore_eos else set()
+        )
+        return IncrementalDetokenizer(
+            tokenizer,
+            stop=s.stop,
+            prompt_token_ids=self.prompt_token_ids,
+            skip_special_tokens=s.skip_special_tokens,
+            include_stop_str_in_output=s.include_stop_str_in_output,
+            stop_token_ids=stop_ids,
+            min_tokens=s.min_tokens,
+        )
 
     def chat_parser(self) -> ChatOutputParser | None:
         """A fresh parser for one choice, or None when nothing is parsed."""
@@ -225,7 +259,9 @@ def prepare_completion(
         _check_vocab(prompt_ids, "prompt", limits)
     max_tokens = _max_tokens(request.max_tokens, "max_tokens", len(prompt_ids), "prompt", limits)
     _check_total(request.n, max_tokens, "max_tokens", limits)
-    return PreparedRequest(request.model, prompt_ids, _sampling(request, max_tokens, defaults))
+    return PreparedRequest(
+        request.model, prompt_ids, _sampling(request, max_tokens, defaults, limits)
+    )
 
 
 def prepare_chat(
@@ -271,7 +307,7 @@ def prepare_chat(
         max_tool_calls=1 if request.parallel_tool_calls is False else None,
     )
     return PreparedRequest(
-        request.model, prompt_ids, _sampling(request, max_tokens, defaults), output
+        request.model, prompt_ids, _sampling(request, max_tokens, defaults, limits), output
     )
 
 
@@ -352,16 +388,8 @@ def _sampling(
     request: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
     defaults: GenerationDefaults | None = None,
+    limits: RequestLimits | None = None,
 ) -> SamplingOptions:
-    # Accepted by the schema (vLLM's extensions) but not implemented: refused on every
-    # path rather than dropped (the engine has no min-p filter or repetition penalty).
-    for name, off in (("min_p", 0.0), ("repetition_penalty", 1.0)):
-        if getattr(request, name) not in (None, off):
-            raise InvalidRequestError(
-                f"'{name}' is not supported (only {off}, the default).",
-                param=name,
-                code="unsupported_value",
-            )
     defaults = defaults or GenerationDefaults()
     if isinstance(request, ChatCompletionRequest):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -382,7 +410,43 @@ def _sampling(
         logprobs=logprobs,
         routing_trace=bool(request.routing_trace),
         cache_salt=request.cache_salt,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=_default(request.repetition_penalty, defaults.repetition_penalty, 1.0),
+        min_p=_default(request.min_p, defaults.min_p, 0.0),
+        logit_bias=_logit_bias(request.logit_bias, limits),
+        min_tokens=_min_tokens(request.min_tokens, max_tokens),
+        include_stop_str_in_output=bool(request.include_stop_str_in_output),
+        skip_special_tokens=request.skip_special_tokens is not False,
     )
+
+
+def _logit_bias(
+    bias: Mapping[str, float] | None, limits: RequestLimits | None
+) -> tuple[tuple[int, float], ...]:
+    """``{"id": bias}`` (keys checked by the schema) as (id, bias) pairs, ids ascending;
+    an id outside the vocabulary is a 400 naming ``logit_bias``."""
+    pairs = sorted((int(k), float(v)) for k, v in (bias or {}).items())
+    vocab = limits.vocab_size if limits is not None else None
+    if vocab is not None and pairs and pairs[-1][0] >= vocab:
+        raise InvalidRequestError(
+            f"Invalid value for 'logit_bias': token id {pairs[-1][0]} is outside the "
+            f"vocabulary (size {vocab}).",
+            param="logit_bias",
+            code="invalid_value",
+        )
+    return tuple(pairs)  # distinct ids: the schema takes canonical decimal keys only
+
+
+def _min_tokens(min_tokens: int | None, max_tokens: int) -> int:
+    if min_tokens and min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"Invalid value for 'min_tokens': {min_tokens} is more than the completion budget "
+            f"({max_tokens} tokens).",
+            param="min_tokens",
+            code="invalid_value",
+        )
+    return min_tokens or 0
 
 
 _T = TypeVar("_T")

@@ -300,9 +300,7 @@ class IngressServer:
         Streaming with a ``gate``: once the choice is ``max_buffered_tokens`` ahead of its
         client it reads no more committed tokens until the client takes some (they wait at
         the core; the request keeps its slot)."""
-        detok = IncrementalDetokenizer(
-            self.tokenizer, stop=prepared.sampling.stop, prompt_token_ids=prepared.prompt_token_ids
-        )
+        detok = prepared.detokenizer(self.tokenizer)  # stop strings and tokens, special tokens
         reports = prepared.sampling.reports_tokens
         parser = prepared.chat_parser() if chat else None  # reasoning / tool calls
         out: list[int] = []  # output token ids received
