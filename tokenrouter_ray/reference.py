@@ -6,6 +6,10 @@ next model; ``send`` says whether the token just sampled is dropped) on plain tr
 models, so it checks everything the runtime adds: paged KV, extends after handoffs,
 batching, anchors, the protocol. Greedy ``LocalRuntime`` output must equal it token for
 token.
+
+A request with a grammar (``sampling.grammar``) is masked here too, by one matcher per
+model that follows the whole sequence (``grammars``: each model's ``GrammarBook``, by
+name), and routed on masked or raw logits as the policy says, as the runtime does.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from tokenrouter_ray.engine.grammar import GrammarBook, GrammarState
 from tokenrouter_ray.engine.outputs import StepResult
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.sampler import sample
@@ -44,18 +49,32 @@ def reference_generate(
     prompt: Sequence[int],
     sampling: SamplingParams,
     seed: int,
+    grammars: dict[str, GrammarBook] | None = None,
 ) -> ReferenceResult:
     names = [n for n, _ in models]
     sequence = list(prompt)
     result = ReferenceResult()
     active = 0
+    states: dict[str, GrammarState] = {}
     while True:
         model = models[active][1]
         out = model(torch.tensor([sequence]), output_hidden_states=True)
         logits = out.logits[0, -1:].float()  # (1, V)
         hidden = out.hidden_states[-1][0, -1:]  # (1, H) after the final norm
-        token = sample(logits, [sampling], [seed], [len(sequence)])
+        masked = None
+        if sampling.grammar is not None:
+            book = (grammars or {})[names[active]]
+            state = states.get(names[active])
+            if state is None:
+                state = states[names[active]] = book.new_state(
+                    sampling.grammar, sampling.stop_token_ids
+                )
+            state.sync(sequence, len(prompt))
+            masked = logits.clone()
+            book.apply(masked, [(0, state)])
+        token = sample(logits if masked is None else masked, [sampling], [seed], [len(sequence)])
         step = StepResult(["ref"], token, token.tolist(), [len(sequence)], logits, hidden)
+        step.masked_logits = masked
         batch = RouteBatch(
             model=active,
             step=step,
@@ -65,7 +84,7 @@ def reference_generate(
             seeds=[seed],
             embed=model.get_input_embeddings(),
         )
-        dst = int(policy.route(batch)[0])
+        dst = int(policy.route_on_view(batch)[0])
         drop = (
             dst != active
             and policy.send(RequestView("ref", active, len(sequence)), dst).drop_sampled

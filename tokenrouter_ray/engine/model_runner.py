@@ -54,6 +54,7 @@ def model_footprint(model: PreTrainedModel) -> ModelFootprint:
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import EngineConfig
+    from tokenrouter_ray.engine.grammar import GrammarBook
 
 
 class ModelRunner:
@@ -134,6 +135,7 @@ class ModelRunner:
         self.taps_open = 0  # open LayerTaps: static buckets run eagerly (hooks need it)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.capture_seconds = 0.0  # time capture_static took
+        self.grammars: GrammarBook | None = None  # structured outputs, on first use
 
     def _static_bucket(self, out: SchedulerOutput) -> tuple[int, int, int] | None:
         """(batch, query rows, KV blocks) bucket of a step, or None: dynamic path."""
@@ -201,6 +203,18 @@ class ModelRunner:
         )
 
     # ------------------------------------------- what the engine reads of its model
+    def grammar_book(self) -> GrammarBook:
+        """This model's structured-output matchers (engine/grammar.py), built on the first
+        constrained request from the tokenizer saved with the model; a runner built around
+        a tokenizer elsewhere sets ``grammars`` itself."""
+        if self.grammars is None:
+            from tokenrouter_ray.engine.grammar import GrammarBook
+
+            self.grammars = GrammarBook.for_model_dir(
+                self.model.name_or_path, self.vocab_size, sorted(self.eos_token_ids)
+            )
+        return self.grammars
+
     @property
     def vocab_size(self) -> int:
         return self.model.get_input_embeddings().num_embeddings
@@ -298,8 +312,16 @@ class ModelRunner:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         sample_positions = [r.num_tokens for r in sampling_requests]
+        constrained = [i for i, r in enumerate(sampling_requests) if r.sampling.grammar]
+        masked = None  # the constrained rows' logits with the grammar's mask applied
+        if constrained:
+            keep_raw = self.keep_logits or any(
+                r.sampling.logprobs is not None for r in sampling_requests
+            )
+            masked = logits.clone() if keep_raw else logits
+            self.grammar_book().mask_rows(masked, sampling_requests, constrained)
         tokens = sample(
-            logits,
+            logits if masked is None else masked,
             [r.sampling for r in sampling_requests],
             [r.seed for r in sampling_requests],
             sample_positions,
@@ -317,6 +339,7 @@ class ModelRunner:
             token_ids=token_list,
             positions=sample_positions,
             logits=logits if self.keep_logits else None,
+            masked_logits=masked if self.keep_logits else None,
             hidden=last if self.keep_hidden else None,
             num_scheduled_tokens=num_tokens,
             batch_size=len(out.chunks),

@@ -50,6 +50,9 @@ class StepResult:
     # per row: (logprob of the sampled token, top ids, their logprobs) for rows whose
     # request asked for logprobs, else None; the list itself is None when no row asked
     logprobs: list[TokenLogprobs | None] | None = None
+    # (num_rows, vocab) the logits the rows were sampled from, a structured-output grammar's
+    # mask applied (engine/grammar.py); None when no row was constrained (then: ``logits``)
+    masked_logits: torch.Tensor | None = None
 
 
 @dataclass

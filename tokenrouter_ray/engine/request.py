@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from tokenrouter_ray.engine.grammar import GrammarSpec
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that ``status > PENDING`` means finished (one comparison)."""
@@ -60,6 +62,9 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     frames still decode): ``logprobs`` (None: none; k: the chosen token's log-probability
     and the k most likely tokens', from this model's raw logits) and ``trace`` (the
     router's score at each token and the proposals it dropped: the routing trace).
+
+    ``grammar`` (appended last): a structured-output grammar every model masks its logits
+    with before sampling this request (engine/grammar.py); None: unconstrained.
     """
 
     temperature: float = 0.0
@@ -72,6 +77,7 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     logprobs: int | None = None  # top alternatives to report per token (0..MAX_LOGPROBS)
     trace: bool = False  # report router scores and dropped proposals per token
     cache_salt: str | None = None  # prefix caching: only requests with equal salts share KV
+    grammar: GrammarSpec | None = None  # structured outputs: the tokens every model may write
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
