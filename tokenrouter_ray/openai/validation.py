@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tokenrouter_ray.engine.grammar import GrammarSpec
 from tokenrouter_ray.openai.chat import render_chat, template_supports_tools
 from tokenrouter_ray.openai.chat_output import ChatOutputParser, ChatOutputSpec
 from tokenrouter_ray.openai.errors import (
@@ -44,8 +45,13 @@ from tokenrouter_ray.openai.errors import (
     from_validation_error,
 )
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
-from tokenrouter_ray.openai.reasoning import prompt_opens_reasoning, reasoning_parser_for
+from tokenrouter_ray.openai.reasoning import (
+    ReasoningFormat,
+    prompt_opens_reasoning,
+    reasoning_parser_for,
+)
 from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
+from tokenrouter_ray.openai.structured import structured_grammar
 from tokenrouter_ray.openai.tool_parser import tool_format_for
 from tokenrouter_ray.protocol import SamplingSpec
 
@@ -78,6 +84,11 @@ class RequestLimits(BaseModel):
         ge=1,
         description="Cap on n x max_tokens (completion tokens one request may ask for); "
         "None: n cap x context length.",
+    )
+    structured_outputs: bool = Field(
+        True,
+        description="Grammars (response_format, structured_outputs, guided_*, a forced "
+        "tool_choice) are served; false for simulated models (no real vocabulary).",
     )
 
 
@@ -142,6 +153,7 @@ class SamplingOptions:
     logprobs: int | None = None  # None: not asked; k: each token's and the k most likely
     routing_trace: bool = False
     cache_salt: str | None = None  # prefix caching: only equal salts share KV
+    grammar: GrammarSpec | None = None  # structured outputs: what every model may write
 
     @property
     def reports_tokens(self) -> bool:
@@ -165,6 +177,7 @@ class SamplingOptions:
             logprobs=self.logprobs,
             trace=self.routing_trace,
             cache_salt=self.cache_salt,
+            grammar=self.grammar,
         )
 
 
@@ -225,7 +238,9 @@ def prepare_completion(
         _check_vocab(prompt_ids, "prompt", limits)
     max_tokens = _max_tokens(request.max_tokens, "max_tokens", len(prompt_ids), "prompt", limits)
     _check_total(request.n, max_tokens, "max_tokens", limits)
-    return PreparedRequest(request.model, prompt_ids, _sampling(request, max_tokens, defaults))
+    grammar = _grammar(request, limits)
+    sampling = replace(_sampling(request, max_tokens, defaults), grammar=grammar)
+    return PreparedRequest(request.model, prompt_ids, sampling)
 
 
 def prepare_chat(
@@ -270,9 +285,40 @@ def prepare_chat(
         tools=request.offers_tools,
         max_tool_calls=1 if request.parallel_tool_calls is False else None,
     )
-    return PreparedRequest(
-        request.model, prompt_ids, _sampling(request, max_tokens, defaults), output
-    )
+    grammar = _grammar(request, limits, fmt, _thinking(tokenizer, prompt_ids, fmt))
+    sampling = replace(_sampling(request, max_tokens, defaults), grammar=grammar)
+    return PreparedRequest(request.model, prompt_ids, sampling, output)
+
+
+def _thinking(tokenizer: Any, prompt_ids: Sequence[int], fmt: ReasoningFormat | None) -> str:
+    """Where the output starts relative to thinking: inside an open block (``open``), free
+    to open one (``may``), or with none (``off``: no format, or the template closed it)."""
+    if fmt is None:
+        return "off"
+    tail = tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False)
+    if tail.rfind(fmt.start) > tail.rfind(fmt.end):
+        return "open"
+    return "off" if fmt.end in tail else "may"
+
+
+def _grammar(
+    request: CompletionRequest | ChatCompletionRequest,
+    limits: RequestLimits,
+    fmt: ReasoningFormat | None = None,
+    thinking: str = "off",
+) -> GrammarSpec | None:
+    """The request's output grammar (openai/structured.py), or None; a 400 where the served
+    models cannot run one."""
+    grammar = structured_grammar(request, fmt, thinking)  # type: ignore[arg-type]
+    if grammar is not None and not limits.structured_outputs:
+        raise InvalidRequestError(
+            "Structured outputs (response_format, structured_outputs, guided_*, a forced "
+            "tool_choice) are not available here: the served models are simulated and have "
+            "no real vocabulary to constrain.",
+            param="response_format",
+            code="unsupported_value",
+        )
+    return grammar
 
 
 def _check_cheap_limits(
