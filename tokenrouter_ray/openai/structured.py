@@ -119,7 +119,9 @@ def _from_fields(
 
 
 def _json(schema: Any) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": schema}
+    """A JSON value of ``schema`` inside a structural tag: at most one whitespace character
+    between tokens (free whitespace lets a small model wander into endless blank runs)."""
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
 
 
 def _const(text: str) -> dict[str, Any]:
