@@ -257,3 +257,18 @@ def test_the_grammar_leaves_thinking_free(thinking: bool) -> None:
 
     assert accepts("yes") and not accepts("maybe")
     assert accepts("<think>\nhmm, yes or no\n</think>\n\nno") == thinking
+
+
+def test_simulated_models_refuse_grammars() -> None:
+    from tests.openai.qwen3_tiny import qwen3_tokenizer
+    from tokenrouter_ray.openai import ChatCompletionRequest, InvalidRequestError, parse_request
+    from tokenrouter_ray.openai.validation import prepare_chat
+
+    tokenizer = qwen3_tokenizer()
+    limits = RequestLimits(max_model_len=4096, structured_outputs=False)
+    body = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}]}
+    prepare_chat(parse_request(ChatCompletionRequest, body), tokenizer, limits)  # plain: fine
+    body["response_format"] = {"type": "json_object"}
+    with pytest.raises(InvalidRequestError, match="simulated") as bad:
+        prepare_chat(parse_request(ChatCompletionRequest, body), tokenizer, limits)
+    assert bad.value.status_code == 400 and bad.value.code == "unsupported_value"
