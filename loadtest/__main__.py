@@ -4,6 +4,7 @@
     python -m loadtest --preset lengths              # 256- vs 1,024-token answers at N = 8
     python -m loadtest --preset sim                  # the simulated ablation alone, ~30 s
     python -m loadtest --preset host                 # the host path (loadtest/host_path.py)
+    python -m loadtest --preset structured           # a grammar's cost (loadtest/structured.py)
     python -m loadtest --preset paper --small DIR --large DIR --app-overrides ...   # GPU
 
 Brings each system up in turn (tokenrouter tuned, Eager-Async, R2R and R-Stitch, Step-Sync,
@@ -110,9 +111,15 @@ def write_outputs(result: dict, out_dir: str, header: str) -> str:
     return text
 
 
+def _concurrency_arg(args: argparse.Namespace) -> list[str]:
+    return [] if args.concurrency is None else ["--concurrency", str(args.concurrency)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted([*PRESETS, "host"]), default="quick")
+    parser.add_argument(
+        "--preset", choices=sorted([*PRESETS, "host", "structured"]), default="quick"
+    )
     parser.add_argument("--systems", default=None, help=f"comma list of {', '.join(ALL_SYSTEMS)}")
     parser.add_argument("--concurrency", default=None, help="override the preset's N list")
     parser.add_argument("--max-tokens", type=int, default=None)
@@ -140,6 +147,10 @@ def main() -> None:
         from loadtest.host_path import main as host_main
 
         raise SystemExit(host_main(rest))
+    if args.preset == "structured":  # a grammar's cost on the demo pair (loadtest/structured.py)
+        from loadtest.structured import main as structured_main
+
+        raise SystemExit(structured_main([*rest, *_concurrency_arg(args)]))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.render:
