@@ -140,3 +140,17 @@ def test_no_grammar_no_matcher(model_dir, tokenizer) -> None:
     engine = make_engine(model_dir, num_blocks=64)
     engine.generate([ids(tokenizer, "hi")], SamplingParams(max_tokens=4))
     assert engine.runner.grammars is None  # nothing built, nothing masked
+
+
+def test_the_grammar_travels_on_a_first_visit_and_bad_ones_are_refused() -> None:
+    import msgspec
+
+    from tokenrouter_ray.protocol import MsgKind, PeerReq, ProtocolError, decode, encode
+
+    spec = SamplingParams(max_tokens=9, grammar=GrammarSpec("regex", "[ab]+"))
+    msg = PeerReq("r", "small", "large", MsgKind.HANDOFF, 1, tokens=[1, 2], sampling=spec)
+    assert decode(encode(msg)).sampling == spec
+    plain = msgspec.structs.replace(msg, sampling=SamplingParams(max_tokens=9))
+    assert decode(encode(plain)).sampling.grammar is None
+    with pytest.raises(ProtocolError):  # a grammar kind nobody knows: refused on decode
+        decode(encode(msg).replace(b"\xa5regex", b"\xa4yaml"))
