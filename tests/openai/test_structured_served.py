@@ -272,3 +272,4 @@ def test_simulated_models_refuse_grammars() -> None:
     with pytest.raises(InvalidRequestError, match="simulated") as bad:
         prepare_chat(parse_request(ChatCompletionRequest, body), tokenizer, limits)
     assert bad.value.status_code == 400 and bad.value.code == "unsupported_value"
+    assert bad.value.param == "response_format"

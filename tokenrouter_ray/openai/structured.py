@@ -14,8 +14,8 @@ Fields (each a 400 naming it when malformed, never a 5xx):
   each function's parameter schema; one or more calls (``required``; exactly one with
   ``parallel_tool_calls: false``), or exactly one call of the named function.
 
-At most one of these may be given. ``structured_grammar`` returns the spec (None: the
-request is unconstrained); the grammar is parsed here once (xgrammar, no tokenizer) so a
+At most one of these may be given. ``structured_grammar`` returns the spec and the field
+(None: the request is unconstrained); the grammar is parsed here once (xgrammar, no tokenizer) so a
 bad schema, regex or EBNF is a 400, and compiled by each model against its vocabulary.
 
 When the chat template thinks (Qwen3), the grammar leaves the thinking free: if the prompt
@@ -215,9 +215,10 @@ def structured_grammar(
     request: Any,
     reasoning: ReasoningFormat | None = None,
     thinking: Literal["open", "may", "off"] = "off",
-) -> GrammarSpec | None:
-    """The request's grammar, or None. ``thinking``: the prompt is inside an open thinking
-    block (``open``), the model may open one (``may``), or no thinking (``off``)."""
+) -> tuple[GrammarSpec, str] | None:
+    """The request's grammar and the field it came from, or None. ``thinking``: the prompt
+    is inside an open thinking block (``open``), the model may open one (``may``), or no
+    thinking (``off``)."""
     found = _constraints(request)
     if not found:
         return None
@@ -237,4 +238,4 @@ def structured_grammar(
         check_grammar(spec)
     except ValueError as exc:
         raise _bad(f"Invalid value for '{param}': {exc}", param) from None
-    return spec
+    return spec, param

@@ -309,13 +309,15 @@ def _grammar(
 ) -> GrammarSpec | None:
     """The request's output grammar (openai/structured.py), or None; a 400 where the served
     models cannot run one."""
-    grammar = structured_grammar(request, fmt, thinking)  # type: ignore[arg-type]
-    if grammar is not None and not limits.structured_outputs:
+    found = structured_grammar(request, fmt, thinking)  # type: ignore[arg-type]
+    if found is None:
+        return None
+    grammar, field = found
+    if not limits.structured_outputs:
         raise InvalidRequestError(
-            "Structured outputs (response_format, structured_outputs, guided_*, a forced "
-            "tool_choice) are not available here: the served models are simulated and have "
-            "no real vocabulary to constrain.",
-            param="response_format",
+            f"'{field}' is not available here: structured outputs need the models' real "
+            "vocabulary, and the served models are simulated.",
+            param=field,
             code="unsupported_value",
         )
     return grammar
