@@ -246,6 +246,7 @@ class Ingress:
         self.limits = RequestLimits(
             max_model_len=min(i["max_model_len"] for i in infos),
             vocab_size=min([len(self.tokenizer), *(i["vocab_size"] for i in infos)]),
+            structured_outputs=cfg.models[entry].sim is None,  # grammars need a real vocabulary
             **lim.model_dump(exclude={"max_body_mib"}),
         )
         self.max_body_bytes = int(lim.max_body_mib * 2**20)

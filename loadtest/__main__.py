@@ -4,6 +4,7 @@
     python -m loadtest --preset lengths              # 256- vs 1,024-token answers at N = 8
     python -m loadtest --preset sim                  # the simulated ablation alone, ~30 s
     python -m loadtest --preset host                 # the host path (loadtest/host_path.py)
+    python -m loadtest --preset structured           # a grammar's cost (loadtest/structured.py)
     python -m loadtest --preset paper --small DIR --large DIR --app-overrides ...   # GPU
     python -m loadtest list                          # every other benchmark, one line each
     python -m loadtest <benchmark> [its arguments]   # e.g. `engine --help`, `serve --url ...`
@@ -48,7 +49,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "trace-overhead": ("loadtest.trace_overhead", "what routing traces and metrics cost"),
     "demo-pair": ("loadtest.demo_pair_bench", "the demo pair's agreement and step times"),
     "multiturn": ("loadtest.multiturn", "multi-turn chats, prefix caching on vs off"),
-    "prefix-cost": ("loadtest.prefix_cost", "prefix caching's cost when nothing is shared"),
+    "prefix-cost": ("loadtest.prefix_cost", "prefix caching on vs off: nothing shared, long input"),
+    "structured": (
+        "loadtest.structured",
+        "a grammar's cost on the demo pair (= --preset structured)",
+    ),
     "reliability": ("loadtest.reliability_bench", "failure scenarios on the served demo"),
     "markov": ("loadtest.markov_bench", "the deferred-batching throughput model"),
     "markov-validate": ("loadtest.markov_validate", "the Markov model vs the simulated runtime"),
@@ -154,6 +159,10 @@ def write_outputs(result: dict, out_dir: str, header: str) -> str:
     return text
 
 
+def _concurrency_arg(args: argparse.Namespace) -> list[str]:
+    return [] if args.concurrency is None else ["--concurrency", str(args.concurrency)]
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in (*BENCHMARKS, "list"):
         if sys.argv[1] == "list":
@@ -165,7 +174,9 @@ def main() -> None:
         epilog=list_benchmarks(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--preset", choices=sorted([*PRESETS, "host"]), default="quick")
+    parser.add_argument(
+        "--preset", choices=sorted([*PRESETS, "host", "structured"]), default="quick"
+    )
     parser.add_argument("--systems", default=None, help=f"comma list of {', '.join(ALL_SYSTEMS)}")
     parser.add_argument("--concurrency", default=None, help="override the preset's N list")
     parser.add_argument("--max-tokens", type=int, default=None)
@@ -191,6 +202,8 @@ def main() -> None:
     args, rest = parser.parse_known_args()
     if args.preset == "host":  # the host path on simulated models (loadtest/host_path.py)
         raise SystemExit(run_benchmark("host", rest))
+    if args.preset == "structured":  # a grammar's cost on the demo pair (loadtest/structured.py)
+        raise SystemExit(run_benchmark("structured", [*rest, *_concurrency_arg(args)]))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.render:

@@ -10,6 +10,10 @@ token.
 Sampling is the engine's: the same logits processors (``engine/logits_processors.py``:
 logit_bias, min_tokens, penalties over the whole sequence so far) on the active model's raw
 logits, then the same sampler; routing sees the raw logits, as in the runtime.
+
+A request with a grammar (``sampling.grammar``) is masked here too, by one matcher per
+model that follows the whole sequence (``grammars``: each model's ``GrammarBook``, by
+name), and routed on masked or raw logits as the policy says, as the runtime does.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from tokenrouter_ray.engine.grammar import GrammarBook, GrammarState
 from tokenrouter_ray.engine.logits_processors import apply_processors
 from tokenrouter_ray.engine.outputs import StepResult
 from tokenrouter_ray.engine.request import SamplingParams
@@ -49,11 +54,13 @@ def reference_generate(
     prompt: Sequence[int],
     sampling: SamplingParams,
     seed: int,
+    grammars: dict[str, GrammarBook] | None = None,
 ) -> ReferenceResult:
     names = [n for n, _ in models]
     sequence = list(prompt)
     result = ReferenceResult()
     active = 0
+    states: dict[str, GrammarState] = {}
     while True:
         model = models[active][1]
         out = model(torch.tensor([sequence]), output_hidden_states=True)
@@ -62,8 +69,21 @@ def reference_generate(
         chosen_from = apply_processors(
             logits, [sampling], [sequence], [len(prompt)], _eos_ids(model)
         )
-        token = sample(chosen_from, [sampling], [seed], [len(sequence)])
+        masked = None
+        if sampling.grammar is not None:
+            book = (grammars or {})[names[active]]
+            state = states.get(names[active])
+            if state is None:
+                state = states[names[active]] = book.new_state(
+                    sampling.grammar, sampling.stop_token_ids
+                )
+            state.sync(sequence, len(prompt))
+            masked = chosen_from.clone() if chosen_from is logits else chosen_from
+            book.apply(masked, [(0, state)])
+        chosen = chosen_from if masked is None else masked
+        token = sample(chosen, [sampling], [seed], [len(sequence)])
         step = StepResult(["ref"], token, token.tolist(), [len(sequence)], logits, hidden)
+        step.masked_logits = masked
         batch = RouteBatch(
             model=active,
             step=step,
@@ -73,7 +93,7 @@ def reference_generate(
             seeds=[seed],
             embed=model.get_input_embeddings(),
         )
-        dst = int(policy.route(batch)[0])
+        dst = int(policy.route_on_view(batch)[0])
         drop = (
             dst != active
             and policy.send(RequestView("ref", active, len(sequence)), dst).drop_sampled

@@ -212,12 +212,19 @@ def test_tool_choice_none_required_and_named() -> None:
         assert CALL in none.choices[0].message.content  # text, not a call
         assert none.choices[0].finish_reason == "stop"
         for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            with pytest.raises(openai.BadRequestError) as bad:
+            forced = await client.chat.completions.create(
+                model=SERVED, messages=messages, tools=[WEATHER], tool_choice=choice
+            )  # enforced by a grammar the models apply (the scripted core only records it)
+            assert core.sent[-1][2].grammar.kind == "structural_tag"
+            assert "get_weather" in core.sent[-1][2].grammar.text
+            assert forced.choices[0].finish_reason == "tool_calls"
+        for choice in ({"type": "function", "function": {"name": "nope"}}, "required"):
+            with pytest.raises(openai.BadRequestError) as bad:  # not offered / no tools
                 await client.chat.completions.create(
-                    model=SERVED, messages=messages, tools=[WEATHER], tool_choice=choice
-                )
+                    model=SERVED, messages=messages, tool_choice=choice,
+                    **({"tools": [WEATHER]} if isinstance(choice, dict) else {}),
+                )  # fmt: skip
             assert bad.value.status_code == 400 and bad.value.param == "tool_choice"
-            assert "grammar enforcement" in bad.value.message
         a_call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
         with pytest.raises(openai.BadRequestError) as bad:  # only an assistant calls tools
             await client.chat.completions.create(
@@ -236,7 +243,7 @@ def test_tool_choice_none_required_and_named() -> None:
                 ],
             )  # fmt: skip
         assert bad.value.status_code == 400
-        assert len(core.sent) == 1  # refusals never reached a model
+        assert len(core.sent) == 3  # refusals never reached a model
 
     serve(body)
 

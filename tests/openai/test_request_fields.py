@@ -145,11 +145,6 @@ def test_harmless_known_fields_are_accepted_without_a_warning(
 @pytest.mark.parametrize(
     "fields",
     [
-        {"guided_json": {"type": "object"}},
-        {"guided_regex": "a+"},
-        {"guided_choice": ["yes", "no"]},
-        {"guided_grammar": "root ::= 'a'"},
-        {"structured_outputs": {"json": {}}},
         {"use_beam_search": True},
         {"length_penalty": 0.5},
         {"allowed_token_ids": [1, 2]},

@@ -170,8 +170,8 @@ def test_missing_fields() -> None:
             "tools[0].function.name",
             "invalid_value",
         ),
-        ({"tool_choice": "required"}, "tool_choice", "unsupported_value"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value"),
         ({"frequency_penalty": 3}, "frequency_penalty", "invalid_value"),
     ],
 )

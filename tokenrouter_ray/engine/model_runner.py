@@ -55,6 +55,7 @@ def model_footprint(model: PreTrainedModel) -> ModelFootprint:
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import EngineConfig
+    from tokenrouter_ray.engine.grammar import GrammarBook
 
 
 class ModelRunner:
@@ -135,6 +136,7 @@ class ModelRunner:
         self.taps_open = 0  # open LayerTaps: static buckets run eagerly (hooks need it)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.capture_seconds = 0.0  # time capture_static took
+        self.grammars: GrammarBook | None = None  # structured outputs, on first use
 
     def _static_bucket(self, out: SchedulerOutput) -> tuple[int, int, int] | None:
         """(batch, query rows, KV blocks) bucket of a step, or None: dynamic path."""
@@ -202,6 +204,18 @@ class ModelRunner:
         )
 
     # ------------------------------------------- what the engine reads of its model
+    def grammar_book(self) -> GrammarBook:
+        """This model's structured-output matchers (engine/grammar.py), built on the first
+        constrained request from the tokenizer saved with the model; a runner built around
+        a tokenizer elsewhere sets ``grammars`` itself."""
+        if self.grammars is None:
+            from tokenrouter_ray.engine.grammar import GrammarBook
+
+            self.grammars = GrammarBook.for_model_dir(
+                self.model.name_or_path, self.vocab_size, sorted(self.eos_token_ids)
+            )
+        return self.grammars
+
     @property
     def vocab_size(self) -> int:
         return self.model.get_input_embeddings().num_embeddings
@@ -309,6 +323,14 @@ class ModelRunner:
                 [r.num_prompt_tokens for r in sampling_requests],
                 self.eos_token_ids,
             )
+        constrained = [i for i, r in enumerate(sampling_requests) if r.sampling.grammar]
+        masked = None  # what the rows were sampled from, the grammar's mask applied
+        if constrained:
+            if chosen_from is logits:  # masked in place unless the raw logits are read
+                keep_raw = self.keep_logits or any(p.logprobs is not None for p in params)
+                chosen_from = logits.clone() if keep_raw else logits
+            self.grammar_book().mask_rows(chosen_from, sampling_requests, constrained)
+            masked = chosen_from
         tokens = sample(
             chosen_from,
             params,
@@ -328,6 +350,7 @@ class ModelRunner:
             token_ids=token_list,
             positions=sample_positions,
             logits=logits if self.keep_logits else None,
+            masked_logits=masked if self.keep_logits else None,
             hidden=last if self.keep_hidden else None,
             num_scheduled_tokens=num_tokens,
             batch_size=len(out.chunks),

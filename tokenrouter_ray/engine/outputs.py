@@ -58,6 +58,9 @@ class StepResult:
     # per row: (logprob of the sampled token, top ids, their logprobs) for rows whose
     # request asked for logprobs, else None; the list itself is None when no row asked
     logprobs: list[TokenLogprobs | None] | None = None
+    # (num_rows, vocab) the logits the rows were sampled from, a structured-output grammar's
+    # mask applied (engine/grammar.py); None when no row was constrained (then: ``logits``)
+    masked_logits: torch.Tensor | None = None
     # per row, filled by ``Engine.collect`` (what a routing policy reads besides tensors):
     prev_token_ids: list[int] = field(default_factory=list)  # the token before the sampled
     is_first: list[bool] = field(default_factory=list)  # the request's first output token

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from tokenrouter_ray.engine.grammar import GrammarSpec
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that ``status > PENDING`` means finished (one comparison)."""
@@ -70,6 +72,9 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     pairs, sorted by id), ``min_tokens`` (EOS and ``stop_token_ids`` cannot be sampled, and
     do not stop, until that many output tokens exist) and ``min_p`` (in the sampler's
     filters, after temperature).
+
+    ``grammar`` (appended last): a structured-output grammar every model masks its logits
+    with before sampling this request (engine/grammar.py); None: unconstrained.
     """
 
     temperature: float = 0.0
@@ -88,6 +93,7 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     min_p: float = 0.0  # 0..1: drop tokens below min_p x the top token's probability
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100), ids ascending
     min_tokens: int = 0  # EOS / stop_token_ids masked until this many output tokens exist
+    grammar: GrammarSpec | None = None  # structured outputs: the tokens every model may write
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -18,8 +18,8 @@ Policy on fields:
   declared, accepted at their neutral value (null / false / 0 / empty), and
   rejected with a 400 naming the field (code ``unsupported_value``) otherwise, so a client
   never silently gets something other than what it asked for.
-  That includes vLLM extensions that change the output (``guided_json``,
-  ``use_beam_search``, ``chat_template``, ...).
+  That includes vLLM extensions that change the output (``use_beam_search``,
+  ``allowed_token_ids``, ``chat_template``, ...).
 - Sampling parity with vLLM: ``presence_penalty`` / ``frequency_penalty`` (-2..2),
   ``logit_bias`` (token ids as decimal strings -> -100..100; ids inside the vocabulary are
   checked by `validation`), and vLLM's ``repetition_penalty`` (0 < p <= 10), ``min_p``
@@ -27,10 +27,10 @@ Policy on fields:
   ``include_stop_str_in_output`` and ``skip_special_tokens`` are served.
 - ``chat_template_kwargs`` (vLLM's extension) reaches the model's chat template, e.g.
   ``{"enable_thinking": false}`` for Qwen3; keys the renderer itself owns are a 400.
-- ``tools`` (function tools), ``tool_choice`` ``"auto"`` / ``"none"`` and, in the history,
-  assistant ``tool_calls`` and ``tool`` messages reach the chat template; ``"required"`` and
-  a named function are a 400 until grammar enforcement exists (a forced call must be
-  enforced, not hoped for).
+- ``tools`` (function tools), ``tool_choice`` and, in the history, assistant ``tool_calls``
+  and ``tool`` messages reach the chat template; ``"required"`` and a named function are
+  enforced by a grammar (openai/structured.py), as are ``response_format`` (json_object,
+  json_schema), ``structured_outputs`` and the ``guided_*`` fields.
 - Optional OpenAI parameters accept ``null``, meaning "the default".
 - ``logprobs`` (chat: a boolean, with ``top_logprobs`` 0..20; completions: 0..5) are
   served, from the model that wrote each token; ``routing_trace`` (a boolean, this
@@ -159,7 +159,8 @@ class _Lenient(BaseModel):
     @classmethod
     def _log_unknown_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name in data.keys() - cls.model_fields.keys():
+            known = cls.model_fields.keys() | {f.alias for f in cls.model_fields.values()}
+            for name in data.keys() - known:
                 key = f"{cls.PART}.{name}"
                 if key not in _warned_unknown:
                     _warned_unknown.add(key)
@@ -182,6 +183,39 @@ class StreamOptions(_Lenient):
     )
 
 
+class JsonSchemaFormat(_Lenient):
+    """``response_format.json_schema`` (OpenAI's shape)."""
+
+    PART: ClassVar[str] = "json_schema"
+
+    name: str = Field("response", min_length=1, max_length=64, description="Schema name.")
+    description: str | None = Field(None, description="Accepted; not shown to the model.")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="A JSON schema.")
+    strict: bool | None = Field(None, description="Output always follows the schema here.")
+
+
+class ResponseFormat(_Lenient):
+    """``response_format``: text, json_object or json_schema."""
+
+    PART: ClassVar[str] = "response_format"
+
+    type: Literal["text", "json_object", "json_schema"] = Field(description="The format.")
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema.")
+
+
+class StructuredOutputs(_Lenient):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    PART: ClassVar[str] = "structured_outputs"
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = Field(None, description="A regular expression the output matches.")
+    choice: list[str] | None = Field(None, description="The output is one of these strings.")
+    grammar: str | None = Field(None, description="An EBNF grammar (rule 'root').")
+    json_object: bool | None = Field(None, description="true: any JSON object.")
+    structural_tag: str | None = Field(None, description="An xgrammar structural tag (JSON).")
+
+
 class _SamplingRequest(_Lenient):
     """Fields shared by both endpoints: model, sampling, streaming, stop, extensions."""
 
@@ -196,11 +230,6 @@ class _SamplingRequest(_Lenient):
         "prompt_logprobs": (),
         "truncate_prompt_tokens": (),
         "logits_processors": ([],),
-        "guided_json": (),
-        "guided_regex": (),
-        "guided_choice": (),
-        "guided_grammar": (),
-        "structured_outputs": (),
     }
 
     model: str = Field(min_length=1, description="Served model name (see GET /v1/models).")
@@ -275,11 +304,17 @@ class _SamplingRequest(_Lenient):
     prompt_logprobs: int | None = Field(None, description="Only null supported.")
     truncate_prompt_tokens: int | None = Field(None, description="Only null supported.")
     logits_processors: list[Any] | None = Field(None, description="Only empty supported.")
-    guided_json: Any = Field(None, description="Only null supported (no guided decoding).")
-    guided_regex: str | None = Field(None, description="Only null supported.")
-    guided_choice: list[str] | None = Field(None, description="Only null supported.")
-    guided_grammar: str | None = Field(None, description="Only null supported.")
-    structured_outputs: dict[str, Any] | None = Field(None, description="Only null supported.")
+    # structured outputs (openai/structured.py): at most one constraint per request
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema (enforced by a grammar)."
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Extension (vLLM's): json, regex, choice, grammar, json_object."
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="Extension: a schema.")
+    guided_regex: str | None = Field(None, description="Extension: a regular expression.")
+    guided_choice: list[str] | None = Field(None, description="Extension: one of these.")
+    guided_grammar: str | None = Field(None, description="Extension: an EBNF grammar.")
 
     @field_validator("stream_options")
     @classmethod
@@ -293,8 +328,7 @@ class _SamplingRequest(_Lenient):
 
     @field_validator(
         "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
-        "truncate_prompt_tokens", "logits_processors", "guided_json",
-        "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+        "truncate_prompt_tokens", "logits_processors",
     )  # fmt: skip
     @classmethod
     def _neutral_only(cls, value: Any, info: ValidationInfo) -> Any:
@@ -404,7 +438,9 @@ class FunctionDef(_Lenient):
     description: str | None = Field(None, description="Shown to the model by the template.")
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema object.")
     strict: bool | None = Field(
-        None, description="Accepted; not enforced (no grammar yet): calls are parsed, not forced."
+        None,
+        description="Accepted; with tool_choice required or named the arguments always match "
+        "the parameters (a grammar); with auto calls are parsed, not forced.",
     )
 
 
@@ -469,7 +505,6 @@ class ChatCompletionRequest(_SamplingRequest):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_SamplingRequest.NEUTRAL,
         "functions": ([],),
-        "response_format": ({"type": "text"},),
         "echo": (),
         "continue_final_message": (),
         "chat_template": (),
@@ -502,9 +537,10 @@ class ChatCompletionRequest(_SamplingRequest):
     )
     functions: list[dict[str, Any]] | None = Field(None, description="Only empty supported.")
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description='"auto" (default with tools) or "none"; forcing a call is refused.'
+        None,
+        description='"auto" (default with tools), "none", "required" or a named function '
+        "(the last two enforced by a grammar).",
     )
-    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
     parallel_tool_calls: bool | None = Field(
         None, description="false: only the first call the model writes is returned."
     )
@@ -527,7 +563,7 @@ class ChatCompletionRequest(_SamplingRequest):
     )
 
     @field_validator(
-        "functions", "response_format", "echo", "continue_final_message",
+        "functions", "echo", "continue_final_message",
         "chat_template", "documents", "reasoning_effort",
         "prediction", "modalities", "audio", "web_search_options",
     )  # fmt: skip
@@ -538,14 +574,11 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if value is None or value in ("none", "auto"):
+        if value is None or value in ("none", "auto", "required"):
             return value
-        if value == "required" or isinstance(value, dict):
-            raise _unsupported(
-                f"'tool_choice' = {json.dumps(value)} is not supported yet: forcing a tool call "
-                'needs grammar enforcement, which this server does not have yet; use "auto" '
-                '(the model decides whether to call) or "none"'
-            )
+        name = value.get("function", {}).get("name") if isinstance(value, dict) else None
+        if isinstance(value, dict) and value.get("type") == "function" and isinstance(name, str):
+            return value
         raise PydanticCustomError(
             "invalid_value",
             '\'tool_choice\' must be "none", "auto", "required" or a named function',

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tokenrouter_ray.engine.grammar import GrammarSpec
 from tokenrouter_ray.openai.chat import render_chat, template_supports_tools
 from tokenrouter_ray.openai.chat_output import ChatOutputParser, ChatOutputSpec
 from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
@@ -45,8 +46,13 @@ from tokenrouter_ray.openai.errors import (
     from_validation_error,
 )
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
-from tokenrouter_ray.openai.reasoning import prompt_opens_reasoning, reasoning_parser_for
+from tokenrouter_ray.openai.reasoning import (
+    ReasoningFormat,
+    prompt_opens_reasoning,
+    reasoning_parser_for,
+)
 from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
+from tokenrouter_ray.openai.structured import structured_grammar
 from tokenrouter_ray.openai.tool_parser import tool_format_for
 from tokenrouter_ray.protocol import SamplingSpec
 
@@ -79,6 +85,11 @@ class RequestLimits(BaseModel):
         ge=1,
         description="Cap on n x max_tokens (completion tokens one request may ask for); "
         "None: n cap x context length.",
+    )
+    structured_outputs: bool = Field(
+        True,
+        description="Grammars (response_format, structured_outputs, guided_*, a forced "
+        "tool_choice) are served; false for simulated models (no real vocabulary).",
     )
 
 
@@ -151,6 +162,7 @@ class SamplingOptions:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # the ingress's (detokenizer), not the engine's
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # structured outputs: what every model may write
 
     @property
     def reports_tokens(self) -> bool:
@@ -180,6 +192,7 @@ class SamplingOptions:
             min_p=self.min_p,
             logit_bias=self.logit_bias,
             min_tokens=self.min_tokens,
+            grammar=self.grammar,
         )
 
 
@@ -259,9 +272,9 @@ def prepare_completion(
         _check_vocab(prompt_ids, "prompt", limits)
     max_tokens = _max_tokens(request.max_tokens, "max_tokens", len(prompt_ids), "prompt", limits)
     _check_total(request.n, max_tokens, "max_tokens", limits)
-    return PreparedRequest(
-        request.model, prompt_ids, _sampling(request, max_tokens, defaults, limits)
-    )
+    grammar = _grammar(request, limits)
+    sampling = replace(_sampling(request, max_tokens, defaults, limits), grammar=grammar)
+    return PreparedRequest(request.model, prompt_ids, sampling)
 
 
 def prepare_chat(
@@ -306,9 +319,42 @@ def prepare_chat(
         tools=request.offers_tools,
         max_tool_calls=1 if request.parallel_tool_calls is False else None,
     )
-    return PreparedRequest(
-        request.model, prompt_ids, _sampling(request, max_tokens, defaults, limits), output
-    )
+    grammar = _grammar(request, limits, fmt, _thinking(tokenizer, prompt_ids, fmt))
+    sampling = replace(_sampling(request, max_tokens, defaults, limits), grammar=grammar)
+    return PreparedRequest(request.model, prompt_ids, sampling, output)
+
+
+def _thinking(tokenizer: Any, prompt_ids: Sequence[int], fmt: ReasoningFormat | None) -> str:
+    """Where the output starts relative to thinking: inside an open block (``open``), free
+    to open one (``may``), or with none (``off``: no format, or the template closed it)."""
+    if fmt is None:
+        return "off"
+    tail = tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False)
+    if tail.rfind(fmt.start) > tail.rfind(fmt.end):
+        return "open"
+    return "off" if fmt.end in tail else "may"
+
+
+def _grammar(
+    request: CompletionRequest | ChatCompletionRequest,
+    limits: RequestLimits,
+    fmt: ReasoningFormat | None = None,
+    thinking: str = "off",
+) -> GrammarSpec | None:
+    """The request's output grammar (openai/structured.py), or None; a 400 where the served
+    models cannot run one."""
+    found = structured_grammar(request, fmt, thinking)  # type: ignore[arg-type]
+    if found is None:
+        return None
+    grammar, field = found
+    if not limits.structured_outputs:
+        raise InvalidRequestError(
+            f"'{field}' is not available here: structured outputs need the models' real "
+            "vocabulary, and the served models are simulated.",
+            param=field,
+            code="unsupported_value",
+        )
+    return grammar
 
 
 def _check_cheap_limits(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -115,6 +115,10 @@ class Policy(ABC):
     needs_hidden: ClassVar[bool] = False
     needs_embeddings: ClassVar[bool] = False
     needs_tokenizer: ClassVar[bool] = False  # built with the models' (shared) tokenizer
+    # Structured outputs: route on the logits the row was sampled from (the grammar's mask
+    # applied: a forced token is certain) or on the model's raw logits (what a router trained
+    # on unconstrained text saw). docs/policies.md says which policy reads which and why.
+    routes_on_masked_logits: ClassVar[bool] = True
     min_models: ClassVar[int] = 2
     max_models: ClassVar[int | None] = 2
 
@@ -134,12 +138,25 @@ class Policy(ABC):
         """(B,) long destination model index per row, on ``batch.device``."""
 
     def route_step(self, batch: RouteBatch) -> list[int]:
-        """``route`` without autograd; only the index vector leaves the device (the scores
-        ``route`` left in ``batch.scores`` stay there: see ``host_scores``)."""
+        """``route`` without autograd, on the logits this policy routes on; only the index
+        vector leaves the device (the scores ``route`` left in ``batch.scores`` stay
+        there: see ``host_scores``)."""
         import torch
 
         with torch.inference_mode():
-            return self.route(batch).tolist()
+            return self.route_on_view(batch).tolist()
+
+    def route_on_view(self, batch: RouteBatch) -> torch.Tensor:
+        """``route`` on the step as this policy reads it: where some row was constrained by
+        a grammar, ``step.logits`` are the masked logits if ``routes_on_masked_logits``,
+        else the raw ones (as without a grammar). Scores land on ``batch``."""
+        step = batch.step
+        if not self.routes_on_masked_logits or step.masked_logits is None:
+            return self.route(batch)
+        view = replace(batch, step=replace(step, logits=step.masked_logits))
+        destinations = self.route(view)
+        batch.scores = view.scores
+        return destinations
 
     def send(self, request: RequestView, dst: int) -> Send:
         """Default: escalating to a larger model drops the token it will regenerate;
@@ -176,9 +193,11 @@ def host_scores(batch: RouteBatch) -> list[float | None] | None:
 
 
 def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """H(softmax(logits)) / log(V) per row: 0 for a certain model, 1 for a uniform one."""
+    """H(softmax(logits)) / log(V) per row: 0 for a certain model, 1 for a uniform one.
+    Tokens a grammar masked (``-inf``) have probability 0 and add nothing."""
     logp = logits.double().log_softmax(dim=-1)  # (B, V)
-    return -(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])
+    terms = (logp.exp() * logp).nan_to_num(nan=0.0)  # masked: 0 * -inf is 0, not NaN
+    return -terms.sum(-1) / math.log(logits.shape[-1])
 
 
 # --------------------------------------------------------------------------- registry
