@@ -245,8 +245,10 @@ def test_distillation_dtype_follows_the_cpu(env: dict, expected: str) -> None:
     clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY",)}
     clean.pop("TOKENROUTER_TRAIN_DTYPE", None)
     out = subprocess.run(
-        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
         check=True,
     )
     assert out.stdout.strip() == expected
-

@@ -47,27 +47,48 @@ def test_cross_node_pins_each_model_to_its_node_resource() -> None:
         (["policy=nope"], "Could not find 'policy/nope'"),
         (["models=qwen3_r2r", "policy=rstitch", "models.small.dtpye=fp8"], "dtpye"),
         (["models=qwen3_r2r", "policy=rstitch", "policy.options.tau=7"], "tau"),
-        (["models=qwen3_r2r", "policy=rstitch", "scheduler.batch_thresholds=[1,4,4]"],
-         "deadlock"),
-        (["models=qwen3_r2r", "policy=rstitch", "tuner=live", "tuner.fixed={medium: 1}"],
-         "tuner.fixed names unknown models"),
-        (["models=qwen3_r2r", "policy=rstitch", "tuner=live", "tuner.concurrencies=[0,4]"],
-         "concurrencies"),
+        (["models=qwen3_r2r", "policy=rstitch", "scheduler.batch_thresholds=[1,4,4]"], "deadlock"),
+        (
+            ["models=qwen3_r2r", "policy=rstitch", "tuner=live", "tuner.fixed={medium: 1}"],
+            "tuner.fixed names unknown models",
+        ),
+        (
+            ["models=qwen3_r2r", "policy=rstitch", "tuner=live", "tuner.concurrencies=[0,4]"],
+            "concurrencies",
+        ),
         (["models=qwen3_r2r", "policy=rstitch", "tuner=sometimes"], "Could not find 'tuner/"),
-        (["models=qwen3_r2r", "policy=rstitch", "models.large.tensor_parallel=0"],
-         r"models.large.tensor_parallel: Input should be greater than or equal to 1"),
+        (
+            ["models=qwen3_r2r", "policy=rstitch", "models.large.tensor_parallel=0"],
+            r"models.large.tensor_parallel: Input should be greater than or equal to 1",
+        ),
         # thresholds are per replica: 3 large replicas at B=2 hold 3 requests, N=3 deadlocks
-        (["models=qwen3_r2r", "policy=rstitch", "models.large.num_replicas=3",
-          "models.large.scheduler.batch_thresholds=[1,1,1,2]"],
-         r"deadlock at 3 active requests: sum\(R_i \(B_i - 1\)\) = 1\*\(1-1\) \[small\] "
-         r"\+ 3\*\(2-1\) \[large\] = 3"),
+        (
+            [
+                "models=qwen3_r2r",
+                "policy=rstitch",
+                "models.large.num_replicas=3",
+                "models.large.scheduler.batch_thresholds=[1,1,1,2]",
+            ],
+            r"deadlock at 3 active requests: sum\(R_i \(B_i - 1\)\) = 1\*\(1-1\) \[small\] "
+            r"\+ 3\*\(2-1\) \[large\] = 3",
+        ),
         # models sharing a device: one joint plan, which needs the checkpoints on disk
-        (["models=qwen3_r2r", "policy=rstitch", "models.small.device_group=gpu0",
-          "models.large.device_group=gpu0", "models.small.num_gpus=0.5",
-          "models.large.num_gpus=0.5", "shared_devices.gpu0=80"],
-         "device_group 'gpu0': model 'small' .* is not a local directory"),
-        (["models=qwen3_r2r", "policy=rstitch", "models.small.device_group=gpu0"],
-         "shared_devices has no entry"),
+        (
+            [
+                "models=qwen3_r2r",
+                "policy=rstitch",
+                "models.small.device_group=gpu0",
+                "models.large.device_group=gpu0",
+                "models.small.num_gpus=0.5",
+                "models.large.num_gpus=0.5",
+                "shared_devices.gpu0=80",
+            ],
+            "device_group 'gpu0': model 'small' .* is not a local directory",
+        ),
+        (
+            ["models=qwen3_r2r", "policy=rstitch", "models.small.device_group=gpu0"],
+            "shared_devices has no entry",
+        ),
     ],
 )
 def test_config_errors_are_one_clear_message(overrides, message) -> None:

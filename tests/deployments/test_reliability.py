@@ -749,4 +749,3 @@ def test_a_wedged_step_fails_health_and_its_requests_recover_exact(
     assert recoveries and sum(r["recreated"] for r in recoveries) >= 1, recoveries
     print(f"wedged step: all {len(batch)} exact {done_s:.1f} s after the wedge; {recoveries}")
     wait_clean(app)
-

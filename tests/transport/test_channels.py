@@ -156,8 +156,9 @@ async def test_zmq_tcp_binds_configured_port_and_host() -> None:
         with socket.socket() as probe:
             probe.bind(("0.0.0.0", 0))
             port = probe.getsockname()[1]
-        config = ZmqConfig(transport="tcp", bind_host="0.0.0.0", advertise_host="127.0.0.1",
-                           port=port)
+        config = ZmqConfig(
+            transport="tcp", bind_host="0.0.0.0", advertise_host="127.0.0.1", port=port
+        )
         large = ZmqChannel("large", "0", directory, config)
         try:
             await large.start()

@@ -117,7 +117,6 @@ class ChoiceResult:
     message: ParsedMessage | None = None
 
 
-
 class CompletionChoice(BaseModel):
     model_config = _OUT
 
