@@ -4,10 +4,12 @@
 # no network). The image (loadtest/device/image_packages_*.txt, a dated copy of its list)
 # holds torch, transformers, numpy, safetensors, ... but not msgspec (engine/request.py's
 # sampling struct) nor pydantic (engine/engine.py's EngineConfig) and its companions;
-# typing-extensions comes too, as new as pydantic-core wants (the image's may be older).
+# typing-extensions comes too, as new as pydantic-core wants (the image's may be older);
+# xgrammar and its apache-tvm-ffi (engine/grammar.py's structured outputs, imported on
+# first use; triton, its other dependency, is on the image).
 # Versions are exact, the venv's the tests here ran with; tests/engine/
 # test_gpu_check_imports.py fails when gpu_check imports anything neither the image nor
-# this list provides, or when a pin drifts from the venv. About 3 MB; .whl/ is git-ignored
+# this list provides, or when a pin drifts from the venv. About 8 MB; .whl/ is git-ignored
 # (info/exclude) and travels with `carry: [".whl"]`. The device command: README.md,
 # "On a GPU".
 set -euo pipefail
@@ -19,6 +21,8 @@ PINS=(
     annotated-types==0.8.0
     typing-inspection==0.4.5
     typing-extensions==4.16.0
+    xgrammar==0.2.9
+    apache-tvm-ffi==0.1.15.post2
 )
 PY=${PYTHON:-.venv/bin/python}  # any Python with pip; it only downloads
 [ -x "$PY" ] || PY=python3

@@ -273,3 +273,77 @@ def test_simulated_models_refuse_grammars() -> None:
         prepare_chat(parse_request(ChatCompletionRequest, body), tokenizer, limits)
     assert bad.value.status_code == 400 and bad.value.code == "unsupported_value"
     assert bad.value.param == "response_format"
+
+
+def test_an_agent_exchange_with_real_models(qwen_dirs) -> None:
+    """The agent loop with real (tiny) models handing off: the client offers a tool and
+    forces it, gets one valid call (``finish_reason: tool_calls``), sends the call and the
+    tool's result back, and gets a plain answer; the second prompt is the chat template's
+    rendering of the whole conversation, tool result included."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen_dirs["small"])
+    params = FORECAST["function"]["parameters"]
+    question = {"role": "user", "content": "Should I take an umbrella to Rome?"}
+    forced = {"type": "function", "function": {"name": "forecast"}}
+    common = dict(model=SERVED, tools=[FORECAST], temperature=0, seed=5, extra_body=NO_THINKING)
+
+    async def body(client: openai.AsyncOpenAI, runtime: Any) -> None:
+        first = await client.chat.completions.create(
+            messages=[question], tool_choice=forced, max_tokens=200, **common
+        )
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "forecast"
+        jsonschema.validate(json.loads(call.function.arguments), params)
+        assert sum(first.model_extra["routing"]["tokens_per_model"].values()) > 0
+        conversation = [
+            question,
+            {
+                "role": "assistant",
+                "content": choice.message.content or "",
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": "forecast", "arguments": call.function.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": '{"rain": 0.8}'},
+        ]
+        second = await client.chat.completions.create(
+            messages=conversation, tool_choice="none", max_tokens=12, **common
+        )
+        answer = second.choices[0]
+        assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
+        assert isinstance(answer.message.content, str)
+        rendered = tokenizer.apply_chat_template(
+            [
+                question,
+                {
+                    "role": "assistant",
+                    "content": choice.message.content or "",
+                    "tool_calls": [
+                        {
+                            "type": "function",
+                            "function": {
+                                "name": "forecast",
+                                "arguments": json.loads(call.function.arguments),
+                            },
+                        }
+                    ],
+                },
+                {"role": "tool", "content": '{"rain": 0.8}'},
+            ],
+            tools=[FORECAST],
+            add_generation_prompt=True,
+            enable_thinking=False,
+            tokenize=True,
+        )
+        ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+        assert second.usage.prompt_tokens == len(ids)
+        assert "0.8" in tokenizer.decode(ids)  # the tool's result reached the models
+
+    serve(qwen_dirs, body)
