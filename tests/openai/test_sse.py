@@ -208,7 +208,7 @@ def test_merged_choice_streams_order_and_early_close() -> None:
         for w in words:
             await asyncio.sleep(0.001 * (index + 1))
             pieces.put_nowait((index, w))
-        routing = ChoiceResult.routing_of({"small": len(words)}, handoffs=index)
+        routing = RoutingInfo(tokens_per_model={"small": len(words)}, handoffs=index)
         return ChoiceResult(index, "".join(words), "stop", len(words), routing)
 
     async def collect() -> list[Any]:

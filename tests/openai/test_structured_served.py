@@ -278,8 +278,8 @@ def test_simulated_models_refuse_grammars() -> None:
 def test_an_agent_exchange_with_real_models(qwen_dirs) -> None:
     """The agent loop with real (tiny) models handing off: the client offers a tool and
     forces it, gets one valid call (``finish_reason: tool_calls``), sends the call and the
-    tool's result back, and gets a plain answer; the second prompt is the chat template's
-    rendering of the whole conversation, tool result included."""
+    tool's result back with ``tool_choice: none``, and gets a plain answer; the second prompt
+    is the chat template's rendering of the whole conversation, tool result included."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(qwen_dirs["small"])
@@ -319,28 +319,15 @@ def test_an_agent_exchange_with_real_models(qwen_dirs) -> None:
         answer = second.choices[0]
         assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
         assert isinstance(answer.message.content, str)
+        # tool_choice "none": the tools are not rendered (vLLM's rule), the history is; the
+        # template sees a call's arguments as the object (as vLLM passes them)
+        history = [dict(m) for m in conversation]
+        history[1]["tool_calls"] = [
+            {"id": call.id, "type": "function",
+             "function": {"name": "forecast", "arguments": json.loads(call.function.arguments)}}
+        ]  # fmt: skip
         rendered = tokenizer.apply_chat_template(
-            [
-                question,
-                {
-                    "role": "assistant",
-                    "content": choice.message.content or "",
-                    "tool_calls": [
-                        {
-                            "type": "function",
-                            "function": {
-                                "name": "forecast",
-                                "arguments": json.loads(call.function.arguments),
-                            },
-                        }
-                    ],
-                },
-                {"role": "tool", "content": '{"rain": 0.8}'},
-            ],
-            tools=[FORECAST],
-            add_generation_prompt=True,
-            enable_thinking=False,
-            tokenize=True,
+            history, add_generation_prompt=True, enable_thinking=False, tokenize=True
         )
         ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
         assert second.usage.prompt_tokens == len(ids)
