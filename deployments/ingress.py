@@ -79,6 +79,7 @@ from tokenrouter_ray.runtime.admission import AdmissionQueue
 from tokenrouter_ray.runtime.backpressure import Backpressure
 from tokenrouter_ray.runtime.ingress import IngressCore
 from tokenrouter_ray.runtime.openai_server import IngressServer, StreamedChoices
+from tokenrouter_ray.runtime.recovery import AdmissionCap, Recovery
 
 logger = logging.getLogger("ray.serve")
 MAX_TIMEOUT_S = 24 * 3600.0
@@ -233,7 +234,8 @@ class Ingress:
         _Serve.running = True
         self.cfg = cfg
         self.tuner = tuner
-        self.slo_cap: int | None = None  # the tuner's SLO-mode concurrency, per replica
+        # admission limit: the configured cap, or the tuner's SLO cap when lower
+        self.cap = AdmissionCap(cfg.ingress.max_active_requests, cfg.ingress.num_replicas)
         entry = cfg.model_names[0]
         self.tokenizer = await asyncio.to_thread(spec_tokenizer, cfg.models[entry])
         self.generation_defaults = (
@@ -264,11 +266,11 @@ class Ingress:
         self.core = IngressCore(
             self.channel, self._entry, self.peers_all, ray_metrics(), timeout_s=self.timeout_s
         )
-        self.recoveries: list[dict[str, Any]] = []
-        self._lost: set[str] = set()
-        self._recovery: asyncio.Task | None = None
         self.peers = PeerBook(
             serve_directory, cfg.model_names, own=self.channel.endpoint, on_lost=self._on_lost
+        )
+        self.recovery = Recovery(
+            self.core, self.peers.missing, self._endpoints_for, timeout_s=self.timeout_s
         )
         await self.peers.start(wait_for_all=True)
         await self.core.start()
@@ -278,7 +280,7 @@ class Ingress:
             cfg.served_model_name,
             entries=lambda: self.peers.by_model[cfg.model_names[0]],
             endpoints_for=self._endpoints_for,
-            max_active=self._max_active,
+            max_active=lambda: self.cap.limit,
             unavailable=self._unavailable,
             models=cfg.model_names,
             # cache-aware placement of every model's replica (runtime/affinity.py)
@@ -286,7 +288,10 @@ class Ingress:
             block_sizes={name: spec.block_size for name, spec in cfg.models.items()},
             backpressure=Backpressure(cfg.ingress.stream_buffer_tokens, cfg.ingress.client_stall_s),
         )
-        self._slo = asyncio.create_task(self._follow_slo()) if cfg.tuner.min_tokens_per_s else None
+        self._slo = None
+        if cfg.tuner.min_tokens_per_s and tuner is not None:  # SLO mode: follow the tuner's cap
+            fetch = tuner.admission_cap.remote
+            self._slo = asyncio.create_task(self.cap.follow(fetch, cfg.tuner.period_s))
 
     # ------------------------------------------------------------------ routes
     def _model_card(self) -> dict[str, Any]:
@@ -364,7 +369,7 @@ class Ingress:
             "bytes_sent": self.channel.bytes_sent,  # NEW, ACTIVE, ABORT frames
             "cpu_s": time.process_time(),  # this ingress process's CPU time
             "endpoints": self.peers.by_model,
-            "recoveries": self.recoveries[-20:],
+            "recoveries": self.recovery.log[-20:],
             "stream_buffered_tokens": self.server.buffered_tokens,  # not yet taken by clients
             "client_stalls": self.server.client_stalls,  # streams cut: client stopped reading
             "orphans_aborted": self.core.orphans_aborted,  # copies told to stop (issue 26)
@@ -404,48 +409,19 @@ class Ingress:
             raise NotFoundError("The threshold tuner is not enabled (set `tuner=live`).")
         return await self.tuner.status.remote()
 
-    async def _follow_slo(self) -> None:
-        """SLO mode: admit no more than the tuner's cap, split over the ingress replicas."""
-        while True:
-            await asyncio.sleep(self.cfg.tuner.period_s)
-            with contextlib.suppress(Exception):  # keep the last cap while the tuner restarts
-                cap = await asyncio.wait_for(self.tuner.admission_cap.remote(), timeout=10)
-                replicas = self.cfg.ingress.num_replicas
-                self.slo_cap = None if cap is None else max(1, -(-cap // replicas))
-
     # ---------------------------------------------------------------- recovery
     def peers_all(self) -> list[str]:
         return self.peers.all()
 
     def _on_lost(self, lost: set[str]) -> None:
-        """Model endpoints whose lease ran out: their replicas died. Re-create the
-        unfinished requests assigned to them once each model has a replica again."""
+        """Model endpoints whose lease ran out: their replicas died. Their channels and
+        affinity entries are dropped, and their unfinished requests re-created once each
+        model has a replica again (``runtime/recovery.py``)."""
         for name in lost:
             self.channel.forget_peer(name)
             if hasattr(self, "server"):
                 self.server.forget_replica(name)
-        self._lost |= lost
-        if self._recovery is None or self._recovery.done():
-            self._recovery = asyncio.create_task(self._recover(), name="ingress-recover")
-
-    async def _recover(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._lost:
-            lost, self._lost = sorted(self._lost), set()
-            started = loop.time()
-            while self.peers.missing() and loop.time() - started < self.timeout_s:
-                await asyncio.sleep(0.1)  # requests wait (bounded by their deadlines)
-            try:
-                n = await self.core.recreate(
-                    self._endpoints_for, reason=f"replica {', '.join(lost)} lost", lost=set(lost)
-                )
-            except Exception:
-                logger.exception("ingress: re-creating requests failed")
-                n = -1
-            self.recoveries.append(
-                {"lost": lost, "recreated": n, "waited_s": round(loop.time() - started, 3)}
-            )
-            logger.warning("ingress: lost %s, re-created %d requests", lost, n)
+        self.recovery.lost(lost)
 
     def _endpoints_for(self, rid: str) -> dict[str, str]:
         """The replica of each non-entry model a request uses (sticky by request id)."""
@@ -460,16 +436,12 @@ class Ingress:
     def _has_room(self, reserved: int) -> bool:
         """A slot is free for one more request, counting those the admission queue let in
         that have not been submitted yet."""
-        return self.core.num_active + reserved < self._max_active()
-
-    def _max_active(self) -> int:
-        """Admission limit: the configured cap, or the tuner's SLO cap when lower."""
-        return min(self.cfg.ingress.max_active_requests, self.slo_cap or 1 << 30)
+        return self.core.num_active + reserved < self.cap.limit
 
     def _unavailable(self) -> str | None:
         """The models without a healthy replica (or recovery in progress); None: none."""
         missing = self.peers.missing()
-        if missing or (self._recovery is not None and not self._recovery.done()):
+        if missing or self.recovery.running:
             return ", ".join(missing) or "being recovered"
         return None
 
@@ -490,8 +462,7 @@ class Ingress:
     async def __del__(self) -> None:
         if self._slo is not None:
             self._slo.cancel()
-        if self._recovery is not None:
-            self._recovery.cancel()
+        await self.recovery.stop()
         await self.admission.close()
         await self.core.stop()
         await self.peers.stop()

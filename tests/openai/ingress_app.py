@@ -15,6 +15,7 @@ from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, encode_batch
 from tokenrouter_ray.runtime.admission import AdmissionQueue
 from tokenrouter_ray.runtime.ingress import Completion
 from tokenrouter_ray.runtime.openai_server import IngressServer
+from tokenrouter_ray.runtime.recovery import AdmissionCap, Recovery
 
 SERVED = "tokenrouter"
 MAX_MODEL_LEN = 64
@@ -81,7 +82,7 @@ def ingress_app(tokenizer: Any) -> tuple[Any, Any]:
         ingress=SimpleNamespace(max_active_requests=256, num_replicas=1),
     )
     obj.tuner = None
-    obj.slo_cap = None
+    obj.cap = AdmissionCap(256)
     obj.tokenizer = tokenizer
     obj.limits = RequestLimits(max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer))
     obj.generation_defaults = GenerationDefaults()
@@ -91,9 +92,7 @@ def ingress_app(tokenizer: Any) -> tuple[Any, Any]:
     obj.peers = FakePeers()
     obj.models = {}
     obj.timeout_s = 600.0
-    obj.recoveries = []
-    obj._lost = set()
-    obj._recovery = None
+    obj.recovery = Recovery(obj.core, obj.peers.missing, lambda rid: {}, timeout_s=600.0)
     obj.server = IngressServer(
         obj.core, tokenizer, SERVED, entries=lambda: obj.peers.by_model["small"]
     )

@@ -166,7 +166,7 @@ def test_the_routes_answer_429_with_retry_after_past_the_admission_queue(routes:
 
     http, obj = routes
     obj.admission = AdmissionQueue(max_waiting=0, max_wait_s=0.1)
-    obj.cfg.ingress.max_active_requests = 0  # every slot taken
+    obj.cap.configured = 0  # every slot taken
     body = {"model": "tokenrouter", "prompt": "Hello", "max_tokens": 4}
     r = http.post("/v1/chat/completions", json=body | {"messages": [USER]})
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
@@ -174,5 +174,5 @@ def test_the_routes_answer_429_with_retry_after_past_the_admission_queue(routes:
     obj.admission = AdmissionQueue(max_waiting=4, max_wait_s=0.1)
     r = http.post("/v1/completions", json=body)  # waited 0.1 s in the queue, then refused
     assert r.status_code == 429 and obj.admission.stats.refused_timeout == 1
-    obj.cfg.ingress.max_active_requests = 256
+    obj.cap.configured = 256
     assert http.post("/v1/completions", json=body).status_code == 200
