@@ -65,3 +65,13 @@ def test_engine_runs_on_the_runner_surface_alone() -> None:
     engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=8))
     engine.step()
     assert list(engine.sequence("r")) == [1, 2, 3, 7]
+
+
+def test_a_request_without_a_seed_draws_one_seed_by_the_one_rule() -> None:
+    from tokenrouter_ray.engine.request import SEED_BITS, Request, SamplingParams, draw_seed
+
+    seeds = {draw_seed() for _ in range(64)}
+    assert len(seeds) > 60 and all(0 <= s < 1 << SEED_BITS for s in seeds)
+    drawn = Request("r", [1, 2], SamplingParams(), arrival_time=0.0)
+    given = Request("g", [1, 2], SamplingParams(seed=7), arrival_time=0.0)
+    assert 0 <= drawn.seed < 1 << SEED_BITS and given.seed == 7

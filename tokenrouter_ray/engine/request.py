@@ -44,6 +44,16 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+SEED_BITS = 62  # a drawn seed is non-negative and fits every int64 on the way
+
+
+def draw_seed() -> int:
+    """The seed of a request that did not give one: drawn once, where it enters (the
+    ingress, or ``Engine.add_request`` when an engine is used alone), then carried to every
+    model it visits, so all of them sample and route it by the same stream."""
+    return secrets.randbits(SEED_BITS)
+
+
 MAX_CACHE_SALT = 256  # characters of a per-request cache_salt
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 MAX_REPETITION_PENALTY = 10.0  # a bound keeps x * p finite (and 0 * p not NaN)
@@ -173,9 +183,7 @@ class Request:
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
         if self.seed < 0:
-            self.seed = (
-                self.sampling.seed if self.sampling.seed is not None else secrets.randbits(62)
-            )
+            self.seed = self.sampling.seed if self.sampling.seed is not None else draw_seed()
         self.runnable_since = self.arrival_time
 
     # ----------------------------------------------------------------- its tokens

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from typing import Any
 
 import msgspec
 
+from tokenrouter_ray.engine.request import draw_seed
 from tokenrouter_ray.metrics import INGRESS, Metrics
 from tokenrouter_ray.protocol import (
     CommitLog,
@@ -235,7 +235,7 @@ class IngressCore:
         if rid in self.live:
             raise ValueError(f"request {rid!r} is already running")
         if sampling.seed is None:  # one seed for every model the request visits
-            sampling = msgspec.structs.replace(sampling, seed=secrets.randbits(62))
+            sampling = msgspec.structs.replace(sampling, seed=draw_seed())
         timeout_s = timeout_s or self.timeout_s
         live = _Live(rid, list(prompt), sampling, timeout_s)
         live.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, rid)
