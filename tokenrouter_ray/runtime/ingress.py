@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0
 ACTIVE_REFRESH_S = 1.0  # a non-zero active count is republished this often
 STOPPED_REMEMBERED = 4096  # wire ids told to stop, and superseded incarnations, remembered
+SUPERSEDED_RESEND_S = 60.0  # superseded incarnations are ABORTed everywhere this long
 
 
 @dataclass
@@ -142,6 +143,7 @@ class IngressCore:
         self.frames_received = 0
         self._told_to_stop: dict[str, None] = {}  # orphan wire ids aborted (insertion order)
         self._superseded: dict[str, None] = {}  # wire ids replaced by ``recreate``
+        self._recent: dict[str, float] = {}  # of those, the recent ones -> when superseded
         self._endpoints_seen: set[str] = set()  # model endpoints at the last refresh
         self.orphans_aborted = 0  # orphan copies told to stop (stats)
 
@@ -208,17 +210,26 @@ class IngressCore:
     def _abort_superseded_on_new_endpoints(self) -> None:
         """An endpoint that appeared since the last refresh (a replica back from a stall
         past its lease, or a new one) may hold copies of incarnations ``recreate``
-        superseded while it was away: ABORT them there (unknown ids are ignored)."""
+        superseded while it was away: ABORT them there (unknown ids are ignored). The
+        incarnations superseded in the last ``SUPERSEDED_RESEND_S`` are ABORTed at every
+        endpoint on every refresh too: a replica that stalled only briefly may never have
+        left the endpoint list between two refreshes (so it never looks new), and an ABORT
+        sent while it was frozen may have been dropped with its connection."""
         now = set(self.all_endpoints())
         new, self._endpoints_seen = now - self._endpoints_seen, now
-        if not new or not self._superseded:
-            return
+        cutoff = time.monotonic() - SUPERSEDED_RESEND_S
+        for rid in [r for r, at in self._recent.items() if at < cutoff]:
+            del self._recent[rid]
+        targets = {dst: list(self._superseded) for dst in new if self._superseded}
+        for dst in now - new if self._recent else ():
+            targets[dst] = list(self._recent)
         msgs = [
             PeerReq(rid=rid, src=self.channel.name, dst=dst, kind=MsgKind.ABORT, handoff_seq=0)
-            for dst in sorted(new)
-            for rid in self._superseded
+            for dst in sorted(targets)
+            for rid in targets[dst]
         ]
-        self._spawn(self._send_grouped(msgs))
+        if msgs:
+            self._spawn(self._send_grouped(msgs))
 
     async def submit(
         self,
@@ -433,6 +444,7 @@ class IngressCore:
             self._broadcast_abort(live.wire_rid)
             self._wire.pop(live.wire_rid, None)
             _remember(self._superseded, live.wire_rid)
+            self._recent[live.wire_rid] = time.monotonic()
             live.completion.recreated += 1
             live.wire_rid = f"{live.rid}~{live.completion.recreated}"
             self._wire[live.wire_rid] = live
