@@ -21,7 +21,7 @@ from tests.deployments.test_reliability import (
     OPTIONS,
     TWO,
     client,
-    ids_of,
+    completions_in,
     prompts,
     stats,
     wait_clean,
@@ -68,19 +68,7 @@ def test_copies_on_a_replica_that_stalled_past_its_lease_are_aborted_when_it_ret
     before = len(stats(two_large_app)["recoveries"])
     api = client(two_large_app, timeout=240)
     with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
-        futures = [
-            pool.submit(
-                lambda p: ids_of(
-                    api.completions.create(
-                        model="tokenrouter", prompt=p, max_tokens=160, temperature=0
-                    )
-                    .choices[0]
-                    .text
-                ),
-                p,
-            )
-            for p in batch
-        ]
+        futures = completions_in(pool, api, batch, 160)
         time.sleep(0.5)
         os.kill(victim, signal.SIGSTOP)
         try:

@@ -53,6 +53,20 @@ def app(serve_app, served_chain_dirs) -> Iterator[str]:
         yield base
 
 
+def completions_in(
+    pool: concurrent.futures.ThreadPoolExecutor, api: Any, batch: list[str], max_tokens: int
+) -> list[concurrent.futures.Future]:
+    """Each prompt's greedy completion (token ids), submitted to ``pool`` at once."""
+
+    def one(prompt: str) -> list[int]:
+        out = api.completions.create(
+            model="tokenrouter", prompt=prompt, max_tokens=max_tokens, temperature=0
+        )
+        return ids_of(out.choices[0].text)
+
+    return [pool.submit(one, p) for p in batch]
+
+
 def root_of(base: str) -> str:
     return base.removesuffix("/v1")
 
@@ -601,19 +615,7 @@ def test_a_restarted_directory_keeps_the_secret_and_a_new_replica_serves(
     large.inject_fault.remote("stall", 10_000, 0.03).result()  # long enough to kill mid-way
     api = client(app, timeout=180)
     with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
-        futures = [
-            pool.submit(
-                lambda p: ids_of(
-                    api.completions.create(
-                        model="tokenrouter", prompt=p, max_tokens=64, temperature=0
-                    )
-                    .choices[0]
-                    .text
-                ),
-                p,
-            )
-            for p in batch
-        ]
+        futures = completions_in(pool, api, batch, 64)
         time.sleep(1.0)
         replica_processes()["EndpointDirectory"].kill()
         time.sleep(1.0)
@@ -725,19 +727,7 @@ def test_a_wedged_step_fails_health_and_its_requests_recover_exact(
     large.inject_fault.remote("stall", 10_000, 0.05).result()  # slow: the wedge lands mid-way
     api = client(app, timeout=240)
     with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
-        futures = [
-            pool.submit(
-                lambda p: ids_of(
-                    api.completions.create(
-                        model="tokenrouter", prompt=p, max_tokens=64, temperature=0
-                    )
-                    .choices[0]
-                    .text
-                ),
-                p,
-            )
-            for p in batch
-        ]
+        futures = completions_in(pool, api, batch, 64)
         time.sleep(1.0)
         large.inject_fault.remote("stall", 1, 3600.0).result()  # the next step never returns
         wedged = time.monotonic()
