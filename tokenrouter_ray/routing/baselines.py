@@ -32,6 +32,9 @@ class Never(EscalateOnce):
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
         return torch.zeros(batch.size, dtype=torch.bool, device=batch.device)
 
+    def escalate_host(self, batch: RouteBatch) -> list[bool]:
+        return [False] * batch.size
+
 
 @register_policy
 class Always(EscalateOnce):
@@ -39,6 +42,12 @@ class Always(EscalateOnce):
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
         return torch.ones(batch.size, dtype=torch.bool, device=batch.device)
+
+    def escalate_host(self, batch: RouteBatch) -> list[bool]:
+        return [True] * batch.size
+
+
+SCALAR_ROWS = 24  # up to this many rows, per-row Python draws beat one numpy pass
 
 
 class BernoulliConfig(PolicyConfig):
@@ -71,8 +80,16 @@ class Bernoulli(EscalateOnce):
     Config = BernoulliConfig
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
-        draws = seeded_uniforms(batch.seeds, batch.positions.tolist())
+        draws = seeded_uniforms(batch.seeds, batch.host_positions)
         return torch.from_numpy(draws).to(batch.device) < self.config.p
+
+    def escalate_host(self, batch: RouteBatch) -> list[bool]:
+        """The same draws, compared on the host: seeds and positions are host facts, so a
+        device would only add two copies."""
+        seeds, positions, p = batch.seeds, batch.host_positions, self.config.p
+        if len(seeds) <= SCALAR_ROWS:  # numpy's fixed cost is larger than a few rows'
+            return [seeded_uniform(s, x) < p for s, x in zip(seeds, positions, strict=True)]
+        return (seeded_uniforms(seeds, positions) < p).tolist()
 
 
 class EntropyConfig(PolicyConfig):

@@ -10,6 +10,9 @@ asks three things:
   ``batch.scores`` (higher: closer to escalating; NaN for rows it did not score); the
   runtime copies it to the host only for steps where some request asked for a routing
   trace. docs/policies.md says what each policy's score is.
+  A policy whose decision needs no tensor at all (a seeded draw, a fixed destination, the
+  large model of an escalate-once policy) may also answer ``route_host(batch)`` with the
+  same destinations as a host list; the runtime's step then touches no device for routing.
 - ``send(request, dst)``: for a row leaving model ``i``, what travels: whether the sampled
   token is dropped (the destination regenerates that position) and policy extras.
 - ``receive(request, tokens, extras)``: on arrival at the destination, which of the
@@ -42,16 +45,43 @@ class PolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _OnStepDevice:
+    """A per-row field of ``RouteBatch`` given as a tensor or as a host sequence; a host
+    sequence becomes a tensor on the step's device the first time a policy reads it, so a
+    policy that never reads the field costs no copy (dataclass field with a descriptor
+    default: ``__init__`` goes through ``__set__``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            raise AttributeError(self.name)  # no default: the field is required
+        value = obj.__dict__[self.name]
+        if not hasattr(value, "device"):  # a host sequence: move it once
+            import torch
+
+            value = obj.__dict__[self.name] = torch.tensor(
+                list(value), device=obj.step.sampled.device
+            )
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = value
+
+
 @dataclass
 class RouteBatch:
     """What ``route`` sees: the step output plus per-row facts, all batched."""
 
     model: int  # index of the model that ran this step
     step: StepResult  # sampled (B,), logits (B, V), hidden (B, H) on device
-    positions: torch.Tensor  # (B,) long: logical position of each sampled token
-    prev_tokens: torch.Tensor  # (B,) long: the token before it
-    is_first: torch.Tensor  # (B,) bool: first output token of the request
-    seeds: Sequence[int]  # per-request seeds (for seeded random policies)
+    # (B,) long: logical position of each sampled token; (B,) long: the token before it;
+    # (B,) bool: first output token of the request (host lists move on first read)
+    positions: torch.Tensor = _OnStepDevice()  # type: ignore[assignment]
+    prev_tokens: torch.Tensor = _OnStepDevice()  # type: ignore[assignment]
+    is_first: torch.Tensor = _OnStepDevice()  # type: ignore[assignment]
+    seeds: Sequence[int] = ()  # per-request seeds (for seeded random policies)
     embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # token ids -> embeddings
     # (B,) float, set by ``route`` when the policy computes a score per row (NaN: none for
     # that row); None: no score at this model (fixed and random policies, R2R's large model)
@@ -68,20 +98,23 @@ class RouteBatch:
         embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> RouteBatch:
         """The batch for one step of model ``model``: per-row facts come in as host lists
-        (one per row of ``step``) and go to the step's device here, so the runtime that
-        calls this needs no torch."""
-        import torch
-
-        dev = step.sampled.device
+        (one per row of ``step``) and reach the step's device only if the policy reads
+        them, so the runtime that calls this needs no torch."""
         return cls(
             model=model,
             step=step,
-            positions=torch.tensor(step.positions, device=dev),
-            prev_tokens=torch.tensor(list(prev_tokens), device=dev),
-            is_first=torch.tensor(list(is_first), device=dev),
+            positions=step.positions,
+            prev_tokens=prev_tokens,
+            is_first=is_first,
             seeds=seeds,
             embed=embed,
         )
+
+    @property
+    def host_positions(self) -> Sequence[int]:
+        """``positions`` on the host, without a device round trip when it came from there."""
+        value = self.__dict__["_positions"]
+        return value.tolist() if hasattr(value, "device") else value
 
     @property
     def size(self) -> int:
@@ -137,10 +170,19 @@ class Policy(ABC):
     def route(self, batch: RouteBatch) -> torch.Tensor:
         """(B,) long destination model index per row, on ``batch.device``."""
 
+    def route_host(self, batch: RouteBatch) -> list[int] | None:
+        """The destinations of ``route``, computed on the host, for a policy whose decision
+        needs no tensor; None (the default): route on the device. Must equal
+        ``route(batch).tolist()`` row for row (tests/routing/test_route_host.py)."""
+        return None
+
     def route_step(self, batch: RouteBatch) -> list[int]:
-        """``route`` without autograd, on the logits this policy routes on; only the index
-        vector leaves the device (the scores ``route`` left in ``batch.scores`` stay
-        there: see ``host_scores``)."""
+        """``route_host`` when the policy has one, else ``route`` without autograd, on the
+        logits this policy routes on; only the index vector leaves the device (the scores
+        ``route`` left in ``batch.scores`` stay there: see ``host_scores``)."""
+        host = self.route_host(batch)
+        if host is not None:
+            return host
         import torch
 
         with torch.inference_mode():
@@ -177,12 +219,24 @@ class EscalateOnce(Policy):
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
         """(B,) bool: should the large model produce this position instead?"""
 
+    def escalate_host(self, batch: RouteBatch) -> list[bool] | None:
+        """``escalate`` on the host, for a policy that needs no tensor; None: no host path."""
+        return None
+
     def route(self, batch: RouteBatch) -> torch.Tensor:
         if batch.model != 0:
             import torch
 
             return torch.zeros(batch.size, dtype=torch.long, device=batch.device)
         return self.escalate(batch).long()
+
+    def route_host(self, batch: RouteBatch) -> list[int] | None:
+        if type(self).route is not EscalateOnce.route:  # a subclass routes its own way
+            return None
+        if batch.model != 0:  # the large model always returns control
+            return [0] * batch.size
+        escalate = self.escalate_host(batch)
+        return None if escalate is None else [int(e) for e in escalate]
 
 
 def host_scores(batch: RouteBatch) -> list[float | None] | None:
