@@ -232,24 +232,35 @@ def tuned_table(levels: list[int]) -> list[int]:
     return table
 
 
+SERVED_SYSTEMS = ("paper eager", "paper tuned", "zero", "paper eager direct", "zero direct")
+DIRECT_PORT = 18190  # "... direct": the clients talk to the ingress's own port (no proxy)
+
+
 def run_served(
     levels: list[int], window_s: float, max_tokens: int, deploy: SimDeploy,
-    systems: tuple[str, ...] = ("paper eager", "paper tuned", "zero"),
+    systems: tuple[str, ...] = SERVED_SYSTEMS, direct_port: int = DIRECT_PORT,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Each system's app deployed with ``deploy(overrides, name)`` (a context manager
-    yielding the app's OpenAI base URL), driven at each level."""
+    yielding the app's OpenAI base URL), driven at each level. A system named ``... direct``
+    also serves on the ingress's direct port (``ingress.direct_port``), and its clients
+    use that port instead of Serve's proxy."""
     rows: list[dict[str, Any]] = []
     for system in systems:
-        profile = system.split()[0]
+        profile, direct = system.split()[0], system.endswith(" direct")
         table = tuned_table(levels) if system == "paper tuned" else None
         name = "host-" + system.replace(" ", "-")
-        with deploy(sim_overrides(profile, table), name) as base:
+        overrides = sim_overrides(profile, table)
+        if direct:
+            overrides.append(f"ingress.direct_port={direct_port}")
+        with deploy(overrides, name) as base:
             url = base.removesuffix("/v1")
+            client_url = f"http://127.0.0.1:{direct_port}" if direct else url
             asyncio.run(_wait_ready(url))
+            asyncio.run(_wait_ready(client_url))
             for n in levels:
                 if table is not None and table[n] == 1:
                     continue  # the model's best at this N is all-1: the eager app's run
-                row = asyncio.run(_served_level(url, n, window_s, max_tokens))
+                row = asyncio.run(_served_level(url, n, window_s, max_tokens, client_url))
                 row.update(profile=profile, system=system, n=n)
                 if profile == "paper":
                     b = (1, table[n] if table else 1)
@@ -282,10 +293,15 @@ async def _stats(url: str) -> dict[str, Any]:
         return (await client.get(f"{url}/v1/tokenrouter/stats", timeout=10)).json()
 
 
-async def _served_level(url: str, n: int, window_s: float, max_tokens: int) -> dict[str, Any]:
+async def _served_level(
+    url: str, n: int, window_s: float, max_tokens: int, client_url: str | None = None
+) -> dict[str, Any]:
+    """One closed-loop level: ``n`` streaming clients on ``client_url`` (default: ``url``,
+    Serve's proxy), the app's counters read from ``url``."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client_url = client_url or url
+    client = openai.AsyncOpenAI(base_url=f"{client_url}/v1", api_key="unused", max_retries=0)
     stop = asyncio.Event()
     ttfts: list[float] = []
     chunks = [0]
@@ -310,11 +326,11 @@ async def _served_level(url: str, n: int, window_s: float, max_tokens: int) -> d
 
     import httpx
 
-    async with httpx.AsyncClient() as http:  # Serve's own round trip, for comparison
+    async with httpx.AsyncClient() as http:  # the HTTP round trip alone, for comparison
         rtts = []
         for _ in range(20):
             t0 = time.perf_counter()
-            await http.get(f"{url}/health", timeout=5)
+            await http.get(f"{client_url}/health", timeout=5)
             rtts.append(time.perf_counter() - t0)
     tasks = [asyncio.create_task(one_client()) for _ in range(n)]
     await asyncio.sleep(min(2.0, window_s))  # warm-up
@@ -355,7 +371,7 @@ async def _served_level(url: str, n: int, window_s: float, max_tokens: int) -> d
         / max(1, tokens),
         "ingress_cpu_us_per_token": (s1["cpu_s"] - s0["cpu_s"]) / max(1, tokens) * 1e6,
         "ttft_ms_p50": 1e3 * statistics.median(window_ttfts) if window_ttfts else None,
-        "health_rtt_ms_p50": 1e3 * statistics.median(rtts),  # GET /health through the proxy
+        "health_rtt_ms_p50": 1e3 * statistics.median(rtts),  # GET /health, same path
         "models": models,
     }
 
@@ -421,6 +437,13 @@ def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str
 
     for n in sorted({r["n"] for r in served}):
         eager, tuned = served_row("paper eager", n), served_row("paper tuned", n)
+        proxied, direct = served_row("paper eager", n), served_row("paper eager direct", n)
+        if proxied and direct:
+            out.append((
+                f"served paper N={n}: direct port >= Serve's proxy (tok/s)",
+                direct["tok_s"] >= proxied["tok_s"],
+                f"{direct['tok_s']:.1f} vs {proxied['tok_s']:.1f} tok/s",
+            ))  # fmt: skip
         if eager and tuned:
             measured = tuned["tok_s"] / eager["tok_s"]
             model = tuned["predicted"] / eager["predicted"]
@@ -430,7 +453,7 @@ def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str
                 f"measured {measured:.3f}, model {model:.3f}",
             ))  # fmt: skip
         zero = served_row("zero", n)
-        for model_name, m in (zero or {}).get("models", {}).items():
+        for model_name, m in (zero or {}).get("models", {}).items():  # replicas: either port
             bound = 300 + 10 * m.get("rows", 0)
             crit = (m.get("host_us") or {}).get("critical", 0.0)
             out.append((
@@ -440,8 +463,9 @@ def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str
             ))  # fmt: skip
     for row in served:
         if row["profile"] == "zero" and row["n"] == 1 and row["ttft_ms_p50"] is not None:
+            via = "the direct port" if row["system"].endswith("direct") else "Serve's proxy"
             out.append((
-                "served TTFT overhead <= 5 ms at N=1 (zero profile)",
+                f"served TTFT overhead <= 5 ms at N=1 (zero profile, {via})",
                 row["ttft_ms_p50"] <= 5.0,
                 f"{row['ttft_ms_p50']:.1f} ms",
             ))  # fmt: skip
@@ -457,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-served", action="store_true", help="skip the Serve app part")
     parser.add_argument("--no-in-process", action="store_true", help="skip the in-process part")
     parser.add_argument("--served-levels", default="1,8,32")
+    parser.add_argument(
+        "--served-systems", default=",".join(SERVED_SYSTEMS), help="comma list of served systems"
+    )
     parser.add_argument("--port", type=int, default=18170)
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
@@ -469,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.__main__ import ray_serve_deploy
 
         deploy = ray_serve_deploy(args.port)
-        served = run_served(served_levels, args.window_s, args.max_tokens, deploy)
+        systems = tuple(args.served_systems.split(","))
+        served = run_served(served_levels, args.window_s, args.max_tokens, deploy, systems)
     print("\n# targets (PASS / MISS; they never fail the run)")
     for name, ok, detail in targets(in_process, served):
         print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")

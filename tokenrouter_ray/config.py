@@ -233,6 +233,20 @@ class IngressSpec(_Strict):
         "model and its memory freed. Seen only where the HTTP server blocks on a full socket "
         "(docs/reliability.md, backpressure).",
     )
+    direct_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Also serve the OpenAI API from each ingress replica on this port "
+        "(runtime/direct_http.py; replicas on one node share it with SO_REUSEPORT), beside "
+        "Serve's proxy: one process hop less per request and per chunk, and a client that "
+        "stops reading is seen (client_stall_s). null: Serve's proxy only.",
+    )
+    direct_host: str = Field(
+        "127.0.0.1",
+        description="Address the direct port binds: 127.0.0.1 (this host only) by default; "
+        "the pod's address or 0.0.0.0 to take traffic from elsewhere.",
+    )
     limits: RequestLimitSpec = Field(default_factory=RequestLimitSpec)
 
 
