@@ -23,12 +23,19 @@ FILLER = " the quick brown fox jumps over the lazy dog" * 4
 
 
 class FakeCore:
-    """What the routes use of `IngressCore`: submit, stream, abort, release."""
+    """What the routes and the service use of `IngressCore`: submit, stream, abort, release."""
 
     def __init__(self, filler_ids: list[int]) -> None:
         self.filler = filler_ids
         self.live: dict[str, tuple[list[int], Any]] = {}
         self.submitted = 0
+        self.tokens_received = self.frames_received = self.orphans_aborted = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
 
     @property
     def num_active(self) -> int:
@@ -91,13 +98,14 @@ class FakeChannel:
         self.closed = True
 
 
-def fake_config(**ingress: Any) -> AppConfig:
+def fake_config(tuner: dict[str, Any] | None = None, **ingress: Any) -> AppConfig:
     """Two real (not simulated) models; no generation_config.json is read."""
     return AppConfig.model_validate({
         "served_model_name": SERVED,
         "models": {"small": {"path": "small"}, "large": {"path": "large"}},
         "policy": {"name": "bernoulli", "options": {"p": 0.5}},
         "ingress": {"generation_config": "none", **ingress},
+        "tuner": tuner or {},
     })  # fmt: skip
 
 
