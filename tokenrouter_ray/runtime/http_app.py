@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenrouter_ray import __version__
 from tokenrouter_ray.metrics import INGRESS
+from tokenrouter_ray.openai import tokenize as token_ids
 from tokenrouter_ray.openai.auth import ApiKeyMiddleware
 from tokenrouter_ray.openai.errors import (
     InvalidRequestError,
@@ -42,7 +43,6 @@ from tokenrouter_ray.openai.errors import (
 from tokenrouter_ray.openai.request_id import RequestIdMiddleware, request_id_of, rid_prefix
 from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenrouter_ray.openai.sse import SSE_HEADERS, SSE_MEDIA_TYPE
-from tokenrouter_ray.openai.tokenize import detokenize, model_of, tokenize
 from tokenrouter_ray.openai.validation import (
     PayloadTooLargeError,
     PreparedRequest,
@@ -191,7 +191,7 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
         return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
     def check_optional_model(data: Any) -> None:
-        name = model_of(data)
+        name = token_ids.model_of(data)
         if name is not None:
             check_model(name, [served])
 
@@ -209,17 +209,17 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
         return {"version": __version__}
 
     @app.post("/tokenize")
-    async def tokenize_route(request: Request) -> Response:
+    async def tokenize(request: Request) -> Response:
         data = load_json(await request.body())
         check_optional_model(data)
-        out = await asyncio.to_thread(tokenize, data, service.tokenizer, service.limits)
+        out = await asyncio.to_thread(token_ids.tokenize, data, service.tokenizer, service.limits)
         return JSONResponse(out.model_dump(mode="json", exclude_none=True))
 
     @app.post("/detokenize")
-    async def detokenize_route(request: Request) -> Response:
+    async def detokenize(request: Request) -> Response:
         data = load_json(await request.body())
         check_optional_model(data)
-        out = await asyncio.to_thread(detokenize, data, service.tokenizer, service.limits)
+        out = await asyncio.to_thread(token_ids.detokenize, data, service.tokenizer, service.limits)
         return JSONResponse(out.model_dump(mode="json"))
 
     @app.get("/health")
