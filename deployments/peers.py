@@ -200,7 +200,9 @@ class PeerBook:
         return [e for m in self.models for e in self.by_model[m]]
 
     def sticky(self, model: str, key: str) -> str:
-        """A request's replica of ``model`` on its first visit: spread by request id."""
+        """A model server's fallback for a request that names no replica of ``model``
+        (never one from this app's ingress: it places every model, runtime/placement.py):
+        spread by request id."""
         options = self.by_model[model]
         if not options:
             raise LookupError(f"no replica of model {model!r} is registered")

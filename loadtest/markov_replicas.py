@@ -4,11 +4,12 @@ The paper's R2R setting (p(small->large) = 0.35, 6.0 / 27.9 ms, B_small = 1) wit
 replicas of the large model, each applying B_large to the requests placed on it: for every N
 in ``--concurrency`` and every admissible B_large (``2 (B_large - 1) < N``), the Monte Carlo
 prediction of sticky placement (``montecarlo.monte_carlo_bound``) next to the closed-loop
-measurement on ``ReplicatedRuntime`` (simulated engines, least-loaded first-visit placement),
-and the predicted best B against the measured best, and how often the ``max_defer_s`` safety
-net (0.05 s, the config default) fired in each steady-state window. Then, with
-``max_defer_s = inf``, an open-loop burst (Poisson arrivals, then none) counts the requests
-that never finish: nonzero while models learn N only from NEW frames (issue 14 part 1).
+measurement on ``ReplicatedRuntime`` (simulated engines, production's placement,
+runtime/placement.py), and the predicted best B against the measured best, and how often
+the ``max_defer_s`` safety net (0.05 s, the config default) fired in each steady-state
+window. Then, with ``max_defer_s = inf``, an open-loop burst (Poisson arrivals, then none)
+counts the requests that never finish: nonzero while models learn N only from NEW frames
+(issue 14 part 1).
 
 Run: ``.venv/bin/python -m loadtest.markov_replicas`` (about 2 min on 2 cores).
 """

@@ -1,21 +1,21 @@
-"""The real ingress FastAPI app (deployments/ingress.py: routes, validation, error handlers,
-API-key middleware) served in-process, without Ray: the class-based routes get a bare
-``Ingress`` instance whose peer channel is a stand-in that "generates" the token ids of
-``FILLER`` (one per step, up to ``max_tokens``), so valid requests are answered quickly."""
+"""The real ingress FastAPI app (runtime/http_app.py: routes, validation, error handlers,
+API-key middleware) served in-process, without Ray, over a real ``IngressService`` built
+with its public constructor from fakes: a peer view with one replica per model, a channel
+that sends nothing, and a core that "generates" the token ids of ``FILLER`` (one per step,
+up to ``max_tokens``), so valid requests are answered quickly."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
+from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
-from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, encode_batch
-from tokenrouter_ray.runtime.admission import AdmissionQueue
+from tokenrouter_ray.runtime.http_app import build_app
 from tokenrouter_ray.runtime.ingress import Completion
-from tokenrouter_ray.runtime.openai_server import IngressServer
-from tokenrouter_ray.runtime.recovery import AdmissionCap, Recovery
+from tokenrouter_ray.runtime.service import IngressService
 
 SERVED = "tokenrouter"
 MAX_MODEL_LEN = 64
@@ -23,12 +23,19 @@ FILLER = " the quick brown fox jumps over the lazy dog" * 4
 
 
 class FakeCore:
-    """What the routes use of `IngressCore`: submit, stream, abort, release."""
+    """What the routes and the service use of `IngressCore`: submit, stream, abort, release."""
 
     def __init__(self, filler_ids: list[int]) -> None:
         self.filler = filler_ids
         self.live: dict[str, tuple[list[int], Any]] = {}
         self.submitted = 0
+        self.tokens_received = self.frames_received = self.orphans_aborted = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
 
     @property
     def num_active(self) -> int:
@@ -59,60 +66,65 @@ class FakeCore:
 
 
 class FakePeers:
+    """A peer view (``runtime/service.py PeerView``) with one replica per model."""
+
     def __init__(self) -> None:
         self.refreshing = True
         self.by_model = {"small": ["small#0"], "large": ["large#0"]}
 
     def missing(self) -> list[str]:
-        return []
+        return [m for m, names in self.by_model.items() if not names]
 
-    def sticky(self, model: str, rid: str) -> str:
-        return self.by_model[model][0]
+    def all(self) -> list[str]:
+        return [e for names in self.by_model.values() for e in names]
+
+    async def start(self, wait_for_all: bool = True) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
 
 
-def ingress_app(tokenizer: Any) -> tuple[Any, Any]:
-    """``(app, instance)``: the ingress's FastAPI app bound to a Ray-less instance."""
-    from deployments.ingress import Ingress, app
+class FakeChannel:
+    """A peer channel that is never used to send (the fake core does not)."""
 
-    cls = Ingress.func_or_class
-    obj = object.__new__(cls)
-    obj.cfg = SimpleNamespace(
-        served_model_name=SERVED,
-        model_names=["small", "large"],
-        ingress=SimpleNamespace(max_active_requests=256, num_replicas=1),
+    bytes_sent = 0
+    closed = False
+
+    def forget_peer(self, name: str) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def fake_config(tuner: dict[str, Any] | None = None, **ingress: Any) -> AppConfig:
+    """Two real (not simulated) models; no generation_config.json is read."""
+    return AppConfig.model_validate({
+        "served_model_name": SERVED,
+        "models": {"small": {"path": "small"}, "large": {"path": "large"}},
+        "policy": {"name": "bernoulli", "options": {"p": 0.5}},
+        "ingress": {"generation_config": "none", **ingress},
+        "tuner": tuner or {},
+    })  # fmt: skip
+
+
+def ingress_service(tokenizer: Any, **ingress: Any) -> IngressService:
+    """A real ``IngressService`` over the fakes (``ingress``: config overrides)."""
+    info = {"max_model_len": MAX_MODEL_LEN, "vocab_size": len(tokenizer)}
+    return IngressService(
+        fake_config(**ingress),
+        FakeChannel(),  # type: ignore[arg-type]
+        FakePeers(),
+        tokenizer,
+        [info, info],
+        metrics=Metrics.noop(),
+        generation_defaults=GenerationDefaults(),
+        core=FakeCore(list(tokenizer.encode(FILLER, add_special_tokens=False))),  # type: ignore[arg-type]
     )
-    obj.tuner = None
-    obj.cap = AdmissionCap(256)
-    obj.tokenizer = tokenizer
-    obj.limits = RequestLimits(max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer))
-    obj.generation_defaults = GenerationDefaults()
-    obj.max_body_bytes = 8 << 20  # issue 26: the route's body limit and admission queue
-    obj.admission = AdmissionQueue(max_waiting=32, max_wait_s=1.0)
-    obj.core = FakeCore(list(tokenizer.encode(FILLER, add_special_tokens=False)))
-    obj.peers = FakePeers()
-    obj.models = {}
-    obj.timeout_s = 600.0
-    obj.recovery = Recovery(obj.core, obj.peers.missing, lambda rid: {}, timeout_s=600.0)
-    obj.server = IngressServer(
-        obj.core, tokenizer, SERVED, entries=lambda: obj.peers.by_model["small"]
-    )
-    obj._slo = None
-    for dep in _self_dependencies(app):
-        app.dependency_overrides[dep] = lambda: obj
-    return app, obj
 
 
-def _self_dependencies(app: Any) -> set[Any]:
-    """Serve's injected ``self=Depends(...)`` of the class-based routes."""
-    import inspect
-
-    from ray.serve._private.http_util import _walk_fastapi_routes
-
-    found = set()
-    for route, _, _ in _walk_fastapi_routes(app):
-        if getattr(route.endpoint, "_serve_cls", None) is None:
-            continue
-        self_param = next(iter(inspect.signature(route.endpoint).parameters.values()))
-        found.add(self_param.default.dependency)
-    assert found, "no class-based routes found on the ingress app"
-    return found
+def ingress_app(tokenizer: Any) -> tuple[Any, IngressService]:
+    """``(app, service)``: the ingress's FastAPI app over a Ray-less service."""
+    service = ingress_service(tokenizer)
+    return build_app(service), service

@@ -13,8 +13,8 @@ a slot is free now, given the ``reserved`` requests admitted by the queue that h
 submitted yet (they read, parse and tokenize before ``IngressCore`` counts them). It leaves
 as the entered block, or as ``QueueFullError``. Slots are counted by the caller
 (``IngressCore.num_active``); the queue only polls ``has_room`` (every ``poll_s`` while
-someone waits), so it needs no hook in the core. Wiring (deployments/ingress.py):
-``has_room = lambda reserved: num_active + reserved < max_active``.
+someone waits), so it needs no hook in the core. Wiring (runtime/service.py
+``IngressService.has_room``): ``num_active + reserved < max_active``.
 """
 
 from __future__ import annotations

@@ -14,12 +14,10 @@ at most ``max_imbalance`` requests busier than the least loaded one; otherwise (
 known, or its replica too busy) the least loaded replica. It then records the choice for
 every prefix of the prompt. Pure and synchronous: no I/O, no clock, no torch.
 
-Wiring (one call where a replica is picked, e.g. ``IngressServer.entry``)::
+Wiring: ``runtime/placement.py`` ``Placement`` (the one placement rule) keeps one
+``PrefixAffinity`` per model, built with that model's block size, and calls::
 
-    entry = affinity.choose(prompt_ids, {e: entry_load.get(e, 0) for e in entries()}, salt)
-
-One ``PrefixAffinity`` per model, built with that model's block size; the replicas picked
-for the other models of a request follow the same rule with their own instance.
+    replica = affinity.choose(prompt_ids, {e: load.get(e, 0) for e in replicas_of(model)}, salt)
 """
 
 from __future__ import annotations

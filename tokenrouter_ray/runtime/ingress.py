@@ -5,9 +5,9 @@ and the OpenAI flow on top of it (admission, entry load-balancing, one loop per 
 the entry model, orders COMMITs from whichever model committed (``CommitLog``), completes a
 request once FINISHED arrived *and* every committed token up to the final length is in, and
 broadcasts ABORT to every model endpoint (receivers that never held the request ignore it).
-``IngressServer`` (``runtime/openai_server.py``) drives it for the OpenAI API: the Serve
-ingress (``deployments/ingress.py``) is HTTP routes around one; ``LocalRuntime`` drives the
-core directly. Neither needs Ray.
+``IngressServer`` (``runtime/openai_server.py``) drives it for the OpenAI API, inside an
+``IngressService`` (``runtime/service.py``; the Serve ingress ``deployments/ingress.py`` is
+a shim around it); ``LocalRuntime`` drives the core directly. Neither needs Ray.
 
 Reliability rules (docs/reliability.md):
 - cleanup never awaits: ``abort_nowait`` and ``release`` change state at once and the ABORT

@@ -2,6 +2,12 @@
 wired by in-process channels (the same code the Ray Serve deployments run over ZeroMQ or
 Ray). Used by tests, benchmarks and anyone routing on one machine without Ray.
 
+Replicas are chosen by production's rule (runtime/placement.py ``Placement``): with one
+replica per model that is the only one, picked by each model on a request's first visit
+(``pick_endpoint``). ``ReplicatedRuntime`` (simulation/backend.py) runs several replicas
+and places every request at the ingress, as the Serve ingress does (``place_at_ingress``:
+each model's replica named in the NEW).
+
     async with LocalRuntime([("small", e0), ("large", e1)], policy) as runtime:
         completion = await runtime.complete(prompt_ids, SamplingSpec(temperature=0))
 """
@@ -17,6 +23,7 @@ from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import Policy
 from tokenrouter_ray.runtime.ingress import Completion, IngressCore
+from tokenrouter_ray.runtime.placement import Placement
 from tokenrouter_ray.runtime.subserver import HandoffRecord, SubServer
 from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_name
 from tokenrouter_ray.transport.inproc import InProcChannel, InProcHub
@@ -44,6 +51,16 @@ class LocalRuntime:
         self.subservers: list[SubServer] = []
         self.ingress: IngressCore | None = None
         self._ids = itertools.count()
+        # model -> its replicas' endpoints; what the placement chooses from
+        self.replicas: dict[str, list[str]] = {m: [endpoint_name(m, "0")] for m in self.models}
+        self.placement = Placement(self.replicas.__getitem__, self._block_sizes())
+        self.place_at_ingress = False  # True: every model's replica named in the NEW
+
+    def _block_sizes(self) -> dict[str, int]:
+        return {
+            name: getattr(getattr(engine, "config", None), "block_size", 16)
+            for name, engine in self.engines.items()
+        }
 
     async def __aenter__(self) -> LocalRuntime:
         await self.start()
@@ -63,7 +80,7 @@ class LocalRuntime:
                 self.engines[name],
                 self.policy,
                 channel,
-                pick_endpoint=lambda model, rid: endpoint_name(model, "0"),
+                pick_endpoint=lambda model, rid: self.placement.choose(model),
                 metrics=self.metrics,
             )
             await server.start()
@@ -89,8 +106,22 @@ class LocalRuntime:
         self, prompt: Sequence[int], sampling: SamplingSpec, request_id: str | None = None
     ) -> Completion:
         rid = request_id or f"local-{next(self._ids)}"
-        await self.ingress.submit(rid, list(prompt), sampling)
-        return await self.ingress.result(rid)
+        try:
+            await self.submit(rid, prompt, sampling)
+            return await self.ingress.result(rid)
+        finally:
+            self.placement.release(rid)
+
+    async def submit(self, rid: str, prompt: Sequence[int], sampling: SamplingSpec) -> None:
+        """Send a request to the ingress core; with ``place_at_ingress``, placed first (its
+        replicas stay counted until ``placement.release(rid)``)."""
+        if not self.place_at_ingress:
+            await self.ingress.submit(rid, list(prompt), sampling)
+            return
+        placed = self.placement.place(rid, self.models, prompt)
+        entry, *others = (placed[m] for m in self.models)
+        endpoints = dict(zip(self.models[1:], others, strict=True))
+        await self.ingress.submit(rid, list(prompt), sampling, entry, endpoints=endpoints)
 
     async def complete_all(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec

@@ -1,8 +1,9 @@
 """The OpenAI side of an ingress, over an ``IngressCore`` (runtime/ingress.py): admission,
-cache-aware placement of every model's replica, one task per choice (committed tokens ->
-incremental detokenizer -> output parsers -> text pieces), non-streaming responses and SSE
-streams. The Serve ingress (``deployments/ingress.py``) is HTTP routes around one
-``IngressServer``; tests drive it over ``LocalRuntime``. No Ray, no HTTP in it.
+placement of every model's replica (runtime/placement.py), one task per choice (committed
+tokens -> incremental detokenizer -> output parsers -> text pieces), non-streaming responses
+and SSE streams. ``IngressService`` (runtime/service.py) owns one, the HTTP routes
+(runtime/http_app.py) call it, and the Serve ingress (``deployments/ingress.py``) is a shim
+around both; tests drive it over ``LocalRuntime``. No Ray, no HTTP in it.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ from tokenrouter_ray.openai.token_reports import (
     trace_part,
 )
 from tokenrouter_ray.openai.validation import PreparedRequest
-from tokenrouter_ray.runtime.affinity import PrefixAffinity
 from tokenrouter_ray.runtime.backpressure import Backpressure, StreamGate
 from tokenrouter_ray.runtime.ingress import Completion, IngressCore
+from tokenrouter_ray.runtime.placement import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +85,15 @@ class IngressServer:
 
     - admission: 503 ``OverloadedError`` when ``n`` more choices would pass ``max_active()``,
       503 ``model_unavailable`` while ``unavailable()`` names a model without a replica;
-    - entry load-balancing: each choice goes to the least loaded replica of the entry
-      model (``entries()``), counted before the await so concurrent submits spread;
+    - placement (runtime/placement.py, the one rule): each choice's replica of the entry
+      model (``entries()``) and, with ``replicas_of``, of every other model, by prefix
+      affinity bounded by load, counted before the await so concurrent submits spread;
+      ``replace`` re-places a re-created choice after a replica loss;
     - the per-choice loop: committed tokens -> incremental detokenizer -> text pieces; a
       stop string aborts the choice everywhere; a failed choice is its OpenAI error.
 
     ``respond`` answers a prepared request: the response object, or ``StreamedChoices``.
-    ``deployments/ingress.py`` puts HTTP routes around it; tests drive it over
+    ``runtime/http_app.py`` puts HTTP routes around it; tests drive it over
     ``LocalRuntime`` on CPU.
     """
 
@@ -117,15 +120,13 @@ class IngressServer:
         self.endpoints_for = endpoints_for
         self.max_active = max_active
         self.unavailable = unavailable
-        self.entry_load: dict[str, int] = {}  # choices in flight per entry replica
         self.entry_total: dict[str, int] = {}  # choices ever sent per entry replica
-        # cache-aware placement (runtime/affinity.py): with ``replicas_of`` (model -> its
-        # live endpoints), the other models' replicas are chosen like the entry's
+        # one placement rule for every model's replica (runtime/placement.py): the entry's
+        # from ``entries()``; with ``replicas_of`` (model -> its live endpoints), the other
+        # models' too (without it, ``endpoints_for`` or the models themselves pick them)
         self.replicas_of = replicas_of
-        self.block_sizes = dict(block_sizes or {})
-        self.affinity: dict[str, PrefixAffinity] = {}  # model ("" = the entry) -> chooser
-        self.assigned_load: dict[str, int] = {}  # choices in flight per non-entry endpoint
-        self._assigned: dict[str, list[str]] = {}  # rid -> its non-entry endpoints
+        self.entry_model = self.models[0] if self.models else ""
+        self.placement = Placement(self._replicas, block_sizes)
         self._ids = itertools.count()
         # backpressure (runtime/backpressure.py): each stream's choices wait while they are
         # ``max_buffered_tokens`` ahead of their client; a client that stops reading is cut
@@ -133,48 +134,55 @@ class IngressServer:
         self._gates: weakref.WeakSet[StreamGate] = weakref.WeakSet()  # open streams
         self.client_stalls = 0  # streams ended because their client stopped reading
 
-    def entry(self, prompt: Sequence[int] | None = None, cache_salt: str | None = None) -> str:
-        """The entry replica for a prompt: the one that last got its longest prefix (its
-        KV cache likely holds it) unless that one is busier than the least loaded by more
-        than the chooser's bound; the least loaded replica without a prompt."""
-        loads = {e: self.entry_load.get(e, 0) for e in self.entries()}
-        if prompt is None or len(loads) < 2:
-            return min(loads, key=loads.__getitem__)
-        return self._chooser("").choose(prompt, loads, cache_salt)
+    def _replicas(self, model: str) -> Sequence[str]:
+        if model == self.entry_model:
+            return self.entries()
+        return self.replicas_of(model) if self.replicas_of is not None else ()
 
-    def _chooser(self, model: str) -> PrefixAffinity:
-        chooser = self.affinity.get(model)
-        if chooser is None:
-            name = model or (self.models[0] if self.models else "")
-            chooser = self.affinity[model] = PrefixAffinity(self.block_sizes.get(name, 16))
-        return chooser
+    @property
+    def entry_load(self) -> dict[str, int]:
+        """Choices in flight per entry replica."""
+        return self.placement.load_of(self.entry_model)
+
+    @entry_load.setter
+    def entry_load(self, value: dict[str, int]) -> None:
+        self.placement.load[self.entry_model] = dict(value)
+
+    @property
+    def assigned_load(self) -> dict[str, int]:
+        """Choices in flight per replica of the other models (a copy)."""
+        return {e: n for m in self.models[1:] for e, n in self.placement.load_of(m).items()}
+
+    def entry(self, prompt: Sequence[int] | None = None, cache_salt: str | None = None) -> str:
+        """The entry replica for a prompt, by the placement rule (runtime/placement.py):
+        the one that last got its longest prefix unless it is too busy; the least loaded
+        replica without a prompt. Nothing is counted."""
+        return self.placement.choose(self.entry_model, prompt, cache_salt)
 
     def forget_replica(self, endpoint: str) -> None:
         """A replica is gone: no prefix is sent to it for its cache any more."""
-        for chooser in self.affinity.values():
-            chooser.forget(endpoint)
+        self.placement.forget(endpoint)
 
     def _endpoints(
         self, rid: str, prompt: Sequence[int], cache_salt: str | None
     ) -> Mapping[str, str] | None:
-        """The replica of each non-entry model a choice will use."""
+        """The replica of each non-entry model a choice will use (counted)."""
         if self.replicas_of is None:
             return self.endpoints_for(rid) if self.endpoints_for else None
-        out: dict[str, str] = {}
-        for model in self.models[1:]:
-            options = list(self.replicas_of(model))
-            if not options:
-                raise LookupError(f"no replica of model {model!r} is registered")
-            loads = {e: self.assigned_load.get(e, 0) for e in options}
-            out[model] = self._chooser(model).choose(prompt, loads, cache_salt)
-        for endpoint in out.values():
-            self.assigned_load[endpoint] = self.assigned_load.get(endpoint, 0) + 1
-        self._assigned[rid] = list(out.values())
-        return out
+        return self.placement.place(rid, self.models[1:], prompt, cache_salt)
+
+    def replace(self, rid: str) -> dict[str, str]:
+        """After a replica loss: a re-created choice's replica of each non-entry model, kept
+        where it is still live, placed anew where it was lost (runtime/recovery.py)."""
+        if self.replicas_of is None:
+            return dict(self.endpoints_for(rid)) if self.endpoints_for else {}
+        return self.placement.replace(rid, self.models[1:])
 
     def _unassign(self, rid: str) -> None:
-        for endpoint in self._assigned.pop(rid, ()):
-            self.assigned_load[endpoint] -= 1
+        self.placement.release_model(rid, self.models[1:])
+
+    def _place_entry(self, rid: str, prompt: Sequence[int], cache_salt: str | None) -> str:
+        return self.placement.place(rid, [self.entry_model], prompt, cache_salt)[self.entry_model]
 
     async def respond(
         self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
@@ -247,8 +255,8 @@ class IngressServer:
         try:
             prompt, salt = prepared.prompt_token_ids, sampling.cache_salt
             for i in range(sampling.n):
-                rid, entry = f"{base}-{i}", self.entry(prompt, salt)
-                self.entry_load[entry] = self.entry_load.get(entry, 0) + 1  # before the await
+                rid = f"{base}-{i}"
+                entry = self._place_entry(rid, prompt, salt)  # counted before the await
                 try:
                     endpoints = self._endpoints(rid, prompt, salt)
                     await self.core.submit(
@@ -260,15 +268,13 @@ class IngressServer:
                         endpoints=endpoints,
                     )
                 except BaseException:
-                    self.entry_load[entry] -= 1
-                    self._unassign(rid)
+                    self.placement.release(rid)
                     raise
                 self.entry_total[entry] = self.entry_total.get(entry, 0) + 1
                 submitted.append((rid, entry))
         except BaseException as exc:  # incl. cancellation: free the choices already sent
-            for rid, entry in submitted:
-                self.entry_load[entry] -= 1
-                self._unassign(rid)
+            for rid, _ in submitted:
+                self.placement.release(rid)
                 self.core.abort_nowait(rid)
                 self.core.release(rid)
             if isinstance(exc, OpenAIError) or not isinstance(exc, Exception):
@@ -432,8 +438,7 @@ class IngressServer:
         """Abort (a no-op once complete) and release a choice, once; None if already."""
         if rid not in self.core.live:
             return None
-        self.entry_load[entry] -= 1
-        self._unassign(rid)
+        self.placement.release(rid)
         self.core.abort_nowait(rid)
         return self.core.release(rid)
 

@@ -11,9 +11,9 @@ shows); ``running`` tells the admission check to answer 503 meanwhile.
 ``max_active_requests`` or, in SLO mode, the tuner's cap for the whole app split over the
 ingress replicas, whichever is lower; ``follow`` polls the tuner for it.
 
-Both are plain asyncio, without Ray: the Serve deployment (``deployments/ingress.py``)
-wires them to its peer book and tuner handle, and the tests drive them over
-``LocalRuntime``.
+Both are plain asyncio, without Ray: ``IngressService`` (runtime/service.py) wires them to
+its peer view, its placement (``endpoints_for`` re-places by runtime/placement.py) and the
+tuner's cap; the tests drive them over ``LocalRuntime`` and the service.
 """
 
 from __future__ import annotations

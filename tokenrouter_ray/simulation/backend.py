@@ -300,26 +300,38 @@ class ReplicatedRuntime(LocalRuntime):
     """``LocalRuntime`` with several data-parallel replicas per model, as Serve runs them.
 
     ``replicas`` maps a model to its engines (one per replica). Every replica is its own
-    sub-server with its own scheduler and thresholds; a request's replica of a model is
-    picked on its first visit and kept (its KV lives there): ``assignment="least-loaded"``
-    (default) takes the replica holding the fewest requests (ties: from the request id), as
-    Serve's router does for new requests; ``"hash"`` spreads by request id alone (crc32, as
-    ``deployments/peers.py`` does today). The ingress spreads new requests over the entry
-    model's replicas round-robin and sends its active-count updates to every replica.
+    sub-server with its own scheduler and thresholds; a request keeps its replica of each
+    model (its KV lives there). ``assignment`` says who picks it:
+
+    - ``"placement"`` (default): production's rule (runtime/placement.py, what the Serve
+      ingress does): when the request is submitted, one replica of every model by prefix
+      affinity bounded by load (requests placed there and not finished; ties: the first
+      replica), named in its NEW;
+    - ``"least-loaded"``: the model picks on the request's first visit, the replica whose
+      engine holds the fewest requests (ties: from the request id);
+    - ``"hash"``: the model picks on the first visit by request id alone (crc32).
+
+    With the last two the ingress spreads new requests over the entry model's replicas
+    round-robin. The ingress sends its active-count updates to every replica.
     """
+
+    ASSIGNMENTS = ("placement", "least-loaded", "hash")
 
     def __init__(
         self,
         replicas: Sequence[tuple[str, Sequence[Engine]]],
         policy: Any,
-        assignment: str = "least-loaded",
+        assignment: str = "placement",
         **kwargs: Any,
     ) -> None:
         super().__init__([(name, engines[0]) for name, engines in replicas], policy, **kwargs)
-        if assignment not in ("least-loaded", "hash"):
-            raise ValueError(f"assignment must be 'least-loaded' or 'hash', got {assignment!r}")
+        if assignment not in self.ASSIGNMENTS:
+            raise ValueError(f"assignment must be one of {self.ASSIGNMENTS}, got {assignment!r}")
         self.replica_engines = {name: list(engines) for name, engines in replicas}
         self.assignment = assignment
+        self.place_at_ingress = assignment == "placement"
+        for name, engines in self.replica_engines.items():
+            self.replicas[name] = [endpoint_name(name, str(k)) for k in range(len(engines))]
 
     async def start(self) -> None:
         hub, directory = InProcHub(), InMemoryDirectory()
@@ -328,6 +340,8 @@ class ReplicatedRuntime(LocalRuntime):
         held: dict[str, list[Engine]] = self.replica_engines
 
         def pick(model: str, rid: str) -> str:
+            if self.assignment == "placement":  # a request placed at the ingress names it
+                return self.placement.choose(model)
             options = names[model]
             start = zlib.crc32(rid.encode()) % len(options)
             if self.assignment == "least-loaded":  # fewest requests held, ties from the hash

@@ -227,7 +227,9 @@ class ClosedLoop:
     (``set_escalation``).
 
     ``thresholds`` per model is one B (``thresholds_table``: B at index N, 1 below) or a
-    full scheduler ``batch_thresholds`` list.
+    full scheduler ``batch_thresholds`` list. With ``replicas`` above one per model it runs
+    ``ReplicatedRuntime``; ``assignment`` is its replica placement (default: production's
+    rule, runtime/placement.py).
     """
 
     def __init__(
@@ -243,7 +245,7 @@ class ClosedLoop:
         prompt_len: int = 4,
         replicas: Sequence[int] | None = None,
         clients: int | None = None,
-        assignment: str = "least-loaded",
+        assignment: str = "placement",
     ) -> None:
         q = escalation_probability(profile)
         self.clients = n_requests if clients is None else clients
@@ -392,7 +394,11 @@ class ClosedLoop:
     async def _timed_request(self, rid: str, spec: SamplingSpec) -> list[float]:
         """Submit one request and stream it to the end; the wall time of every token."""
         ingress = self.runtime.ingress
-        await ingress.submit(rid, self._prompt, spec)
+        try:
+            await self.runtime.submit(rid, self._prompt, spec)
+        except BaseException:
+            self.runtime.placement.release(rid)
+            raise
         stamps: list[float] = []
         try:
             async for chunk in ingress.stream(rid):
@@ -401,6 +407,7 @@ class ClosedLoop:
         finally:
             ingress.abort_nowait(rid)  # no-op once complete; frees the models if cancelled
             done = ingress.release(rid)
+            self.runtime.placement.release(rid)
         if done.error:
             raise RuntimeError(f"request {rid} failed: {done.error}")
         return stamps

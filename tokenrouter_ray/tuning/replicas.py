@@ -39,10 +39,13 @@ Without (a) neither holds: a replica that keeps ``B_i`` of an old, larger N can 
 last requests forever (``tests/simulation/test_no_timeout.py``, open loop, shows it while N
 is carried only by NEW frames); ``max_defer_s`` is then what moves them.
 
-Placement is sticky: a request is placed on a replica of model j on its first visit and
-stays there (its KV lives there). The throughput model therefore keeps track of *which*
-replica each request uses: ``binding`` splits the N requests into classes, one per
-combination of replica choices, as evenly as a least-loaded first-visit choice makes them,
+Placement is sticky: a request is placed on a replica of each model and stays there (its KV
+lives there). Production, ``LocalRuntime`` and the simulation place with one rule
+(``runtime/placement.py``): when the request is submitted, every model's replica by prefix
+affinity bounded by load, which is least-loaded placement when prompts share no prefix. The
+throughput model therefore keeps track of *which* replica each request uses: ``binding``
+splits the N requests into classes, one per combination of replica choices, as evenly as a
+least-loaded choice makes them,
 and ``montecarlo.monte_carlo_bound`` simulates the chain over model replicas ("units") with
 per-class counts. Measured on the simulated runtime (paper profile, R_large = 2,
 ``docs/tuning.md``) this placement is what the runtime does; a model that draws the replica
