@@ -246,8 +246,8 @@ class Ingress:
         infos = [await models[name].info.remote() for name in cfg.model_names]
         lim = cfg.ingress.limits
         self.limits = RequestLimits(
-            max_model_len=min(i["max_model_len"] for i in infos),
-            vocab_size=min([len(self.tokenizer), *(i["vocab_size"] for i in infos)]),
+            max_model_len=min(i.max_model_len for i in infos),  # ReplicaInfo
+            vocab_size=min([len(self.tokenizer), *(i.vocab_size for i in infos)]),
             structured_outputs=cfg.models[entry].sim is None,  # grammars need a real vocabulary
             **lim.model_dump(exclude={"max_body_mib"}),
         )
@@ -358,7 +358,8 @@ class Ingress:
         models: dict[str, Any] = {}
         for name, handle in self.models.items():
             try:
-                models[name] = await asyncio.wait_for(handle.status.remote(), timeout=5)
+                status = await asyncio.wait_for(handle.status.remote(), timeout=5)
+                models[name] = status.to_json()  # ReplicaStatus
             except Exception as exc:
                 models[name] = {"error": repr(exc)}
         return {
@@ -407,7 +408,7 @@ class Ingress:
     async def tuner_status(self) -> dict[str, Any]:
         if self.tuner is None:
             raise NotFoundError("The threshold tuner is not enabled (set `tuner=live`).")
-        return await self.tuner.status.remote()
+        return (await self.tuner.status.remote()).to_json()  # TunerStatus
 
     # ---------------------------------------------------------------- recovery
     def peers_all(self) -> list[str]:
