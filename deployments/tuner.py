@@ -35,7 +35,9 @@ logger = logging.getLogger("ray.serve")
 class Tuner:
     async def __init__(self, app_config: dict) -> None:
         cfg = AppConfig.model_validate(app_config)
-        initial = {m: cfg.scheduler_for(m).batch_thresholds for m in cfg.model_names}
+        initial = {
+            m: ThresholdTable.of(cfg.scheduler_for(m).batch_thresholds) for m in cfg.model_names
+        }
         replicas = {m: spec.num_replicas for m, spec in cfg.models.items()}  # until reports
         self.core = TunerCore(cfg.model_names, cfg.tuner, initial, replicas=replicas)
         self.metrics = ray_metrics(policy=cfg.policy.name, model_name=cfg.served_model_name)
