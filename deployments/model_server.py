@@ -1,6 +1,7 @@
 """One Serve deployment per model: a replica hosts one model sub-server (engine + policy +
 peer channel). Requests reach it as PeerReqs over the channel, not as handle calls; the
-handle serves only ``info``, ``status``, health checks and ``inject_fault`` (chaos tests).
+handle serves only ``info`` and ``status`` (``ReplicaInfo`` / ``ReplicaStatus``, typed:
+``runtime/replica.py``), health checks and ``inject_fault`` (chaos tests).
 With the tuner enabled, each replica reports its statistics window to the tuner every period
 and adopts the thresholds it answers. Serve's ``check_health`` fails (and Serve restarts the
 replica) when the sub-server's receive, send or step loop stopped, the channel closed, the
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from typing import Any
 
@@ -27,6 +27,7 @@ from deployments.tp_workers import RayWorkerLauncher
 from tokenrouter_ray.config import AppConfig, ModelSpec
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.routing.policy import build_policy, policy_class
+from tokenrouter_ray.runtime.replica import ReplicaInfo, ReplicaStatus, SimDevice
 from tokenrouter_ray.runtime.subserver import SubServer
 
 logger = logging.getLogger("ray.serve")
@@ -83,20 +84,6 @@ def build_engine(cfg: AppConfig, name: str, launcher: RayWorkerLauncher | None) 
     return Engine.from_config(engine_config(cfg, name), launcher)
 
 
-def _sim_stats(runner: Any) -> dict[str, float] | None:
-    """A simulated model's device: steps, mean batch, busy seconds, mean gap between steps."""
-    stats = getattr(runner, "stats", None)
-    if stats is None or not hasattr(stats, "busy_s"):
-        return None
-    gaps = stats.gaps_s[-10_000:]
-    return {
-        "steps": stats.steps,
-        "mean_batch": stats.mean_batch,
-        "busy_s": stats.busy_s,
-        "mean_gap_ms": 1e3 * sum(gaps) / len(gaps) if gaps else 0.0,
-    }
-
-
 @serve.deployment(health_check_period_s=5, graceful_shutdown_timeout_s=5)
 class ModelServer:
     async def __init__(
@@ -151,17 +138,17 @@ class ModelServer:
         )
 
     async def _follow_tuner(self, tuner: DeploymentHandle, period_s: float) -> None:
-        """Report this replica's window; adopt the thresholds the tuner answers."""
+        """Report this replica's window; adopt the ``ThresholdTable`` the tuner answers."""
         while True:
             await asyncio.sleep(period_s)
             try:
                 snapshot = self.server.stats.snapshot()
                 report = tuner.report.remote(self.model, self.replica, snapshot)
-                thresholds = await asyncio.wait_for(report, timeout=max(10.0, 2 * period_s))
+                table = await asyncio.wait_for(report, timeout=max(10.0, 2 * period_s))
             except Exception as exc:  # the tuner restarting must not stop serving
                 logger.warning("%s: tuner report failed: %s", self.model, exc)
                 continue
-            self.server.set_batch_thresholds(thresholds)
+            self.server.set_batch_thresholds(table)
 
     def _on_lost(self, lost: set[str]) -> None:
         for name in lost:  # its replica died: close the socket, re-resolve if it returns
@@ -172,48 +159,16 @@ class ModelServer:
             raise LookupError(f"no replica of {model!r} known yet")
         return self.peers.sticky(model, rid)
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> ReplicaInfo:
         import ray
 
-        engine = self.engine.status()
-        return {
-            "model": self.model,
-            "endpoint": self.server.endpoint,
-            "max_model_len": self.engine.max_model_len,
-            "vocab_size": self.engine.vocab_size,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "active_requests": engine.requests,
-            "steps": self.server.num_steps,
-            "kv_blocks_free": engine.kv_blocks_free,
-            "kv_blocks_total": engine.kv_blocks_total,
-            "routing_stats": self.server.stats.snapshot().to_json(),
-            "batch_thresholds": self.engine.batch_thresholds,
-        }
+        return ReplicaInfo.of(self.server, ray.get_runtime_context().get_node_id())
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> ReplicaStatus:
         """What this replica holds now (cheap: no statistics snapshot)."""
-        engine = self.engine.status()
-        return {
-            "model": self.model,
-            "endpoint": self.server.endpoint,
-            "pid": os.getpid(),
-            "requests": engine.requests,
-            "tracked": len(self.server.tracked),
-            "waiting": engine.waiting,
-            "running": engine.running,
-            "pending": engine.pending,
-            "deferred_timeouts": engine.deferred_timeouts,  # launches forced by max_defer_s
-            "kv_blocks_used": engine.kv_blocks_used,
-            "kv_blocks_total": engine.kv_blocks_total,
-            "alive": self.server.alive,
-            "address": self.channel.address,
-            "peer_rejected": dict(getattr(self.channel, "rejected", {})),
-            "steps": self.server.num_steps,
-            "host": self.server.steps.profile.snapshot(),  # per-phase host time per step
-            "bytes_sent": self.channel.bytes_sent,
-            "frames_sent": self.channel.frames_sent,
-            "sim": _sim_stats(self.engine.runner),
-        }
+        return ReplicaStatus.of(
+            self.server, SimDevice.of(getattr(self.engine.runner, "stats", None))
+        )
 
     async def explain(self, rid: str | None = None) -> dict[str, Any]:
         """Debugging: what this replica knows of one request (default: its oldest)."""
@@ -250,7 +205,7 @@ class ModelServer:
         """Chaos hook: ``step`` makes the next ``count`` forward steps raise; ``stall``
         makes the next ``count`` steps take ``seconds`` longer (a model that stops
         answering); ``clear`` removes any fault. To kill a replica, kill its process
-        (``status()["pid"]``)."""
+        (``status().pid``)."""
         runner = self.engine.runner
         real = self._execute
         runner.execute = real

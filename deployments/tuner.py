@@ -1,29 +1,30 @@
 """The threshold tuner as a one-replica Serve deployment (DESIGN.md §4, live re-solve).
 
 Model replicas call ``report(model, replica, snapshot)`` every ``tuner.period_s`` with their
-sliding-window statistics and adopt the threshold list it returns (replicas pull, so the
-tuner never has to find a replica, and a new replica converges on its first report). The
-reporting replicas are counted per model; a count that changes (Serve autoscaling, a
-restart) makes the tuner re-solve under ``sum_i R_i (B_i - 1) < N``. Every
-period the tuner loop (``tuning.tuner.run_tuner``, the one ``drive_local`` runs too) merges
-the fresh reports, re-solves the Markov model when the statistics drifted (in a worker
-thread: the event loop keeps answering reports), and exports what it decided as metrics.
-``status()`` (served at ``GET /v1/tokenrouter/tuner`` by the ingress) says what it decided
-and why.
+sliding-window statistics (a ``WindowSnapshot``) and adopt the ``ThresholdTable`` it
+returns (replicas pull, so the tuner never has to find a replica, and a new replica
+converges on its first report). The reporting replicas are counted per model; a count that
+changes (Serve autoscaling, a restart) makes the tuner re-solve under
+``sum_i R_i (B_i - 1) < N``. Every period the tuner loop (``tuning.tuner.run_tuner``, the
+one ``drive_local`` runs too) merges the fresh reports, re-solves the Markov model when the
+statistics drifted (in a worker thread: the event loop keeps answering reports), and exports
+what it decided (a ``TunerDecision``) as metrics.
+``status()`` says what it decided and why: a ``TunerStatus`` (typed over Ray; the ingress
+serves its ``to_json()`` at ``GET /v1/tokenrouter/tuner``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from ray import serve
 
 from deployments.ray_metrics import ray_metrics
 from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.thresholds import ThresholdTable
+from tokenrouter_ray.tuning.decision import TunerDecision, TunerStatus
 from tokenrouter_ray.tuning.profile import RoutingProfile
-from tokenrouter_ray.tuning.solver import Decision
 from tokenrouter_ray.tuning.tuner import TunerCore, run_tuner
 from tokenrouter_ray.tuning.window import WindowSnapshot
 
@@ -34,7 +35,9 @@ logger = logging.getLogger("ray.serve")
 class Tuner:
     async def __init__(self, app_config: dict) -> None:
         cfg = AppConfig.model_validate(app_config)
-        initial = {m: cfg.scheduler_for(m).batch_thresholds for m in cfg.model_names}
+        initial = {
+            m: ThresholdTable.of(cfg.scheduler_for(m).batch_thresholds) for m in cfg.model_names
+        }
         replicas = {m: spec.num_replicas for m, spec in cfg.models.items()}  # until reports
         self.core = TunerCore(cfg.model_names, cfg.tuner, initial, replicas=replicas)
         self.metrics = ray_metrics(policy=cfg.policy.name, model_name=cfg.served_model_name)
@@ -43,17 +46,17 @@ class Tuner:
             run_tuner(self.core, self._stop, publish=self._publish), name="tuner"
         )
 
-    async def report(self, model: str, replica: str, snapshot: WindowSnapshot) -> list[int]:
+    async def report(self, model: str, replica: str, snapshot: WindowSnapshot) -> ThresholdTable:
         return self.core.report(model, replica, snapshot)
 
-    async def status(self) -> dict[str, Any]:
-        return self.core.status()
+    async def status(self) -> TunerStatus:
+        return self.core.snapshot()
 
     async def admission_cap(self) -> int | None:
         """SLO mode: how many requests may be active (None: no cap)."""
         return self.core.last.max_concurrency
 
-    def _publish(self, decision: Decision, profile: RoutingProfile | None) -> None:
+    def _publish(self, decision: TunerDecision, profile: RoutingProfile | None) -> None:
         """After each period of the tuner loop: log a change, export the decision."""
         if decision.changed:
             logger.info("tuner: %s", decision.reason)

@@ -249,7 +249,7 @@ def kill(base: str, n: int = 8, max_tokens: int = 64) -> dict[str, Any]:
         ]
         for ev in started:
             ev.wait(120)
-        pid = handle("large").status.remote().result()["pid"]
+        pid = handle("large").status.remote().result().pid
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         health: dict[str, float | None] = {"first_503_s": None, "back_200_s": None}
@@ -309,7 +309,7 @@ def forged(base: str) -> dict[str, Any]:
     from tokenrouter_ray.protocol import MsgKind, PeerReq, encode_batch
     from tokenrouter_ray.transport.auth import FrameSigner, derive_key
 
-    status = handle("large").status.remote().result()
+    status = handle("large").status.remote().result().to_json()  # ReplicaStatus
     before = status["peer_rejected"]
     msg = PeerReq(rid="evil", src="x/y", dst=status["endpoint"], kind=MsgKind.ABORT, handoff_seq=0)
     frames = [
@@ -325,7 +325,7 @@ def forged(base: str) -> dict[str, Any]:
         push.send(frame)
     push.close()
     time.sleep(1.0)
-    after = handle("large").status.remote().result()["peer_rejected"]
+    after = handle("large").status.remote().result().peer_rejected
     rejected = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     served = answer(api(base), QUESTIONS[0], 16)
     return {"frames_sent": len(frames) * 10, "rejected": rejected, "served_after": bool(served)}

@@ -48,7 +48,9 @@ def _processes() -> dict[str, Any]:
 
 
 def _model_states() -> dict[str, dict[str, Any]]:
-    return {m: rb.handle(m).status.remote().result(timeout_s=30) for m in ("small", "large")}
+    return {
+        m: rb.handle(m).status.remote().result(timeout_s=30).to_json() for m in ("small", "large")
+    }
 
 
 def _raw_stream(port: int, body: dict[str, Any]) -> socket.socket:
@@ -154,7 +156,7 @@ def directory_restart(base: str, n: int = 8, max_tokens: int = 64) -> dict[str, 
     t0 = time.monotonic()
     _processes()["EndpointDirectory"].kill()
     time.sleep(1.0)
-    os.kill(rb.handle("large").status.remote().result()["pid"], signal.SIGKILL)
+    os.kill(rb.handle("large").status.remote().result().pid, signal.SIGKILL)
     outcomes = _outcomes(futures, want, t0)
     back = rb.wait_healthy(base, 180)
     same_secret = rb.handle("EndpointDirectory").peer_secret.remote().result() == secret
@@ -177,7 +179,7 @@ def directory_restart(base: str, n: int = 8, max_tokens: int = 64) -> dict[str, 
 
 def wedged_step(base: str, n: int = 4, max_tokens: int = 64) -> dict[str, Any]:
     want = _undisturbed(base, n, max_tokens)
-    old_pid = rb.handle("large").status.remote().result()["pid"]
+    old_pid = rb.handle("large").status.remote().result().pid
     before = len(rb.stats(base)["recoveries"])
     futures, started = _streams(base, n, max_tokens)
     for ev in started:
@@ -187,7 +189,7 @@ def wedged_step(base: str, n: int = 4, max_tokens: int = 64) -> dict[str, Any]:
     replaced_s = None
     while time.monotonic() - t0 < 240 and replaced_s is None:
         try:
-            pid = rb.handle("large").status.remote().result(timeout_s=5)["pid"]
+            pid = rb.handle("large").status.remote().result(timeout_s=5).pid
             if pid != old_pid:
                 replaced_s = round(time.monotonic() - t0, 1)
         except Exception:  # the old replica is being stopped

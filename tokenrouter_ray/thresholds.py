@@ -22,26 +22,51 @@ config read it as cheaply as the tuner does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 
-@dataclass(frozen=True)
 class ThresholdTable:
-    """One model's deferred-launch thresholds, indexed by the active-request count N."""
+    """One model's deferred-launch thresholds, indexed by the active-request count N.
 
-    values: tuple[int, ...] = (1,)
+    Immutable and hashable. The one type thresholds have from the solver to the scheduler
+    (tuner answer, Ray, sub-server, engine): ``table[n]`` is entry n as written, ``at(n)``
+    the lookup rule. A table equals another table, or a list or tuple, with the same values
+    (a config's ``batch_thresholds``, a JSON body's list). At a JSON edge it is a list
+    (``to_list``); ``json_hook`` is the ``enc_hook`` that writes it so.
+    """
 
-    def __post_init__(self) -> None:
-        values = tuple(int(b) for b in self.values)
+    __slots__ = ("values",)
+    values: tuple[int, ...]
+
+    def __init__(self, values: Iterable[int] = (1,)) -> None:
+        values = tuple(int(b) for b in values)
         if not values or min(values) < 1:
             raise ValueError(f"thresholds must be a non-empty list of B >= 1, got {list(values)}")
         object.__setattr__(self, "values", values)
 
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("a ThresholdTable is immutable")
+
+    def __reduce__(self) -> tuple[type[ThresholdTable], tuple[tuple[int, ...]]]:
+        return (ThresholdTable, (self.values,))  # pickles across Ray as its values
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ThresholdTable):
+            return self.values == other.values
+        if isinstance(other, (list, tuple)):
+            return self.values == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.values)
+
+    def __repr__(self) -> str:
+        return f"ThresholdTable({list(self.values)})"
+
     @classmethod
     def of(cls, values: ThresholdTable | Sequence[int]) -> ThresholdTable:
         """A table from a list (``batch_thresholds`` of a config, a tuner's answer)."""
-        return values if isinstance(values, ThresholdTable) else cls(tuple(values))
+        return values if isinstance(values, ThresholdTable) else cls(values)
 
     @classmethod
     def from_tuned(cls, tuned: Mapping[int, int], top: int | None = None) -> ThresholdTable:
@@ -73,6 +98,17 @@ class ThresholdTable:
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.values)
+
+    def __getitem__(self, n: int) -> int:
+        """Entry ``n`` as written (``at`` applies the lookup rule past the end)."""
+        return self.values[n]
+
+
+def json_hook(obj: object) -> object:
+    """``enc_hook`` for msgspec: a ``ThresholdTable`` is its list at a JSON edge."""
+    if isinstance(obj, ThresholdTable):
+        return obj.to_list()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
 def deferral_slack(thresholds: Sequence[int], replicas: Sequence[int] | None = None) -> int:

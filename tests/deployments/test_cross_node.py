@@ -42,7 +42,8 @@ def test_outputs_equal_local_runtime_across_nodes(cross_node_app, served_chain_d
         assert ids_of(response.choices[0].text) == want.token_ids
     # The replicas really ran on different nodes, and ZeroMQ spoke TCP between them.
     infos = {
-        name: serve.get_deployment_handle(name, "crossnode").info.remote().result() for name in TWO
+        name: serve.get_deployment_handle(name, "crossnode").info.remote().result().to_json()
+        for name in TWO
     }
     assert infos["small"]["node_id"] != infos["large"]["node_id"]
     stats = httpx.get(f"{cross_node_app}/tokenrouter/stats").json()

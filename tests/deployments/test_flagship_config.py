@@ -179,8 +179,8 @@ def test_flagship_streams_an_answer_from_both_models_across_nodes(flagship: str)
     assert routing["handoffs"] > 0
     # Each model on its own node (the file's custom resources), PeerReqs over ZeroMQ TCP.
     handles = {name: serve.get_deployment_handle(name, "flagship") for name in ("small", "large")}
-    infos = {name: h.info.remote().result() for name, h in handles.items()}
-    status = {name: h.status.remote().result() for name, h in handles.items()}
+    infos = {name: h.info.remote().result().to_json() for name, h in handles.items()}
+    status = {name: h.status.remote().result().to_json() for name, h in handles.items()}
     assert infos["small"]["node_id"] != infos["large"]["node_id"]
     assert all(s["address"].startswith("tcp://") for s in status.values()), status
     assert infos["large"]["steps"] > 0

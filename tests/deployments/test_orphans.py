@@ -45,7 +45,7 @@ def large_statuses(app_name: str, want: int = 2, tries: int = 40) -> dict[int, d
     handle = serve.get_deployment_handle("large", app_name=app_name)
     seen: dict[int, dict[str, Any]] = {}
     for _ in range(tries):
-        status = handle.status.remote().result(timeout_s=30)
+        status = handle.status.remote().result(timeout_s=30).to_json()  # ReplicaStatus
         seen[status["pid"]] = status
         if len(seen) >= want:
             break

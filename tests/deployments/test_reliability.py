@@ -424,7 +424,7 @@ def test_killed_replica_requests_are_recreated_and_the_app_serves_on(
         futures = [pool.submit(run, p) for p in batch]
         first_chunk.wait()  # every request is generating
         killed_at = time.monotonic()
-        os.kill(large.status.remote().result()["pid"], signal.SIGKILL)
+        os.kill(large.status.remote().result().pid, signal.SIGKILL)
         seen: dict[str, Any] = {}
 
         def watch() -> None:  # /health while the large model has no replica
@@ -562,7 +562,7 @@ def test_a_junk_flood_at_a_model_leaves_requests_exact_and_health_green(
     got, undisturbed_s = runs[0][0], min(t for _, t in runs)
     assert got == want
     large = model_handle("large")
-    address = large.status.remote().result()["address"]
+    address = large.status.remote().result().address
     before = len(stats(app)["recoveries"])
     stop, sent, health = threading.Event(), [], []
 
@@ -585,7 +585,7 @@ def test_a_junk_flood_at_a_model_leaves_requests_exact_and_health_green(
         stop.set()
         flood.join(30)
         watcher.join(30)
-    rejected = large.status.remote().result()["peer_rejected"]
+    rejected = large.status.remote().result().peer_rejected
     print(
         f"flood: {sent[0]} junk frames; undisturbed {undisturbed_s:.2f} s, flooded "
         f"{flooded_s:.2f} s; rejected {rejected}; health {sorted(set(health))}"
@@ -619,7 +619,7 @@ def test_a_restarted_directory_keeps_the_secret_and_a_new_replica_serves(
         time.sleep(1.0)
         replica_processes()["EndpointDirectory"].kill()
         time.sleep(1.0)
-        os.kill(large.status.remote().result()["pid"], signal.SIGKILL)
+        os.kill(large.status.remote().result().pid, signal.SIGKILL)
         got = [f.result(timeout=300) for f in futures]  # none hangs
     assert got == [w.token_ids for w in want]
     assert model_handle("EndpointDirectory").peer_secret.remote().result() == secret
@@ -628,7 +628,7 @@ def test_a_restarted_directory_keeps_the_secret_and_a_new_replica_serves(
         model="tokenrouter", prompt=batch[0], max_tokens=64, temperature=0
     )
     assert ids_of(fresh.choices[0].text) == want[0].token_ids
-    status = model_handle("large").status.remote().result()
+    status = model_handle("large").status.remote().result().to_json()  # ReplicaStatus
     assert status["peer_rejected"].get("bad_mac", 0) == 0  # its peers' frames verify
     wait_clean(app)
 
@@ -722,7 +722,7 @@ def test_a_wedged_step_fails_health_and_its_requests_recover_exact(
     batch = prompts(4)
     want = local_outputs(served_chain_dirs, TWO, "entropy", OPTIONS, batch, 64)
     large = model_handle("large")
-    old_pid = large.status.remote().result()["pid"]
+    old_pid = large.status.remote().result().pid
     before = len(stats(app)["recoveries"])
     large.inject_fault.remote("stall", 10_000, 0.05).result()  # slow: the wedge lands mid-way
     api = client(app, timeout=240)
@@ -734,7 +734,7 @@ def test_a_wedged_step_fails_health_and_its_requests_recover_exact(
         got = [f.result(timeout=300) for f in futures]
     done_s = time.monotonic() - wedged
     assert got == [w.token_ids for w in want]
-    assert model_handle("large").status.remote().result()["pid"] != old_pid  # replaced
+    assert model_handle("large").status.remote().result().pid != old_pid  # replaced
     recoveries = stats(app)["recoveries"][before:]
     assert recoveries and sum(r["recreated"] for r in recoveries) >= 1, recoveries
     print(f"wedged step: all {len(batch)} exact {done_s:.1f} s after the wedge; {recoveries}")

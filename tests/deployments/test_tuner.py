@@ -71,6 +71,7 @@ def test_replicas_follow_the_tuner(serve_app, served_chain_dirs) -> None:
         def adopted() -> bool:  # replicas pull what the tuner published
             now = httpx.get(f"{base}/tokenrouter/tuner", timeout=10).json()["thresholds"]
             infos = {m: serve.get_deployment_handle(m, "tuned").info.remote().result() for m in TWO}
+            infos = {m: info.to_json() for m, info in infos.items()}  # ReplicaInfo
             return all(infos[m]["batch_thresholds"] == now[m] for m in TWO)
 
         wait_for(adopted, 10.0)

@@ -7,6 +7,7 @@ up to ``max_tokens``), so valid requests are answered quickly."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 from tokenrouter_ray.config import AppConfig
@@ -111,7 +112,7 @@ def fake_config(tuner: dict[str, Any] | None = None, **ingress: Any) -> AppConfi
 
 def ingress_service(tokenizer: Any, **ingress: Any) -> IngressService:
     """A real ``IngressService`` over the fakes (``ingress``: config overrides)."""
-    info = {"max_model_len": MAX_MODEL_LEN, "vocab_size": len(tokenizer)}
+    info = SimpleNamespace(max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer))
     return IngressService(
         fake_config(**ingress),
         FakeChannel(),  # type: ignore[arg-type]

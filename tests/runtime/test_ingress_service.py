@@ -22,7 +22,14 @@ from tokenrouter_ray.runtime.service import IngressService
 from tokenrouter_ray.transport.base import InMemoryDirectory
 from tokenrouter_ray.transport.inproc import InProcChannel, InProcHub
 
-INFO = {"max_model_len": 64, "vocab_size": 50}
+INFO = SimpleNamespace(max_model_len=64, vocab_size=50)  # what a ReplicaInfo carries
+
+
+class AsJson(dict):
+    """A status as a Ray handle returns it: a struct written as JSON by ``to_json``."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self)
 
 
 class Tokenizer:
@@ -44,7 +51,7 @@ def service(
         channel if channel is not None else FakeChannel(),
         peers if peers is not None else FakePeers(),
         Tokenizer(),
-        [INFO, {"max_model_len": 32, "vocab_size": 60}],
+        [INFO, SimpleNamespace(max_model_len=32, vocab_size=60)],
         metrics=Metrics.noop(),
         generation_defaults=GenerationDefaults(),
         core=core if core is not None else FakeCore([1, 2, 3]),
@@ -152,14 +159,14 @@ def test_check_health_raises_while_the_core_is_down() -> None:
 
 
 def test_stats_and_tuner_status_use_the_injected_callables() -> None:
-    async def small() -> dict[str, Any]:
-        return {"requests": 1}
+    async def small() -> AsJson:
+        return AsJson(requests=1)
 
     async def large() -> dict[str, Any]:
         raise ConnectionError("replica gone")
 
-    async def tuner() -> dict[str, Any]:
-        return {"thresholds": {}}
+    async def tuner() -> AsJson:
+        return AsJson(thresholds={})
 
     s = service(model_status={"small": small, "large": large})
 

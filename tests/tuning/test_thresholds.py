@@ -4,7 +4,9 @@ no-deadlock rule, and that every user reads them from there."""
 from __future__ import annotations
 
 import itertools
+import pickle
 
+import msgspec
 import pytest
 
 from tokenrouter_ray.engine.block_pool import KVCacheManager
@@ -16,6 +18,7 @@ from tokenrouter_ray.thresholds import (
     check_tables,
     first_deadlock,
     is_admissible,
+    json_hook,
 )
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.search import threshold_lists, tune
@@ -107,3 +110,19 @@ def test_search_tuner_and_simulation_fill_the_same_way() -> None:
         tuned = {n: decision.thresholds[name][n] for n in (2, 4)}
         assert decision.thresholds[name] == ThresholdTable.from_tuned(tuned, 4).to_list()
     assert thresholds_table(3, 2) == [1, 1, 1, 2]
+
+
+def test_a_table_is_one_value_from_the_solver_to_a_json_body() -> None:
+    """Equal to the list or tuple of its values (a config's, a JSON body's), hashable,
+    indexed as written, pickled as its values (across Ray) and a list at a JSON edge."""
+    table, as_list = ThresholdTable([1, 1, 3]), [1, 1, 3]
+    assert table == as_list and as_list == table and table == (1, 1, 3)  # both ways round
+    assert table != [1, 1, 3, 3] and table != ThresholdTable((1, 1, 3, 3)) and table != "113"
+    assert {table: "x"}[ThresholdTable.of((1, 1, 3))] == "x"
+    assert table[2] == 3 and list(table) == [1, 1, 3] and len(table) == 3
+    assert pickle.loads(pickle.dumps(table)) == table
+    assert msgspec.json.decode(msgspec.json.encode({"large": table}, enc_hook=json_hook)) == {
+        "large": [1, 1, 3]
+    }
+    with pytest.raises(AttributeError, match="immutable"):
+        table.values = (2,)

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import time
 
 import pytest
 
 from tokenrouter_ray.simulation.backend import calibrate_sleep_bias
 from tokenrouter_ray.simulation.loads import ClosedLoop
-from tokenrouter_ray.thresholds import is_admissible
+from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
+from tokenrouter_ray.tuning.decision import TunerDecision, TunerStatus
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec, drive_local, fill_step_times
@@ -212,3 +214,25 @@ def test_decisions_are_exported_as_metrics() -> None:
             pytest.approx(decision.predicted[n][label])
         )
     assert value("tokenrouter_tuner_route_probability", src_model="large", dst_model="small") == 1
+
+
+def test_the_tuner_answers_typed_and_its_json_is_written_once() -> None:
+    """A report is answered with the model's ``ThresholdTable``; ``snapshot()`` is a
+    ``TunerStatus`` of ``TunerDecision``s that survives pickling (the trip through Ray) and
+    whose ``to_json`` is ``status()``, the HTTP body."""
+    spec = TunerSpec(concurrencies=[2, 4, 8], fixed={"small": 1}, min_moves=20, max_step=8)
+    auto = TunerCore(MODELS, spec)
+    for model, snap in window(0.35).items():
+        answer = auto.report(model, "r0", snap)
+        assert isinstance(answer, ThresholdTable) and answer == auto.thresholds[model]
+    decision = auto.step()
+    assert isinstance(decision, TunerDecision)
+    assert all(isinstance(t, ThresholdTable) for t in decision.thresholds.values())
+    snap = auto.snapshot()
+    assert isinstance(snap, TunerStatus) and snap.last.reason == decision.reason
+    assert snap.last.route_prob[("small", "large")] == pytest.approx(1 / 3, abs=0.01)
+    again = pickle.loads(pickle.dumps(snap))
+    assert again == snap and again.to_json() == auto.status()
+    assert json.loads(json.dumps(auto.status()))["thresholds"] == {
+        m: list(t) for m, t in auto.thresholds.items()
+    }

@@ -193,12 +193,12 @@ class Engine:
         self.scheduler.active_requests = n
 
     @property
-    def batch_thresholds(self) -> list[int]:
+    def batch_thresholds(self) -> ThresholdTable:
         """The deferred-launch thresholds in use (index = active requests)."""
-        return self.scheduler.thresholds.to_list()
+        return self.scheduler.thresholds
 
-    def set_batch_thresholds(self, thresholds: Sequence[int]) -> bool:
-        """New deferred-launch thresholds (index = active requests), e.g. from the tuner;
+    def set_batch_thresholds(self, thresholds: ThresholdTable | Sequence[int]) -> bool:
+        """New deferred-launch thresholds (index = active requests), e.g. the tuner's table;
         True if they differ from the ones in use. ``ValueError`` unless all are >= 1."""
         table = ThresholdTable.of(thresholds)
         if table == self.scheduler.thresholds:

@@ -25,8 +25,8 @@ from tokenrouter_ray.metrics.backends import Backend, NoopBackend, default_backe
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import Engine
     from tokenrouter_ray.engine.request import Request
+    from tokenrouter_ray.tuning.decision import TunerDecision
     from tokenrouter_ray.tuning.profile import RoutingProfile
-    from tokenrouter_ray.tuning.solver import Decision
 
 INGRESS = "ingress"  # the `model` label of errors and peer latency seen at the ingress
 
@@ -181,7 +181,7 @@ class Metrics:
 
     # -------------------------------------------------------------------- tuner
     def tuner_decision(
-        self, decision: Decision, profile: RoutingProfile | None, tuned: list[int]
+        self, decision: TunerDecision, profile: RoutingProfile | None, tuned: list[int]
     ) -> None:
         """One tuner period: its outcome, published thresholds, predictions, estimates."""
         if decision.changed:

@@ -43,6 +43,13 @@ from tokenrouter_ray.transport.base import PeerChannel
 STATUS_TIMEOUT_S = 5.0  # one model's status in /v1/tokenrouter/stats
 
 
+class ModelLimits(Protocol):
+    """What the service reads of a model's ``info()`` (runtime/replica.py ``ReplicaInfo``)."""
+
+    max_model_len: int
+    vocab_size: int
+
+
 class PeerView(Protocol):
     """What the service needs of a peer book (``deployments/peers.py PeerBook``)."""
 
@@ -70,14 +77,14 @@ def generation_defaults_of(cfg: AppConfig) -> GenerationDefaults:
 
 
 def request_limits_of(
-    cfg: AppConfig, tokenizer: Any, model_infos: Sequence[Mapping[str, Any]]
+    cfg: AppConfig, tokenizer: Any, model_infos: Sequence[ModelLimits]
 ) -> RequestLimits:
     """What one request may ask: the configured limits, within every model's length and
     vocabulary (and the tokenizer's)."""
     entry = cfg.models[cfg.model_names[0]]
     return RequestLimits(
-        max_model_len=min(i["max_model_len"] for i in model_infos),
-        vocab_size=min([len(tokenizer), *(i["vocab_size"] for i in model_infos)]),
+        max_model_len=min(i.max_model_len for i in model_infos),
+        vocab_size=min([len(tokenizer), *(i.vocab_size for i in model_infos)]),
         structured_outputs=entry.sim is None,  # grammars need a real vocabulary
         **cfg.ingress.limits.model_dump(exclude={"max_body_mib"}),
     )
@@ -92,7 +99,7 @@ class IngressService:
         channel: PeerChannel,
         peers: PeerView,
         tokenizer: Any,
-        model_infos: Sequence[Mapping[str, Any]],
+        model_infos: Sequence[ModelLimits],
         *,
         metrics: Metrics | None = None,
         generation_defaults: GenerationDefaults | None = None,
@@ -205,7 +212,8 @@ class IngressService:
         models: dict[str, Any] = {}
         for name, status in self.model_status.items():
             try:
-                models[name] = await asyncio.wait_for(status(), timeout=STATUS_TIMEOUT_S)
+                status_now = await asyncio.wait_for(status(), timeout=STATUS_TIMEOUT_S)
+                models[name] = status_now.to_json()  # a ReplicaStatus (runtime/replica.py)
             except Exception as exc:
                 models[name] = {"error": repr(exc)}
         return {
@@ -226,7 +234,7 @@ class IngressService:
     async def tuner_status(self) -> Any:
         if self.tuner_status_of is None:
             raise NotFoundError("The threshold tuner is not enabled (set `tuner=live`).")
-        return await self.tuner_status_of()
+        return (await self.tuner_status_of()).to_json()  # a TunerStatus (tuning/decision.py)
 
     # ----------------------------------------------------------------- recovery
     def on_lost(self, lost: set[str]) -> None:

@@ -43,6 +43,7 @@ from tokenrouter_ray.runtime.active_count import INGRESS_SILENCE_S, ActiveCount
 from tokenrouter_ray.runtime.messages import HandoffRecord, Messages
 from tokenrouter_ray.runtime.step_loop import StepLoop
 from tokenrouter_ray.runtime.tracking import Tracked
+from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
 from tokenrouter_ray.tuning.window import WindowStats
 
@@ -149,8 +150,8 @@ class SubServer:
             with contextlib.suppress(asyncio.CancelledError, ChannelClosed):
                 await task
 
-    def set_batch_thresholds(self, thresholds: list[int]) -> None:
-        """Adopt the tuner's thresholds; a sleeping step loop re-checks at once."""
+    def set_batch_thresholds(self, thresholds: ThresholdTable) -> None:
+        """Adopt the tuner's table; a sleeping step loop re-checks at once."""
         if self.engine.set_batch_thresholds(thresholds):
             self.steps.wake()
 

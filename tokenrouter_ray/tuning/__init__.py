@@ -6,7 +6,8 @@ on a real model (the ``profile`` command); ``chain`` enumerates the reachable st
 per second, ``montecarlo``/``simulate`` estimate the same chain by simulation, ``replicas``
 extends it to data-parallel replicas, ``search`` picks ``B*(N)``, and ``commands`` is the
 ``tune`` CLI. Live: ``tuner`` (``TunerCore`` and the one tuner loop) feeds the replicas'
-windows to ``solver`` (``ThresholdSolver``). The rules about thresholds themselves (lookup,
+windows (``window``) to ``solver`` (``ThresholdSolver``); ``decision`` holds what it answers
+(``TunerDecision``, ``TunerStatus``). The rules about thresholds themselves (lookup,
 fill, no deadlock) live in ``tokenrouter_ray.thresholds``; the simulated runtime lives in
 ``tokenrouter_ray.simulation``.
 """

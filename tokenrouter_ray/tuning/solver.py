@@ -1,14 +1,15 @@
 """Re-solving deferred-batching thresholds from a live profile: ``ThresholdSolver``.
 
 ``decide(profile)`` re-solves the Markov model when the statistics drifted (or when forced,
-or while a bounded move is still converging) and publishes per-model threshold lists indexed
-by the active-request count, with hysteresis (a new set must promise a real gain), a bound on
-how fast a threshold may move, and only deadlock-free sets; between tuned N the lists follow
-the fill rule of ``thresholds.ThresholdTable``. Thresholds are per model *replica*: with
-``R_i`` replicas of model i (``set_replicas``) the sets are deadlock-free iff
-``sum_i R_i (B_i - 1) < N`` and throughput comes from the Monte Carlo model of sticky
+or while a bounded move is still converging) and publishes a ``ThresholdTable`` per model
+(indexed by the active-request count), with hysteresis (a new set must promise a real gain),
+a bound on how fast a threshold may move, and only deadlock-free sets; between tuned N the
+tables follow the fill rule of ``ThresholdTable.from_tuned``. Thresholds are per model
+*replica*: with ``R_i`` replicas of model i (``set_replicas``) the sets are deadlock-free
+iff ``sum_i R_i (B_i - 1) < N`` and throughput comes from the Monte Carlo model of sticky
 placement (``replicas.py``); a change of a count forces a re-solve, and a set the new counts
-make inadmissible is replaced even without a gain. The outcome is a ``Decision``.
+make inadmissible is replaced even without a gain. The outcome is a ``TunerDecision``
+(``decision.py``): one ``ThresholdTable`` per model.
 
 SLO mode: in a closed system a request's mean speed at N active requests is T(B, N) / N, so
 at a given N the throughput-optimal B is also the speed-optimal one; what an SLO (minimum
@@ -17,36 +18,24 @@ then carries ``max_concurrency``: the largest tuned N whose best B still meets t
 the ingress to admit up to.
 
 The tuner (``tuner.py``) feeds it profiles built from the replicas' windows; it touches no
-I/O and no clock but ``Decision.at``.
+I/O and no clock but ``TunerDecision.at``.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
+from tokenrouter_ray.tuning.decision import TunerDecision
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.montecarlo import monte_carlo
 from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.search import resolve_method
 
 
-@dataclass
-class Decision:
-    thresholds: dict[str, list[int]]  # per model, indexed by active-request count
-    changed: bool
-    reason: str
-    predicted: dict[int, dict[str, float]] = field(default_factory=dict)  # N -> {B label: tok/s}
-    max_concurrency: int | None = None  # SLO mode: admit at most this many requests
-    solved: bool = False  # the Markov model was solved for this decision
-    at: float = field(default_factory=time.time)
-
-
 class ThresholdSolver:
-    """Profile in, per-model threshold lists out, with hysteresis (see module docstring)."""
+    """Profile in, per-model threshold tables out, with hysteresis (see module docstring)."""
 
     def __init__(
         self,
@@ -58,7 +47,7 @@ class ThresholdSolver:
         max_step: int = 4,
         drift: float = 0.05,
         min_tokens_per_s: float | None = None,
-        initial: Mapping[str, Sequence[int]] | None = None,
+        initial: Mapping[str, ThresholdTable | Sequence[int]] | None = None,
         replicas: Mapping[str, int] | None = None,
     ) -> None:
         self.models = list(models)
@@ -73,13 +62,12 @@ class ThresholdSolver:
         self.drift = drift  # re-solve when a routing probability moved by this much
         self.min_tokens_per_s = min_tokens_per_s  # SLO: per-request generation speed
         top = max(self.concurrencies)
-        self.thresholds = {
-            m: ThresholdTable.of((initial or {}).get(m) or [1]).extended(top).to_list()
-            for m in self.models
+        self.thresholds: dict[str, ThresholdTable] = {
+            m: ThresholdTable.of((initial or {}).get(m) or [1]).extended(top) for m in self.models
         }
         self.last_profile: RoutingProfile | None = None
         self.converging = False  # the last move was bounded by max_step: keep solving
-        self.last = Decision(self.thresholds, False, "no statistics yet")
+        self.last = TunerDecision(self.thresholds, False, "no statistics yet")
 
     def set_replicas(self, replicas: Mapping[str, int]) -> bool:
         """Adopt new replica counts (Serve autoscaling, a restart); True if any changed.
@@ -91,8 +79,8 @@ class ThresholdSolver:
         self.replicas, self.replicas_changed = new, True
         return True
 
-    def _clamped(self) -> dict[str, list[int]]:
-        """The current lists, with the largest free threshold lowered wherever a set is not
+    def _clamped(self) -> dict[str, ThresholdTable]:
+        """The current tables, with the largest free threshold lowered wherever a set is not
         deadlock-free under the current replica counts (no solve needed)."""
         out = {m: list(v) for m, v in self.thresholds.items()}
         counts = self._counts()
@@ -104,7 +92,7 @@ class ThresholdSolver:
                 combo[k] -= 1
             for m, value in zip(self.models, combo, strict=True):
                 out[m][n] = value
-        return out
+        return {m: ThresholdTable(v) for m, v in out.items()}
 
     def _counts(self) -> tuple[int, ...]:
         return tuple(self.replicas[m] for m in self.models)
@@ -124,13 +112,13 @@ class ThresholdSolver:
         ]
         return moved_p > self.drift or max(steps) > 0.2
 
-    def decide(self, profile: RoutingProfile | None, force: bool = False) -> Decision:
+    def decide(self, profile: RoutingProfile | None, force: bool = False) -> TunerDecision:
         if profile is None:
             clamped = self._clamped()  # new replica counts may have made a set deadlock
             changed = clamped != self.thresholds
             self.thresholds = clamped
             why = "too few observations" + ("; lowered to stay deadlock-free" if changed else "")
-            self.last = Decision(self.thresholds, changed, why)
+            self.last = TunerDecision(self.thresholds, changed, why)
             return self.last
         if (
             not force
@@ -138,7 +126,7 @@ class ThresholdSolver:
             and not self.replicas_changed
             and not self.drifted(profile)
         ):
-            self.last = Decision(self.thresholds, False, "statistics within the drift bound")
+            self.last = TunerDecision(self.thresholds, False, "statistics within the drift bound")
             return self.last
         self.last_profile = profile
         self.replicas_changed = False
@@ -160,12 +148,13 @@ class ThresholdSolver:
                     f"N={n}: {_label(self.models, current)} -> {_label(self.models, best)}"
                 )
         top = len(new[self.models[0]]) - 1  # fill between tuned N: admissible as they are
-        for m in self.models:
-            tuned = {n: new[m][n] for n in self.concurrencies}
-            new[m] = ThresholdTable.from_tuned(tuned, top).to_list()
-        changed = new != self.thresholds
+        tables = {
+            m: ThresholdTable.from_tuned({n: new[m][n] for n in self.concurrencies}, top)
+            for m in self.models
+        }
+        changed = tables != self.thresholds
         self.converging = changed  # a bounded move may not have reached the optimum yet
-        self.thresholds = new
+        self.thresholds = tables
         cap = None
         if self.min_tokens_per_s is not None:
             meets = [
@@ -174,8 +163,8 @@ class ThresholdSolver:
                 if max(predicted[n].values()) / n >= self.min_tokens_per_s
             ]
             cap = max(meets, default=min(self.concurrencies))
-        self.last = Decision(
-            new, changed, "; ".join(reasons) or "current thresholds best", predicted, cap, True
+        self.last = TunerDecision(
+            tables, changed, "; ".join(reasons) or "current thresholds best", predicted, cap, True
         )
         return self.last
 

@@ -1,10 +1,11 @@
-"""The live threshold tuner: replicas' statistics in, threshold lists out.
+"""The live threshold tuner: replicas' statistics in, threshold tables out.
 
 ``TunerCore`` is the tuner without Ray: the core of the tuner deployment
 (``deployments/tuner.py``) and of ``drive_local`` (the same loop over a ``LocalRuntime``'s
 sub-servers); both run ``run_tuner``, the one tuner loop. Every model replica reports its
 ``WindowSnapshot`` (``tuning/window.py``) each ``period_s`` and gets back the
-threshold list it should run with (replicas pull; the tuner never needs to reach a replica).
+``ThresholdTable`` it should run with (replicas pull; the tuner never needs to reach a
+replica).
 Each period the core merges the fresh reports into a ``RoutingProfile`` (``build_profile``)
 and hands it to ``ThresholdSolver`` (``solver.py``), which re-solves when the statistics
 drift (or every ``resolve_every_s``) and moves thresholds with hysteresis, a bounded step,
@@ -19,8 +20,9 @@ batch costs. Batch sizes never observed are filled from a straight line fitted t
 observed ones (a decode step is a fixed cost plus a per-sequence cost), not held flat: a
 flat extrapolation below the smallest observed batch would make small thresholds look as
 slow as large ones and the tuner could never lower a threshold it had raised. A profile
-file (``tokenrouter-ray profile``) seeds the table before traffic arrives. Everything it
-decided, and why, is in ``status()``.
+file (``tokenrouter-ray profile``) seeds the table before traffic arrives. Each period's
+outcome is a ``TunerDecision``; everything it decided, and why, is ``snapshot()``, a
+``TunerStatus`` (both typed, ``decision.py``), whose ``to_json`` is ``status()``.
 
 Names: the *tuner* is this whole loop (config section ``tuner``, the ``Tuner`` deployment,
 ``GET /v1/tokenrouter/tuner``); ``ThresholdSolver`` is its decision step; ``tokenrouter-ray
@@ -40,13 +42,15 @@ from typing import Any, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tokenrouter_ray.thresholds import ThresholdTable
+from tokenrouter_ray.tuning.decision import Pair, TunerDecision, TunerStatus
 from tokenrouter_ray.tuning.profile import (
     ModelProfile,
     RoutingProfile,
     models_from_mapping,
     read_profile_file,
 )
-from tokenrouter_ray.tuning.solver import Decision, ThresholdSolver
+from tokenrouter_ray.tuning.solver import ThresholdSolver
 from tokenrouter_ray.tuning.window import WindowSnapshot
 
 logger = logging.getLogger(__name__)
@@ -89,7 +93,7 @@ class _Reporter(Protocol):  # what drive_local needs from a sub-server
     name: str
     stats: Any
 
-    def set_batch_thresholds(self, thresholds: Sequence[int]) -> None: ...
+    def set_batch_thresholds(self, thresholds: ThresholdTable) -> None: ...
 
 
 class TunerCore:
@@ -99,7 +103,7 @@ class TunerCore:
         self,
         models: Sequence[str],
         spec: TunerSpec,
-        initial: Mapping[str, Sequence[int]] | None = None,
+        initial: Mapping[str, ThresholdTable | Sequence[int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         replicas: Mapping[str, int] | None = None,
     ) -> None:
@@ -118,7 +122,7 @@ class TunerCore:
             initial=initial,
             replicas=replicas,
         )
-        self.reports: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {
+        self.reports: dict[str, dict[str, tuple[float, WindowSnapshot]]] = {
             m: {} for m in self.models
         }
         self.step_ms: dict[str, dict[int, float]] = {m: {} for m in self.models}
@@ -126,26 +130,26 @@ class TunerCore:
             for model in models_from_mapping(read_profile_file(spec.profile)):
                 if model.name in self.step_ms:
                     self.step_ms[model.name].update(dict(model.step_ms))
-        self.history: deque[dict[str, Any]] = deque(maxlen=50)  # decisions that changed B
+        self.history: deque[TunerDecision] = deque(maxlen=50)  # decisions that changed B
         self.decisions = 0
         self.replica_changes = 0  # times the reporting replica counts changed
         self.profile: RoutingProfile | None = None
         self._last_solve = clock()
 
     @property
-    def thresholds(self) -> dict[str, list[int]]:
+    def thresholds(self) -> dict[str, ThresholdTable]:
         return self.solver.thresholds
 
     @property
-    def last(self) -> Decision:
+    def last(self) -> TunerDecision:
         return self.solver.last
 
-    def report(self, model: str, replica: str, snapshot: WindowSnapshot) -> list[int]:
+    def report(self, model: str, replica: str, snapshot: WindowSnapshot) -> ThresholdTable:
         """Store one replica's window; answer with the thresholds that model should use."""
         if model not in self.reports:
             raise ValueError(f"unknown model {model!r}; tuned models are {self.models}")
         self.reports[model][replica] = (self.clock(), snapshot)
-        return list(self.solver.thresholds[model])
+        return self.solver.thresholds[model]
 
     def collect(self) -> RoutingProfile | None:
         """The profile of the fresh reports (older than 3 periods: a replica that went away).
@@ -170,23 +174,23 @@ class TunerCore:
         filled = {m: fill_step_times(self.step_ms[m], top) for m in self.models}
         return build_profile(merged, self.models, self.spec.grain_ms, self.spec.min_moves, filled)
 
-    def step(self) -> Decision:
+    def step(self) -> TunerDecision:
         """One tuning period: collect, maybe re-solve, maybe move the thresholds."""
         return self.decide(self.collect())
 
-    def decide(self, profile: RoutingProfile | None) -> Decision:
+    def decide(self, profile: RoutingProfile | None) -> TunerDecision:
         """Maybe re-solve and move, and record the outcome."""
         decision = self.solve(profile)
         self.record(decision, profile)
         return decision
 
-    def solve(self, profile: RoutingProfile | None) -> Decision:
+    def solve(self, profile: RoutingProfile | None) -> TunerDecision:
         """The solver's decision. Touches neither reports nor history, so it may run in a
         worker thread while ``report`` and ``status`` keep answering on the event loop."""
         force = self.clock() - self._last_solve >= self.spec.resolve_every_s
         return self.solver.decide(profile, force=force)
 
-    def record(self, decision: Decision, profile: RoutingProfile | None) -> None:
+    def record(self, decision: TunerDecision, profile: RoutingProfile | None) -> None:
         """Book-keeping of one period (on the event loop, next to ``status``)."""
         if decision.solved:
             self._last_solve = self.clock()
@@ -194,31 +198,32 @@ class TunerCore:
         if profile is not None:
             self.profile = profile
         if decision.changed:
-            self.history.append(_decision_json(decision, profile))
+            self.history.append(decision.with_routes(route_probs(profile)))
 
-    def _active_histogram(self) -> dict[str, int]:
+    def _active_histogram(self) -> dict[int, int]:
         """Steps run under each active-request count N, all replicas' windows together."""
         snaps = [snap for replicas in self.reports.values() for _, snap in replicas.values()]
         merged = WindowSnapshot.merge(snaps).active
-        return {str(n): merged[n].count for n in sorted(merged)}
+        return {n: merged[n].count for n in sorted(merged)}
+
+    def snapshot(self) -> TunerStatus:
+        """What the tuner decided and why, and the statistics it decided from (typed: what
+        the Tuner deployment answers over Ray)."""
+        return TunerStatus(
+            thresholds=dict(self.solver.thresholds),
+            last=self.solver.last.with_routes(route_probs(self.profile)),
+            history=list(self.history),
+            decisions=self.decisions,
+            replicas={m: sorted(r) for m, r in self.reports.items()},
+            replica_counts=dict(self.solver.replicas),
+            active_requests=self._active_histogram(),
+            step_ms={m: dict(sorted(v.items())) for m, v in self.step_ms.items()},
+            spec=self.spec.model_dump(),
+        )
 
     def status(self) -> dict[str, Any]:
-        """What the tuner decided and why, and the statistics it decided from (JSON)."""
-        profile = self.profile
-        return {
-            "thresholds": self.solver.thresholds,
-            "last": _decision_json(self.solver.last, profile),
-            "history": list(self.history),
-            "decisions": self.decisions,
-            "replicas": {m: sorted(r) for m, r in self.reports.items()},
-            "replica_counts": dict(self.solver.replicas),  # what the last solve assumed
-            "active_requests": self._active_histogram(),  # steps per N in the windows
-            "step_ms": {
-                m: {str(b): round(t, 3) for b, t in sorted(v.items())}
-                for m, v in self.step_ms.items()
-            },
-            "spec": self.spec.model_dump(),
-        }
+        """``snapshot()`` as JSON: the body of ``GET /v1/tokenrouter/tuner``."""
+        return self.snapshot().to_json()
 
 
 def build_profile(
@@ -265,33 +270,23 @@ def fill_step_times(table: Mapping[int, float], top: int) -> dict[int, float]:
     return out
 
 
-def _decision_json(decision: Decision, profile: RoutingProfile | None) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "changed": decision.changed,
-        "reason": decision.reason,
-        "at": decision.at,
-        "thresholds": decision.thresholds,
-        "predicted_tokens_per_s": {
-            str(n): {label: round(v, 3) for label, v in scores.items()}
-            for n, scores in decision.predicted.items()
-        },
-        "max_concurrency": decision.max_concurrency,
+def route_probs(profile: RoutingProfile | None) -> dict[Pair, float] | None:
+    """The nonzero routing probabilities of a profile, by model pair (None without one)."""
+    if profile is None:
+        return None
+    return {
+        (a, b): profile.route_prob[i][j]
+        for i, a in enumerate(profile.names)
+        for j, b in enumerate(profile.names)
+        if profile.route_prob[i][j] > 0
     }
-    if profile is not None:
-        out["route_prob"] = {
-            f"{a}->{b}": round(profile.route_prob[i][j], 4)
-            for i, a in enumerate(profile.names)
-            for j, b in enumerate(profile.names)
-            if profile.route_prob[i][j] > 0
-        }
-    return out
 
 
 async def run_tuner(
     core: TunerCore,
     stop: asyncio.Event,
     gather: Callable[[], None] | None = None,
-    publish: Callable[[Decision, RoutingProfile | None], None] | None = None,
+    publish: Callable[[TunerDecision, RoutingProfile | None], None] | None = None,
 ) -> None:
     """The tuner loop, shared by the Serve deployment and ``drive_local``: every
     ``period_s`` until ``stop`` is set, ``gather`` reports (when the loop pulls them itself),
@@ -319,7 +314,7 @@ async def drive_local(
     core: TunerCore,
     servers: Iterable[_Reporter],
     stop: asyncio.Event,
-    on_decision: Callable[[Decision], None] | None = None,
+    on_decision: Callable[[TunerDecision], None] | None = None,
 ) -> None:
     """The tuner loop over in-process sub-servers (a ``LocalRuntime``'s ``servers``): it
     pulls their windows and pushes the thresholds back each period."""
@@ -329,7 +324,7 @@ async def drive_local(
         for k, server in enumerate(servers):
             core.report(server.name, f"local-{k}", server.stats.snapshot())
 
-    def publish(decision: Decision, profile: RoutingProfile | None) -> None:
+    def publish(decision: TunerDecision, profile: RoutingProfile | None) -> None:
         for server in servers:
             server.set_batch_thresholds(core.thresholds[server.name])
         if on_decision is not None:

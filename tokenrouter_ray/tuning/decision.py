@@ -1,0 +1,96 @@
+"""What the live tuner decided and what it knows: typed records that cross Ray as they are.
+
+``TunerDecision`` is one period's outcome of ``ThresholdSolver.decide``: a ``ThresholdTable``
+per model, whether it changed and why, the predicted tokens per second of the threshold
+sets it compared (per active-request count N), the SLO admission cap, and, once the tuner
+recorded it, the routing probabilities it decided from (``route_prob``, keyed by the model
+pair). ``TunerStatus`` is ``TunerCore.snapshot()``: the thresholds in use, the last decision
+and the recent changes, the reporting replicas and the statistics the decisions came from.
+Both are msgspec structs: the Tuner deployment returns them to its callers (the ingress, the
+replicas) typed; ``to_json`` writes the body of ``GET /v1/tokenrouter/tuner`` (model pairs
+as ``"a->b"``, N and batch sizes as string keys, thresholds as lists), the only place their
+JSON shape is decided.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from msgspec.structs import replace
+
+from tokenrouter_ray.thresholds import ThresholdTable, json_hook
+
+Pair = tuple[str, str]  # (source model, destination model)
+
+
+class TunerDecision(msgspec.Struct):
+    """One decision of the threshold solver (see module docstring)."""
+
+    thresholds: dict[str, ThresholdTable]  # per model, indexed by active-request count N
+    changed: bool
+    reason: str
+    predicted: dict[int, dict[str, float]] = {}  # N -> {"small=1,large=2": tokens/s}
+    max_concurrency: int | None = None  # SLO mode: admit at most this many requests
+    solved: bool = False  # the Markov model was solved for this decision
+    at: float = msgspec.field(default_factory=time.time)
+    route_prob: dict[Pair, float] | None = None  # the profile it was decided from, if any
+
+    def with_routes(self, route_prob: Mapping[Pair, float] | None) -> TunerDecision:
+        """The same decision, carrying the routing probabilities it was decided from."""
+        routes = None if route_prob is None else dict(route_prob)
+        return replace(self, route_prob=routes)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "changed": self.changed,
+            "reason": self.reason,
+            "at": self.at,
+            "thresholds": _plain(self.thresholds),
+            "predicted_tokens_per_s": {
+                str(n): {label: round(v, 3) for label, v in scores.items()}
+                for n, scores in self.predicted.items()
+            },
+            "max_concurrency": self.max_concurrency,
+        }
+        if self.route_prob is not None:
+            out["route_prob"] = {f"{a}->{b}": round(p, 4) for (a, b), p in self.route_prob.items()}
+        return out
+
+
+class TunerStatus(msgspec.Struct):
+    """What the tuner decided and why, and the statistics it decided from."""
+
+    thresholds: dict[str, ThresholdTable]
+    last: TunerDecision
+    history: list[TunerDecision]  # the recent decisions that changed a threshold
+    decisions: int  # periods decided so far
+    replicas: dict[str, list[str]]  # model -> the replicas whose reports are fresh
+    replica_counts: dict[str, int]  # what the last solve assumed
+    active_requests: dict[int, int]  # N -> steps run under it, all fresh windows together
+    step_ms: dict[str, dict[int, float]]  # model -> batch size -> mean step time (ms)
+    spec: dict[str, Any]  # the tuner's config section
+
+    def to_json(self) -> dict[str, Any]:
+        """The body of ``GET /v1/tokenrouter/tuner``."""
+        return {
+            "thresholds": _plain(self.thresholds),
+            "last": self.last.to_json(),
+            "history": [d.to_json() for d in self.history],
+            "decisions": self.decisions,
+            "replicas": _plain(self.replicas),
+            "replica_counts": _plain(self.replica_counts),
+            "active_requests": _plain(self.active_requests),  # N as a string key
+            "step_ms": {
+                m: {str(b): round(t, 3) for b, t in sorted(v.items())}
+                for m, v in self.step_ms.items()
+            },
+            "spec": _plain(self.spec),
+        }
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready builtins: tables as lists, integer keys as strings."""
+    return msgspec.to_builtins(value, enc_hook=json_hook, str_keys=True)
