@@ -46,6 +46,7 @@ import msgspec
 
 from tokenrouter_ray.engine.request import draw_seed
 from tokenrouter_ray.metrics import INGRESS, Metrics
+from tokenrouter_ray.metrics.latency import mean_itl
 from tokenrouter_ray.protocol import (
     CommitLog,
     FinishSummary,
@@ -389,9 +390,10 @@ class IngressCore:
         done.e2e_s = now - live.submitted_at
         if live.first_token_at is not None:
             done.ttft_s = live.first_token_at - live.submitted_at
-            n = len(done.token_ids)
-            if n > 1 and live.last_token_at is not None:
-                done.mean_itl_s = (live.last_token_at - live.first_token_at) / (n - 1)
+            if live.last_token_at is not None:
+                done.mean_itl_s = mean_itl(
+                    live.first_token_at, live.last_token_at, len(done.token_ids)
+                )
         if done.summary is None:  # no FINISHED (cut by a stop string, aborted, failed)
             done.counts = done.counts or dict(live.counts)
             done.handoffs = done.handoffs or live.seen_seq
@@ -566,7 +568,10 @@ class IngressCore:
             live.first_token_at = now
             self.metrics.first_token(now - live.submitted_at)
         else:
-            self.metrics.inter_token((now - live.last_token_at) / n)
+            # this COMMIT's n tokens after the last one seen: n gaps
+            gap = mean_itl(live.last_token_at, now, n + 1)
+            if gap is not None:
+                self.metrics.inter_token(gap)
         live.last_token_at = now
 
 
