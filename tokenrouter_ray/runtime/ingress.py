@@ -56,6 +56,7 @@ from tokenrouter_ray.protocol import (
     RouteState,
     SamplingSpec,
     TokenInfo,
+    by_destination,
 )
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
 
@@ -437,7 +438,7 @@ class IngressCore:
         docstring): those that may be on an endpoint in ``lost`` (every one when None, or
         when a request was not told its replicas); ``endpoints(rid)`` (model -> endpoint)
         are the replicas it must use now. Returns how many were re-created."""
-        frames: dict[str, list[PeerReq]] = {}
+        news: list[PeerReq] = []
         for live in list(self.live.values()):
             if live.done:
                 continue
@@ -454,8 +455,8 @@ class IngressCore:
             assigned = endpoints(live.rid) if endpoints is not None else None
             dst = entry or self.entry_endpoint()
             live.holders = _holders(dst, assigned)
-            frames.setdefault(dst, []).append(self._new_msg(live, dst, assigned))
-        for dst, msgs in frames.items():
+            news.append(self._new_msg(live, dst, assigned))
+        for dst, msgs in by_destination(news).items():
             logger.warning("ingress: re-creating %d requests on %s: %s", len(msgs), dst, reason)
             self.metrics.error(INGRESS, "recreated")
             try:
@@ -467,7 +468,7 @@ class IngressCore:
                         self.fail(
                             live.rid, f"{reason}; re-creating it failed: {exc}", "unavailable"
                         )
-        return sum(len(m) for m in frames.values())
+        return len(news)
 
     # ------------------------------------------------------------------ receive
     async def _receive_loop(self) -> None:
@@ -550,10 +551,7 @@ class IngressCore:
 
     async def _send_grouped(self, msgs: list[PeerReq]) -> None:
         """One frame per destination, each destination on its own (like ``_send_each``)."""
-        groups: dict[str, list[PeerReq]] = {}
-        for msg in msgs:
-            groups.setdefault(msg.dst, []).append(msg)
-        for dst, group in groups.items():
+        for dst, group in by_destination(msgs).items():
             try:
                 await self.channel.send(dst, group)
             except ChannelClosed:

@@ -37,6 +37,7 @@ from tokenrouter_ray.protocol import (
     PeerReq,
     RequestLedger,
     RouteState,
+    by_destination,
 )
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, Send, host_scores
 from tokenrouter_ray.runtime.active_count import INGRESS_SILENCE_S, ActiveCount
@@ -354,12 +355,9 @@ class SubServer:
         HANDOFF's request ends with an error (FINISHED to the ingress and the other
         holders, sent with ``notify=False``); for a frame to the ingress, the requests are
         dropped here."""
-        groups: dict[str, list[PeerReq]] = {}
-        for msg in out:
-            groups.setdefault(msg.dst, []).append(msg)
         undelivered: list[tuple[PeerReq, str]] = []
         profile = self.steps.profile
-        for dst, msgs in groups.items():
+        for dst, msgs in by_destination(out).items():
             try:
                 await self.channel.send(dst, msgs)
                 profile.frames += 1

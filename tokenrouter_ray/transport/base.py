@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from tokenrouter_ray.protocol import PeerReq, ProtocolError, decode_batch
+from tokenrouter_ray.protocol import PeerReq, ProtocolError, by_destination, decode_batch
 
 logger = logging.getLogger(__name__)
 
@@ -186,10 +186,7 @@ class PeerChannel(ABC):
 
     async def send_grouped(self, msgs: Sequence[PeerReq]) -> None:
         """Send messages leaving in one step: one frame per distinct `msg.dst`."""
-        groups: dict[str, list[PeerReq]] = {}
-        for msg in msgs:
-            groups.setdefault(msg.dst, []).append(msg)
-        for dst, group in groups.items():
+        for dst, group in by_destination(msgs).items():
             await self.send(dst, group)
 
     @abstractmethod
