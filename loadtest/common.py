@@ -1,6 +1,6 @@
 """Shared by the benchmarks: the machine description, the command that reproduces a run, demo
-prompts and the one percentile rule (the random-weight model factory is the package's
-``tokenrouter_ray/engine/random_model.py``, which the tests share)."""
+prompts, the one percentile rule and the demo pair's R2R policy (the random-weight model
+factory is the package's ``tokenrouter_ray/engine/random_model.py``, which the tests share)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import platform
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 # Set by ``python -m loadtest <benchmark>`` so ``command()`` reproduces the subcommand.
 INVOKED_AS: str | None = None
@@ -62,3 +63,17 @@ def percentile(values: Sequence[float], q: float) -> float:
         return math.nan
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def demo_r2r_policy() -> Any:
+    """The demo pair's trained R2R router (``prepare_demo``'s artifacts) as a policy."""
+    from tokenrouter_ray.demo import register_resolver
+    from tokenrouter_ray.demo.artifacts import built_artifact
+    from tokenrouter_ray.routing.policy import build_policy
+
+    register_resolver()
+    options = {
+        "checkpoint": built_artifact("router"),
+        "threshold": float(built_artifact("router_threshold")),
+    }
+    return build_policy("r2r", options, ["small", "large"])
