@@ -1,5 +1,6 @@
 """Shared by the benchmarks: the machine description, the command that reproduces a run, demo
-prompts, the one percentile rule and the random-weight model factory."""
+prompts, the one percentile rule and the demo pair's R2R policy (the random-weight model
+factory is the package's ``tokenrouter_ray/engine/random_model.py``, which the tests share)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import os
 import platform
 import shlex
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 # Set by ``python -m loadtest <benchmark>`` so ``command()`` reproduces the subcommand.
@@ -65,26 +65,15 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def save_random_model(
-    path: Path | str,
-    arch: str,
-    dtype: Any = None,
-    seed: int = 0,
-    adjust: Callable[[Any], None] | None = None,
-    **config: Any,
-) -> str:
-    """A random-weight causal LM saved to ``path``: ``arch`` names a transformers config
-    class without ``Config`` (``Llama``, ``Qwen3``, ``Mistral``, ``Gemma2``), ``config`` its
-    fields; weights drawn after ``torch.manual_seed(seed)``, then ``adjust(model)`` (under
-    ``no_grad``), stored in ``dtype`` (default float32)."""
-    import torch
-    import transformers
+def demo_r2r_policy() -> Any:
+    """The demo pair's trained R2R router (``prepare_demo``'s artifacts) as a policy."""
+    from tokenrouter_ray.demo import register_resolver
+    from tokenrouter_ray.demo.artifacts import built_artifact
+    from tokenrouter_ray.routing.policy import build_policy
 
-    torch.manual_seed(seed)
-    cfg = getattr(transformers, f"{arch}Config")(**config)
-    model = getattr(transformers, f"{arch}ForCausalLM")(cfg)
-    if adjust is not None:
-        with torch.no_grad():
-            adjust(model)
-    model.to(dtype or torch.float32).save_pretrained(path)
-    return str(path)
+    register_resolver()
+    options = {
+        "checkpoint": built_artifact("router"),
+        "threshold": float(built_artifact("router_threshold")),
+    }
+    return build_policy("r2r", options, ["small", "large"])

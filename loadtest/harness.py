@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from loadtest.common import command, machine, percentile
 from loadtest.workloads import WORKLOADS, Workload
+from tokenrouter_ray.metrics.latency import token_gaps
 
 
 @dataclass
@@ -176,7 +177,7 @@ def summarize(records: list[Record], elapsed: float) -> dict[str, Any]:
     percentiles, handoffs per request and tokens per model."""
     done = [r for r in records if r.finished]
     tokens = sum(r.tokens for r in records)
-    itl = [b - a for r in records for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    itl = [gap for r in records for gap in token_gaps(r.chunk_times)]
     per_request = [
         r.tokens / (r.end - r.start) for r in done if r.end is not None and r.end > r.start
     ]

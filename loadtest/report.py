@@ -7,12 +7,12 @@ it the tables and JSON are still written and the plots are skipped with a note.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any
 
 from loadtest.prediction import predict, prediction_lines
 from loadtest.sim_ablation import sim_lines
+from tokenrouter_ray.metrics.latency import token_gaps
 
 TARGET_N = 8
 
@@ -244,8 +244,7 @@ def _latencies(row: dict[str, Any], key: str) -> list[float]:
         if key == "ttft" and rec["first"] is not None:
             out.append(rec["first"] - rec["start"])
         elif key == "itl":
-            times = rec["chunk_times"]
-            out += [b - a for a, b in itertools.pairwise(times)]
+            out += token_gaps(rec["chunk_times"])
     return sorted(out)
 
 

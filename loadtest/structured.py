@@ -30,14 +30,11 @@ import jsonschema
 import msgspec
 from transformers import AutoTokenizer
 
-from loadtest.common import chat_prompts, command, machine
+from loadtest.common import chat_prompts, command, demo_r2r_policy, machine
 from loadtest.local_bench import demo_pair_configs
-from tokenrouter_ray.demo import register_resolver
-from tokenrouter_ray.demo.artifacts import built_artifact
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.grammar import GrammarBook, GrammarSpec
 from tokenrouter_ray.protocol import SamplingSpec
-from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.runtime.local import LocalRuntime
 
 SCHEMA = {
@@ -67,15 +64,7 @@ def time_masks() -> None:
 async def run_rounds(
     engines: list[Engine], prompts: list[list[int]], tokens: int, rounds: int, tokenizer
 ) -> dict[str, list[tuple[float, float, float]]]:
-    register_resolver()
-    policy = build_policy(
-        "r2r",
-        {
-            "checkpoint": built_artifact("router"),
-            "threshold": float(built_artifact("router_threshold")),
-        },
-        ["small", "large"],
-    )
+    policy = demo_r2r_policy()
     modes = {
         "off": SamplingSpec(temperature=0.0, max_tokens=tokens, seed=7, ignore_eos=True),
         "json": SamplingSpec(

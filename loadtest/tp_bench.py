@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from loadtest.common import save_random_model
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.random_model import save_random_model
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 

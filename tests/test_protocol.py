@@ -21,6 +21,7 @@ from tokenrouter_ray.protocol import (
     SamplingSpec,
     TokenInfo,
     TokenizerMismatchError,
+    by_destination,
     check_shared_tokenizer,
     decode,
     decode_batch,
@@ -380,3 +381,18 @@ def test_shared_tokenizer_rejects_different_and_names_the_models() -> None:
             check_shared_tokenizer({"qwen-0.6b": base, "ok": base, "qwen-32b": other})
         assert isinstance(info.value, TokenizerMismatchError)
         assert "'qwen-0.6b'" in str(info.value) and "'qwen-32b'" in str(info.value)
+
+
+def test_by_destination_keeps_first_seen_order_and_message_order() -> None:
+    def msg(rid: str, dst: str) -> PeerReq:
+        return PeerReq(rid=rid, src="small/0", dst=dst, kind=MsgKind.COMMIT, handoff_seq=0)
+
+    out = [msg("a", "ingress"), msg("b", "large/0"), msg("c", "ingress"), msg("d", "large/1")]
+    groups = by_destination(out)
+    assert list(groups) == ["ingress", "large/0", "large/1"]
+    assert {dst: [m.rid for m in g] for dst, g in groups.items()} == {
+        "ingress": ["a", "c"],
+        "large/0": ["b"],
+        "large/1": ["d"],
+    }
+    assert by_destination([]) == {}

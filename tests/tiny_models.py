@@ -3,7 +3,8 @@
 ``TINY`` is the shape (128-token vocabulary, 64 wide, 2 layers, 4 query / 2 KV heads, no
 special tokens); ``tiny_config(arch, **changes)`` makes a transformers config of it for
 ``llama`` or ``qwen3`` (Qwen3 with ``head_dim`` 16), and ``save_tiny`` writes a seeded model
-to a directory, which the engine then loads through its own code path. Tests that need a
+to a directory, which the engine then loads through its own code path (the weights drawn by
+the package's one factory, ``tokenrouter_ray/engine/random_model.py``). Tests that need a
 variant (more layers, tied embeddings, a real tokenizer's vocabulary) pass the changes
 instead of writing the shape again. Fixtures over it live in ``tests/engine/conftest.py``.
 
@@ -19,14 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel, Qwen3Config
+
+from tokenrouter_ray.engine.random_model import random_causal_lm
 
 TINY: dict[str, Any] = dict(
     vocab_size=128,
@@ -40,24 +36,19 @@ TINY: dict[str, Any] = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
-ARCHS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
-}
+ARCHS = {"llama": (LlamaConfig, {}), "qwen3": (Qwen3Config, {"head_dim": 16})}
 
 
 def tiny_config(arch: str = "llama", **changes: Any) -> PretrainedConfig:
     """The tiny shape as a ``llama`` or ``qwen3`` config, with ``changes`` applied."""
-    config_cls, _, extra = ARCHS[arch]
+    config_cls, extra = ARCHS[arch]
     return config_cls(**{**TINY, **extra, **changes})
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **changes: Any) -> PreTrainedModel:
     """A seeded random-weight model of the tiny shape (float32, train mode off)."""
-    _, model_cls, _ = ARCHS[arch]
-    config = tiny_config(arch, **changes)
-    torch.manual_seed(seed)
-    return model_cls(config).eval()
+    _, extra = ARCHS[arch]
+    return random_causal_lm(arch, seed, **{**TINY, **extra, **changes})
 
 
 def save_tiny(

@@ -4,7 +4,8 @@ Owns what travels between the ingress and the model replicas and the few rules t
 correct without a global barrier (DESIGN.md §3):
 
 - `PeerReq` is the only message type. It leaves a process as bytes from `encode` /
-  `encode_batch` (msgpack, positional) and enters one through `decode` / `decode_batch`;
+  `encode_batch` (msgpack, positional; `by_destination` groups a step's messages into
+  one frame per destination) and enters one through `decode` / `decode_batch`;
   a frame that is not a valid PeerReq of this protocol version raises `ProtocolError`.
   Runtime state is typed: `RouteState` rides on NEW and HANDOFF (where the request's
   output goes, every model's anchor and replica, the counts so far), `FinishSummary` on the
@@ -26,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Annotated, Any
@@ -250,6 +251,15 @@ def decode(data: bytes | bytearray | memoryview) -> PeerReq:
         raise ProtocolError(
             f"bad PeerReq frame (this build speaks v{PROTOCOL_VERSION}): {exc}"
         ) from exc
+
+
+def by_destination(msgs: Iterable[PeerReq]) -> dict[str, list[PeerReq]]:
+    """``msgs`` grouped by ``dst``, one list (one frame's worth) per destination; the
+    destinations in the order they first appear, each list in the order given."""
+    groups: dict[str, list[PeerReq]] = {}
+    for msg in msgs:
+        groups.setdefault(msg.dst, []).append(msg)
+    return groups
 
 
 def encode_batch(msgs: Sequence[PeerReq]) -> bytes:

@@ -1,5 +1,6 @@
 """What the baseline servers share: the slice of the chat API the harness sends, the SSE
-chunks it reads back, and starting / stopping a server process.
+chunks it reads back, the token lists a generating thread posts (``posted_tokens``), and
+starting / stopping a server process.
 
 A baseline server answers ``POST /v1/chat/completions`` (streaming or not) with the same
 ``routing`` object in its final chunk as the tokenrouter ingress (``tokens_per_model``,
@@ -9,6 +10,7 @@ OpenAI error object.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -67,6 +69,18 @@ class Answer:
 
     def routing(self) -> dict:
         return {"tokens_per_model": dict(self.tokens_per_model), "handoffs": self.handoffs}
+
+
+async def posted_tokens(out: asyncio.Queue) -> AsyncIterator[list[int]]:
+    """The token lists a generating thread posts to ``out`` as ``("tokens", ids)``, until
+    its ``("end", ...)``; an ``("error", message)`` raises ``ValueError(message)``."""
+    while True:
+        kind, value = await out.get()
+        if kind == "error":
+            raise ValueError(value)
+        if kind == "end":
+            return
+        yield value
 
 
 def error(status: int, message: str) -> JSONResponse:

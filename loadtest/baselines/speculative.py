@@ -164,6 +164,7 @@ class SpeculativeServer:
     async def generate(self, req: ChatRequest, answer: Answer) -> AsyncIterator[str]:
         import asyncio
 
+        from loadtest.baselines.api import posted_tokens
         from tokenrouter_ray.openai.chat import render_chat
         from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
 
@@ -175,12 +176,7 @@ class SpeculativeServer:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=ids)
         eos = self.tokenizer.eos_token_id
         try:
-            while True:
-                kind, value = await out.get()
-                if kind == "error":
-                    raise ValueError(value)
-                if kind == "end":
-                    break
+            async for value in posted_tokens(out):
                 if not req.ignore_eos and eos in value:  # generate() stops there; so do we
                     value = value[: value.index(eos)]
                     answer.finish_reason = "stop"

@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 from transformers import AutoTokenizer
 
-from loadtest.baselines.api import Answer, ChatRequest, chat_app
+from loadtest.baselines.api import Answer, ChatRequest, chat_app, posted_tokens
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.openai.chat import render_chat
@@ -175,12 +175,7 @@ class StepSyncServer:
         answer.prompt_tokens = len(prompt)
         self.loop.inbox.put((rid, live))
         try:
-            while True:
-                kind, value = await out.get()
-                if kind == "error":
-                    raise ValueError(value)
-                if kind == "end":
-                    break
+            async for value in posted_tokens(out):
                 answer.completion_tokens += len(value)
                 yield detok.push(value)
         finally:

@@ -73,12 +73,12 @@ from transformers import (
     AutoModelForCausalLM,
 )
 
-from loadtest.common import save_random_model
 from loadtest.device import gpu_flagship
 from tokenrouter_ray.engine.attention import flash_attn_unusable
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.loader import load_causal_lm
 from tokenrouter_ray.engine.model_runner import ModelRunner
+from tokenrouter_ray.engine.random_model import save_windowed
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 
@@ -98,7 +98,6 @@ PROMPT_LENGTHS = [3, 9, 5, 12, 7, 4, 10, 6]
 NEW_TOKENS = 12  # per request in the exactness workloads (twice that for bf16)
 CAPTURE_BUCKETS: dict[str, tuple[int, ...]] = {}  # the default buckets on CUDA
 DEVICE = "cuda"
-ARCHS = {"llama": "Llama", "qwen3": "Qwen3"}
 
 
 def dry_run_sizes() -> None:
@@ -112,21 +111,8 @@ def dry_run_sizes() -> None:
 def build(path: Path, arch: str, dtype: torch.dtype, seed: int = 0, shape: dict = TINY) -> str:
     """A random-weight checkpoint of ``arch``: llama, qwen3, mistral (sliding window 6) or
     gemma2 (window 6, softcap 2 on scores made large enough to bend)."""
-    common = {**shape, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    if arch in ("llama", "qwen3"):
-        return save_random_model(path, ARCHS[arch], dtype, seed, **common)
-    if arch == "mistral":
-        return save_random_model(path, "Mistral", dtype, seed, sliding_window=6, **common)
-
-    def bend_scores(model: torch.nn.Module) -> None:
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(40)
-            layer.self_attn.k_proj.weight.mul_(40)
-
-    gemma = {"sliding_window": 6, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0}
-    return save_random_model(
-        path, "Gemma2", dtype, seed, bend_scores, final_logit_softcapping=5.0, **gemma, **common
-    )
+    no_specials = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    return save_windowed(path, arch, dtype, seed, **{**shape, **no_specials})
 
 
 def engine(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config
 
 from tokenrouter_ray.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from tokenrouter_ray.engine.block_pool import kv_bytes_per_token
@@ -42,6 +42,7 @@ from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.memory_reserve import forward_reserve, forward_reserve_bytes
 from tokenrouter_ray.engine.model_runner import ModelRunner
 from tokenrouter_ray.engine.outputs import StepResult
+from tokenrouter_ray.engine.random_model import random_causal_lm
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 from tokenrouter_ray.engine.static_forward import DEFAULT_BATCH_BUCKETS, DEFAULT_QUERY_BUCKETS
@@ -175,17 +176,11 @@ def model(name: str) -> torch.nn.Module:
         dtype = torch.bfloat16
         cfg0 = Qwen3Config(**shape)
         _PLANS[name] = plan_layers(name, _forward_reserve_of(cfg0))
-        cfg = Qwen3Config(**{**shape, "num_hidden_layers": _PLANS[name]["layers"]},
-                          bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
-        torch.manual_seed(0)
         t0 = time.perf_counter()
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(DEVICE):
-                lm = Qwen3ForCausalLM(cfg)
-        finally:
-            torch.set_default_dtype(previous)
+        layers = _PLANS[name]["layers"]
+        fields = {**shape, "num_hidden_layers": layers, "bos_token_id": None,
+                  "eos_token_id": None, "pad_token_id": None}  # fmt: skip
+        lm = random_causal_lm("qwen3", 0, device=DEVICE, dtype=dtype, **fields)
         lm.set_attn_implementation(register_attention())
         assert lm.config._attn_implementation == ATTN_IMPLEMENTATION
         sync()

@@ -11,21 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-)
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.engine.conftest import TINY, greedy_reference, make_engine
+from tests.engine.conftest import TINY, greedy_reference, make_engine, save_tiny
 from tests.engine.test_engine import drain, prompts_of
 from tokenrouter_ray.engine.attention import Variant, _attend, flash_attn_unusable
 from tokenrouter_ray.engine.memory_reserve import forward_reserve_bytes
 from tokenrouter_ray.engine.model_runner import ModelRunner
+from tokenrouter_ray.engine.random_model import save_windowed
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.static_forward import static_shapes, width_buckets
 
@@ -168,25 +161,13 @@ def test_sliding_window_and_softcap_match_eager_attention(window, softcap) -> No
 # ------------------------------------------- 5. attention variants in whole models
 
 
-def _save(path: Path, model: torch.nn.Module) -> str:
-    model.to(torch.float64).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def variant_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("variants")
-    torch.manual_seed(3)
-    mistral = MistralForCausalLM(MistralConfig(**TINY, sliding_window=6, head_dim=16))
-    torch.manual_seed(4)
-    gemma = Gemma2ForCausalLM(Gemma2Config(**TINY, head_dim=16, sliding_window=6,
-                                           query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
-                                           final_logit_softcapping=5.0))  # fmt: skip
-    with torch.no_grad():  # scores large enough for the cap to bend them
-        for layer in gemma.model.layers:
-            layer.self_attn.q_proj.weight.mul_(40)
-            layer.self_attn.k_proj.weight.mul_(40)
-    return {"mistral": _save(tmp / "mistral", mistral), "gemma2": _save(tmp / "gemma2", gemma)}
+    return {  # gemma2's scores bent large enough for the cap to bend them
+        arch: save_windowed(tmp / arch, arch, torch.float64, seed, **TINY, head_dim=16)
+        for arch, seed in (("mistral", 3), ("gemma2", 4))
+    }
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
@@ -221,9 +202,8 @@ def test_sliding_window_and_softcap_models_equal_eager_generate(
 
 
 def test_dynamic_rope_keeps_the_model_off_the_static_path(tmp_path: Path) -> None:
-    torch.manual_seed(5)
-    cfg = LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
-    path = _save(tmp_path / "dyn", LlamaForCausalLM(cfg))
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    path = save_tiny(tmp_path / "dyn", "llama", seed=5, rope_parameters=dynamic)
     engine = make_engine(path, static_batches=True, cuda_graphs=True)
     assert not engine.runner.static_enabled and not engine.runner.capture
     assert "dynamic" in engine.runner.static_blocker

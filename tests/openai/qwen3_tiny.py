@@ -1,7 +1,8 @@
 """A tiny Qwen3 stand-in for the reasoning and tool tests: Qwen3's chat template (written
 for these tests from Qwen3's published template: tools, tool calls and results, thinking,
 ``enable_thinking``), a byte-level tokenizer with Qwen3's added tokens (``<|im_start|>``,
-``<think>``, ``<tool_call>``, ...), a random-weight Qwen3 model of the tiny shape, and a
+``<think>``, ``<tool_call>``, ...), a random-weight Qwen3 model of the tiny shape (``save_qwen3``; a
+set of them, one per served model: ``save_qwen3_models``), and a
 scripted core for the served app (the app's routes, parsers and SSE are what is tested
 there; a random-weight model never writes a tool call by itself).
 
@@ -72,6 +73,12 @@ def save_qwen3(path: Path, seed: int, generation: dict[str, Any] | None = None) 
         config = {"eos_token_id": tokenizer.eos_token_id, **generation}
         (path / "generation_config.json").write_text(json.dumps(config))
     return str(path)
+
+
+def save_qwen3_models(root: Path, names: list[str]) -> dict[str, str]:
+    """One tiny Qwen3 per name under ``root`` (seeds 3, 4, ... in the order given): the
+    models the structured-output and tool tests hand requests between."""
+    return {name: save_qwen3(root / name, seed) for seed, name in enumerate(names, start=3)}
 
 
 class ScriptedCore:

@@ -16,7 +16,7 @@ import openai
 
 from tests.engine.conftest import make_engine
 from tests.openai.ingress_app import SERVED, ingress_app
-from tests.openai.qwen3_tiny import save_qwen3
+from tests.openai.qwen3_tiny import save_qwen3_models
 from tests.openai.test_reasoning_tools import WEATHER, streamed
 from tokenrouter_ray.openai.chat_output import ChatOutputSpec
 from tokenrouter_ray.openai.reasoning import QWEN3
@@ -38,7 +38,7 @@ MESSAGES = [
 def test_tools_and_reasoning_with_real_models(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    dirs = {name: save_qwen3(tmp_path / name, seed) for name, seed in zip(TWO, (3, 4), strict=True)}
+    dirs = save_qwen3_models(tmp_path, TWO)
     tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
     app, ingress = ingress_app(tokenizer)
     ingress.limits = RequestLimits(max_model_len=4096, vocab_size=len(tokenizer))

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from tests.engine.conftest import make_engine
 from tests.openai.ingress_app import SERVED, ingress_app
-from tests.openai.qwen3_tiny import save_qwen3
+from tests.openai.qwen3_tiny import save_qwen3_models
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.runtime.local import LocalRuntime
@@ -64,10 +64,32 @@ class Person(BaseModel):
     ok: bool
 
 
+def person_request(model: str, content: str, seed: int) -> dict[str, Any]:
+    """``chat.completions.parse`` arguments asking for a ``Person``, sampled with ``seed``
+    (also what tests/deployments/test_structured_serve.py sends a Serve app)."""
+    return dict(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        response_format=Person,
+        temperature=1.0,
+        seed=seed,
+        max_tokens=150,
+        extra_body=NO_THINKING,
+    )
+
+
+def assert_person_by_both(choice: Any) -> None:
+    """The answer is a parsed, validated ``Person`` that both models wrote parts of."""
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Person)  # parsed and validated
+    writers = choice.model_extra["routing"]["tokens_per_model"]
+    assert set(writers) == set(TWO)  # both models wrote parts of it
+
+
 @pytest.fixture(scope="module")
 def qwen_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = Path(tmp_path_factory.mktemp("qwen3served"))
-    return {name: save_qwen3(root / name, seed) for name, seed in zip(TWO, (3, 4), strict=True)}
+    return save_qwen3_models(root, TWO)
 
 
 def serve(dirs: dict[str, str], body: Callable[[openai.AsyncOpenAI, Any], Awaitable[None]]):
@@ -97,20 +119,9 @@ def serve(dirs: dict[str, str], body: Callable[[openai.AsyncOpenAI, Any], Awaita
 def test_parse_with_a_pydantic_model(qwen_dirs) -> None:
     async def body(client: openai.AsyncOpenAI, runtime: Any) -> None:
         for seed in range(3):
-            done = await client.chat.completions.parse(
-                model=SERVED,
-                messages=[{"role": "user", "content": f"Describe person {seed} as JSON."}],
-                response_format=Person,
-                temperature=1.0,
-                seed=seed,
-                max_tokens=150,
-                extra_body=NO_THINKING,
-            )
-            choice = done.choices[0]
-            assert choice.finish_reason == "stop"
-            assert isinstance(choice.message.parsed, Person)  # parsed and validated
-            writers = choice.model_extra["routing"]["tokens_per_model"]
-            assert set(writers) == set(TWO)  # both models wrote parts of it
+            content = f"Describe person {seed} as JSON."
+            done = await client.chat.completions.parse(**person_request(SERVED, content, seed))
+            assert_person_by_both(done.choices[0])
         assert sum(h.rid is not None for h in runtime.handoffs) > 0
 
     serve(qwen_dirs, body)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import threading
 import time
 
 from tokenrouter_ray.simulation.loads import ClosedLoop
@@ -95,20 +96,29 @@ def test_the_watchdog_sees_a_wedged_step_and_a_run_of_failed_steps() -> None:
             runner, real = small.engine.runner, small.engine.runner.execute
             await asyncio.sleep(0.2)
             healthy = small.health_problem(max_step_s=0.5, max_failed_steps=3)
+            entered, release = threading.Event(), threading.Event()
 
             def wedged(out, timings):  # type: ignore[no-untyped-def]
-                time.sleep(1.5)
+                entered.set()
+                release.wait(30)
                 return real(out, timings)
 
             runner.execute = wedged  # the instance's execute: the engine runs it in launch
-            await asyncio.sleep(1.0)
-            stuck = small.health_problem(max_step_s=0.5, max_failed_steps=3)
+            assert await asyncio.to_thread(entered.wait, 30)
+            since = small.steps.step_since
+            assert since is not None
+            # judged 1 s into the wedged step (the clock driven, not slept through)
+            stuck = small.health_problem(max_step_s=0.5, max_failed_steps=3, now=since + 1.0)
 
             def broken(out, timings):  # type: ignore[no-untyped-def]
                 raise RuntimeError("device lost")
 
             runner.execute = broken
-            await asyncio.sleep(2.0)  # the wedged step ends, then every step fails
+            release.set()  # the wedged step ends, then every step fails
+            for _ in range(1000):
+                if small.steps.failed_in_row >= 3:
+                    break
+                await asyncio.sleep(0.01)
             failing = small.health_problem(max_step_s=60, max_failed_steps=3)
             del runner.execute
         return healthy, stuck, failing

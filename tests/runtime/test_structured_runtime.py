@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.engine.conftest import make_engine
-from tests.openai.qwen3_tiny import VOCAB_SIZE, qwen3_tokenizer, save_qwen3
+from tests.openai.qwen3_tiny import VOCAB_SIZE, qwen3_tokenizer, save_qwen3_models
 from tokenrouter_ray.engine.grammar import GrammarBook, GrammarSpec
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.protocol import SamplingSpec
@@ -57,7 +57,7 @@ N = 6
 @pytest.fixture(scope="module")
 def qwen_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = Path(tmp_path_factory.mktemp("qwen3chain"))
-    return {name: save_qwen3(root / name, seed) for seed, name in enumerate(THREE, start=3)}
+    return save_qwen3_models(root, THREE)
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,27 @@ from tokenrouter_ray.transport import InMemoryDirectory
 from tokenrouter_ray.transport.base import Endpoint
 
 
+class Clock:
+    """Monotonic seconds that move only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @pytest.mark.asyncio
 async def test_endpoints_expire_without_heartbeats() -> None:
-    directory = InMemoryDirectory(ttl_s=0.2)
+    clock = Clock()
+    directory = InMemoryDirectory(ttl_s=0.2, clock=clock)
     await directory.register(Endpoint("large", "a", "ipc:///tmp/a"))
     assert [e.name for e in await directory.endpoints()] == ["large/a"]
     for _ in range(8):  # other peers keep calling; "large/a" never heartbeats
-        await asyncio.sleep(0.05)
+        clock.sleep(0.05)
         await directory.endpoints()
     assert await directory.endpoints() == [] and await directory.get("large/a") is None
     await directory.register(Endpoint("large", "a", "ipc:///tmp/a"))  # it came back
@@ -27,9 +41,10 @@ async def test_endpoints_expire_without_heartbeats() -> None:
 
 @pytest.mark.asyncio
 async def test_a_stalled_directory_does_not_expire_everyone() -> None:
-    directory = InMemoryDirectory(ttl_s=0.2)
+    clock = Clock()
+    directory = InMemoryDirectory(ttl_s=0.2, clock=clock)
     await directory.register(Endpoint("large", "a", "ipc:///tmp/a"))
-    await asyncio.sleep(0.3)  # nobody could reach the directory (its process stalled)
+    clock.sleep(0.3)  # nobody could reach the directory (its process stalled)
     assert [e.name for e in await directory.endpoints()] == ["large/a"]
 
 

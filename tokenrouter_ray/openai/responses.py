@@ -194,6 +194,30 @@ class ChatCompletion(BaseModel):
     routing: RoutingInfo | None = None
 
 
+def _choice_fields(choice: ChoiceResult) -> dict[str, Any]:
+    """What a completion choice and a chat choice both carry of a ``ChoiceResult``."""
+    return dict(
+        index=choice.index,
+        finish_reason=choice.finish_reason,
+        routing=choice.routing,
+        metrics=choice.metrics,
+        **(choice.details or {}),
+    )
+
+
+def _response_fields(
+    rid: str, created: int | None, model: str, prompt_tokens: int, ordered: list[ChoiceResult]
+) -> dict[str, Any]:
+    """What a completion and a chat completion both carry: id, time, model, usage, routing."""
+    return dict(
+        id=rid,
+        created=int(time.time()) if created is None else created,
+        model=model,
+        usage=Usage.of(prompt_tokens, sum(c.num_tokens for c in ordered)),
+        routing=RoutingInfo.merge(c.routing for c in ordered),
+    )
+
+
 def build_completion(
     model: str,
     prompt_tokens: int,
@@ -204,22 +228,8 @@ def build_completion(
 ) -> Completion:
     ordered = sorted(choices, key=lambda c: c.index)
     return Completion(
-        id=request_id or completion_id(),
-        created=int(time.time()) if created is None else created,
-        model=model,
-        choices=[
-            CompletionChoice(
-                index=c.index,
-                text=c.text,
-                finish_reason=c.finish_reason,
-                routing=c.routing,
-                metrics=c.metrics,
-                **(c.details or {}),
-            )
-            for c in ordered
-        ],
-        usage=Usage.of(prompt_tokens, sum(c.num_tokens for c in ordered)),
-        routing=RoutingInfo.merge(c.routing for c in ordered),
+        choices=[CompletionChoice(text=c.text, **_choice_fields(c)) for c in ordered],
+        **_response_fields(request_id or completion_id(), created, model, prompt_tokens, ordered),
     )
 
 
@@ -232,21 +242,8 @@ def build_chat_completion(
     created: int | None = None,
 ) -> ChatCompletion:
     ordered = sorted(choices, key=lambda c: c.index)
+    rid = request_id or chat_completion_id()
     return ChatCompletion(
-        id=request_id or chat_completion_id(),
-        created=int(time.time()) if created is None else created,
-        model=model,
-        choices=[
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage.of(c),
-                finish_reason=c.finish_reason,
-                routing=c.routing,
-                metrics=c.metrics,
-                **(c.details or {}),
-            )
-            for c in ordered
-        ],
-        usage=Usage.of(prompt_tokens, sum(c.num_tokens for c in ordered)),
-        routing=RoutingInfo.merge(c.routing for c in ordered),
+        choices=[ChatChoice(message=AssistantMessage.of(c), **_choice_fields(c)) for c in ordered],
+        **_response_fields(rid, created, model, prompt_tokens, ordered),
     )

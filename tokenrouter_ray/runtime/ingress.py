@@ -46,6 +46,7 @@ import msgspec
 
 from tokenrouter_ray.engine.request import draw_seed
 from tokenrouter_ray.metrics import INGRESS, Metrics
+from tokenrouter_ray.metrics.latency import mean_itl
 from tokenrouter_ray.protocol import (
     CommitLog,
     FinishSummary,
@@ -55,6 +56,7 @@ from tokenrouter_ray.protocol import (
     RouteState,
     SamplingSpec,
     TokenInfo,
+    by_destination,
 )
 from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
 
@@ -389,9 +391,10 @@ class IngressCore:
         done.e2e_s = now - live.submitted_at
         if live.first_token_at is not None:
             done.ttft_s = live.first_token_at - live.submitted_at
-            n = len(done.token_ids)
-            if n > 1 and live.last_token_at is not None:
-                done.mean_itl_s = (live.last_token_at - live.first_token_at) / (n - 1)
+            if live.last_token_at is not None:
+                done.mean_itl_s = mean_itl(
+                    live.first_token_at, live.last_token_at, len(done.token_ids)
+                )
         if done.summary is None:  # no FINISHED (cut by a stop string, aborted, failed)
             done.counts = done.counts or dict(live.counts)
             done.handoffs = done.handoffs or live.seen_seq
@@ -435,7 +438,7 @@ class IngressCore:
         docstring): those that may be on an endpoint in ``lost`` (every one when None, or
         when a request was not told its replicas); ``endpoints(rid)`` (model -> endpoint)
         are the replicas it must use now. Returns how many were re-created."""
-        frames: dict[str, list[PeerReq]] = {}
+        news: list[PeerReq] = []
         for live in list(self.live.values()):
             if live.done:
                 continue
@@ -452,8 +455,8 @@ class IngressCore:
             assigned = endpoints(live.rid) if endpoints is not None else None
             dst = entry or self.entry_endpoint()
             live.holders = _holders(dst, assigned)
-            frames.setdefault(dst, []).append(self._new_msg(live, dst, assigned))
-        for dst, msgs in frames.items():
+            news.append(self._new_msg(live, dst, assigned))
+        for dst, msgs in by_destination(news).items():
             logger.warning("ingress: re-creating %d requests on %s: %s", len(msgs), dst, reason)
             self.metrics.error(INGRESS, "recreated")
             try:
@@ -465,7 +468,7 @@ class IngressCore:
                         self.fail(
                             live.rid, f"{reason}; re-creating it failed: {exc}", "unavailable"
                         )
-        return sum(len(m) for m in frames.values())
+        return len(news)
 
     # ------------------------------------------------------------------ receive
     async def _receive_loop(self) -> None:
@@ -548,10 +551,7 @@ class IngressCore:
 
     async def _send_grouped(self, msgs: list[PeerReq]) -> None:
         """One frame per destination, each destination on its own (like ``_send_each``)."""
-        groups: dict[str, list[PeerReq]] = {}
-        for msg in msgs:
-            groups.setdefault(msg.dst, []).append(msg)
-        for dst, group in groups.items():
+        for dst, group in by_destination(msgs).items():
             try:
                 await self.channel.send(dst, group)
             except ChannelClosed:
@@ -566,7 +566,10 @@ class IngressCore:
             live.first_token_at = now
             self.metrics.first_token(now - live.submitted_at)
         else:
-            self.metrics.inter_token((now - live.last_token_at) / n)
+            # this COMMIT's n tokens after the last one seen: n gaps
+            gap = mean_itl(live.last_token_at, now, n + 1)
+            if gap is not None:
+                self.metrics.inter_token(gap)
         live.last_token_at = now
 
 

@@ -37,6 +37,7 @@ from tokenrouter_ray.protocol import (
     PeerReq,
     RequestLedger,
     RouteState,
+    by_destination,
 )
 from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, Send, host_scores
 from tokenrouter_ray.runtime.active_count import INGRESS_SILENCE_S, ActiveCount
@@ -182,16 +183,19 @@ class SubServer:
             dead.append(f"{self.name}-steps: {self.steps.error!r}")
         return dead
 
-    def health_problem(self, max_step_s: float, max_failed_steps: int) -> str | None:
+    def health_problem(
+        self, max_step_s: float, max_failed_steps: int, now: float | None = None
+    ) -> str | None:
         """Why this replica should fail its health check (Serve then restarts it and its
         requests recover elsewhere), or None: a loop stopped, a step running past
         ``max_step_s`` (a wedged device), or ``max_failed_steps`` steps in a row failed (a
-        sticky device error)."""
+        sticky device error). ``now``: the monotonic time to judge at (default: now)."""
         if not self.alive:
             return f"sub-server stopped: {self.dead_tasks()}"
         since = self.steps.step_since
-        if since is not None and time.monotonic() - since > max_step_s:
-            return f"a step has run for {time.monotonic() - since:.0f} s (limit {max_step_s:g} s)"
+        now = time.monotonic() if now is None else now
+        if since is not None and now - since > max_step_s:
+            return f"a step has run for {now - since:.0f} s (limit {max_step_s:g} s)"
         if self.steps.failed_in_row >= max_failed_steps:
             return f"{self.steps.failed_in_row} steps in a row failed"
         return None
@@ -355,12 +359,9 @@ class SubServer:
         HANDOFF's request ends with an error (FINISHED to the ingress and the other
         holders, sent with ``notify=False``); for a frame to the ingress, the requests are
         dropped here."""
-        groups: dict[str, list[PeerReq]] = {}
-        for msg in out:
-            groups.setdefault(msg.dst, []).append(msg)
         undelivered: list[tuple[PeerReq, str]] = []
         profile = self.steps.profile
-        for dst, msgs in groups.items():
+        for dst, msgs in by_destination(out).items():
             try:
                 await self.channel.send(dst, msgs)
                 profile.frames += 1

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenrouter_ray.engine.engine import Engine
+from tokenrouter_ray.metrics.latency import token_gaps
 from tokenrouter_ray.metrics.recorder import Metrics
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
@@ -509,7 +510,7 @@ class ClosedLoop:
             if len(stamps) == tokens:
                 tpot.append((stamps[-1] - submitted) / tokens / scale)
                 ttft.append((stamps[0] - submitted) / scale)
-                gaps.extend((b - a) / scale for a, b in itertools.pairwise(stamps))
+                gaps.extend(token_gaps(stamps, scale))
         return OpenLoopMeasurement(
             arrival_rate=rate_per_s,
             tokens_per_request=tokens,

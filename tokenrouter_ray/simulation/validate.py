@@ -205,6 +205,16 @@ def validate(
     return rows, (statistics.median(gaps) if gaps else float("nan"))
 
 
+def _free_name(rows: Sequence[ValidationRow], names: Sequence[str]) -> str:
+    """The model whose threshold the rows vary."""
+    return names[rows[0].free] if rows else "?"
+
+
+def _header(*cells: str) -> list[str]:
+    """A markdown table's header row and its separator row."""
+    return ["| " + " | ".join(cells) + " |", "|" + "---|" * len(cells)]
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f} %"
 
@@ -213,12 +223,9 @@ def format_validation(
     rows: Sequence[ValidationRow], names: Sequence[str], overhead_ms: float, time_scale: float
 ) -> str:
     """The per-point table and the per-N summary (markdown)."""
-    free = names[rows[0].free] if rows else "?"
-    lines = [
-        f"| N | B_{free} | predicted | measured | err | p^ | pred@p^ | err | ovh ms "
-        "| pred@p^+ovh | err | best |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    free = _free_name(rows, names)
+    lines = _header("N", f"B_{free}", "predicted", "measured", "err", "p^", "pred@p^", "err",
+                    "ovh ms", "pred@p^+ovh", "err", "best")  # fmt: skip
     for row in rows:
         for p in row.points:
             mark = []
@@ -243,12 +250,10 @@ def format_validation(
 def summary_table(
     rows: Sequence[ValidationRow], names: Sequence[str], overhead_ms: float, time_scale: float
 ) -> str:
-    free = names[rows[0].free] if rows else "?"
-    lines = [
-        f"| N | predicted best B_{free} | measured best B_{free} | predicted best within 2 % "
-        "| max err pred | max err pred@p^ | max err pred@p^+ovh |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    free = _free_name(rows, names)
+    lines = _header("N", f"predicted best B_{free}", f"measured best B_{free}",
+                    "predicted best within 2 %", "max err pred", "max err pred@p^",
+                    "max err pred@p^+ovh")  # fmt: skip
     for row in rows:
         if row.same_best:
             match = "yes (same B)"

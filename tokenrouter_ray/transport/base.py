@@ -23,11 +23,11 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from tokenrouter_ray.protocol import PeerReq, ProtocolError, decode_batch
+from tokenrouter_ray.protocol import PeerReq, ProtocolError, by_destination, decode_batch
 
 logger = logging.getLogger(__name__)
 
@@ -92,18 +92,22 @@ class InMemoryDirectory(Directory):
 
     With ``ttl_s``, an endpoint is a lease: owners re-register (heartbeat) more often than
     ``ttl_s``, and one not refreshed for ``ttl_s`` seconds (its process died without
-    unregistering) is dropped, so peers stop choosing it and notice it is gone.
+    unregistering) is dropped, so peers stop choosing it and notice it is gone. ``clock``
+    (monotonic seconds) is what leases are timed by; tests drive their own.
     """
 
-    def __init__(self, ttl_s: float | None = None) -> None:
+    def __init__(
+        self, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.ttl_s = ttl_s
+        self.clock = clock
         self._endpoints: dict[str, Endpoint] = {}
         self._seen: dict[str, float] = {}
-        self._last_call = time.monotonic()
+        self._last_call = clock()
 
     async def register(self, endpoint: Endpoint) -> None:
         self._endpoints[endpoint.name] = endpoint
-        self._seen[endpoint.name] = time.monotonic()
+        self._seen[endpoint.name] = self.clock()
 
     async def unregister(self, name: str) -> None:
         self._endpoints.pop(name, None)
@@ -121,7 +125,7 @@ class InMemoryDirectory(Directory):
     def _expire(self) -> None:
         if self.ttl_s is None:
             return
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last_call > self.ttl_s / 2:  # this process stalled, not its callers:
             self._seen = dict.fromkeys(self._seen, now)  # heartbeats may be queued behind it
         self._last_call = now
@@ -186,10 +190,7 @@ class PeerChannel(ABC):
 
     async def send_grouped(self, msgs: Sequence[PeerReq]) -> None:
         """Send messages leaving in one step: one frame per distinct `msg.dst`."""
-        groups: dict[str, list[PeerReq]] = {}
-        for msg in msgs:
-            groups.setdefault(msg.dst, []).append(msg)
-        for dst, group in groups.items():
+        for dst, group in by_destination(msgs).items():
             await self.send(dst, group)
 
     @abstractmethod
