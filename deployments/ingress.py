@@ -10,7 +10,8 @@ deployment builds what only Ray knows and injects it: the endpoint directory
 the tuner's handle. Serve takes the app from ``__serve_build_asgi_app__``, called after the
 constructor (Ray >= 2.60: ``@serve.ingress()`` without an app), and its health probe is
 ``check_health``, delegated to the service. Serve's proxy echoes ``X-Request-Id`` itself,
-so the app does not add a second.
+so the app does not add a second. With ``ingress.direct_port`` the replica also serves the
+app itself on that port (runtime/direct_http.py: no proxy hop, and backpressure works).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from deployments.model_server import spec_tokenizer
 from deployments.peers import PeerBook, make_channel, peer_key
 from deployments.ray_metrics import ray_metrics
 from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.runtime.direct_http import DirectHttp
 from tokenrouter_ray.runtime.http_app import build_app
 from tokenrouter_ray.runtime.service import IngressService
 
@@ -65,6 +67,18 @@ class Ingress:
             model_status={name: handle.status.remote for name, handle in models.items()},
         )
         await self.service.start()
+        self.direct: DirectHttp | None = None
+        if cfg.ingress.direct_port is not None:  # the same API on the replica's own port
+            # no Serve proxy there: the app makes and echoes X-Request-Id itself
+            app = build_app(self.service, echo_request_id=True)
+            kib = cfg.ingress.direct_send_buffer_kib
+            self.direct = DirectHttp(
+                app,
+                cfg.ingress.direct_host,
+                cfg.ingress.direct_port,
+                send_buffer_bytes=kib * 1024 if kib else None,
+            )
+            await self.direct.start()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_app(self.service, echo_request_id=False)
@@ -73,9 +87,14 @@ class Ingress:
         self.service.on_lost(lost)
 
     async def check_health(self) -> None:
-        """Serve's health check (a failure restarts this replica): the service's."""
+        """Serve's health check (a failure restarts this replica): the service's, and the
+        direct port's server when there is one."""
         self.service.check_health()
+        if self.direct is not None and not self.direct.running:
+            raise RuntimeError("the direct HTTP server stopped")
 
     async def __del__(self) -> None:
+        if getattr(self, "direct", None) is not None:
+            await self.direct.stop()
         if hasattr(self, "service"):
             await self.service.stop()

@@ -247,6 +247,13 @@ class IngressSpec(_Strict):
         description="Address the direct port binds: 127.0.0.1 (this host only) by default; "
         "the pod's address or 0.0.0.0 to take traffic from elsewhere.",
     )
+    direct_send_buffer_kib: int | None = Field(
+        None,
+        ge=4,
+        description="Kernel send buffer of each direct-port connection (KiB; null: the "
+        "kernel's default, which autotunes up to megabytes): what a client that stops reading "
+        "can absorb before the ingress sees it.",
+    )
     limits: RequestLimitSpec = Field(default_factory=RequestLimitSpec)
 
 

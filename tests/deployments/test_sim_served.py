@@ -59,3 +59,67 @@ def test_host_benchmark_runs_end_to_end_at_a_tiny_size(serve_app, capsys) -> Non
     assert row["tok_s"] > 0 and row["ttft_ms_p50"] is not None
     assert set(row["models"]) == {"small", "large"}
     assert row["ingress_cpu_us_per_token"] > 0
+
+
+def test_the_direct_port_serves_the_same_api_and_cuts_clients_that_stop_reading(
+    serve_app,
+) -> None:
+    """``ingress.direct_port``: the ingress replica's own HTTP server answers as Serve's
+    proxy does (same text, its own X-Request-Id), and there a client that never reads is
+    seen: two such clients' ``n=16`` streams are cut and freed, while Serve's proxy would
+    have taken all of it (docs/reliability.md, backpressure)."""
+    import socket
+    import time
+
+    from tests.runtime.test_backpressure_http import http_post, small_socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    overrides = [
+        *sim_overrides("zero"),
+        f"ingress.direct_port={port}",
+        "ingress.direct_send_buffer_kib=8",
+        "ingress.stream_buffer_tokens=8",
+        "ingress.client_stall_s=1",
+    ]
+    with serve_app(overrides, "sim-direct") as base:
+        direct = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{direct}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"model": "tokenrouter", "messages": [{"role": "user", "content": "Hi there."}],
+                "max_tokens": 24, "temperature": 0}  # fmt: skip
+        proxied = httpx.post(f"{base}/chat/completions", json=body, timeout=30)
+        own = httpx.post(f"{direct}/v1/chat/completions", json=body, timeout=30)
+        assert own.status_code == 200 and own.headers.get("x-request-id")
+        text = own.json()["choices"][0]["message"]["content"]
+        assert text == proxied.json()["choices"][0]["message"]["content"]
+        assert text == expected_text(own.json()["usage"]["prompt_tokens"], 24)
+
+        long_body = {"model": "tokenrouter", "prompt": "once upon", "max_tokens": 4000,
+                     "n": 16, "stream": True, "temperature": 0, "ignore_eos": True}  # fmt: skip
+        t0 = time.monotonic()
+        stuck = [small_socket(port) for _ in range(2)]
+        for sock in stuck:
+            sock.sendall(http_post("/v1/completions", long_body))  # then never read
+        stats_url = base.removesuffix("/v1") + "/v1/tokenrouter/stats"
+        peak, stats = 0, {}
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            stats = httpx.get(stats_url, timeout=10).json()
+            peak = max(peak, stats["stream_buffered_tokens"])
+            if stats["client_stalls"] >= 2 and stats["active_requests"] == 0:
+                break
+            time.sleep(0.2)
+        print(f"direct port: cut after {time.monotonic() - t0:.1f} s, peak {peak} tokens buffered")
+        for sock in stuck:
+            sock.close()
+    assert stats["client_stalls"] >= 2  # both cut ...
+    assert stats["active_requests"] == 0  # ... and their 32 choices freed everywhere
+    # the ingress held at most its bound for them: 8 tokens per choice (and a chunk's worth)
+    assert peak <= 2 * 16 * (8 + 8)
