@@ -19,7 +19,9 @@ time, the host works meanwhile; ``simulation/backend.py``):
    loop of streaming ``openai`` clients; tok/s from the ingress's own count, step periods
    and host phases from the replicas' status route, the ingress's CPU time per streamed
    token, and TTFT (HTTP request to the first SSE content chunk) on the ``zero`` profile
-   at N = 1, where the simulated prefill costs nothing.
+   at N = 1, where the simulated prefill costs nothing. The ``... direct`` systems are the
+   same apps with ``ingress.direct_port`` set and their clients on that port (the ingress
+   replica's own HTTP server, runtime/direct_http.py), beside Serve's proxy.
 
 Targets (PASS / MISS, never a failure): paper >= 93 % of Markov at N = 8 and >= 90 % at N = 32;
 tuned / Eager-Async within 3 points of the model's ratio; zero profile: critical-path host
