@@ -94,11 +94,15 @@ class LocalRuntime:
         await self.ingress.start()
 
     async def stop(self) -> None:
+        """Every sub-server's loops first (nothing sends after this), then the ingress, then
+        the channels: a channel closed while a peer still runs makes that peer's last sends
+        fail ("nothing is bound at ...") at every teardown."""
+        for server in self.subservers:
+            await server.stop()
         if self.ingress is not None:
             await self.ingress.stop()
             await self.ingress.channel.close()
         for server in self.subservers:
-            await server.stop()
             await server.channel.close()
         self.subservers = []
 
