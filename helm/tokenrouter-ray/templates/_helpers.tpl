@@ -25,6 +25,47 @@ longer names from it (<name>-raycluster-xxxxx, <name>-serve-svc, <name>-head-svc
 {{- printf "%s-serve-svc" (include "tokenrouter-ray.fullname" .) }}
 {{- end }}
 
+{{/* The direct port's Service, in front of the `ingress` worker group's pods. */}}
+{{- define "tokenrouter-ray.directServiceName" -}}
+{{- printf "%s-direct" (include "tokenrouter-ray.fullname" .) }}
+{{- end }}
+
+{{/*
+The Ray resource the `ingress` group's pods advertise (directPort.replicasPerPod units each)
+and each ingress replica asks one unit of: it keeps the ingress replicas on those pods only.
+*/}}
+{{- define "tokenrouter-ray.ingressResource" -}}
+tokenrouter_ingress
+{{- end }}
+
+{{/* The labels of the `ingress` group's pods, which the direct Service selects by. */}}
+{{- define "tokenrouter-ray.directSelectorLabels" -}}
+{{ include "tokenrouter-ray.selectorLabels" . }}
+app.kubernetes.io/component: ingress
+{{- end }}
+
+{{/*
+Readiness of an `ingress` pod: its ingress replicas answer /health on the direct port (200
+once every model has a replica), where the Service sends traffic, and its Serve proxy is
+healthy, the check KubeRay puts on RayService workers itself and leaves out when a probe is
+given (the pod is behind <name>-serve-svc too). In the container, so $POD_IP is the address
+the replicas bind (ingress.direct_host=null: Ray's node address, the pod's).
+*/}}
+{{- define "tokenrouter-ray.directReadinessProbe" -}}
+exec:
+  command:
+    - bash
+    - -c
+    - >-
+      wget --tries 1 -T 2 -q -O /dev/null http://${POD_IP}:{{ .Values.directPort.port }}/health
+      && wget --tries 1 -T 2 -q -O- http://localhost:{{ .Values.serve.port }}/-/healthz | grep -q success
+initialDelaySeconds: 10
+periodSeconds: 5
+timeoutSeconds: 5
+failureThreshold: 2
+successThreshold: 1
+{{- end }}
+
 {{- define "tokenrouter-ray.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
@@ -56,6 +97,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - transport.zmq.port_range=[{{ .Values.transport.zmqPorts.first }},{{ .Values.transport.zmqPorts.last }}]
 {{- if .Values.transport.curve }}
 - transport.zmq.curve=true
+{{- end }}
+{{- end }}
+{{- with .Values.directPort }}
+{{- if .enabled }}
+- ingress.num_replicas={{ mul .worker.replicas .replicasPerPod }}
+- ingress.resources={{ printf "{%s:1}" (include "tokenrouter-ray.ingressResource" $) }}
+- ingress.direct_port={{ .port }}
+- ingress.direct_host=null
+{{- if .sendBufferKiB }}
+- ingress.direct_send_buffer_kib={{ .sendBufferKiB }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- range .Values.serve.extraOverrides }}
