@@ -305,3 +305,16 @@ def test_a_pod_is_ready_only_while_its_replicas_answer_on_the_port(
     for name, group in groups(ready).items():
         has_probe = "readinessProbe" in group["template"]["spec"]["containers"][0]
         assert has_probe == (name == "ingress"), name
+
+
+def test_the_docs_command_turns_it_on(helm: Path) -> None:
+    from tests.k8s.test_docs_commands import DOCS, find, section_commands
+
+    commands = section_commands(DOCS, "## The direct port (`directPort`)")
+    upgrade = find(commands, "helm", "upgrade", "tokenrouter-ray")
+    assert manifests.REPO / upgrade[3] == manifests.CHART
+    flags = [f for f in upgrade[4:] if f != "--reuse-values"]  # not a `helm template` flag
+    objects = manifests.render(*flags, helm=helm)
+    backend = only(objects, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]
+    assert backend["service"]["name"] == only(objects, "Service")["metadata"]["name"]
+    assert app_config(objects).ingress.direct_port == 8001
