@@ -118,11 +118,20 @@ def bind_app(cfg: AppConfig) -> Application:
         name: ModelServer.options(**model_options(name, spec)).bind(name, data, directory, tuner)
         for name, spec in cfg.models.items()
     }
-    return Ingress.options(
-        num_replicas=cfg.ingress.num_replicas,
-        max_queued_requests=cfg.ingress.max_queued_requests,  # issue 26
-        ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
-    ).bind(data, directory, models, tuner)
+    return Ingress.options(**ingress_options(cfg)).bind(data, directory, models, tuner)
 
 
-__all__ = ["AppArgs", "bind_app", "build_app", "serve"]
+def ingress_options(cfg: AppConfig) -> dict[str, Any]:
+    """The Ingress deployment's options; ``ingress.resources`` pins its replicas to the nodes
+    that advertise them (the Helm chart's direct port needs them on its ingress pods)."""
+    actor: dict[str, Any] = {"num_cpus": cfg.ingress.num_cpus}
+    if cfg.ingress.resources:
+        actor["resources"] = dict(cfg.ingress.resources)
+    return {
+        "num_replicas": cfg.ingress.num_replicas,
+        "max_queued_requests": cfg.ingress.max_queued_requests,  # issue 26
+        "ray_actor_options": actor,
+    }
+
+
+__all__ = ["AppArgs", "bind_app", "build_app", "ingress_options", "serve"]

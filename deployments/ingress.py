@@ -11,13 +11,15 @@ the tuner's handle. Serve takes the app from ``__serve_build_asgi_app__``, calle
 constructor (Ray >= 2.60: ``@serve.ingress()`` without an app), and its health probe is
 ``check_health``, delegated to the service. Serve's proxy echoes ``X-Request-Id`` itself,
 so the app does not add a second. With ``ingress.direct_port`` the replica also serves the
-app itself on that port (runtime/direct_http.py: no proxy hop, and backpressure works).
+app itself on that port (runtime/direct_http.py: no proxy hop, and backpressure works), on
+``ingress.direct_host`` (null: the node's own address, which only Ray knows here).
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import ray
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -72,9 +74,12 @@ class Ingress:
             # no Serve proxy there: the app makes and echoes X-Request-Id itself
             app = build_app(self.service, echo_request_id=True)
             kib = cfg.ingress.direct_send_buffer_kib
+            host = cfg.ingress.direct_host
+            if host is None:  # the pod's own address (as the ZeroMQ mailboxes), not all
+                host = ray.util.get_node_ip_address()
             self.direct = DirectHttp(
                 app,
-                cfg.ingress.direct_host,
+                host,
                 cfg.ingress.direct_port,
                 send_buffer_bytes=kib * 1024 if kib else None,
             )

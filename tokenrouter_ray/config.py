@@ -188,6 +188,11 @@ class IngressSpec(_Strict):
     num_cpus: float = Field(
         0, ge=0, description="CPUs reserved per ingress replica (I/O bound: 0 by default)."
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per ingress replica: pins the replicas to the nodes "
+        "that advertise them (the Helm chart's direct port: its ingress pods).",
+    )
     max_active_requests: int = Field(
         256, ge=1, description="Requests in flight per ingress replica before 503."
     )
@@ -242,10 +247,11 @@ class IngressSpec(_Strict):
         "Serve's proxy: one process hop less per request and per chunk, and a client that "
         "stops reading is seen (client_stall_s). null: Serve's proxy only.",
     )
-    direct_host: str = Field(
+    direct_host: str | None = Field(
         "127.0.0.1",
         description="Address the direct port binds: 127.0.0.1 (this host only) by default; "
-        "the pod's address or 0.0.0.0 to take traffic from elsewhere.",
+        "null: this node's (pod's) own address, to take traffic from elsewhere; 0.0.0.0 (all "
+        "interfaces) only when set explicitly.",
     )
     direct_send_buffer_kib: int | None = Field(
         None,

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.app import AppArgs, build_app
+from deployments.app import AppArgs, build_app, ingress_options
 from tokenrouter_ray.config import CONF_DIR, ConfigError, compose_config
 
 SERVE_CONFIGS = sorted(p for p in Path(CONF_DIR).glob("*.yaml") if p.name != "base.yaml")
@@ -39,6 +39,31 @@ def test_cross_node_pins_each_model_to_its_node_resource() -> None:
     assert cfg.models["large"].tensor_parallel == 1  # one card; models=qwen3_r2r_tp2: two
     assert cfg.models["large"].num_gpus == 1
     assert cfg.transport.kind == "zmq" and cfg.transport.zmq.transport == "tcp"
+
+
+def test_ingress_resources_pin_its_replicas() -> None:
+    """What the Helm chart's direct port writes (docs/kubernetes.md, "The direct port"): the
+    replicas ask for one unit of the ingress pods' resource and bind the pod's own address."""
+    base = ["models=qwen3_r2r", "policy=rstitch"]
+    assert ingress_options(compose_config(base))["ray_actor_options"] == {"num_cpus": 0}
+    assert compose_config(base).ingress.direct_host == "127.0.0.1"
+    cfg = compose_config(
+        [
+            *base,
+            "ingress.num_replicas=2",
+            "ingress.resources={tokenrouter_ingress: 1}",
+            "ingress.direct_port=8001",
+            "ingress.direct_host=null",
+        ]
+    )
+    options = ingress_options(cfg)
+    assert options["num_replicas"] == 2
+    assert options["ray_actor_options"] == {
+        "num_cpus": 0,
+        "resources": {"tokenrouter_ingress": 1},
+    }
+    assert cfg.ingress.direct_port == 8001
+    assert cfg.ingress.direct_host is None  # the node's own address, resolved in the replica
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,47 @@ longer names from it (<name>-raycluster-xxxxx, <name>-serve-svc, <name>-head-svc
 {{- printf "%s-serve-svc" (include "tokenrouter-ray.fullname" .) }}
 {{- end }}
 
+{{/* The direct port's Service, in front of the `ingress` worker group's pods. */}}
+{{- define "tokenrouter-ray.directServiceName" -}}
+{{- printf "%s-direct" (include "tokenrouter-ray.fullname" .) }}
+{{- end }}
+
+{{/*
+The Ray resource the `ingress` group's pods advertise (directPort.replicasPerPod units each)
+and each ingress replica asks one unit of: it keeps the ingress replicas on those pods only.
+*/}}
+{{- define "tokenrouter-ray.ingressResource" -}}
+tokenrouter_ingress
+{{- end }}
+
+{{/* The labels of the `ingress` group's pods, which the direct Service selects by. */}}
+{{- define "tokenrouter-ray.directSelectorLabels" -}}
+{{ include "tokenrouter-ray.selectorLabels" . }}
+app.kubernetes.io/component: ingress
+{{- end }}
+
+{{/*
+Readiness of an `ingress` pod: its ingress replicas answer /health on the direct port (200
+once every model has a replica), where the Service sends traffic, and its Serve proxy is
+healthy, the check KubeRay puts on RayService workers itself and leaves out when a probe is
+given (the pod is behind <name>-serve-svc too). In the container, so $POD_IP is the address
+the replicas bind (ingress.direct_host=null: Ray's node address, the pod's).
+*/}}
+{{- define "tokenrouter-ray.directReadinessProbe" -}}
+exec:
+  command:
+    - bash
+    - -c
+    - >-
+      wget --tries 1 -T 2 -q -O /dev/null http://${POD_IP}:{{ .Values.directPort.port }}/health
+      && wget --tries 1 -T 2 -q -O- http://localhost:{{ .Values.serve.port }}/-/healthz | grep -q success
+initialDelaySeconds: 10
+periodSeconds: 5
+timeoutSeconds: 5
+failureThreshold: 2
+successThreshold: 1
+{{- end }}
+
 {{- define "tokenrouter-ray.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
@@ -58,6 +99,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - transport.zmq.curve=true
 {{- end }}
 {{- end }}
+{{- with .Values.directPort }}
+{{- if .enabled }}
+- ingress.num_replicas={{ mul .worker.replicas .replicasPerPod }}
+- ingress.resources={{ printf "{%s:1}" (include "tokenrouter-ray.ingressResource" $) }}
+- ingress.direct_port={{ .port }}
+- ingress.direct_host=null
+{{- if .sendBufferKiB }}
+- ingress.direct_send_buffer_kib={{ .sendBufferKiB }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- range .Values.serve.extraOverrides }}
 - {{ . | toJson }}
 {{- end }}
@@ -82,10 +134,10 @@ applications:
 {{/*
 rayStartParams.resources in the form KubeRay passes to `ray start --resources=...` through a
 shell: a JSON object in double quotes with its inner quotes backslash-escaped,
-e.g. "{\"tokenrouter_small\": 1}".
+e.g. "{\"tokenrouter_small\": 1}". Takes a dict with the resource's `name` and `units`.
 */}}
 {{- define "tokenrouter-ray.rayResources" -}}
-{{- printf "\"{\\\"%s\\\": 1}\"" . }}
+{{- printf "\"{\\\"%s\\\": %d}\"" .name (int .units) }}
 {{- end }}
 
 {{/* Environment and volume mounts shared by every Ray container. */}}
@@ -216,4 +268,103 @@ max-worker-port: {{ .maxWorker | quote }}
 - name: writable-{{ $i }}
   mountPath: {{ $path }}
 {{- end }}
+{{- end }}
+
+{{/*
+One entry of workerGroupSpecs, from a dict: `root` (the chart's context), `name`, `worker`
+(replicas, minReplicas, maxReplicas, rayStartParams, resources, shmSize, nodeSelector,
+tolerations, affinity), `gpus` (nvidia.com/gpu per pod; 0: none), `nodeResource` (name and
+units of the custom Ray resource each pod advertises), `labels` and `annotations` of the pods
+(the release's selector labels come first), `ports` (extra container ports) and
+`readinessProbe` (absent: KubeRay injects its own).
+*/}}
+{{- define "tokenrouter-ray.workerGroup" -}}
+{{- $root := .root }}
+{{- $worker := .worker }}
+{{- $fetchRouters := include "tokenrouter-ray.routersFetch" $root | trim }}
+- groupName: {{ .name }}
+  replicas: {{ $worker.replicas }}
+  minReplicas: {{ $worker.minReplicas }}
+  maxReplicas: {{ $worker.maxReplicas }}
+  rayStartParams:
+    {{- $params := merge (dict "resources" (include "tokenrouter-ray.rayResources" .nodeResource) "metrics-export-port" (toString $root.Values.metrics.port)) (include "tokenrouter-ray.rayPortParams" $root | fromYaml) }}
+    {{- toYaml (merge (deepCopy ($worker.rayStartParams | default dict)) $params) | nindent 4 }}
+  template:
+    metadata:
+      labels:
+        {{- include "tokenrouter-ray.selectorLabels" $root | nindent 8 }}
+        {{- toYaml .labels | nindent 8 }}
+      {{- with .annotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $fetchRouters }}
+      initContainers:
+        {{- . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: ray-worker
+          image: {{ include "tokenrouter-ray.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          securityContext:
+            {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
+          ports:
+            - name: serve
+              containerPort: {{ $root.Values.serve.port }}
+            - name: metrics
+              containerPort: {{ $root.Values.metrics.port }}
+            {{- with .ports }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          env:
+            {{- include "tokenrouter-ray.containerEnv" $root | nindent 12 }}
+          {{- with .readinessProbe }}
+          readinessProbe:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          resources:
+            limits:
+              {{- $limits := deepCopy ($worker.resources.limits | default dict) }}
+              {{- if .gpus }}
+              {{- $limits = merge (dict "nvidia.com/gpu" .gpus) $limits }}
+              {{- end }}
+              {{- toYaml $limits | nindent 14 }}
+            {{- with $worker.resources.requests }}
+            requests:
+              {{- toYaml . | nindent 14 }}
+            {{- end }}
+          volumeMounts:
+            - name: dshm
+              mountPath: /dev/shm
+            - name: model-cache
+              mountPath: {{ $root.Values.modelCache.mountPath }}
+            {{- include "tokenrouter-ray.routersMount" $root | nindent 12 }}
+            {{- include "tokenrouter-ray.writableMounts" $root | nindent 12 }}
+      volumes:
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $worker.shmSize }}
+        {{- include "tokenrouter-ray.writableVolumes" $root | nindent 8 }}
+        {{- include "tokenrouter-ray.modelCacheVolume" $root | nindent 8 }}
+        {{- include "tokenrouter-ray.routersVolume" $root | nindent 8 }}
+      {{- with $worker.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $worker.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $worker.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
 {{- end }}
