@@ -127,3 +127,49 @@ def test_the_watchdog_sees_a_wedged_step_and_a_run_of_failed_steps() -> None:
     assert healthy is None
     assert stuck is not None and "a step has run" in stuck
     assert failing is not None and "steps in a row failed" in failing
+
+
+def test_messages_apply_while_a_step_runs_and_wait_for_it_when_they_concern_its_rows() -> None:
+    """With 40 ms steps: requests arriving mid-step are applied before the step ends (so the
+    next launch only checks them), and an ABORT of a request in the running step is held
+    until that step is committed: the engine never frees a request the device computes."""
+    from tests.runtime.test_protocol_runtime import all_free
+    from tokenrouter_ray.protocol import SamplingSpec
+    from tokenrouter_ray.routing.policy import build_policy
+    from tokenrouter_ray.runtime.local import LocalRuntime
+    from tokenrouter_ray.simulation.backend import sim_engine
+
+    models = ["small", "large"]
+    engines = [(m, sim_engine(lambda b: 0.04)) for m in models]
+    small = engines[0][1]
+    aborts: list[tuple[str, bool]] = []  # (rid, in the step the device was computing)
+    real_abort = small.abort
+
+    def abort(rid: str) -> None:
+        running = small._in_flight
+        aborts.append((rid, running is not None and rid in running.request_ids))
+        real_abort(rid)
+
+    small.abort = abort  # type: ignore[method-assign]
+    spec = SamplingSpec(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+
+    async def go() -> None:
+        async with LocalRuntime(engines, build_policy("never", None, models)) as rt:
+            server = rt.subservers[0]
+            tasks = [asyncio.ensure_future(rt.complete([1, 2, 3], spec)) for _ in range(3)]
+            await asyncio.sleep(0.3)  # every request in the small model's batch
+            late = asyncio.ensure_future(rt.complete([4, 5], spec))  # arrives mid-step
+            for task in tasks:
+                await asyncio.sleep(0.013)
+                task.cancel()  # the ingress ABORTs it everywhere: mid-step here
+            await asyncio.sleep(0.3)
+            late.cancel()
+            await asyncio.gather(*tasks, late, return_exceptions=True)
+            await rt.wait_idle()
+            assert all_free(rt)
+            assert server.steps.profile.phases.get("receive_ahead", 0.0) > 0
+
+    asyncio.run(go())
+    cancelled = [rid for rid, _ in aborts]
+    assert len(cancelled) >= 4  # the three, and the late one
+    assert not [rid for rid, in_step in aborts if in_step]  # none while its step ran

@@ -35,7 +35,7 @@ from tokenrouter_ray.engine.outputs import (
     StepTimings,
 )
 from tokenrouter_ray.engine.request import Request, RequestStatus, SamplingParams
-from tokenrouter_ray.engine.scheduler import Scheduler
+from tokenrouter_ray.engine.scheduler import Draft, Scheduler
 from tokenrouter_ray.thresholds import ThresholdTable
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._uncommitted: StepResult | None = None
         self._in_flight: PendingStep | None = None
+        self._draft: Draft | None = None  # the next step, drafted while this one runs
         self.deferred_until: float | None = None  # set when the launch threshold held a step
         limit = runner.max_positions or self.kv.capacity_tokens
         self.max_model_len = min(config.max_model_len or limit, limit, self.kv.capacity_tokens)
@@ -234,11 +235,13 @@ class Engine:
         method returns at once (the simulated device; a GPU runner whose sampled tokens
         are read at collect time); any other runner computes the step here. A runner whose
         ``execute`` was replaced on the instance (a test's or a chaos hook's fault) always
-        runs through that ``execute``."""
+        runs through that ``execute``. A step drafted during the previous one (``draft``)
+        is used where it is still valid."""
         if self._uncommitted is not None or self._in_flight is not None:
             raise RuntimeError("commit() the previous step's result before launching another")
         t0 = time.perf_counter()
-        out = self.scheduler.schedule(time.monotonic() if now is None else now)
+        draft, self._draft = self._draft, None
+        out = self.scheduler.schedule(time.monotonic() if now is None else now, draft)
         self.deferred_until = out.wake_at if out.deferred else None
         if not out:
             return None
@@ -251,8 +254,19 @@ class Engine:
             wait = lambda: result  # noqa: E731
         for chunk in out.chunks:  # its KV is being written now
             chunk.request.advance_computed(chunk.num_tokens)
-        pending = self._in_flight = PendingStep(wait, out.num_tokens, len(out.chunks))
+        done = getattr(wait, "wait_done", None)  # a runner whose step runs on after launch
+        pending = PendingStep(wait, out.num_tokens, len(out.chunks), out, done)
+        self._in_flight = pending
         return pending
+
+    def draft(self) -> None:
+        """While a launched step runs: schedule the one after it (``Scheduler.draft``), so
+        that ``launch`` only checks what changed since. Called again, it re-drafts the
+        queued part (requests that arrived since); a no-op with no step in flight."""
+        if self._in_flight is None:
+            return
+        previous, self._draft = self._draft, None  # none if drafting fails
+        self._draft = self.scheduler.draft(self._in_flight.scheduled, previous)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step; its result must be ``commit``-ed next."""
@@ -309,6 +323,7 @@ class Engine:
         """Forget a step that failed between launch() and commit() (its KV is recomputed)."""
         self._uncommitted = None
         self._in_flight = None
+        self._draft = None
 
     def step(self, now: float | None = None) -> list[RequestOutput]:
         result = self.execute(now)

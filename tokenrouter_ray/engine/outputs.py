@@ -7,12 +7,15 @@ and the routing interface import these types without loading torch.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from tokenrouter_ray.engine.scheduler import SchedulerOutput
 
 # one row's logprobs: the sampled token's, then the top-k ids and their logprobs
 TokenLogprobs = tuple[float, list[int], list[float]]
@@ -99,12 +102,38 @@ class RequestOutput:
 
 class PendingStep:
     """A launched forward: ``wait()`` returns its ``StepResult`` once the device is done
-    (``Engine.collect`` calls it); ``waited_s`` is how long the host then waited for it."""
+    (``Engine.collect`` calls it); ``waited_s`` is how long the host then waited for it.
 
-    __slots__ = ("batch_size", "num_tokens", "wait", "waited_s")
+    ``wait_done(wake)`` lets the host work while the step runs: it waits until the device
+    is done (True) or ``wake`` is set first (False: the step still runs); a runner whose
+    step is computed at launch is done at once. ``request_ids`` are the requests the step
+    computes (their state must not change until it is collected)."""
 
-    def __init__(self, wait: Callable[[], StepResult], num_tokens: int, batch_size: int) -> None:
+    __slots__ = ("_done", "_ids", "batch_size", "num_tokens", "scheduled", "wait", "waited_s")
+
+    def __init__(
+        self,
+        wait: Callable[[], StepResult],
+        num_tokens: int,
+        batch_size: int,
+        scheduled: SchedulerOutput | None = None,
+        done: Callable[[threading.Event], bool] | None = None,
+    ) -> None:
         self.wait = wait
         self.num_tokens = num_tokens
         self.batch_size = batch_size
+        self.scheduled = scheduled
         self.waited_s = 0.0
+        self._done = done
+        self._ids: frozenset[str] | None = None
+
+    def wait_done(self, wake: threading.Event) -> bool:
+        """Wait for the device or ``wake``, whichever comes first; True: the step is done."""
+        return True if self._done is None else self._done(wake)
+
+    @property
+    def request_ids(self) -> frozenset[str]:
+        if self._ids is None:
+            chunks = self.scheduled.chunks if self.scheduled is not None else ()
+            self._ids = frozenset(c.request.request_id for c in chunks)
+        return self._ids

@@ -18,6 +18,14 @@ global number of active requests (supplied from outside, else the local count), 
 oldest runnable request has waited ``max_defer_s`` (a counted safety net), so a stale ``N``
 can never stall the model. The table starts as the config's ``batch_thresholds`` and is
 scheduler state from then on: the tuner replaces it through ``set_thresholds``.
+
+Drafting the next step while the current one runs: ``draft(in_flight)`` schedules step
+t+1 during step t as if every row of t that samples keeps its token and stays (KV for it
+reserved ahead), then the queued requests' head (prefix lookup and KV allocation done
+ahead too). It changes no queue. ``schedule(now, draft)`` then keeps each drafted chunk
+that is still what it would have chosen (the request still running or at the queue's
+head, the same start and size) and schedules the rest as usual, so rows that left or
+finished after step t are simply not in t+1 and nothing depends on the draft being right.
 """
 
 from __future__ import annotations
@@ -93,6 +101,16 @@ class SchedulerOutput:
         return bool(self.chunks)
 
 
+@dataclass
+class Draft:
+    """Step t+1 as scheduled while step t runs (``Scheduler.draft``): the running requests'
+    chunks (arrival order, KV reserved) and the queued requests' head (FCFS, KV allocated).
+    ``schedule`` validates each chunk before it uses it."""
+
+    running: list[ScheduledChunk] = field(default_factory=list)
+    waiting: list[ScheduledChunk] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -164,7 +182,9 @@ class Scheduler:
         self.thresholds = thresholds
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self, now: float) -> SchedulerOutput:
+    def schedule(self, now: float, draft: Draft | None = None) -> SchedulerOutput:
+        """The next step: which tokens of which requests it computes (``draft``: the step
+        drafted during the previous one; its chunks are used where still valid)."""
         threshold = self.threshold()
         runnable = self.num_runnable
         if runnable == 0:
@@ -179,10 +199,14 @@ class Scheduler:
         out = SchedulerOutput(threshold=threshold)
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        if draft is not None:
+            budget = self._take_drafted(draft.running, out, budget, scheduled, False)
 
         # Running requests first (FCFS); they may preempt later arrivals to grow.
-        queue = sorted(self.running, key=lambda r: r.arrival_time)
-        for request in queue:
+        queue = [] if len(scheduled) == len(self.running) else self.running
+        for request in sorted(queue, key=lambda r: r.arrival_time):
+            if id(request) in scheduled:
+                continue
             if budget == 0 or len(out.chunks) == self.config.max_num_seqs:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted by an earlier one
@@ -204,6 +228,8 @@ class Scheduler:
             out.preempted.append(request)
 
         # Then waiting requests (prefills, extends, recomputes), FCFS, while KV lasts.
+        if draft is not None:
+            budget = self._take_drafted(draft.waiting, out, budget, scheduled, True)
         while self.waiting and budget > 0 and len(out.chunks) < self.config.max_num_seqs:
             request = self.waiting[0]
             prefix = self.kv.cached_prefix(request)  # a first computation: reuse cached KV
@@ -224,6 +250,89 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
             budget -= n
         return out
+
+    def _take_drafted(
+        self,
+        chunks: list[ScheduledChunk],
+        out: SchedulerOutput,
+        budget: int,
+        taken: set[int],
+        queued: bool,
+    ) -> int:
+        """Move the drafted chunks that are still what ``schedule`` would choose into
+        ``out``, in order, until the first that is not: the request still running (or, when
+        ``queued``, still at the queue's head) with the same start and size (its KV was
+        reserved or allocated by the draft). A request no longer running or queued is
+        skipped. Returns the budget left."""
+        wanted = RequestStatus.WAITING if queued else RequestStatus.RUNNING
+        for chunk in chunks:
+            r = chunk.request
+            if r.status != wanted:
+                continue  # paused, finished or preempted since the draft
+            if (
+                (queued and self.waiting[0] is not r)
+                or r.num_computed_tokens != chunk.start
+                or min(r.num_uncomputed_tokens, budget) != chunk.num_tokens
+                or len(out.chunks) == self.config.max_num_seqs
+            ):
+                break  # from here on, as usual
+            if queued:
+                self.waiting.popleft()
+                r.status = RequestStatus.RUNNING
+                self.running.append(r)
+            else:
+                self.kv.cache_computed(r)  # what allocate_slots would have registered
+            out.chunks.append(chunk)
+            taken.add(id(r))
+            budget -= chunk.num_tokens
+        return budget
+
+    def draft(self, in_flight: SchedulerOutput | None, previous: Draft | None = None) -> Draft:
+        """Schedule the step after ``in_flight`` while it runs, changing no queue: every
+        running request as if the rows of ``in_flight`` that sample keep their token (the
+        KV for it reserved now, without registering blocks the running step still writes),
+        then the queue's head (prefix lookup and KV allocation now). No preemption: a chunk
+        that does not fit ends that part of the draft, and ``schedule`` does the rest.
+        With ``previous`` (an earlier draft of the same step) the running part is kept and
+        the queued part drafted again (it picks up what arrived since)."""
+        if previous is None:
+            running, waiting = self._draft_running(in_flight), []
+        else:  # keep what is still queued, add what queued since
+            running = previous.running
+            waiting = [c for c in previous.waiting if c.request.status == RequestStatus.WAITING]
+        drafted = {id(c.request) for c in waiting}
+        budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in running + waiting)
+        for r in self.waiting:
+            if budget <= 0 or len(running) + len(waiting) >= self.config.max_num_seqs:
+                break
+            if id(r) in drafted:
+                continue
+            prefix = self.kv.cached_prefix(r)
+            cached = prefix.num_tokens if prefix is not None else 0
+            n = min(r.num_uncomputed_tokens - cached, budget)
+            if self.kv.allocate_slots(r, n, prefix) is None:
+                break
+            waiting.append(ScheduledChunk(r, r.num_computed_tokens, n))
+            budget -= n
+        return Draft(running, waiting)
+
+    def _draft_running(self, in_flight: SchedulerOutput | None) -> list[ScheduledChunk]:
+        samples = {id(c.request) for c in in_flight.chunks if c.samples} if in_flight else set()
+        budget = self.config.max_num_batched_tokens
+        pool, chunks = self.kv.pool, []
+        for r in sorted(self.running, key=lambda r: r.arrival_time):
+            if budget == 0 or len(chunks) == self.config.max_num_seqs:
+                break
+            n = min(r.num_uncomputed_tokens + (id(r) in samples), budget)
+            missing = self.kv.blocks_needed(r.num_computed_tokens + n) - len(r.block_ids)
+            if missing > 0:
+                blocks = pool.allocate(missing)
+                if blocks is None:
+                    break
+                r.block_ids.extend(blocks)
+            chunks.append(ScheduledChunk(r, r.num_computed_tokens, n))
+            budget -= n
+        return chunks
 
     def _pick_victim(self, exclude: set[int]) -> Request | None:
         """Pending requests first (their KV waits idle), then the latest-arrived running."""

@@ -175,6 +175,7 @@ class StepLoop:
                 self._idle()
             else:  # after an idle spell: not back-to-back
                 self._launched_at = time.perf_counter()
+                self._while_running(launched)
             return launched
         try:
             result = self.engine.collect(step)
@@ -221,7 +222,45 @@ class StepLoop:
         if isinstance(launched, _Failed):
             server.post(server.fail_runnable(f"step failed: {launched.error}"))
             return None
+        if launched is not None:
+            self._while_running(launched)
         return launched
+
+    def _while_running(self, step: PendingStep) -> None:
+        """Until the device is done with ``step``: apply messages as they arrive (held for
+        the requests in the step) and draft the next step, again after each arrival so
+        that it holds what arrived; the launch after ``collect`` then only checks what
+        changed. Returns when the step is done (or at once on a runner that computed it
+        at launch, after one round)."""
+        server, engine, prof = self.server, self.engine, self.profile
+        drafted = False
+        waited = 0.0
+        while not self._closing:
+            self._wake.clear()
+            t0 = time.perf_counter()
+            arrived = bool(server.inbox)
+            if arrived:
+                out: list = []
+                server.receive_while_running(step.request_ids, out)
+                if out:
+                    server.post(out)
+            t1 = time.perf_counter()
+            if arrived or not drafted:
+                drafted = True
+                try:
+                    engine.draft()
+                except Exception:  # the launch then schedules from scratch
+                    logger.exception("%s: drafting the next step failed", server.name)
+                    server.metrics.error(server.name, "loop_error")
+                prof.add("draft", time.perf_counter() - t1)
+            if arrived:
+                prof.add("receive_ahead", t1 - t0)
+            t2 = time.perf_counter()
+            done = step.wait_done(self._wake)
+            waited += time.perf_counter() - t2
+            if done:
+                break
+        prof.wait_s += waited
 
     def _launch(self) -> PendingStep | _Failed | None:
         """Schedule and start the next step (None: idle or deferred)."""

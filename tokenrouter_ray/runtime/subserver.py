@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -100,6 +100,8 @@ class SubServer:
         self.ledger = RequestLedger()
         self.tracked: dict[str, Tracked] = {}
         self.inbox: deque[PeerReq] = deque()
+        # messages for requests in the running step, held until it is committed
+        self._held: deque[PeerReq] = deque()
         self.stats = WindowStats()  # for the threshold tuner
         self.active = ActiveCount(INGRESS_SILENCE_S)  # global N, from every ingress's count
         self.num_steps = 0
@@ -213,7 +215,7 @@ class SubServer:
     @property
     def has_work_waiting(self) -> bool:
         """Messages or calls the step loop has not applied yet."""
-        return bool(self.inbox or self._calls)
+        return bool(self.inbox or self._held or self._calls)
 
     def post(self, out: list[PeerReq], notify: bool = True) -> None:
         """Hand messages to the event loop's sender task (from the step loop's thread)."""
@@ -241,35 +243,53 @@ class SubServer:
 
     def between_steps(self, out: list[PeerReq]) -> None:
         """On the step loop's thread, before a launch: what the event loop asked for
-        (failed sends), the inbox, and the expiry sweep when it is due."""
+        (failed sends), the messages held while the last step ran, the inbox, and the
+        expiry sweep when it is due."""
         while self._calls:
             self._calls.popleft()(out)
+        while self._held:  # counted when they arrived
+            self._apply_one(self._held.popleft(), out)
         if self.inbox:
             self._apply_inbox(out)
         if time.monotonic() >= self.next_sweep:
             self._sweep_expired(out)
 
-    def _apply_inbox(self, out: list[PeerReq]) -> None:
+    def receive_while_running(self, running: Container[str], out: list[PeerReq]) -> None:
+        """On the step loop's thread while a step runs: apply the inbox, except messages
+        for the requests in that step (``running``), held until it is committed (only a
+        FINISHED or ABORT can concern them: the engine must not free or change a request
+        the device is computing)."""
+        self._apply_inbox(out, hold=running)
+
+    def _apply_inbox(self, out: list[PeerReq], hold: Container[str] = ()) -> None:
         counted = False
         while self.inbox:
             msg = self.inbox.popleft()
             if msg.active_requests is not None:  # from an ingress, 0 included
                 self.active.update(msg.src, msg.active_requests)
                 counted = True
-            if msg.kind == MsgKind.ACTIVE or not self.ledger.accept(msg):
+            if msg.kind == MsgKind.ACTIVE:
                 continue
-            try:
-                self._apply(msg, out)
-            except Exception as exc:  # contained to this message's request
-                logger.warning("%s: dropping %s for %s: %s", self.name, msg.kind.name, msg.rid, exc)
-                self.metrics.error(self.name, "bad_message")
-                try:
-                    self._fail(msg, str(exc), out)
-                except Exception:
-                    logger.exception("%s: could not fail %s", self.name, msg.rid)
+            if msg.rid in hold:
+                self._held.append(msg)
+            else:
+                self._apply_one(msg, out)
         if counted:
             self._update_active()
-        self.metrics.engine_state(self.name, self.engine)
+
+    def _apply_one(self, msg: PeerReq, out: list[PeerReq]) -> None:
+        """One message, unless stale; a failure is contained to its request."""
+        if not self.ledger.accept(msg):
+            return
+        try:
+            self._apply(msg, out)
+        except Exception as exc:  # contained to this message's request
+            logger.warning("%s: dropping %s for %s: %s", self.name, msg.kind.name, msg.rid, exc)
+            self.metrics.error(self.name, "bad_message")
+            try:
+                self._fail(msg, str(exc), out)
+            except Exception:
+                logger.exception("%s: could not fail %s", self.name, msg.rid)
 
     def _update_active(self) -> None:
         """The engine's deferred launches follow N; None until some ingress has spoken."""
@@ -408,7 +428,9 @@ class SubServer:
     # ------------------------------------------------------------- the step's parts
     # Called by the step loop (runtime/step_loop.py), in this order, on its thread.
     def note_deferred(self, deferred: bool) -> None:
-        """Nothing launched: the threshold held runnable work back (``deferred``) or idle."""
+        """Nothing launched: the threshold held runnable work back (``deferred``) or idle.
+        The engine's gauges catch up here (a step's report sets them otherwise)."""
+        self.metrics.engine_state(self.name, self.engine)
         if deferred and self._deferred_since is None:
             self._deferred_since = time.monotonic()
         elif not deferred:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -137,7 +138,6 @@ class SimRunner:
         sampling = [c.request for c in out.chunks if c.samples]
         batch = len(out.chunks)
         duration = self.step_seconds(batch)
-        ready_at = t0 + duration
         n = len(sampling)
         positions = [r.num_tokens for r in sampling]
         tokens = [self.token_of(p) for p in positions] if self.token_of else [self.token_id] * n
@@ -158,23 +158,60 @@ class SimRunner:
         stats.steps += 1
         stats.batch_sum += batch
 
-        def wait() -> StepResult:
-            remaining = ready_at - self._clock() - self.sleep_bias_s
-            slept = remaining > 0
-            if slept:
-                self._sleep(remaining)
-            t1 = self._clock()
-            if slept and self.adaptive:  # learn the timer's oversleep
-                error = t1 - ready_at
-                self.sleep_bias_s = min(max(0.0, self.sleep_bias_s + 0.2 * error), duration / 2)
-            done = max(t1, ready_at) if slept else ready_at  # when the device finished
-            self._last_end = done
-            stats.busy_s += done - t0
-            stats.oversleep_s += done - ready_at
-            timings.forward = done - t0
-            return result
+        return _SimStep(self, result, t0, duration, timings)
 
-        return wait
+
+class _SimStep:
+    """A step on the simulated device: calling it waits until the device is done and gives
+    the result; ``wait_done(wake)`` waits for the device or ``wake``, whichever is first
+    (the step loop applies arriving messages meanwhile). Either wait shortens its sleep by
+    the runner's ``sleep_bias_s`` and teaches it the timer's oversleep."""
+
+    __slots__ = ("duration", "ready_at", "result", "runner", "t0", "timings", "woke_at")
+
+    def __init__(
+        self,
+        runner: SimRunner,
+        result: StepResult,
+        t0: float,
+        duration: float,
+        timings: StepTimings,
+    ) -> None:
+        self.runner, self.result, self.timings = runner, result, timings
+        self.t0, self.duration, self.ready_at = t0, duration, t0 + duration
+        self.woke_at: float | None = None  # when a wait that slept to the end woke
+
+    def wait_done(self, wake: threading.Event) -> bool:
+        if self.woke_at is not None:
+            return True
+        remaining = self.ready_at - self.runner._clock() - self.runner.sleep_bias_s
+        if remaining <= 0:
+            return True
+        if wake.wait(remaining):
+            return False  # woken first: the step still runs
+        self.woke_at = self.runner._clock()
+        return True
+
+    def __call__(self) -> StepResult:
+        runner = self.runner
+        if self.woke_at is None:
+            remaining = self.ready_at - runner._clock() - runner.sleep_bias_s
+            if remaining > 0:
+                runner._sleep(remaining)
+                self.woke_at = runner._clock()
+        slept = self.woke_at is not None
+        t1 = self.woke_at if slept else runner._clock()
+        ready_at, duration = self.ready_at, self.duration
+        if slept and runner.adaptive:  # learn the timer's oversleep
+            error = t1 - ready_at
+            runner.sleep_bias_s = min(max(0.0, runner.sleep_bias_s + 0.2 * error), duration / 2)
+        done = max(t1, ready_at) if slept else ready_at  # when the device finished
+        runner._last_end = done
+        stats = runner.stats
+        stats.busy_s += done - self.t0
+        stats.oversleep_s += done - ready_at
+        self.timings.forward = done - self.t0
+        return self.result
 
 
 def profile_step_seconds(model: ModelProfile, time_scale: float = 1.0) -> Callable[[int], float]:
