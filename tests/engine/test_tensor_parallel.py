@@ -185,7 +185,7 @@ def test_a_step_failing_on_rank0_after_the_send_fails_the_group(monkeypatch) -> 
     def boom(self: object, out: object, timings: object) -> None:
         raise RuntimeError("rank 0 forward failed")
 
-    monkeypatch.setattr(ModelRunner, "execute", boom)
+    monkeypatch.setattr(ModelRunner, "launch", boom)  # rank 0 queues its own shard there
     step = SimpleNamespace(chunks=[])
     with pytest.raises(RuntimeError, match="rank 0 forward failed"):
         runner.execute(step, StepTimings())

@@ -7,6 +7,10 @@ last hidden states of those rows when asked. Only those rows go through ``lm_hea
 Steps whose every chunk samples and is short (decodes, handoff extends) can take the
 bucketed fixed-shape path (``static_forward.py``): captured as CUDA graphs on CUDA, or run
 eagerly when ``static_batches`` asks for it (the CPU tests do, to check it token for token).
+
+``launch`` queues a step and returns the call that reads it back (``execute`` is both): on
+CUDA the host is free while the device computes (``device_step.py``), on CPU the step is
+computed in ``launch``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from transformers import PreTrainedModel
 
 from tokenrouter_ray.engine.attention import PagedBatch, flash_attn_unusable
 from tokenrouter_ray.engine.block_pool import ModelFootprint, kv_bytes_per_token
+from tokenrouter_ray.engine.device_step import DeviceStep, EventWatcher
 from tokenrouter_ray.engine.kv_cache import PagedKVCache
 from tokenrouter_ray.engine.logits_processors import apply_processors
 from tokenrouter_ray.engine.outputs import StepResult, StepTimings
@@ -137,6 +142,7 @@ class ModelRunner:
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.capture_seconds = 0.0  # time capture_static took
         self.grammars: GrammarBook | None = None  # structured outputs, on first use
+        self._watcher: EventWatcher | None = None  # CUDA: wakes the step loop per step
 
     def _static_bucket(self, out: SchedulerOutput) -> tuple[int, int, int] | None:
         """(batch, query rows, KV blocks) bucket of a step, or None: dynamic path."""
@@ -237,11 +243,19 @@ class ModelRunner:
         """Token ids -> input embeddings (for policies that read them)."""
         return self.model.get_input_embeddings()
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, timings: StepTimings) -> StepResult:
+        """One step, start to finish."""
+        return self.launch(out, timings)()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, timings: StepTimings) -> Callable[[], StepResult]:
+        """Prepare the step, queue its forward and sampler, and return the call that reads
+        the sampled tokens back and gives the ``StepResult``. On CUDA nothing here waits for
+        the device (greedy and seeded sampling need no host read; top-k/top-p read one
+        count) and the call is a ``DeviceStep``; on CPU the step is computed here."""
         shape = self._static_bucket(out)
         if shape is not None:
-            return self._execute_static(out, shape, timings)
+            return self._launch_static(out, shape, timings)
         t0 = time.perf_counter()
         ids: list[int] = []
         positions: list[int] = []
@@ -264,19 +278,20 @@ class ModelRunner:
         row_index = torch.tensor(rows, dtype=torch.long, device=dev)  # (num_rows,)
         batch = PagedBatch.build(self.kv, seqs, dev, use_flash=self.use_flash)
         t1 = time.perf_counter()
-
+        started = self._device_event(t1)
         hidden = self.decoder(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, paged=batch
         ).last_hidden_state[0]  # (num_tokens, hidden_size)
         last = hidden.index_select(0, row_index)  # (num_rows, hidden)
         logits = self.lm_head(last).float()  # (num_rows, vocab)
         t2 = time.perf_counter()
-        timings.prepare, timings.forward = t1 - t0, t2 - t1
-        return self._sample(out, sampling_requests, logits, last, len(ids), timings)
+        timings.prepare += t1 - t0  # (a tensor-parallel rank 0 adds its control frames)
+        timings.forward = t2 - t1
+        return self._sample(out, sampling_requests, logits, last, len(ids), timings, started)
 
-    def _execute_static(
+    def _launch_static(
         self, out: SchedulerOutput, shape: tuple[int, int, int], timings: StepTimings
-    ) -> StepResult:
+    ) -> Callable[[], StepResult]:
         t0 = time.perf_counter()
         fwd = self._static_forward(shape)
         seqs = [
@@ -291,13 +306,24 @@ class ModelRunner:
             with_mask=not self.use_flash,
         )
         t1 = time.perf_counter()
+        started = self._device_event(t1)
         logits, last = fwd.run(host, replay=not self.taps_open)
         t2 = time.perf_counter()
-        timings.prepare, timings.forward = t1 - t0, t2 - t1
+        timings.prepare += t1 - t0  # (a tensor-parallel rank 0 adds its control frames)
+        timings.forward = t2 - t1
         self.static_steps += 1
         sampling_requests = [c.request for c in out.chunks]
         num_tokens = sum(c.num_tokens for c in out.chunks)
-        return self._sample(out, sampling_requests, logits, last, num_tokens, timings)
+        return self._sample(out, sampling_requests, logits, last, num_tokens, timings, started)
+
+    def _device_event(self, now: float) -> torch.cuda.Event | float:
+        """Where the forward starts: a timing event queued on CUDA (the step's device time
+        is read from it when the step is collected), else the host clock."""
+        if self.device.type != "cuda":
+            return now
+        event = torch.cuda.Event(enable_timing=True)  # pragma: no cover - needs CUDA
+        event.record()  # pragma: no cover - needs CUDA
+        return event  # pragma: no cover - needs CUDA
 
     def _sample(
         self,
@@ -307,8 +333,12 @@ class ModelRunner:
         last: torch.Tensor,
         num_tokens: int,
         timings: StepTimings,
-    ) -> StepResult:
-        """Sample one token per row; ``timings`` has prepare and forward filled in."""
+        started: torch.cuda.Event | float,
+    ) -> Callable[[], StepResult]:
+        """Sample one token per row on the device; returns the call that reads the tokens
+        (and asked logprobs) back and builds the ``StepResult``. ``timings`` has prepare
+        and forward filled in; on CUDA the forward's device time replaces the host's when
+        the step is read back (``started``: its start event)."""
         t2 = time.perf_counter()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -337,23 +367,40 @@ class ModelRunner:
             [r.seed for r in sampling_requests],
             sample_positions,
         )
-        token_list = tokens.tolist()
         asked = [r.sampling.logprobs for r in sampling_requests]
-        logprobs = None
-        if asked.count(None) != len(asked):  # some row asked: only those rows, raw logits
-            logprobs = token_logprobs(logits, tokens, asked)
-        t3 = time.perf_counter()
-        timings.sample = t3 - t2
-        return StepResult(
-            request_ids=[r.request_id for r in sampling_requests],
-            sampled=tokens,
-            token_ids=token_list,
-            positions=sample_positions,
-            logits=logits if self.keep_logits else None,
-            masked_logits=masked if self.keep_logits else None,
-            hidden=last if self.keep_hidden else None,
-            num_scheduled_tokens=num_tokens,
-            batch_size=len(out.chunks),
-            timings=timings,
-            logprobs=logprobs,
-        )
+        readback = tokens
+        if self.device.type == "cuda":  # pragma: no cover - needs CUDA
+            readback = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            readback.copy_(tokens, non_blocking=True)
+        timings.sample = time.perf_counter() - t2
+
+        def finish() -> StepResult:
+            t3 = time.perf_counter()
+            token_list = readback.tolist()
+            logprobs = None
+            if asked.count(None) != len(asked):  # some row asked: only those rows, raw logits
+                logprobs = token_logprobs(logits, tokens, asked)
+            if not isinstance(started, float):  # pragma: no cover - needs CUDA
+                timings.forward = started.elapsed_time(done) / 1e3  # forward and sampler
+            timings.sample += time.perf_counter() - t3
+            return StepResult(
+                request_ids=[r.request_id for r in sampling_requests],
+                sampled=tokens,
+                token_ids=token_list,
+                positions=sample_positions,
+                logits=logits if self.keep_logits else None,
+                masked_logits=masked if self.keep_logits else None,
+                hidden=last if self.keep_hidden else None,
+                num_scheduled_tokens=num_tokens,
+                batch_size=len(out.chunks),
+                timings=timings,
+                logprobs=logprobs,
+            )
+
+        if isinstance(started, float):
+            return finish
+        done = torch.cuda.Event(enable_timing=True)  # pragma: no cover - needs CUDA
+        done.record()  # pragma: no cover - needs CUDA
+        if self._watcher is None:  # pragma: no cover - needs CUDA
+            self._watcher = EventWatcher(f"{self.device}-events")
+        return DeviceStep(done, finish, self._watcher)  # pragma: no cover - needs CUDA

@@ -48,7 +48,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -221,8 +221,12 @@ class _Step:
 class WorkerRunner(ModelRunner):
     """Ranks 1..k-1: the same forward as rank 0 (same path, same collectives), no sampling."""
 
-    def _sample(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
-        return None
+    def _sample(self, *args: object, **kwargs: object) -> Callable[[], None]:  # type: ignore[override]
+        return _nothing
+
+
+def _nothing() -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -411,7 +415,7 @@ class TensorParallelRunner(ModelRunner):
         self.control_s, self.control_bytes, self.num_forwards = 0.0, 0, 0
         self.broken: str | None = None  # why the ranks may be out of step
 
-    def execute(self, out: SchedulerOutput, timings: StepTimings) -> StepResult:
+    def launch(self, out: SchedulerOutput, timings: StepTimings) -> Callable[[], StepResult]:
         if self.broken is not None:
             raise RuntimeError(f"tensor-parallel group is out of step: {self.broken}")
         t0 = time.perf_counter()
@@ -422,15 +426,15 @@ class TensorParallelRunner(ModelRunner):
         self.control_s += sent
         self.control_bytes = len(frame)
         self.num_forwards += 1
+        timings.prepare += sent
         try:
-            result = super().execute(out, timings)
+            finish = super().launch(out, timings)
         except BaseException as exc:
             # The workers got this step; they may still be in (or past) its collectives,
             # so a next step could pair with the wrong ones. Fail until the group restarts.
             self.broken = f"a step failed on rank 0: {exc!r}"
             raise
-        result.timings.prepare += sent
-        return result
+        return finish
 
     def check_alive(self) -> None:
         """Raise when a worker's process has ended (its socket reads EOF), or a step
