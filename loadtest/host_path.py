@@ -18,8 +18,10 @@ time, the host works meanwhile; ``simulation/backend.py``):
    Serve's proxy, the ingress deployment, ZeroMQ ipc, the ModelServer deployments): closed
    loop of streaming ``openai`` clients; tok/s from the ingress's own count, step periods
    and host phases from the replicas' status route, the ingress's CPU time per streamed
-   token, and TTFT (HTTP request to the first SSE content chunk) on the ``zero`` profile
-   at N = 1, where the simulated prefill costs nothing. The ``... direct`` systems are the
+   token, and TTFT: the closed loop's (the ``openai`` client's first content chunk) and,
+   at N = 1, a probe's (one raw HTTP request at a time, to the first content token's
+   bytes), which on the ``zero`` profile is the runtime's overhead alone (the simulated
+   prefill costs nothing). The ``... direct`` systems are the
    same apps with ``ingress.direct_port`` set and their clients on that port (the ingress
    replica's own HTTP server, runtime/direct_http.py), beside Serve's proxy.
 
@@ -189,7 +191,8 @@ def _print_level(level: Level) -> None:
     pred = f"{level.predicted:8.1f}" if level.predicted else "       -"
     host = "; ".join(
         f"{m}: crit {h.get('critical', 0):.0f} µs ({h.get('rows', 0):.0f} rows), "
-        f"report {h.get('report', 0):.0f}, send {h.get('send', 0):.0f}"
+        f"report {h.get('report', 0):.0f}, send {h.get('send', 0):.0f}, during the forward "
+        f"receive {h.get('receive_ahead', 0):.0f} + draft {h.get('draft', 0):.0f}"
         for m, h in level.host_us.items()
     )
     print(
@@ -226,15 +229,25 @@ def sim_overrides(profile: str, large_thresholds: list[int] | None = None) -> li
 
 
 def tuned_table(levels: list[int]) -> list[int]:
-    """One table for the large model holding the model's best B at each served N."""
+    """One table for the large model holding the model's best B at every N up to the
+    largest served level: served clients reconnect between requests, so the active count
+    moves below the level, and a table tuned at the level alone would run those moments
+    eagerly (a few seconds of solving at N <= 32)."""
     table = [1] * (max(levels) + 1)
-    for n in levels:
+    for n in range(2, len(table)):
         (_, b), _ = best_thresholds(paper_r2r(), n)
         table[n] = b
     return table
 
 
-SERVED_SYSTEMS = ("paper eager", "paper tuned", "zero", "paper eager direct", "zero direct")
+SERVED_SYSTEMS = (
+    "paper eager",
+    "paper tuned",
+    "zero",
+    "paper eager direct",
+    "paper tuned direct",
+    "zero direct",
+)
 DIRECT_PORT = 18190  # "... direct": the clients talk to the ingress's own port (no proxy)
 
 
@@ -272,6 +285,39 @@ def run_served(
                 rows.append(row)
                 _print_served(row)
     return rows
+
+
+async def _ttft_probe(url: str, requests: int = 40) -> float:
+    """Median time from sending a streaming chat request to reading its first content
+    token off the socket, one request at a time on an otherwise idle app (raw HTTP: no
+    client-side parsing in the figure; the closed loop's TTFT includes the ``openai``
+    client's own)."""
+    import httpx
+
+    body = {
+        "model": "tokenrouter",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+    }
+    times = []
+    async with httpx.AsyncClient(timeout=30) as http:
+        for i in range(requests + 5):  # the first five warm the connection
+            t0 = time.perf_counter()
+            first = None
+            async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if first is None and line.startswith("data: {") and _has_content(line):
+                        first = time.perf_counter() - t0
+            if i >= 5 and first is not None:
+                times.append(first)
+    return 1e3 * statistics.median(times)
+
+
+def _has_content(line: str) -> bool:
+    choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
+    return bool((choices[0].get("delta") or {}).get("content"))
 
 
 async def _wait_ready(url: str, timeout_s: float = 180.0) -> None:
@@ -361,6 +407,7 @@ async def _served_level(
             "host_us": host,
         }
     window_ttfts = ttfts[ttft0:] or ttfts
+    probe = await _ttft_probe(client_url) if n == 1 else None
     return {
         "tok_s": tokens / elapsed,
         "sse_chunks_per_token": (c1 - c0) / max(1, tokens),
@@ -374,6 +421,7 @@ async def _served_level(
         / max(1, tokens),
         "ingress_cpu_us_per_token": (s1["cpu_s"] - s0["cpu_s"]) / max(1, tokens) * 1e6,
         "ttft_ms_p50": 1e3 * statistics.median(window_ttfts) if window_ttfts else None,
+        "ttft_probe_ms_p50": probe,
         "health_rtt_ms_p50": 1e3 * statistics.median(rtts),  # GET /health, same path
         "models": models,
     }
@@ -387,9 +435,11 @@ def _print_served(row: dict[str, Any]) -> None:
         f"crit {(v['host_us'] or {}).get('critical', 0):.0f} µs"
         for m, v in row["models"].items()
     )
+    probe = row.get("ttft_probe_ms_p50")
+    alone = f", one at a time {probe:.1f} ms" if probe is not None else ""
     print(
         f"served {row['system']:11} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
-        f"{row['ttft_ms_p50'] or 0:.1f} ms (GET /health {row['health_rtt_ms_p50']:.1f} ms)  "
+        f"{row['ttft_ms_p50'] or 0:.1f} ms{alone} (GET /health {row['health_rtt_ms_p50']:.1f} ms)  "
         f"ingress CPU {row['ingress_cpu_us_per_token']:.0f} µs/token  "
         f"SSE chunks/token {row['sse_chunks_per_token']:.2f}  frames/token "
         f"{row['frames_per_token']:.2f}  bytes/token {row['bytes_per_token']:.0f}  [{steps}]",
@@ -439,7 +489,6 @@ def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str
         return next((r for r in served if r["system"] == system and r["n"] == n), None)
 
     for n in sorted({r["n"] for r in served}):
-        eager, tuned = served_row("paper eager", n), served_row("paper tuned", n)
         proxied, direct = served_row("paper eager", n), served_row("paper eager direct", n)
         if proxied and direct:
             out.append((
@@ -447,14 +496,17 @@ def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str
                 direct["tok_s"] >= proxied["tok_s"],
                 f"{direct['tok_s']:.1f} vs {proxied['tok_s']:.1f} tok/s",
             ))  # fmt: skip
-        if eager and tuned:
-            measured = tuned["tok_s"] / eager["tok_s"]
-            model = tuned["predicted"] / eager["predicted"]
-            out.append((
-                f"served N={n} tuned/eager within 3 points of the model",
-                abs(measured - model) <= 0.03,
-                f"measured {measured:.3f}, model {model:.3f}",
-            ))  # fmt: skip
+        for via, suffix in (("Serve's proxy", ""), ("the direct port", " direct")):
+            eager = served_row("paper eager" + suffix, n)
+            tuned = served_row("paper tuned" + suffix, n)
+            if eager and tuned:
+                measured = tuned["tok_s"] / eager["tok_s"]
+                model = tuned["predicted"] / eager["predicted"]
+                out.append((
+                    f"served N={n} tuned/eager within 3 points of the model ({via})",
+                    abs(measured - model) <= 0.03,
+                    f"measured {measured:.3f}, model {model:.3f}",
+                ))  # fmt: skip
         zero = served_row("zero", n)
         for model_name, m in (zero or {}).get("models", {}).items():  # replicas: either port
             bound = 300 + 10 * m.get("rows", 0)
@@ -465,12 +517,14 @@ def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str
                 f"{crit:.0f} µs vs {bound:.0f}",
             ))  # fmt: skip
     for row in served:
-        if row["profile"] == "zero" and row["n"] == 1 and row["ttft_ms_p50"] is not None:
+        probe = row.get("ttft_probe_ms_p50")
+        if row["profile"] == "zero" and row["n"] == 1 and probe is not None:
             via = "the direct port" if row["system"].endswith("direct") else "Serve's proxy"
             out.append((
-                f"served TTFT overhead <= 5 ms at N=1 (zero profile, {via})",
-                row["ttft_ms_p50"] <= 5.0,
-                f"{row['ttft_ms_p50']:.1f} ms",
+                f"served TTFT overhead <= 5 ms at N=1 (zero profile, {via}; request to the "
+                "first token's bytes, one request at a time)",
+                probe <= 5.0,
+                f"{probe:.1f} ms",
             ))  # fmt: skip
     return out
 
