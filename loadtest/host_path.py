@@ -262,7 +262,7 @@ def run_served(
     rows: list[dict[str, Any]] = []
     for system in systems:
         profile, direct = system.split()[0], system.endswith(" direct")
-        table = tuned_table(levels) if system == "paper tuned" else None
+        table = tuned_table(levels) if system.startswith("paper tuned") else None
         name = "host-" + system.replace(" ", "-")
         overrides = sim_overrides(profile, table)
         if direct:

@@ -16,8 +16,8 @@ from tokenrouter_ray.tuning.window import WindowSnapshot
 
 STATUS_KEYS = [
     "model", "endpoint", "pid", "requests", "tracked", "waiting", "running", "pending",
-    "deferred_timeouts", "kv_blocks_used", "kv_blocks_total", "alive", "address",
-    "peer_rejected", "steps", "host", "bytes_sent", "frames_sent", "sim",
+    "active_requests", "threshold", "deferred_timeouts", "kv_blocks_used", "kv_blocks_total",
+    "alive", "address", "peer_rejected", "steps", "host", "bytes_sent", "frames_sent", "sim",
 ]  # fmt: skip
 
 
@@ -48,6 +48,8 @@ def test_info_and_status_of_a_running_sub_server() -> None:
         body = json.loads(json.dumps(status.to_json()))
         assert list(body) == STATUS_KEYS
         assert body["host"]["per_step_us"]["critical"] > 0
+        assert set(body["host"]["message_latency_us"]) == {"received", "applied"}
+        assert body["active_requests"] >= body["requests"] and body["threshold"] >= 1
         assert set(body["sim"]) == {"steps", "mean_batch", "busy_s", "mean_gap_ms"}
         readable = json.loads(json.dumps(info.to_json()))
         assert readable["batch_thresholds"] == list(table)

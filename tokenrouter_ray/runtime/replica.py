@@ -35,11 +35,17 @@ class HostSteps(msgspec.Struct):
     frames: int
     messages: int
     per_step_us: dict[str, float]
+    message_latency_us: dict[str, float]  # built -> received here, -> applied by the loop
 
     @classmethod
     def of(cls, profile: HostProfile) -> HostSteps:
         return cls(
-            profile.steps, profile.rows, profile.frames, profile.messages, profile.per_step_us()
+            profile.steps,
+            profile.rows,
+            profile.frames,
+            profile.messages,
+            profile.per_step_us(),
+            profile.message_latency_us(),
         )
 
 
@@ -117,6 +123,8 @@ class ReplicaStatus(msgspec.Struct):
     waiting: int
     running: int
     pending: int
+    active_requests: int  # N the launch rule reads (the global count when known)
+    threshold: int  # B at that N
     deferred_timeouts: int  # launches forced by max_defer_s
     kv_blocks_used: int
     kv_blocks_total: int
@@ -141,6 +149,8 @@ class ReplicaStatus(msgspec.Struct):
             waiting=status.waiting,
             running=status.running,
             pending=status.pending,
+            active_requests=status.active_requests,
+            threshold=status.threshold,
             deferred_timeouts=status.deferred_timeouts,
             kv_blocks_used=status.kv_blocks_used,
             kv_blocks_total=status.kv_blocks_total,

@@ -70,6 +70,12 @@ class HostProfile:
     periods: int = 0  # back-to-back steps (launched right after the previous one's commit)
     frames: int = 0  # frames handed to the channel
     messages: int = 0
+    # messages from peers and ingresses: built -> received (event loop) -> applied (this
+    # loop), summed over every message (a wall clock across processes: same host only)
+    received: int = 0
+    received_after_s: float = 0.0
+    applied: int = 0
+    applied_after_s: float = 0.0
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds
@@ -83,6 +89,14 @@ class HostProfile:
         out["period"] = self.period_s / max(1, self.periods) * 1e6
         return out
 
+    def message_latency_us(self) -> dict[str, float]:
+        """Mean microseconds from a message's building at its sender to its receipt here
+        and to its application by this loop (what a handoff waits before it can run)."""
+        return {
+            "received": self.received_after_s / max(1, self.received) * 1e6,
+            "applied": self.applied_after_s / max(1, self.applied) * 1e6,
+        }
+
     def snapshot(self) -> dict[str, float | int | dict[str, float]]:
         return {
             "steps": self.steps,
@@ -90,6 +104,7 @@ class HostProfile:
             "frames": self.frames,
             "messages": self.messages,
             "per_step_us": self.per_step_us(),
+            "message_latency_us": self.message_latency_us(),
         }
 
 
@@ -216,9 +231,10 @@ class StepLoop:
             prof.periods += 1
         self._launched_at = t4 if isinstance(launched, PendingStep) else None
         server.report(result, routed, decided, out)  # overlaps the forward just launched
-        prof.add("report", time.perf_counter() - t4)
         if out:
             server.post(out)
+        server.record(result, routed, decided)
+        prof.add("report", time.perf_counter() - t4)
         if isinstance(launched, _Failed):
             server.post(server.fail_runnable(f"step failed: {launched.error}"))
             return None

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SWEEP_PERIOD_S = 1.0
+STATE_PERIOD_S = 0.05  # the engine's gauges, at most this often from the step loop
 EXPIRY_GRACE_S = 10.0  # past a request's deadline, before a model frees it on its own
 
 
@@ -78,6 +79,7 @@ class Decided:
     failed: dict[str, str]
     drop: set[str]
     outputs: list[RequestOutput]
+    committed: int = 0  # tokens reported as committed (set by ``report``)
 
 
 class SubServer:
@@ -113,8 +115,11 @@ class SubServer:
         self._deferred_since: float | None = None  # when the launch threshold began holding
         self._unqueued: dict[str, float] = {}  # rid -> NEW's sent_at (s), until first computed
         self.next_sweep = 0.0  # monotonic time of the next expired-request sweep
+        self._state_due = 0.0  # monotonic time the engine's gauges are due again
         self._calls: deque[Callable[[list[PeerReq]], None]] = deque()  # for the step loop
         self._outbox: asyncio.Queue[tuple[list[PeerReq], bool]] | None = None
+        self._posted: deque[tuple[list[PeerReq], bool]] = deque()  # for the event loop
+        self._post_due = False  # the event loop is due to take ``_posted``
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
@@ -209,6 +214,7 @@ class SubServer:
             self.engine.has_unfinished
             or self.tracked
             or self.has_work_waiting
+            or self._posted
             or (self._outbox is not None and not self._outbox.empty())
         )
 
@@ -218,11 +224,22 @@ class SubServer:
         return bool(self.inbox or self._held or self._calls)
 
     def post(self, out: list[PeerReq], notify: bool = True) -> None:
-        """Hand messages to the event loop's sender task (from the step loop's thread)."""
+        """Hand messages to the event loop's sender task (from the step loop's thread). Posts
+        made before the event loop runs again share one wake-up of it."""
         if not out or self._loop is None or self._outbox is None:
             return
-        with contextlib.suppress(RuntimeError):  # the event loop closed: shutting down
-            self._loop.call_soon_threadsafe(self._outbox.put_nowait, (out, notify))
+        self._posted.append((out, notify))
+        if not self._post_due:
+            self._post_due = True
+            with contextlib.suppress(RuntimeError):  # the event loop closed: shutting down
+                self._loop.call_soon_threadsafe(self._take_posted)
+
+    def _take_posted(self) -> None:
+        """On the event loop: move what the step loop posted to the sender's queue."""
+        assert self._outbox is not None
+        self._post_due = False
+        while self._posted:
+            self._outbox.put_nowait(self._posted.popleft())
 
         # ------------------------------------------------------------------- receive
 
@@ -237,8 +254,13 @@ class SubServer:
                 self.metrics.error(self.name, "recv_failed")
                 await asyncio.sleep(0.05)
                 continue
+            now = time.time_ns()
+            profile = self.steps.profile
             for msg in batch:
                 self.metrics.peer_message(self.name, msg.sent_at)
+                if msg.kind != MsgKind.ACTIVE:  # counted as applied messages are
+                    profile.received += 1
+                    profile.received_after_s += max(0, now - msg.sent_at) / 1e9
             self.deliver(batch)
 
     def between_steps(self, out: list[PeerReq]) -> None:
@@ -279,6 +301,9 @@ class SubServer:
 
     def _apply_one(self, msg: PeerReq, out: list[PeerReq]) -> None:
         """One message, unless stale; a failure is contained to its request."""
+        profile = self.steps.profile
+        profile.applied += 1
+        profile.applied_after_s += max(0, time.time_ns() - msg.sent_at) / 1e9
         if not self.ledger.accept(msg):
             return
         try:
@@ -479,8 +504,29 @@ class SubServer:
     def report(
         self, result: StepResult, routed: Routed, decided: Decided, out: list[PeerReq]
     ) -> None:
-        """After the next step was launched: metrics, the tuner's statistics and the
-        messages reporting the commit (COMMIT, HANDOFF, FINISHED) into ``out``."""
+        """After the next step was launched: the tuner's statistics of the step (before any
+        of its messages leaves), then the messages reporting the commit. HANDOFFs are
+        posted at once (a peer can start on them while the rest is built); COMMIT and
+        FINISHED go into ``out``."""
+        self._record_step(result, routed.destinations, decided.drop)
+        handoffs: list[PeerReq] = []
+        decided.committed = self._report(
+            decided.outputs,
+            result,
+            decided.leaving,
+            decided.failed,
+            handoffs,
+            out,
+            decided.drop,
+            routed.scores,
+        )
+        self.post(handoffs)
+        self._fail_requests(decided.failed, out)
+
+    def record(self, result: StepResult, routed: Routed, decided: Decided) -> None:
+        """After the step's messages are posted: its metrics. The engine's gauges are set at
+        most every ``STATE_PERIOD_S`` (they are exported far less often; an idle loop sets
+        them before it sleeps)."""
         timings = result.timings
         self.metrics.step(
             self.name,
@@ -490,19 +536,11 @@ class SubServer:
             routed.first_tokens,
             started=time.monotonic() - timings.total - (routed.route_s or 0.0),
         )
-        self._record_step(result, routed.destinations, decided.drop)
-        committed = self._report(
-            decided.outputs,
-            result,
-            decided.leaving,
-            decided.failed,
-            out,
-            decided.drop,
-            routed.scores,
-        )
-        self._fail_requests(decided.failed, out)
-        self.metrics.committed(self.name, committed, len(decided.drop))
-        self.metrics.engine_state(self.name, self.engine)
+        self.metrics.committed(self.name, decided.committed, len(decided.drop))
+        now = time.monotonic()
+        if now >= self._state_due:
+            self._state_due = now + STATE_PERIOD_S
+            self.metrics.engine_state(self.name, self.engine)
 
     def _note_queued(self, started: float) -> None:
         """Queue time (the ingress sent the NEW -> the start of the first step computing
@@ -552,14 +590,15 @@ class SubServer:
         result: StepResult,
         leaving: dict[str, tuple[int, Send]],
         failed: dict[str, str],
+        handoffs: list[PeerReq],
         out: list[PeerReq],
         drop: set[str] | frozenset[str] = frozenset(),
         scores: list[float | None] | None = None,
     ) -> int:
-        """The messages for one commit: COMMIT (new tokens) and FINISHED to the ingress,
-        HANDOFF for requests leaving. A handoff that cannot be built adds its request to
-        ``failed``. The messages go into ``out``, HANDOFFs first (a peer can start on
-        them at once); returns how many tokens were committed.
+        """The messages for one commit: HANDOFF for requests leaving (into ``handoffs``),
+        COMMIT (new tokens) and FINISHED to the ingress (into ``out``). A handoff that
+        cannot be built adds its request to ``failed``. Returns how many tokens were
+        committed.
 
         Requests that asked for per-token reports (logprobs, routing trace) get one
         ``TokenInfo`` per committed token; a traced request's dropped token travels in
@@ -599,7 +638,7 @@ class SubServer:
                     self._finished(tracked, o.finish_reason, reports)
                 elif rid in leaving:
                     dst, send = leaving[rid]
-                    out.append(
+                    handoffs.append(
                         self.messages.handoff(tracked, self.engine.sequence(rid), dst, send.extras)
                     )
             except Exception as exc:  # e.g. no replica of the destination is known
