@@ -4,27 +4,38 @@ A ``StepLoop`` owns a thread that is the only code touching its sub-server's eng
 hops threads or awaits per step. One iteration, with step ``t`` running on the device:
 
     collect(t)                      wait for the device: sampled tokens (one readback)
-    route(t)                        the policy on the step's device tensors; destinations out
+    route(t)                        the policy (on the host when it needs no tensor, else on
+                                    the step's device tensors); destinations out
     decide + commit(t)              ``Policy.send`` for leaving rows, then the engine's commit
                                     (append, stop checks, pause leavers): engine state only
-    apply inbox                     NEW / HANDOFF / FINISHED that arrived meanwhile
-    launch(t+1)                     schedule and start the next forward  <- critical path ends
-    report(t)                       COMMIT / HANDOFF / FINISHED messages, the tuner's window,
-                                    metrics; handed to the event loop, which encodes and
-                                    sends them (one frame per destination)  <- overlaps t+1
+    apply held / late messages      what arrived for the rows of step t, or after the draft
+    launch(t+1)                     the drafted step, checked against what changed, started
+                                                                    <- critical path ends
+    report(t)                       the tuner's window; HANDOFFs posted at once, then COMMIT
+                                    and FINISHED; the event loop encodes and sends them (one
+                                    frame per destination); then metrics
+    while t+1 runs                  apply messages as they arrive (those for the rows of t+1
+                                    held), draft step t+2 (``Engine.draft``), again after
+                                    each arrival; wait for the device or the next message
 
-So the step period is max(forward, critical-path host work), and what the previous step
-reports, records and sends runs while the next forward does. A row that leaves after step t
-costs nothing in step t+1: it is routed and paused before t+1 is scheduled, so the next
-batch never holds it and no stray KV is written for it. (Scheduling from the committed state
-keeps exactness trivially; preparing t+1's inputs *before* t's tokens are known, as SGLang
-does, would need the device to patch tokens in, and is what a GPU runner's ``launch`` can add
-without changing this loop.)
+So the step period is max(forward, critical-path host work), and the critical path holds
+only what decides the next batch and cannot be known before step t ends: routing, commit,
+and checking the draft. A row that leaves after step t costs nothing in step t+1: the draft
+assumed it stays, the launch drops it (it was paused at commit) before anything reaches the
+device, so no forward row and no KV is spent on it; only its reserved KV slot stays with it
+for its return. (Scheduling from the committed state keeps exactness: the reference tests
+are unchanged.)
+
+The device side: a runner whose ``launch`` returns before the device is done (the simulated
+device; CUDA, ``engine/device_step.py``) gives the loop a step whose ``wait_done(wake)``
+returns when the device is done or a message arrives; a CPU runner computes the step in
+``launch`` and the overlapped work then runs after it.
 
 The event loop keeps the receive task (frames -> ``SubServer.deliver`` -> the inbox, then
 ``wake``) and the sender task (messages posted by ``post`` in order, sent per destination).
 Errors are contained as before: a failed step fails the requests that could have been in it,
-a failed report fails its requests, and the loop goes on.
+a failed report fails its requests, a failed draft only means the launch schedules from
+scratch, and the loop goes on.
 
 ``HostProfile`` accumulates where the host time goes per phase (critical vs overlapped), for
 ``loadtest`` and the status routes.
@@ -56,10 +67,12 @@ MAX_WAIT_S = 3600.0  # an idle wait re-checks at least this often (also: inf dea
 @dataclass
 class HostProfile:
     """Host seconds per phase over ``steps`` steps: on the critical path ``route``,
-    ``commit``, ``receive`` and ``launch`` (schedule + prepare); overlapped ``report`` and
-    ``send`` (the event loop's encoding and sending). ``critical_s`` is the time from a
-    forward's end (collect returned) to the next launch returned, summed: the part of the
-    step period the host adds; ``wait_s``, the time the host waited for the device."""
+    ``commit``, ``receive`` and ``launch`` (the drafted step checked, the rest scheduled, the
+    step started); overlapped ``report`` (messages, statistics, metrics), ``send`` (the
+    event loop's encoding and sending), ``receive_ahead`` (messages applied while the step
+    runs) and ``draft`` (the next step scheduled while it runs). ``critical_s`` is the time
+    from a forward's end (collect returned) to the next launch returned, summed: the part of
+    the step period the host adds; ``wait_s``, the time the host waited for the device."""
 
     steps: int = 0
     rows: int = 0  # sampled rows, summed over steps
