@@ -190,9 +190,12 @@ def _print_level(level: Level) -> None:
     ratio = f"{level.ratio:6.1%}" if level.ratio is not None else "   -  "
     pred = f"{level.predicted:8.1f}" if level.predicted else "       -"
     host = "; ".join(
-        f"{m}: crit {h.get('critical', 0):.0f} µs ({h.get('rows', 0):.0f} rows), "
-        f"report {h.get('report', 0):.0f}, send {h.get('send', 0):.0f}, during the forward "
-        f"receive {h.get('receive_ahead', 0):.0f} + draft {h.get('draft', 0):.0f}"
+        f"{m}: crit {h.get('critical', 0):.0f} µs ({h.get('rows', 0):.0f} rows: route "
+        f"{h.get('route', 0):.0f}, commit {h.get('commit', 0):.0f}, receive "
+        f"{h.get('receive', 0):.0f}, launch {h.get('launch', 0):.0f} of which schedule "
+        f"{h.get('schedule', 0):.0f}), overlapped: report {h.get('report', 0):.0f}, send "
+        f"{h.get('send', 0):.0f}, receive {h.get('receive_ahead', 0):.0f}, draft "
+        f"{h.get('draft', 0):.0f}"
         for m, h in level.host_us.items()
     )
     print(

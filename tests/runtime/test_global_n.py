@@ -84,37 +84,41 @@ class Cluster:
             await asyncio.sleep(0.002)
 
 
-def test_every_model_replica_tracks_the_global_count() -> None:
-    async def go() -> list[float]:
-        delays = []
+def test_every_model_replica_tracks_the_global_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each arrival and completion reaches every replica by itself: the periodic refresh is
+    switched off, so only the per-change publish can deliver the count (``settled`` fails
+    after its timeout otherwise)."""
+    from tokenrouter_ray.runtime import ingress as ingress_module
+
+    monkeypatch.setattr(ingress_module, "ACTIVE_REFRESH_S", 3600.0)
+
+    async def go() -> None:
         async with Cluster() as cluster:
             a, b = cluster.ingresses
             for i in range(5):  # arrivals at both ingresses
                 await a.submit(f"a{i}", [1, 2, 3], LONG)
-                delays.append(await cluster.settled())
+                await cluster.settled()
                 await b.submit(f"b{i}", [1, 2, 3], LONG)
-                delays.append(await cluster.settled())
+                await cluster.settled()
             assert cluster.truth == 10
             for i in range(5):  # completions (client aborts) at both
                 await a.abort(f"a{i}")
                 a.release(f"a{i}")
-                delays.append(await cluster.settled())
+                await cluster.settled()
             for i in range(5):
                 await b.abort(f"b{i}")
                 b.release(f"b{i}")
-                delays.append(await cluster.settled())
+                await cluster.settled()
             assert cluster.truth == 0  # the drop to 0 reaches every replica
             # A request that finishes on its own (max_tokens) is a completion too.
             await a.submit("short", [1, 2], SamplingSpec(temperature=0.0, max_tokens=4))
             await cluster.settled()
             done = await a.result("short")
             assert done.finish_reason == "length" and len(done.token_ids) == 4
-            delays.append(await cluster.settled())
+            await cluster.settled()
             assert all(s.active_requests == 0 for s in cluster.servers)
-        return delays
 
-    delays = asyncio.run(go())
-    assert max(delays) < 1.0  # one in-process message delay, far below the 1 s refresh
+    asyncio.run(go())
 
 
 def test_a_burst_of_arrivals_sends_one_active_frame_per_endpoint() -> None:

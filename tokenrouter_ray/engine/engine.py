@@ -255,7 +255,7 @@ class Engine:
         for chunk in out.chunks:  # its KV is being written now
             chunk.request.advance_computed(chunk.num_tokens)
         done = getattr(wait, "wait_done", None)  # a runner whose step runs on after launch
-        pending = PendingStep(wait, out.num_tokens, len(out.chunks), out, done)
+        pending = PendingStep(wait, out.num_tokens, len(out.chunks), out, done, timings)
         self._in_flight = pending
         return pending
 

@@ -109,7 +109,16 @@ class PendingStep:
     step is computed at launch is done at once. ``request_ids`` are the requests the step
     computes (their state must not change until it is collected)."""
 
-    __slots__ = ("_done", "_ids", "batch_size", "num_tokens", "scheduled", "wait", "waited_s")
+    __slots__ = (
+        "_done",
+        "_ids",
+        "batch_size",
+        "num_tokens",
+        "scheduled",
+        "timings",
+        "wait",
+        "waited_s",
+    )
 
     def __init__(
         self,
@@ -118,11 +127,13 @@ class PendingStep:
         batch_size: int,
         scheduled: SchedulerOutput | None = None,
         done: Callable[[threading.Event], bool] | None = None,
+        timings: StepTimings | None = None,
     ) -> None:
         self.wait = wait
         self.num_tokens = num_tokens
         self.batch_size = batch_size
         self.scheduled = scheduled
+        self.timings = timings  # the step's host timings so far (schedule, prepare)
         self.waited_s = 0.0
         self._done = done
         self._ids: frozenset[str] | None = None

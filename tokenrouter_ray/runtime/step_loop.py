@@ -67,10 +67,11 @@ MAX_WAIT_S = 3600.0  # an idle wait re-checks at least this often (also: inf dea
 @dataclass
 class HostProfile:
     """Host seconds per phase over ``steps`` steps: on the critical path ``route``,
-    ``commit``, ``receive`` and ``launch`` (the drafted step checked, the rest scheduled, the
-    step started); overlapped ``report`` (messages, statistics, metrics), ``send`` (the
-    event loop's encoding and sending), ``receive_ahead`` (messages applied while the step
-    runs) and ``draft`` (the next step scheduled while it runs). ``critical_s`` is the time
+    ``commit``, ``receive`` and ``launch`` (the drafted step checked and the rest scheduled,
+    ``schedule``, then the runner's preparation and start); overlapped ``report``
+    (messages, statistics, metrics), ``send`` (the event loop's encoding and sending),
+    ``receive_ahead`` (messages applied while the step runs) and ``draft`` (the next step
+    scheduled while it runs). ``critical_s`` is the time
     from a forward's end (collect returned) to the next launch returned, summed: the part of
     the step period the host adds; ``wait_s``, the time the host waited for the device."""
 
@@ -309,6 +310,8 @@ class StepLoop:
             server.note_deferred(self.engine.deferred_until is not None)
             return None
         self.profile.add("launch", time.perf_counter() - started)
+        if step.timings is not None:  # of which the scheduler (the draft checked, the rest)
+            self.profile.add("schedule", step.timings.schedule)
         server.note_launched(started)
         return step
 
