@@ -101,8 +101,9 @@ async def in_process_level(
     window_s: float,
     warmup_s: float,
     predicted: float | None,
+    transit_s: float = 0.0,
 ) -> Level:
-    loop = ClosedLoop(profile, n, thresholds, max_defer_s=float("inf"))
+    loop = ClosedLoop(profile, n, thresholds, max_defer_s=float("inf"), transit_s=transit_s)
     async with loop:
         await asyncio.sleep(warmup_s)
         before = [_host(s) for s in loop.servers]
@@ -184,6 +185,44 @@ def run_in_process(levels: list[int], window_s: float, warmup_s: float) -> list[
             run("paper tuned", paper, n, tuned_b, tuned)
         run("zero", zero, n, (1, 1), None)
     return out
+
+
+def run_transit_sweep(
+    levels: list[int], transits_ms: list[float], window_s: float, warmup_s: float
+) -> list[dict[str, Any]]:
+    """The paper profile, Eager-Async and the Markov model's best table, in process, with
+    every frame delayed by a simulated network transit: what the time a handoff spends
+    between models does to each (the Markov model counts none)."""
+    paper, rows = paper_r2r(), []
+    for transit in transits_ms:
+        for n in levels:
+            eager_pred = throughput(paper, n, (1, 1)).throughput
+            tuned_b, tuned_pred = best_thresholds(paper, n)
+            got = {}
+            for name, b, pred in (("eager", (1, 1), eager_pred), ("tuned", tuned_b, tuned_pred)):
+                level = asyncio.run(in_process_level(f"paper {name}", paper, n, b, window_s,
+                                                     warmup_s, pred, transit / 1e3))  # fmt: skip
+                got[name] = level.tok_s
+            row = {
+                "transit_ms": transit,
+                "n": n,
+                "eager_tok_s": got["eager"],
+                "eager_of_markov": got["eager"] / eager_pred,
+                "tuned_b": tuned_b,
+                "tuned_tok_s": got["tuned"],
+                "tuned_of_markov": got["tuned"] / tuned_pred,
+                "ratio": got["tuned"] / got["eager"],
+                "model_ratio": tuned_pred / eager_pred,
+            }
+            rows.append(row)
+            print(
+                f"transit {transit:4.1f} ms N={n:3}: eager {row['eager_tok_s']:8.1f} tok/s "
+                f"({row['eager_of_markov']:.1%} of Markov), tuned B={tuned_b} "
+                f"{row['tuned_tok_s']:8.1f} ({row['tuned_of_markov']:.1%}), tuned/eager "
+                f"{row['ratio']:.3f} (model {row['model_ratio']:.3f})",
+                flush=True,
+            )
+    return rows
 
 
 def _print_level(level: Level) -> None:
@@ -288,6 +327,25 @@ def run_served(
                 rows.append(row)
                 _print_served(row)
     return rows
+
+
+def _window_host(h0: dict[str, Any], h1: dict[str, Any]) -> dict[str, float]:
+    """A replica's host phases per step (µs) in the window between two status reads (the
+    route returns means since the replica started): each phase weighted by steps, the
+    step period by back-to-back steps; ``rows``: sampled rows per step."""
+    steps = h1.get("steps", 0) - h0.get("steps", 0)
+    periods = h1.get("periods", 0) - h0.get("periods", 0)
+    p0, p1 = h0.get("per_step_us") or {}, h1.get("per_step_us") or {}
+    out = {}
+    for phase, mean in p1.items():
+        if phase == "period":
+            n0, n1 = h0.get("periods", 0), h1.get("periods", 0)
+            out[phase] = (mean * n1 - p0.get(phase, 0.0) * n0) / periods if periods else 0.0
+        else:
+            n0, n1 = h0.get("steps", 0), h1.get("steps", 0)
+            out[phase] = (mean * n1 - p0.get(phase, 0.0) * n0) / steps if steps else 0.0
+    out["rows"] = (h1.get("rows", 0) - h0.get("rows", 0)) / steps if steps else 0.0
+    return out
 
 
 async def _ttft_probe(url: str, requests: int = 40) -> float:
@@ -402,12 +460,14 @@ async def _served_level(
         before = s0["models"][name]
         sim0, sim1 = before.get("sim") or {}, st.get("sim") or {}
         steps = max(1, sim1.get("steps", 0) - sim0.get("steps", 0))
-        host = st.get("host", {}).get("per_step_us") or {}
+        host = _window_host(before.get("host") or {}, st.get("host") or {})
+        summed = [(x.get("mean_batch") or 0.0) * x.get("steps", 0) for x in (sim0, sim1)]
         models[name] = {
             "step_ms": host.get("period", 0.0) / 1e3 or elapsed / steps * 1e3,
-            "mean_batch": sim1.get("mean_batch"),
-            "rows": st.get("host", {}).get("rows", 0) / max(1, st.get("host", {}).get("steps", 1)),
+            "mean_batch": (summed[1] - summed[0]) / steps,  # in the window
+            "rows": host.pop("rows", 0.0),
             "host_us": host,
+            "message_latency_us": (st.get("host") or {}).get("message_latency_us"),
         }
     window_ttfts = ttfts[ttft0:] or ttfts
     probe = await _ttft_probe(client_url) if n == 1 else None
@@ -544,12 +604,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--served-systems", default=",".join(SERVED_SYSTEMS), help="comma list of served systems"
     )
+    parser.add_argument(
+        "--transit-ms",
+        default="",
+        help="also run paper eager and tuned in process with every frame delayed this long "
+        "(comma list, e.g. 0,1,3): the cost of the time between models",
+    )
     parser.add_argument("--port", type=int, default=18170)
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     print(f"# host path: {machine()}\n# {command()}", flush=True)
     in_process = [] if args.no_in_process else run_in_process(levels, args.window_s, args.warmup_s)
+    transits = [float(x) for x in args.transit_ms.split(",") if x]
+    sweep = run_transit_sweep([n for n in levels if n > 1], transits, args.window_s,
+                              args.warmup_s) if transits else []  # fmt: skip
     served: list[dict[str, Any]] = []
     if not args.no_served:
         served_levels = [int(x) for x in args.served_levels.split(",")]
@@ -563,8 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"in_process": [x.__dict__ for x in in_process], "served": served},
-                      f, indent=1, default=str)  # fmt: skip
+            json.dump({"in_process": [x.__dict__ for x in in_process], "served": served,
+                       "transit_sweep": sweep}, f, indent=1, default=str)  # fmt: skip
     return 0
 
 

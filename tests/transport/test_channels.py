@@ -212,3 +212,24 @@ def test_in_order_restores_per_sender_order() -> None:
     assert order.push("a", 0, b"a0") == [b"a0", b"a1", b"a2"]
     assert order.push("a", 1, b"a1") == []  # duplicate
     assert order.push("a", 3, b"a3") == [b"a3"]
+
+
+@pytest.mark.asyncio
+async def test_an_inproc_hub_with_a_transit_time_delivers_later_and_in_order() -> None:
+    """``InProcHub(transit_s)``: a simulated network; frames arrive no sooner than that
+    after their send, in the order sent."""
+    import time
+
+    directory, hub = InMemoryDirectory(), InProcHub(transit_s=0.05)
+    async with (
+        InProcChannel("small", "0", directory, hub) as small,
+        InProcChannel("large", "0", directory, hub) as large,
+    ):
+        sent = time.monotonic()
+        await small.send("large/0", [handoff(0)])
+        await small.send("large/0", [handoff(1), handoff(2)])
+        batches = await recv_n(large, 3)
+        assert time.monotonic() - sent >= 0.05
+    assert [[m.handoff_seq for m in b] for b in batches] == [[0], [1, 2]]
+    with pytest.raises(ValueError, match="transit_s"):
+        InProcHub(transit_s=-1.0)

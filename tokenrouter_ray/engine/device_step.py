@@ -64,6 +64,9 @@ class DeviceStep:
         self.done, self.finish, self.watcher = done, finish, watcher
         self._watched = False
 
+    def ready(self) -> bool:
+        return self.done.query()
+
     def wait_done(self, wake: threading.Event) -> bool:
         if self.done.query():
             return True

@@ -254,8 +254,7 @@ class Engine:
             wait = lambda: result  # noqa: E731
         for chunk in out.chunks:  # its KV is being written now
             chunk.request.advance_computed(chunk.num_tokens)
-        done = getattr(wait, "wait_done", None)  # a runner whose step runs on after launch
-        pending = PendingStep(wait, out.num_tokens, len(out.chunks), out, done, timings)
+        pending = PendingStep(wait, out.num_tokens, len(out.chunks), out, timings)
         self._in_flight = pending
         return pending
 

@@ -104,21 +104,13 @@ class PendingStep:
     """A launched forward: ``wait()`` returns its ``StepResult`` once the device is done
     (``Engine.collect`` calls it); ``waited_s`` is how long the host then waited for it.
 
-    ``wait_done(wake)`` lets the host work while the step runs: it waits until the device
-    is done (True) or ``wake`` is set first (False: the step still runs); a runner whose
-    step is computed at launch is done at once. ``request_ids`` are the requests the step
-    computes (their state must not change until it is collected)."""
+    A runner whose step runs on after ``launch`` returns a ``wait`` that also has
+    ``ready()`` (is the device done?) and ``wait_done(wake)`` (wait until it is, or until
+    ``wake`` is set first: False then); any other ``wait`` means the step was computed at
+    launch and is done. ``request_ids`` are the requests the step computes (their state must
+    not change until it is collected)."""
 
-    __slots__ = (
-        "_done",
-        "_ids",
-        "batch_size",
-        "num_tokens",
-        "scheduled",
-        "timings",
-        "wait",
-        "waited_s",
-    )
+    __slots__ = ("_ids", "batch_size", "num_tokens", "scheduled", "timings", "wait", "waited_s")
 
     def __init__(
         self,
@@ -126,7 +118,6 @@ class PendingStep:
         num_tokens: int,
         batch_size: int,
         scheduled: SchedulerOutput | None = None,
-        done: Callable[[threading.Event], bool] | None = None,
         timings: StepTimings | None = None,
     ) -> None:
         self.wait = wait
@@ -135,12 +126,17 @@ class PendingStep:
         self.scheduled = scheduled
         self.timings = timings  # the step's host timings so far (schedule, prepare)
         self.waited_s = 0.0
-        self._done = done
         self._ids: frozenset[str] | None = None
+
+    def ready(self) -> bool:
+        """Whether the device is done with the step (never blocks)."""
+        ready = getattr(self.wait, "ready", None)
+        return True if ready is None else ready()
 
     def wait_done(self, wake: threading.Event) -> bool:
         """Wait for the device or ``wake``, whichever comes first; True: the step is done."""
-        return True if self._done is None else self._done(wake)
+        wait_done = getattr(self.wait, "wait_done", None)
+        return True if wait_done is None else wait_done(wake)
 
     @property
     def request_ids(self) -> frozenset[str]:

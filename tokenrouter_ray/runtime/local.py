@@ -39,7 +39,10 @@ class LocalRuntime:
         policy: Policy,
         channel_type: type[InProcChannel] = InProcChannel,
         metrics: Metrics | None = None,
+        transit_s: float = 0.0,
     ) -> None:
+        """``transit_s``: each frame between the models and the ingress arrives this long
+        after it was sent (``InProcHub``: a simulated network; 0 by default)."""
         self.models = [name for name, _ in engines]
         if policy.models != self.models:
             raise ValueError(f"policy routes {policy.models}, runtime has {self.models}")
@@ -55,6 +58,7 @@ class LocalRuntime:
         self.replicas: dict[str, list[str]] = {m: [endpoint_name(m, "0")] for m in self.models}
         self.placement = Placement(self.replicas.__getitem__, self._block_sizes())
         self.place_at_ingress = False  # True: every model's replica named in the NEW
+        self.transit_s = transit_s
 
     def _block_sizes(self) -> dict[str, int]:
         return {
@@ -70,7 +74,7 @@ class LocalRuntime:
         await self.stop()
 
     async def start(self) -> None:
-        hub, directory = InProcHub(), InMemoryDirectory()
+        hub, directory = InProcHub(self.transit_s), InMemoryDirectory()
         for index, name in enumerate(self.models):
             channel = self.channel_type(name, "0", directory, hub)
             await channel.start()

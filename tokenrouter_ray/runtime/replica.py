@@ -36,6 +36,7 @@ class HostSteps(msgspec.Struct):
     messages: int
     per_step_us: dict[str, float]
     message_latency_us: dict[str, float]  # built -> received here, -> applied by the loop
+    periods: int  # back-to-back steps: what ``per_step_us["period"]`` averages over
 
     @classmethod
     def of(cls, profile: HostProfile) -> HostSteps:
@@ -46,6 +47,7 @@ class HostSteps(msgspec.Struct):
             profile.messages,
             profile.per_step_us(),
             profile.message_latency_us(),
+            profile.periods,
         )
 
 

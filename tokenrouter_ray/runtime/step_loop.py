@@ -260,13 +260,15 @@ class StepLoop:
         """Until the device is done with ``step``: apply messages as they arrive (held for
         the requests in the step) and draft the next step, again after each arrival so
         that it holds what arrived; the launch after ``collect`` then only checks what
-        changed. Returns when the step is done (or at once on a runner that computed it
-        at launch, after one round)."""
+        changed. Returns when the step is done (at once on a runner that computed it at
+        launch: the draft would only double the launch's work)."""
         server, engine, prof = self.server, self.engine, self.profile
         drafted = False
         waited = 0.0
         while not self._closing:
             self._wake.clear()
+            if step.ready():  # nothing left to overlap (a step computed at launch, too)
+                break
             t0 = time.perf_counter()
             arrived = bool(server.inbox)
             if arrived:

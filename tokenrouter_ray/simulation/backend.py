@@ -181,6 +181,11 @@ class _SimStep:
         self.t0, self.duration, self.ready_at = t0, duration, t0 + duration
         self.woke_at: float | None = None  # when a wait that slept to the end woke
 
+    def ready(self) -> bool:
+        return self.woke_at is not None or (
+            self.ready_at - self.runner._clock() - self.runner.sleep_bias_s <= 0
+        )
+
     def wait_done(self, wake: threading.Event) -> bool:
         if self.woke_at is not None:
             return True
@@ -371,7 +376,7 @@ class ReplicatedRuntime(LocalRuntime):
             self.replicas[name] = [endpoint_name(name, str(k)) for k in range(len(engines))]
 
     async def start(self) -> None:
-        hub, directory = InProcHub(), InMemoryDirectory()
+        hub, directory = InProcHub(self.transit_s), InMemoryDirectory()
         names = {m: [str(k) for k in range(len(self.replica_engines[m]))] for m in self.models}
 
         held: dict[str, list[Engine]] = self.replica_engines

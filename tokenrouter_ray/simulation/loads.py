@@ -230,7 +230,8 @@ class ClosedLoop:
     ``thresholds`` per model is one B (``thresholds_table``: B at index N, 1 below) or a
     full scheduler ``batch_thresholds`` list. With ``replicas`` above one per model it runs
     ``ReplicatedRuntime``; ``assignment`` is its replica placement (default: production's
-    rule, runtime/placement.py).
+    rule, runtime/placement.py). ``transit_s``: every frame (handoffs, commits, the
+    ingress's messages) takes this long to arrive (a simulated network).
     """
 
     def __init__(
@@ -247,6 +248,7 @@ class ClosedLoop:
         replicas: Sequence[int] | None = None,
         clients: int | None = None,
         assignment: str = "placement",
+        transit_s: float = 0.0,
     ) -> None:
         q = escalation_probability(profile)
         self.clients = n_requests if clients is None else clients
@@ -287,11 +289,14 @@ class ClosedLoop:
         metrics = Metrics(self.backend, policy="bernoulli")
         if counts == [1, 1]:
             self.runtime = LocalRuntime(
-                [(name, group[0]) for name, group in engines], self.policy, metrics=metrics
+                [(name, group[0]) for name, group in engines],
+                self.policy,
+                metrics=metrics,
+                transit_s=transit_s,
             )
         else:
             self.runtime = ReplicatedRuntime(
-                engines, self.policy, assignment=assignment, metrics=metrics
+                engines, self.policy, assignment=assignment, metrics=metrics, transit_s=transit_s
             )
         self.n_requests = n_requests
         self.finished = 0

@@ -9,6 +9,7 @@ run on other event loops or threads of the same process: frames cross with
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from tokenrouter_ray.protocol import PeerReq, encode_batch
@@ -23,10 +24,17 @@ from tokenrouter_ray.transport.base import (
 
 
 class InProcHub:
-    """inproc:// address -> frame queue, shared by the channels of one process."""
+    """inproc:// address -> frame queue, shared by the channels of one process.
 
-    def __init__(self) -> None:
+    ``transit_s``: every frame reaches its receiver this long after it was sent (a network
+    between nodes, simulated; 0: at once). The simulation uses it to show what the time a
+    handoff spends between models costs (docs/benchmarks.md, "Host path")."""
+
+    def __init__(self, transit_s: float = 0.0) -> None:
+        if transit_s < 0:
+            raise ValueError(f"transit_s must be >= 0, got {transit_s}")
         self._queues: dict[str, FrameQueue] = {}
+        self.transit_s = transit_s
 
     def bind(self, name: str, queue: FrameQueue) -> str:
         address = f"inproc://{name}"
@@ -42,7 +50,10 @@ class InProcHub:
         queue = self._queues.get(address)
         if queue is None:
             raise PeerUnreachableError(f"nothing is bound at {address} (its channel closed?)")
-        queue.put(frame)
+        if self.transit_s:  # sends run on an event loop: deliver from it, later
+            asyncio.get_running_loop().call_later(self.transit_s, queue.put, frame)
+        else:
+            queue.put(frame)
 
 
 class InProcChannel(PeerChannel):
