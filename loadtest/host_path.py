@@ -14,6 +14,9 @@ time, the host works meanwhile; ``simulation/backend.py``):
    Markov prediction, each model's step period beside its profiled step time, the host's
    time per step by phase (critical path: route, commit, receive, launch; overlapped:
    report, send) and frames and messages per committed token.
+   Then an **open loop** (Poisson arrivals of 64-token requests at 25, 50 and 75 % of the
+   Eager-Async throughput at N = 32): committed tok/s beside the offered rate, mean N, TPOT
+   and TTFT beside the birth-death model's, each model's critical path and step period.
 2. **Served** (``conf/sim_paper.yaml``'s app on a local Ray cluster: HTTP and SSE through
    Serve's proxy, the ingress deployment, ZeroMQ ipc, the ModelServer deployments): closed
    loop of streaming ``openai`` clients; tok/s from the ingress's own count, step periods
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import time
@@ -185,6 +189,77 @@ def run_in_process(levels: list[int], window_s: float, warmup_s: float) -> list[
             run("paper tuned", paper, n, tuned_b, tuned)
         run("zero", zero, n, (1, 1), None)
     return out
+
+
+OPEN_LOOP_LOADS = (0.25, 0.5, 0.75)  # offered tokens/s over Eager-Async's at N = 32
+OPEN_LOOP_TOKENS = 64
+
+
+async def open_loop_level(
+    profile: RoutingProfile, load: float, window_s: float, warmup_s: float
+) -> dict[str, Any]:
+    """Poisson arrivals of ``OPEN_LOOP_TOKENS``-token requests at ``load`` times the paper
+    profile's Eager-Async throughput at N = 32, all-1 thresholds, in process: committed
+    tok/s beside the offered rate, the mean N, TPOT and TTFT beside the birth-death model's,
+    and each model's critical path and step period."""
+    from tokenrouter_ray.simulation.validate import open_loop_predictions
+
+    tokens = OPEN_LOOP_TOKENS
+    rate = load * throughput(profile, 32, (1, 1)).throughput / tokens  # requests/s
+    loop = ClosedLoop(profile, 256, (1, 1), max_defer_s=float("inf"), max_tokens=tokens,
+                      clients=0)  # fmt: skip
+    async with loop:
+        before = [_host(s) for s in loop.servers]
+        m = await loop.poisson_load(rate, tokens, window_s=window_s, warmup_s=warmup_s,
+                                    drain_timeout_s=10.0)  # fmt: skip
+        after = [_host(s) for s in loop.servers]
+        names = [s.name for s in loop.servers]
+    rates = _eager_token_rates(profile)
+    predicted, _ = open_loop_predictions(profile, [[1], [1]], rate, tokens, max_n=len(rates),
+                                         requests=2000, token_rates=rates)  # fmt: skip
+    host = {}
+    for name, a, b in zip(names, after, before, strict=True):
+        steps, periods = max(1, a["steps"] - b["steps"]), a["periods"] - b["periods"]
+        host[name] = {
+            "critical_us": (a["critical_s"] - b["critical_s"]) / steps * 1e6,
+            "period_ms": (a["period_s"] - b["period_s"]) / periods * 1e3 if periods else None,
+            "rows": (a["rows"] - b["rows"]) / steps,
+        }
+    row = {
+        "load": load,
+        "offered_tok_s": m.offered,
+        "tok_s": m.throughput,
+        "mean_n": m.mean_active,
+        "predicted_mean_n": predicted.mean_active,
+        "tpot_ms": 1e3 * m.mean_tpot_s,
+        "predicted_tpot_ms": 1e3 * predicted.mean_latency_s / tokens,
+        "ttft_ms_p50": 1e3 * statistics.median(m.ttft_s) if m.ttft_s else None,
+        "stalled": m.stalled,
+        "host": host,
+    }
+    hosts = ", ".join(
+        f"{name}: crit {h['critical_us']:.0f} µs ({h['rows']:.1f} rows)"
+        + (f", step {h['period_ms']:.2f} ms" if h["period_ms"] else "")
+        for name, h in host.items()
+    )
+    print(
+        f"open loop {load:.0%} of eager N=32: {row['tok_s']:8.1f} tok/s (offered "
+        f"{row['offered_tok_s']:.1f})  mean N {row['mean_n']:.1f} (model "
+        f"{row['predicted_mean_n']:.1f})  TPOT {row['tpot_ms']:.2f} ms (model "
+        f"{row['predicted_tpot_ms']:.2f})  TTFT p50 {row['ttft_ms_p50'] or 0:.1f} ms  "
+        f"stalled {row['stalled']}  [{hosts}]",
+        flush=True,
+    )
+    return row
+
+
+@functools.cache
+def _eager_token_rates(profile: RoutingProfile, max_n: int = 24) -> tuple[float, ...]:
+    """T(n), n = 1..max_n, at all-1 thresholds (the open loop's birth-death model extends it
+    linearly past max_n: at 24 the predictions move by under 0.1 % against 96)."""
+    from tokenrouter_ray.tuning.open_loop import markov_token_rates
+
+    return tuple(markov_token_rates(profile, [[1], [1]], max_n))
 
 
 def run_transit_sweep(
@@ -600,6 +675,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128, help="served answers' length")
     parser.add_argument("--no-served", action="store_true", help="skip the Serve app part")
     parser.add_argument("--no-in-process", action="store_true", help="skip the in-process part")
+    parser.add_argument(
+        "--open-loop-loads",
+        default=",".join(str(x) for x in OPEN_LOOP_LOADS),
+        help="open loop (in process): offered load as a fraction of Eager-Async's tok/s at "
+        "N = 32, comma list; empty: skip",
+    )
     parser.add_argument("--served-levels", default="1,8,32")
     parser.add_argument(
         "--served-systems", default=",".join(SERVED_SYSTEMS), help="comma list of served systems"
@@ -616,6 +697,11 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.levels.split(",")]
     print(f"# host path: {machine()}\n# {command()}", flush=True)
     in_process = [] if args.no_in_process else run_in_process(levels, args.window_s, args.warmup_s)
+    loads = [] if args.no_in_process else [float(x) for x in args.open_loop_loads.split(",") if x]
+    open_loop = [
+        asyncio.run(open_loop_level(paper_r2r(), load, args.window_s, args.warmup_s))
+        for load in loads
+    ]
     transits = [float(x) for x in args.transit_ms.split(",") if x]
     sweep = run_transit_sweep([n for n in levels if n > 1], transits, args.window_s,
                               args.warmup_s) if transits else []  # fmt: skip
@@ -633,7 +719,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"in_process": [x.__dict__ for x in in_process], "served": served,
-                       "transit_sweep": sweep}, f, indent=1, default=str)  # fmt: skip
+                       "open_loop": open_loop, "transit_sweep": sweep},
+                      f, indent=1, default=str)  # fmt: skip
     return 0
 
 

@@ -49,10 +49,11 @@ def test_sim_app_answers_the_openai_client_and_reports_its_host_path(serve_app) 
 
 
 def test_host_benchmark_runs_end_to_end_at_a_tiny_size(serve_app, capsys) -> None:
-    assert host_main(["--levels", "4", "--window-s", "0.5", "--warmup-s", "0.2", "--no-served"])\
-        == 0  # fmt: skip
+    assert host_main(["--levels", "4", "--window-s", "0.5", "--warmup-s", "0.2", "--no-served",
+                      "--open-loop-loads", "0.5"]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert "paper eager  N=  4" in printed and "zero         N=  4" in printed
+    assert "open loop 50% of eager N=32" in printed
     assert "PASS" in printed or "MISS" in printed
     rows = run_served([1], 1.0, 16, serve_app, systems=("zero",))
     (row,) = rows
