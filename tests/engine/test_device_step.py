@@ -50,6 +50,17 @@ def test_the_wait_returns_on_a_message_first_then_when_the_device_is_done() -> N
     assert step() == "result"
 
 
+def test_the_watcher_runs_its_start_hook_on_its_own_thread_first() -> None:
+    started: list[str] = []
+    device, wake = threading.Event(), threading.Event()
+    watcher = EventWatcher(on_start=lambda: started.append(threading.current_thread().name))
+    step = DeviceStep(FakeEvent(device), lambda: "result", watcher)
+    thread, out = in_thread(lambda: step.wait_done(wake))
+    device.set()
+    thread.join(10)
+    assert out == [True] and started == ["device-events"]
+
+
 def test_a_step_already_done_needs_no_watcher() -> None:
     device, wake = threading.Event(), threading.Event()
     device.set()

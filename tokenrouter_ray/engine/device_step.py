@@ -31,12 +31,16 @@ class DeviceEvent(Protocol):
 
 
 class EventWatcher:
-    """A daemon thread that waits for each event it is handed, then sets its wake event."""
+    """A daemon thread that waits for each event it is handed, then sets its wake event.
+    ``on_start`` runs first on that thread (the runner makes its device current there)."""
 
-    def __init__(self, name: str = "device-events") -> None:
+    def __init__(
+        self, name: str = "device-events", on_start: Callable[[], None] | None = None
+    ) -> None:
         self._pending: queue.SimpleQueue[tuple[DeviceEvent, threading.Event]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._name = name
+        self._on_start = on_start
 
     def watch(self, event: DeviceEvent, wake: threading.Event) -> None:
         if self._thread is None:
@@ -45,6 +49,8 @@ class EventWatcher:
         self._pending.put((event, wake))
 
     def _run(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         while True:
             event, wake = self._pending.get()
             with contextlib.suppress(Exception):  # the step's read-back raises it

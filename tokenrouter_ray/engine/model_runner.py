@@ -402,5 +402,8 @@ class ModelRunner:
         done = torch.cuda.Event(enable_timing=True)  # pragma: no cover - needs CUDA
         done.record()  # pragma: no cover - needs CUDA
         if self._watcher is None:  # pragma: no cover - needs CUDA
-            self._watcher = EventWatcher(f"{self.device}-events")
+            device = self.device
+            self._watcher = EventWatcher(
+                f"{device}-events", on_start=lambda: torch.cuda.set_device(device)
+            )
         return DeviceStep(done, finish, self._watcher)  # pragma: no cover - needs CUDA
