@@ -8,7 +8,8 @@ applies stop conditions and pauses requests a routing policy sent elsewhere. ``e
 ``commit`` are separate so the policy can look at the ``StepResult`` in between; ``step``
 runs both with every request staying here. ``execute`` is ``launch`` (schedule and start the
 forward) then ``collect`` (wait for it): a serving loop that calls them apart does its other
-host work while the forward runs (runtime/step_loop.py).
+host work while the forward runs (runtime/step_loop.py), including ``draft``, which
+schedules the next step ahead so that the next ``launch`` only checks what changed.
 
 Lifecycle calls on unknown or finished requests are no-ops, never exceptions that could kill
 a serving loop.
