@@ -368,10 +368,12 @@ class ModelRunner:
             sample_positions,
         )
         asked = [r.sampling.logprobs for r in sampling_requests]
-        readback = tokens
-        if self.device.type == "cuda":  # pragma: no cover - needs CUDA
+        readback, done = tokens, None
+        if not isinstance(started, float):  # pragma: no cover - needs CUDA
             readback = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             readback.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
         timings.sample = time.perf_counter() - t2
 
         def finish() -> StepResult:
@@ -380,7 +382,7 @@ class ModelRunner:
             logprobs = None
             if asked.count(None) != len(asked):  # some row asked: only those rows, raw logits
                 logprobs = token_logprobs(logits, tokens, asked)
-            if not isinstance(started, float):  # pragma: no cover - needs CUDA
+            if done is not None:  # pragma: no cover - needs CUDA
                 timings.forward = started.elapsed_time(done) / 1e3  # forward and sampler
             timings.sample += time.perf_counter() - t3
             return StepResult(
@@ -397,10 +399,8 @@ class ModelRunner:
                 logprobs=logprobs,
             )
 
-        if isinstance(started, float):
+        if done is None:
             return finish
-        done = torch.cuda.Event(enable_timing=True)  # pragma: no cover - needs CUDA
-        done.record()  # pragma: no cover - needs CUDA
         if self._watcher is None:  # pragma: no cover - needs CUDA
             device = self.device
             self._watcher = EventWatcher(

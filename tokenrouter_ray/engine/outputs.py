@@ -7,12 +7,13 @@ and the routing interface import these types without loading torch.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import threading
+
     import torch
 
     from tokenrouter_ray.engine.scheduler import SchedulerOutput

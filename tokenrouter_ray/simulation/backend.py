@@ -187,12 +187,10 @@ class _SimStep:
         )
 
     def wait_done(self, wake: threading.Event) -> bool:
-        if self.woke_at is not None:
+        if self.ready():
             return True
         remaining = self.ready_at - self.runner._clock() - self.runner.sleep_bias_s
-        if remaining <= 0:
-            return True
-        if wake.wait(remaining):
+        if wake.wait(max(0.0, remaining)):
             return False  # woken first: the step still runs
         self.woke_at = self.runner._clock()
         return True
