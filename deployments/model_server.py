@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import Any
 
 from msgspec.structs import asdict
@@ -100,7 +99,6 @@ class ModelServer:
         # tensor parallel (issue 15): ranks 1..k-1 are actors in this replica's placement group
         launcher = RayWorkerLauncher() if cfg.models[model].tensor_parallel > 1 else None
         self.engine = await asyncio.to_thread(build_engine, cfg, model, launcher)
-        self._execute = self.engine.runner.execute  # restored by inject_fault("clear")
         needs_tokenizer = policy_class(cfg.policy.name).needs_tokenizer
         tokenizer = spec_tokenizer(cfg.models[model]) if needs_tokenizer else None
         policy = build_policy(cfg.policy.name, cfg.policy.options, cfg.model_names, tokenizer)
@@ -166,9 +164,7 @@ class ModelServer:
 
     async def status(self) -> ReplicaStatus:
         """What this replica holds now (cheap: no statistics snapshot)."""
-        return ReplicaStatus.of(
-            self.server, SimDevice.of(getattr(self.engine.runner, "stats", None))
-        )
+        return ReplicaStatus.of(self.server, SimDevice.of(self.engine.device_stats))
 
     async def explain(self, rid: str | None = None) -> dict[str, Any]:
         """Debugging: what this replica knows of one request (default: its oldest)."""
@@ -206,26 +202,7 @@ class ModelServer:
         makes the next ``count`` steps take ``seconds`` longer (a model that stops
         answering); ``clear`` removes any fault. To kill a replica, kill its process
         (``status().pid``)."""
-        runner = self.engine.runner
-        real = self._execute
-        runner.execute = real
-        if kind == "clear":
-            return
-        if kind not in ("step", "stall"):
-            raise ValueError(f"unknown fault {kind!r} (step, stall, clear)")
-        left = {"n": count}
-
-        def faulty(out: Any, timings: Any) -> Any:
-            if left["n"] <= 0:
-                runner.execute = real
-                return real(out, timings)
-            left["n"] -= 1
-            if kind == "step":
-                raise RuntimeError("injected step failure")
-            time.sleep(seconds)
-            return real(out, timings)
-
-        runner.execute = faulty
+        self.engine.inject_fault(kind, count, seconds)
 
     async def __del__(self) -> None:
         if self._tuning is not None:

@@ -12,10 +12,12 @@ Rounds alternate between modes so that load from other processes hits them alike
 Each round reports output tokens per wall second, process CPU seconds per 1000 tokens
 (CPU time is less disturbed by other processes on a shared machine than wall time), and the
 CPU time per token of the host code the feature touches, measured with the thread's CPU
-clock around it: ``SubServer._commit`` (the policy's sends, the engine's commit, the
-COMMIT / HANDOFF / FINISHED messages: TokenInfo, HANDOFF sizes, route-state metrics),
-``SubServer._note_queued``, ``IngressCore._on_message`` (the commit log with writers and
-reports) and ``IngressCore.release``. That figure is precise where wall time is not: the
+clock around it: ``StepLoop.decide_and_commit`` (the policy's sends, the engine's
+commit), ``StepLoop.report`` (the COMMIT / HANDOFF / FINISHED messages: TokenInfo, HANDOFF
+sizes, route-state metrics), ``StepLoop._note_queued``, ``IngressCore._on_message`` (the
+commit log with writers and reports) and ``IngressCore.release`` (builds before the step
+loop had ``SubServer._commit`` and ``SubServer._note_queued``; what a build lacks is named
+at the start and not timed). That figure is precise where wall time is not: the
 feature's cost at N is its change divided by the CPU per token. The summary gives the
 median per mode and each mode's ratio to ``off``. Run it from a checkout
 of an older commit (``git worktree add /tmp/base <commit>``, copy this file there, run it
@@ -45,8 +47,16 @@ from tokenrouter_ray.runtime.ingress import IngressCore
 from tokenrouter_ray.runtime.local import LocalRuntime
 from tokenrouter_ray.runtime.subserver import SubServer
 
+try:
+    from tokenrouter_ray.runtime.step_loop import StepLoop
+except ImportError:  # an older build
+    StepLoop = None
+
 MODES = {"off": {}, "on": {"trace": True}, "logprobs": {"logprobs": 5}}
 HOST = [  # (class, method) timed with the thread's CPU clock, where this build has them
+    (StepLoop, "decide_and_commit"),
+    (StepLoop, "report"),
+    (StepLoop, "_note_queued"),
     (SubServer, "_commit"),
     (SubServer, "_note_queued"),
     (IngressCore, "_on_message"),
@@ -57,10 +67,13 @@ host_lock = threading.Lock()
 
 
 def time_host_code() -> None:
+    timed_names, missing = [], []
     for cls, name in HOST:
         method = getattr(cls, name, None)
         if method is None:
+            missing.append(name if cls is None else f"{cls.__name__}.{name}")
             continue
+        timed_names.append(f"{cls.__name__}.{name}")
 
         def timed(*args, _method=method, **kwargs):
             t0 = time.thread_time()
@@ -72,6 +85,7 @@ def time_host_code() -> None:
                     host_cpu[0] += spent
 
         setattr(cls, name, timed)
+    print(f"host code timed: {', '.join(timed_names)} (not in this build: {', '.join(missing)})")
 
 
 async def run_rounds(

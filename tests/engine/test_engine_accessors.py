@@ -4,6 +4,10 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
 from tokenrouter_ray.engine.outputs import EngineStatus
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.simulation.backend import sim_engine
@@ -48,3 +52,25 @@ def test_status_and_lookups_follow_the_lifecycle() -> None:
     engine.abort("a")
     engine.abort("b")
     assert not engine.holds("a") and engine.status().kv_blocks_used == 0
+
+
+def test_injected_faults_fail_or_stall_the_next_steps_then_clear() -> None:
+    engine = sim_engine(lambda b: 0.0, num_blocks=64, block_size=4)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True, seed=1))
+    engine.inject_fault("step", count=2)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="injected step failure"):
+            engine.launch()
+        engine.discard_uncommitted()
+    engine.commit(engine.execute())  # the third step runs
+    engine.inject_fault("stall", count=1, seconds=0.05)
+    t0 = time.perf_counter()
+    engine.commit(engine.execute())
+    assert time.perf_counter() - t0 >= 0.05
+    engine.inject_fault("step", count=5)
+    engine.inject_fault("clear")
+    engine.commit(engine.execute())  # cleared: no failure left
+    assert engine.get_request("a").num_output_tokens == 3
+    assert engine.device_stats is not None  # the simulated device counts its steps
+    with pytest.raises(ValueError, match="unknown fault"):
+        engine.inject_fault("melt")

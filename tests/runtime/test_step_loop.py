@@ -33,8 +33,8 @@ def test_reports_overlap_the_next_forward_and_leavers_skip_the_next_batch() -> N
             for server in loop.servers:
                 engine, real_report, real_commit = (
                     server.engine,
-                    server.report,
-                    server.decide_and_commit,
+                    server.steps.report,
+                    server.steps.decide_and_commit,
                 )
                 runner, real_launch = engine.runner, engine.runner.launch
 
@@ -53,7 +53,8 @@ def test_reports_overlap_the_next_forward_and_leavers_skip_the_next_batch() -> N
                     launches[name] += 1
                     return real(out, timings)
 
-                server.report, server.decide_and_commit, runner.launch = report, commit, launch
+                steps = server.steps
+                steps.report, steps.decide_and_commit, runner.launch = report, commit, launch
             await asyncio.sleep(1.5)
             servers = list(loop.servers)
         assert len(reports) > 50

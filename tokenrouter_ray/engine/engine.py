@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,7 +36,7 @@ from tokenrouter_ray.engine.outputs import (
     StepTimings,
 )
 from tokenrouter_ray.engine.request import Request, RequestStatus, SamplingParams
-from tokenrouter_ray.engine.scheduler import Draft, Scheduler
+from tokenrouter_ray.engine.scheduler import Draft, Scheduler, SchedulerOutput
 from tokenrouter_ray.thresholds import ThresholdTable
 
 if TYPE_CHECKING:
@@ -352,6 +352,37 @@ class Engine:
         check = getattr(self.runner, "check_alive", None)
         if check is not None:
             check()
+
+    @property
+    def device_stats(self) -> Any:
+        """The runner's own counters, where it keeps any (the simulated device's)."""
+        return getattr(self.runner, "stats", None)
+
+    def inject_fault(self, kind: str, count: int = 1, seconds: float = 0.0) -> None:
+        """Chaos hook: ``step`` makes the next ``count`` steps raise; ``stall`` makes them
+        take ``seconds`` longer (a model that stops answering); ``clear`` removes a fault.
+        A faulty step runs through the runner's ``execute`` (computed in ``launch``)."""
+        if kind not in ("step", "stall", "clear"):
+            raise ValueError(f"unknown fault {kind!r} (step, stall, clear)")
+        runner = self.runner
+        vars(runner).pop("execute", None)  # the class's own execute again
+        if kind == "clear":
+            return
+        real = runner.execute
+        left = count
+
+        def faulty(out: SchedulerOutput, timings: StepTimings) -> StepResult:
+            nonlocal left
+            if left <= 0:
+                vars(runner).pop("execute", None)
+                return real(out, timings)
+            left -= 1
+            if kind == "step":
+                raise RuntimeError("injected step failure")
+            time.sleep(seconds)
+            return real(out, timings)
+
+        runner.execute = faulty
 
     def close(self) -> None:
         """Stop tensor-parallel workers, if any (a plain engine holds nothing to close)."""

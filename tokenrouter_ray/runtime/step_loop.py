@@ -50,7 +50,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tokenrouter_ray.engine.outputs import PendingStep
+from tokenrouter_ray.engine.outputs import PendingStep, RequestOutput, StepResult
+from tokenrouter_ray.protocol import Dropped, MsgKind, PeerReq
+from tokenrouter_ray.routing.policy import RequestView, RouteBatch, Send, host_scores
 
 if TYPE_CHECKING:
     from tokenrouter_ray.runtime.subserver import SubServer
@@ -62,6 +64,7 @@ logger = logging.getLogger(__name__)
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 MAX_WAIT_S = 3600.0  # an idle wait re-checks at least this often (also: inf deadlines)
+STATE_PERIOD_S = 0.05  # the engine's gauges, at most this often
 
 
 @dataclass
@@ -122,6 +125,30 @@ class HostProfile:
         }
 
 
+@dataclass
+class Routed:
+    """Step ``t``'s routing, read before its commit: every row's destination, the policy's
+    per-row scores on the host (only when some row asked for a routing trace), how long the
+    policy took, and the requests whose first output token the step sampled."""
+
+    destinations: list[int]
+    scores: list[float | None] | None = None
+    route_s: float | None = None
+    first_tokens: list = field(default_factory=list)
+
+
+@dataclass
+class Decided:
+    """Step ``t``'s commit: rows leaving (rid -> (destination, Send)), rows whose routing
+    failed (rid -> error), the rows whose sampled token was dropped, the engine's outputs."""
+
+    leaving: dict[str, tuple[int, Send]]
+    failed: dict[str, str]
+    drop: set[str]
+    outputs: list[RequestOutput]
+    committed: int = 0  # tokens reported as committed (set by ``report``)
+
+
 class _Failed:
     """A launch that raised: the error, reported after the previous step's messages."""
 
@@ -136,8 +163,18 @@ class StepLoop:
 
     def __init__(self, server: SubServer) -> None:
         self.server = server
-        self.engine = server.engine
+        self.engine = engine = server.engine
+        self.policy = policy = server.policy
+        # the sub-server's parts the step reads and writes (same objects, same thread)
+        self.name, self.index, self.models = server.name, server.index, server.models
+        self.metrics, self.messages, self.stats = server.metrics, server.messages, server.stats
+        self.tracked = server.tracked
+        engine.keep_outputs(logits=policy.needs_logits, hidden=policy.needs_hidden)
+        self._embed = engine.embed_tokens if policy.needs_embeddings else None
         self.profile = HostProfile()
+        self.num_steps = 0
+        self._deferred_since: float | None = None  # when the launch threshold began holding
+        self._state_due = 0.0  # monotonic time the engine's gauges are due again
         self._wake = threading.Event()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -221,7 +258,7 @@ class StepLoop:
         prof.steps += 1
         prof.rows += len(result.request_ids)
         try:
-            routed = server.route(result)
+            routed = self.route(result)
         except Exception as exc:
             logger.exception("%s: routing failed", server.name)
             server.metrics.error(server.name, "step_failed")
@@ -230,7 +267,7 @@ class StepLoop:
             return None
         t1 = time.perf_counter()
         prof.add("route", t1 - done)
-        decided = server.decide_and_commit(result, routed)
+        decided = self.decide_and_commit(result, routed)
         t2 = time.perf_counter()
         prof.add("commit", t2 - t1)
         out = []
@@ -244,10 +281,10 @@ class StepLoop:
             prof.period_s += t4 - self._launched_at
             prof.periods += 1
         self._launched_at = t4 if isinstance(launched, PendingStep) else None
-        server.report(result, routed, decided, out)  # overlaps the forward just launched
+        self.report(result, routed, decided, out)  # overlaps the forward just launched
         if out:
             server.post(out)
-        server.record(result, routed, decided)
+        self.record(result, routed, decided)
         prof.add("report", time.perf_counter() - t4)
         if isinstance(launched, _Failed):
             server.post(server.fail_runnable(f"step failed: {launched.error}"))
@@ -309,12 +346,12 @@ class StepLoop:
             return _Failed(exc)
         if step is None:
             self.step_since = None
-            server.note_deferred(self.engine.deferred_until is not None)
+            self.note_deferred(self.engine.deferred_until is not None)
             return None
         self.profile.add("launch", time.perf_counter() - started)
         if step.timings is not None:  # of which the scheduler (the draft checked, the rest)
             self.profile.add("schedule", step.timings.schedule)
-        server.note_launched(started)
+        self.note_launched(started)
         return step
 
     def _failed(self) -> None:
@@ -333,3 +370,199 @@ class StepLoop:
             deadline = server.next_sweep
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._wake.wait(timeout if timeout is None or timeout < MAX_WAIT_S else MAX_WAIT_S)
+
+    # ------------------------------------------------------------- the step's parts
+    # Called by ``_iterate`` and ``_launch``, in this order, on this thread.
+    def note_deferred(self, deferred: bool) -> None:
+        """Nothing launched: the threshold held runnable work back (``deferred``) or idle.
+        The engine's gauges catch up here (a step's report sets them otherwise)."""
+        self.metrics.engine_state(self.name, self.engine)
+        if deferred and self._deferred_since is None:
+            self._deferred_since = time.monotonic()
+        elif not deferred:
+            self._deferred_since = None
+
+    def note_launched(self, started: float) -> None:
+        """A step was launched (``started``: ``time.perf_counter()`` before scheduling)."""
+        if self._deferred_since is not None:
+            self.metrics.deferred_wait(self.name, time.monotonic() - self._deferred_since)
+            self._deferred_since = None
+        self.num_steps += 1
+        if self.server.unqueued:
+            self._note_queued(time.time() - (time.perf_counter() - started))
+
+    def route(self, result: StepResult) -> Routed:
+        """The policy's destination for every row of a collected step (before its commit),
+        and the per-row scores on the host when some row's request asked for a trace."""
+        if not result.request_ids:
+            return Routed([])
+        requests, is_first = self.engine.step_requests(result), result.is_first
+        batch = RouteBatch.of_step(
+            self.index,
+            result,
+            prev_tokens=result.prev_token_ids,
+            is_first=is_first,
+            seeds=result.seeds,
+            embed=self._embed,
+        )
+        t0 = time.perf_counter()
+        destinations = self.policy.route_step(batch)
+        route_s = time.perf_counter() - t0
+        scores = None
+        if batch.scores is not None and any(r.sampling.trace for r in requests):
+            scores = host_scores(batch)
+        firsts = [r for r, first in zip(requests, is_first, strict=True) if first]
+        return Routed(destinations, scores, route_s, firsts)
+
+    def decide_and_commit(self, result: StepResult, routed: Routed) -> Decided:
+        """The policy's decisions for leaving rows, then the engine's commit (append,
+        stop checks, pause leavers): what the next launch must see."""
+        leaving, failed = self._decide(result, routed.destinations)
+        drop = {rid for rid, (_, send) in leaving.items() if send.drop_sampled}
+        outputs = self.engine.commit(result, drop=drop, pause=leaving.keys())
+        return Decided(leaving, failed, drop, outputs)
+
+    def report(
+        self, result: StepResult, routed: Routed, decided: Decided, out: list[PeerReq]
+    ) -> None:
+        """After the next step was launched: the tuner's statistics of the step (before any
+        of its messages leaves), then the messages reporting the commit. HANDOFFs are
+        posted at once (a peer can start on them while the rest is built); COMMIT and
+        FINISHED go into ``out``."""
+        self._record_step(result, routed.destinations, decided.drop)
+        handoffs: list[PeerReq] = []
+        decided.committed = self._report(result, routed.scores, decided, handoffs, out)
+        self.server.post(handoffs)
+        self._fail_requests(decided.failed, out)
+
+    def record(self, result: StepResult, routed: Routed, decided: Decided) -> None:
+        """After the step's messages are posted: its metrics. The engine's gauges are set at
+        most every ``STATE_PERIOD_S`` (they are exported far less often; an idle loop sets
+        them before it sleeps)."""
+        timings = result.timings
+        self.metrics.step(
+            self.name,
+            result.batch_size,
+            timings.total,
+            routed.route_s,
+            routed.first_tokens,
+            started=time.monotonic() - timings.total - (routed.route_s or 0.0),
+        )
+        self.metrics.committed(self.name, decided.committed, len(decided.drop))
+        now = time.monotonic()
+        if now >= self._state_due:
+            self._state_due = now + STATE_PERIOD_S
+            self.metrics.engine_state(self.name, self.engine)
+
+    def _note_queued(self, started: float) -> None:
+        """Queue time (the ingress sent the NEW -> the start of the first step computing
+        it here) of the new requests this step computed."""
+        for rid, sent in list(self.server.unqueued.items()):
+            request = self.engine.get_request(rid)
+            tracked = self.tracked.get(rid)
+            if request is None or tracked is None:
+                del self.server.unqueued[rid]
+            elif request.num_computed_tokens > 0:
+                tracked.queue_s = max(0.0, started - sent)
+                del self.server.unqueued[rid]
+
+    def _decide(
+        self, result: StepResult, destinations: list[int]
+    ) -> tuple[dict[str, tuple[int, Send]], dict[str, str]]:
+        """The policy's ``send`` for every row routed elsewhere: rid -> (destination, Send).
+        A row whose ``send`` raises stays here and is reported in the second map (rid ->
+        error): its request ends with an error once its token is committed."""
+        leaving: dict[str, tuple[int, Send]] = {}
+        failed: dict[str, str] = {}
+        for rid, position, dst in zip(
+            result.request_ids, result.positions, destinations, strict=True
+        ):
+            if dst == self.index:
+                continue
+            try:
+                view = RequestView(rid, self.index, position, self.tracked[rid].policy_state)
+                leaving[rid] = (dst, self.policy.send(view, dst))
+            except Exception as exc:
+                failed[rid] = f"routing to {self.models[dst]} failed: {exc!r}"
+        return leaving, failed
+
+    def _record_step(self, result: StepResult, destinations: list[int], drop: set[str]) -> None:
+        """The step and every row's move into the threshold tuner's statistics window."""
+        now = time.monotonic()
+        active = self.engine.active_requests
+        self.stats.record_step(
+            result.batch_size, result.timings.total, now, active, result.num_scheduled_tokens
+        )
+        for rid, dst in zip(result.request_ids, destinations, strict=True):
+            self.stats.record_move(self.name, self.models[dst], int(rid not in drop), now)
+
+    def _report(
+        self,
+        result: StepResult,
+        scores: list[float | None] | None,
+        decided: Decided,
+        handoffs: list[PeerReq],
+        out: list[PeerReq],
+    ) -> int:
+        """The messages for one commit: HANDOFF for requests leaving (into ``handoffs``),
+        COMMIT (new tokens) and FINISHED to the ingress (into ``out``). A handoff that
+        cannot be built adds its request to ``failed``. Returns how many tokens were
+        committed.
+
+        Requests that asked for per-token reports (logprobs, routing trace) get one
+        ``TokenInfo`` per committed token; a traced request's dropped token travels in
+        its route state (``drops``) to the model that fills the position, whose COMMIT
+        reports it."""
+        leaving, failed, drop = decided.leaving, decided.failed, decided.drop
+        rows = {rid: i for i, rid in enumerate(result.request_ids)}
+        reports: list[PeerReq] = []
+        committed = 0
+        for o in decided.outputs:
+            rid = o.request_id
+            tracked = self.tracked.get(rid)
+            if tracked is None:  # aborted or finished since the commit: nothing to report
+                continue
+            try:
+                row = rows[rid]
+                if rid in drop:
+                    tracked.dropped += 1
+                    if tracked.sampling.trace:
+                        score = scores[row] if scores is not None else None
+                        tracked.drops.append(Dropped(self.name, result.token_ids[row], score))
+                if o.new_token_ids:
+                    n = len(o.new_token_ids)
+                    tracked.counts[self.name] = tracked.counts.get(self.name, 0) + n
+                    committed += n
+                    info = None
+                    if tracked.sampling.reports_tokens:
+                        info = [self.messages.token_info(tracked, result, row, scores)]
+                    reports.append(
+                        self.messages.to_ingress(
+                            tracked,
+                            MsgKind.COMMIT,
+                            o.new_token_ids,
+                            result.positions[row],
+                            token_info=info,
+                        )
+                    )
+                if o.finished:
+                    self.server.finish(tracked, o.finish_reason, reports)
+                elif rid in leaving:
+                    dst, send = leaving[rid]
+                    handoffs.append(
+                        self.messages.handoff(tracked, self.engine.sequence(rid), dst, send.extras)
+                    )
+            except Exception as exc:  # e.g. no replica of the destination is known
+                failed[rid] = f"handing {rid} on failed: {exc!r}"
+        out += reports
+        return committed
+
+    def _fail_requests(self, failed: dict[str, str], out: list[PeerReq]) -> None:
+        for rid, error in failed.items():
+            logger.warning("%s: %s", self.name, error)
+            self.metrics.error(self.name, "request_failed")
+            tracked = self.tracked.get(rid)
+            if tracked is not None:
+                self.server.finish(tracked, "error", out, error=error)
+            else:
+                self.engine.abort(rid)

@@ -1,8 +1,11 @@
 """One model's autonomous sub-server: an engine, a routing policy and a peer channel.
 
-The engine is stepped by its own thread (``runtime/step_loop.py``: collect, route, commit,
-launch the next step, then report the last one while the next forward runs); the event loop
-keeps two tasks that never wait for another model:
+This file holds what a model replica keeps between steps: the inbox and how each message is
+applied, the per-request routing state (``tracked``), ending a request, and the two event-loop
+tasks. The engine is stepped by its own thread, and the step itself (collect, route, commit,
+launch the next step, then report the last one while the next forward runs) is in
+``runtime/step_loop.py``; the messages a step sends are built by ``runtime/messages.py``.
+The event loop keeps two tasks that never wait for another model:
 - the receive task drains the channel into the inbox (NEW / HANDOFF / FINISHED / ABORT from
   the ingress and from peers) and wakes the step loop, which applies it between steps;
 - the sender task sends what the step loop posts, in order, one frame per destination:
@@ -26,20 +29,17 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Container
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tokenrouter_ray.engine.outputs import RequestOutput, StepResult
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import (
-    Dropped,
     MsgKind,
     PeerReq,
     RequestLedger,
     RouteState,
     by_destination,
 )
-from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, Send, host_scores
+from tokenrouter_ray.routing.policy import Policy, RequestView
 from tokenrouter_ray.runtime.active_count import INGRESS_SILENCE_S, ActiveCount
 from tokenrouter_ray.runtime.messages import HandoffRecord, Messages
 from tokenrouter_ray.runtime.step_loop import StepLoop
@@ -54,32 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SWEEP_PERIOD_S = 1.0
-STATE_PERIOD_S = 0.05  # the engine's gauges, at most this often from the step loop
 EXPIRY_GRACE_S = 10.0  # past a request's deadline, before a model frees it on its own
-
-
-@dataclass
-class Routed:
-    """Step ``t``'s routing, read before its commit: every row's destination, the policy's
-    per-row scores on the host (only when some row asked for a routing trace), how long the
-    policy took, and the requests whose first output token the step sampled."""
-
-    destinations: list[int]
-    scores: list[float | None] | None = None
-    route_s: float | None = None
-    first_tokens: list = field(default_factory=list)
-
-
-@dataclass
-class Decided:
-    """Step ``t``'s commit: rows leaving (rid -> (destination, Send)), rows whose routing
-    failed (rid -> error), the rows whose sampled token was dropped, the engine's outputs."""
-
-    leaving: dict[str, tuple[int, Send]]
-    failed: dict[str, str]
-    drop: set[str]
-    outputs: list[RequestOutput]
-    committed: int = 0  # tokens reported as committed (set by ``report``)
 
 
 class SubServer:
@@ -106,16 +81,13 @@ class SubServer:
         self._held: deque[PeerReq] = deque()
         self.stats = WindowStats()  # for the threshold tuner
         self.active = ActiveCount(INGRESS_SILENCE_S)  # global N, from every ingress's count
-        self.num_steps = 0
         self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
         self.pick_endpoint = pick_endpoint  # (model, request id) -> endpoint, first visit
         self.messages = Messages(
             models, self.name, channel.name, lambda m, r: self.pick_endpoint(m, r), self.metrics
         )
-        self._deferred_since: float | None = None  # when the launch threshold began holding
-        self._unqueued: dict[str, float] = {}  # rid -> NEW's sent_at (s), until first computed
+        self.unqueued: dict[str, float] = {}  # rid -> NEW's sent_at (s), until first computed
         self.next_sweep = 0.0  # monotonic time of the next expired-request sweep
-        self._state_due = 0.0  # monotonic time the engine's gauges are due again
         self._calls: deque[Callable[[list[PeerReq]], None]] = deque()  # for the step loop
         self._outbox: asyncio.Queue[tuple[list[PeerReq], bool]] | None = None
         self._posted: deque[tuple[list[PeerReq], bool]] = deque()  # for the event loop
@@ -123,13 +95,15 @@ class SubServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
-        self.steps = StepLoop(self)
-        engine.keep_outputs(logits=policy.needs_logits, hidden=policy.needs_hidden)
-        self._embed = engine.embed_tokens if policy.needs_embeddings else None
+        self.steps = StepLoop(self)  # the engine's thread and the step's parts
 
     @property
     def endpoint(self) -> str:
         return self.channel.name
+
+    @property
+    def num_steps(self) -> int:
+        return self.steps.num_steps
 
     @property
     def active_requests(self) -> int:
@@ -333,7 +307,7 @@ class SubServer:
             self._update_active()
             for tracked in [t for t in self.tracked.values() if t.ingress in silent]:
                 self.metrics.error(self.name, "orphaned")
-                self._finished(tracked, "error", out, error="its ingress is gone")
+                self.finish(tracked, "error", out, error="its ingress is gone")
 
     def _apply(self, msg: PeerReq, out: list[PeerReq]) -> None:
         rid = msg.rid
@@ -353,7 +327,7 @@ class SubServer:
                 rid, msg.tokens, msg.sampling, num_prompt_tokens=route.prompt_len
             )
             self.tracked[rid] = tracked
-            self._unqueued[rid] = msg.sent_at / 1e9
+            self.unqueued[rid] = msg.sent_at / 1e9
             return
         if msg.kind != MsgKind.HANDOFF:
             return
@@ -380,7 +354,7 @@ class SubServer:
         else:
             raise ValueError(f"extend at {msg.anchor} but this replica holds no state")
         if not self.engine.holds(rid):  # the extend reached the context limit
-            self._finished(tracked, "length", out)
+            self.finish(tracked, "length", out)
 
     # ------------------------------------------------------------------ sending
     async def _sender(self) -> None:
@@ -438,7 +412,7 @@ class SubServer:
             self.ledger.finish(msg.rid)
             self.engine.abort(msg.rid)
             return
-        self._finished(tracked, "error", out, error=error)
+        self.finish(tracked, "error", out, error=error)
 
     def _sweep_expired(self, out: list[PeerReq]) -> None:
         """End requests held past their deadline plus ``EXPIRY_GRACE_S`` (their ingress
@@ -448,218 +422,9 @@ class SubServer:
         cutoff = time.time() - EXPIRY_GRACE_S
         for tracked in [t for t in self.tracked.values() if t.deadline and t.deadline < cutoff]:
             self.metrics.error(self.name, "expired")
-            self._finished(tracked, "error", out, error="deadline passed")
+            self.finish(tracked, "error", out, error="deadline passed")
 
-    # ------------------------------------------------------------- the step's parts
-    # Called by the step loop (runtime/step_loop.py), in this order, on its thread.
-    def note_deferred(self, deferred: bool) -> None:
-        """Nothing launched: the threshold held runnable work back (``deferred``) or idle.
-        The engine's gauges catch up here (a step's report sets them otherwise)."""
-        self.metrics.engine_state(self.name, self.engine)
-        if deferred and self._deferred_since is None:
-            self._deferred_since = time.monotonic()
-        elif not deferred:
-            self._deferred_since = None
-
-    def note_launched(self, started: float) -> None:
-        """A step was launched (``started``: ``time.perf_counter()`` before scheduling)."""
-        if self._deferred_since is not None:
-            self.metrics.deferred_wait(self.name, time.monotonic() - self._deferred_since)
-            self._deferred_since = None
-        self.num_steps += 1
-        if self._unqueued:
-            self._note_queued(time.time() - (time.perf_counter() - started))
-
-    def route(self, result: StepResult) -> Routed:
-        """The policy's destination for every row of a collected step (before its commit),
-        and the per-row scores on the host when some row's request asked for a trace."""
-        if not result.request_ids:
-            return Routed([])
-        requests, is_first = self.engine.step_requests(result), result.is_first
-        batch = RouteBatch.of_step(
-            self.index,
-            result,
-            prev_tokens=result.prev_token_ids,
-            is_first=is_first,
-            seeds=result.seeds,
-            embed=self._embed,
-        )
-        t0 = time.perf_counter()
-        destinations = self.policy.route_step(batch)
-        route_s = time.perf_counter() - t0
-        scores = None
-        if batch.scores is not None and any(r.sampling.trace for r in requests):
-            scores = host_scores(batch)
-        firsts = [r for r, first in zip(requests, is_first, strict=True) if first]
-        return Routed(destinations, scores, route_s, firsts)
-
-    def decide_and_commit(self, result: StepResult, routed: Routed) -> Decided:
-        """The policy's decisions for leaving rows, then the engine's commit (append,
-        stop checks, pause leavers): what the next launch must see."""
-        leaving, failed = self._decide(result, routed.destinations)
-        drop = {rid for rid, (_, send) in leaving.items() if send.drop_sampled}
-        outputs = self.engine.commit(result, drop=drop, pause=leaving.keys())
-        return Decided(leaving, failed, drop, outputs)
-
-    def report(
-        self, result: StepResult, routed: Routed, decided: Decided, out: list[PeerReq]
-    ) -> None:
-        """After the next step was launched: the tuner's statistics of the step (before any
-        of its messages leaves), then the messages reporting the commit. HANDOFFs are
-        posted at once (a peer can start on them while the rest is built); COMMIT and
-        FINISHED go into ``out``."""
-        self._record_step(result, routed.destinations, decided.drop)
-        handoffs: list[PeerReq] = []
-        decided.committed = self._report(
-            decided.outputs,
-            result,
-            decided.leaving,
-            decided.failed,
-            handoffs,
-            out,
-            decided.drop,
-            routed.scores,
-        )
-        self.post(handoffs)
-        self._fail_requests(decided.failed, out)
-
-    def record(self, result: StepResult, routed: Routed, decided: Decided) -> None:
-        """After the step's messages are posted: its metrics. The engine's gauges are set at
-        most every ``STATE_PERIOD_S`` (they are exported far less often; an idle loop sets
-        them before it sleeps)."""
-        timings = result.timings
-        self.metrics.step(
-            self.name,
-            result.batch_size,
-            timings.total,
-            routed.route_s,
-            routed.first_tokens,
-            started=time.monotonic() - timings.total - (routed.route_s or 0.0),
-        )
-        self.metrics.committed(self.name, decided.committed, len(decided.drop))
-        now = time.monotonic()
-        if now >= self._state_due:
-            self._state_due = now + STATE_PERIOD_S
-            self.metrics.engine_state(self.name, self.engine)
-
-    def _note_queued(self, started: float) -> None:
-        """Queue time (the ingress sent the NEW -> the start of the first step computing
-        it here) of the new requests this step computed."""
-        for rid, sent in list(self._unqueued.items()):
-            request = self.engine.get_request(rid)
-            tracked = self.tracked.get(rid)
-            if request is None or tracked is None:
-                del self._unqueued[rid]
-            elif request.num_computed_tokens > 0:
-                tracked.queue_s = max(0.0, started - sent)
-                del self._unqueued[rid]
-
-    def _decide(
-        self, result: StepResult, destinations: list[int]
-    ) -> tuple[dict[str, tuple[int, Send]], dict[str, str]]:
-        """The policy's ``send`` for every row routed elsewhere: rid -> (destination, Send).
-        A row whose ``send`` raises stays here and is reported in the second map (rid ->
-        error): its request ends with an error once its token is committed."""
-        leaving: dict[str, tuple[int, Send]] = {}
-        failed: dict[str, str] = {}
-        for rid, position, dst in zip(
-            result.request_ids, result.positions, destinations, strict=True
-        ):
-            if dst == self.index:
-                continue
-            try:
-                view = RequestView(rid, self.index, position, self.tracked[rid].policy_state)
-                leaving[rid] = (dst, self.policy.send(view, dst))
-            except Exception as exc:
-                failed[rid] = f"routing to {self.models[dst]} failed: {exc!r}"
-        return leaving, failed
-
-    def _record_step(self, result: StepResult, destinations: list[int], drop: set[str]) -> None:
-        """The step and every row's move into the threshold tuner's statistics window."""
-        now = time.monotonic()
-        active = self.engine.active_requests
-        self.stats.record_step(
-            result.batch_size, result.timings.total, now, active, result.num_scheduled_tokens
-        )
-        for rid, dst in zip(result.request_ids, destinations, strict=True):
-            self.stats.record_move(self.name, self.models[dst], int(rid not in drop), now)
-
-    def _report(
-        self,
-        outputs: list[RequestOutput],
-        result: StepResult,
-        leaving: dict[str, tuple[int, Send]],
-        failed: dict[str, str],
-        handoffs: list[PeerReq],
-        out: list[PeerReq],
-        drop: set[str] | frozenset[str] = frozenset(),
-        scores: list[float | None] | None = None,
-    ) -> int:
-        """The messages for one commit: HANDOFF for requests leaving (into ``handoffs``),
-        COMMIT (new tokens) and FINISHED to the ingress (into ``out``). A handoff that
-        cannot be built adds its request to ``failed``. Returns how many tokens were
-        committed.
-
-        Requests that asked for per-token reports (logprobs, routing trace) get one
-        ``TokenInfo`` per committed token; a traced request's dropped token travels in
-        its route state (``drops``) to the model that fills the position, whose COMMIT
-        reports it."""
-        rows = {rid: i for i, rid in enumerate(result.request_ids)}
-        reports: list[PeerReq] = []
-        committed = 0
-        for o in outputs:
-            rid = o.request_id
-            tracked = self.tracked.get(rid)
-            if tracked is None:  # aborted or finished since the commit: nothing to report
-                continue
-            try:
-                row = rows[rid]
-                if rid in drop:
-                    tracked.dropped += 1
-                    if tracked.sampling.trace:
-                        score = scores[row] if scores is not None else None
-                        tracked.drops.append(Dropped(self.name, result.token_ids[row], score))
-                if o.new_token_ids:
-                    self._count(tracked, len(o.new_token_ids))
-                    committed += len(o.new_token_ids)
-                    info = None
-                    if tracked.sampling.reports_tokens:
-                        info = [self.messages.token_info(tracked, result, row, scores)]
-                    reports.append(
-                        self.messages.to_ingress(
-                            tracked,
-                            MsgKind.COMMIT,
-                            o.new_token_ids,
-                            result.positions[row],
-                            token_info=info,
-                        )
-                    )
-                if o.finished:
-                    self._finished(tracked, o.finish_reason, reports)
-                elif rid in leaving:
-                    dst, send = leaving[rid]
-                    handoffs.append(
-                        self.messages.handoff(tracked, self.engine.sequence(rid), dst, send.extras)
-                    )
-            except Exception as exc:  # e.g. no replica of the destination is known
-                failed[rid] = f"handing {rid} on failed: {exc!r}"
-        out += reports
-        return committed
-
-    def _fail_requests(self, failed: dict[str, str], out: list[PeerReq]) -> None:
-        for rid, error in failed.items():
-            logger.warning("%s: %s", self.name, error)
-            self.metrics.error(self.name, "request_failed")
-            tracked = self.tracked.get(rid)
-            if tracked is not None:
-                self._finished(tracked, "error", out, error=error)
-            else:
-                self.engine.abort(rid)
-
-    def _count(self, tracked: Tracked, n: int) -> None:
-        tracked.counts[self.name] = tracked.counts.get(self.name, 0) + n
-
-    def _finished(
+    def finish(
         self, tracked: Tracked, reason: str | None, out: list[PeerReq], error: str | None = None
     ) -> None:
         """End ``tracked`` here: KV freed, FINISHED to the ingress and every other holder."""
@@ -676,7 +441,7 @@ class SubServer:
         for rid in self.engine.request_ids(runnable_only=True):
             tracked = self.tracked.get(rid)
             if tracked is not None:
-                self._finished(tracked, "error", out, error=error)
+                self.finish(tracked, "error", out, error=error)
             else:
                 self.engine.abort(rid)
         return out
@@ -688,4 +453,4 @@ class SubServer:
             if msg.kind != MsgKind.NEW:
                 return
             tracked = Tracked(msg.rid, msg.src, len(msg.tokens), msg.sampling)
-        self._finished(tracked, "error", out, error=error)
+        self.finish(tracked, "error", out, error=error)
