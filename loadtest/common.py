@@ -31,8 +31,9 @@ def machine() -> str:
 
 def command() -> str:
     """The command line that reproduces this run."""
+    # ``python -m loadtest <benchmark>`` sets INVOKED_AS = "loadtest <benchmark>": two words
     module = INVOKED_AS or sys.modules["__main__"].__spec__.name.removesuffix(".__main__")
-    return "python -m " + " ".join(shlex.quote(a) for a in [module, *sys.argv[1:]])
+    return "python -m " + " ".join([module, *(shlex.quote(a) for a in sys.argv[1:])])
 
 
 QUESTIONS = [

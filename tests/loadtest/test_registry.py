@@ -36,3 +36,16 @@ def test_every_benchmark_module_is_a_subcommand() -> None:
 
 def test_every_subcommand_names_a_module_with_main() -> None:
     assert {module for module, _ in BENCHMARKS.values()} <= modules_with_main()
+
+
+def test_the_reproduce_line_of_a_subcommand_is_a_command_that_runs_it(monkeypatch) -> None:
+    import shlex
+
+    from loadtest import common
+
+    monkeypatch.setattr(common, "INVOKED_AS", "loadtest trace-overhead")
+    monkeypatch.setattr("sys.argv", ["python -m loadtest trace-overhead", "--modes", "off,on x"])
+    line = common.command()
+    assert shlex.split(line) == [
+        "python", "-m", "loadtest", "trace-overhead", "--modes", "off,on x"
+    ]  # fmt: skip

@@ -1,6 +1,9 @@
 """The engine's own thread: one model replica's step loop, with host work off the critical path.
 
-A ``StepLoop`` owns a thread that is the only code touching its sub-server's engine. It never
+A ``StepLoop`` owns a thread that is the only code touching its sub-server's engine, and
+holds the step's parts (``route``, ``decide_and_commit``, ``report``, ``record``); its
+``SubServer`` (runtime/subserver.py) keeps the inbox, the per-request state and the event
+loop's tasks, and the messages are built by ``runtime/messages.py``. The thread never
 hops threads or awaits per step. One iteration, with step ``t`` running on the device:
 
     collect(t)                      wait for the device: sampled tokens (one readback)
@@ -159,7 +162,7 @@ class _Failed:
 
 
 class StepLoop:
-    """The thread that steps one engine (see the module docstring)."""
+    """The thread that steps one engine, and the step's parts (see the module docstring)."""
 
     def __init__(self, server: SubServer) -> None:
         self.server = server
