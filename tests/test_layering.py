@@ -5,6 +5,7 @@
 - ``runtime/`` loads neither torch nor ray when imported (a fresh interpreter imports each
   runtime module and looks at ``sys.modules``).
 - Ray is imported only in ``deployments/`` and ``tokenrouter_ray/transport/ray*``.
+- ``config.py`` imports no ``tuning/`` module.
 
 Imports under ``if TYPE_CHECKING:`` never run and are not counted. A rule that cannot hold
 is written into ``ALLOWED`` with the module and the reason, never skipped.
@@ -108,6 +109,14 @@ def test_engine_modules_import_without_a_circle() -> None:
         if mod not in state:
             cycle = cycle_from(mod, [mod])
             assert cycle is None, "import circle in engine/: " + " -> ".join(cycle)
+
+
+def test_the_app_config_imports_no_tuning_module() -> None:
+    """``config.py`` is the schema every entry point loads: the tuner's section is defined
+    there, so loading a config never pulls in the Markov model and its numerics."""
+    names = runtime_imports((PACKAGE / "config.py").read_text())
+    found = {"tokenrouter_ray.config": {n for n in names if n.startswith("tokenrouter_ray.tuning")}}
+    assert violations("config", found) == {}
 
 
 def test_ray_is_imported_only_in_deployments_and_ray_transports() -> None:

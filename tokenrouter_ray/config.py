@@ -18,13 +18,13 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.thresholds import ThresholdTable, check_tables
-from tokenrouter_ray.tuning.tuner import TunerSpec
 
 # The Hydra configs: package data (in a checkout, tokenrouter_ray/conf links to ../conf).
 CONF_DIR = (Path(__file__).resolve().parent / "conf").resolve()
@@ -261,6 +261,39 @@ class IngressSpec(_Strict):
         "can absorb before the ingress sees it.",
     )
     limits: RequestLimitSpec = Field(default_factory=RequestLimitSpec)
+
+
+class TunerSpec(BaseModel):
+    """The ``tuner`` section of an app config (Hydra group ``conf/tuner/``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Run the tuner deployment and follow it.")
+    period_s: float = Field(10.0, gt=0, description="Replicas report and the tuner decides.")
+    window_s: float = Field(60.0, gt=0, description="Statistics window on every replica.")
+    resolve_every_s: float = Field(300.0, gt=0, description="Re-solve even without drift.")
+    concurrencies: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16], description="Active-request counts N tuned."
+    )
+    grain_ms: float = Field(0.5, gt=0, description="Markov time grain (coarser = faster).")
+    fixed: dict[str, int] = Field(default_factory=dict, description="Thresholds held fixed.")
+    min_gain: float = Field(0.02, ge=0, description="Adopt a new B only for this gain.")
+    max_step: int = Field(4, ge=1, description="Largest threshold move per decision.")
+    drift: float = Field(0.05, gt=0, description="Re-solve when a p_ij moves this much.")
+    min_moves: int = Field(50, ge=1, description="Observations per model before tuning.")
+    min_tokens_per_s: float | None = Field(
+        None, gt=0, description="SLO: per-request speed; caps admitted concurrency."
+    )
+    profile: str | None = Field(
+        None, description="Step-time profile (JSON/YAML, `tokenrouter-ray profile`) to start from."
+    )
+
+    @field_validator("concurrencies")
+    @classmethod
+    def _positive(cls, value: list[int]) -> list[int]:
+        if not value or min(value) < 1:
+            raise ValueError("concurrencies must be a non-empty list of positive integers")
+        return sorted(set(value))
 
 
 class AppConfig(_Strict):

@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tokenrouter_ray.config import TunerSpec  # the app config's tuner section
 from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.tuning.decision import Pair, TunerDecision, TunerStatus
 from tokenrouter_ray.tuning.profile import (
@@ -54,39 +54,6 @@ from tokenrouter_ray.tuning.solver import ThresholdSolver
 from tokenrouter_ray.tuning.window import WindowSnapshot
 
 logger = logging.getLogger(__name__)
-
-
-class TunerSpec(BaseModel):
-    """The ``tuner`` section of an app config (Hydra group ``conf/tuner/``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = Field(False, description="Run the tuner deployment and follow it.")
-    period_s: float = Field(10.0, gt=0, description="Replicas report and the tuner decides.")
-    window_s: float = Field(60.0, gt=0, description="Statistics window on every replica.")
-    resolve_every_s: float = Field(300.0, gt=0, description="Re-solve even without drift.")
-    concurrencies: list[int] = Field(
-        default_factory=lambda: [1, 2, 4, 8, 16], description="Active-request counts N tuned."
-    )
-    grain_ms: float = Field(0.5, gt=0, description="Markov time grain (coarser = faster).")
-    fixed: dict[str, int] = Field(default_factory=dict, description="Thresholds held fixed.")
-    min_gain: float = Field(0.02, ge=0, description="Adopt a new B only for this gain.")
-    max_step: int = Field(4, ge=1, description="Largest threshold move per decision.")
-    drift: float = Field(0.05, gt=0, description="Re-solve when a p_ij moves this much.")
-    min_moves: int = Field(50, ge=1, description="Observations per model before tuning.")
-    min_tokens_per_s: float | None = Field(
-        None, gt=0, description="SLO: per-request speed; caps admitted concurrency."
-    )
-    profile: str | None = Field(
-        None, description="Step-time profile (JSON/YAML, `tokenrouter-ray profile`) to start from."
-    )
-
-    @field_validator("concurrencies")
-    @classmethod
-    def _positive(cls, value: list[int]) -> list[int]:
-        if not value or min(value) < 1:
-            raise ValueError("concurrencies must be a non-empty list of positive integers")
-        return sorted(set(value))
 
 
 class _Reporter(Protocol):  # what drive_local needs from a sub-server
