@@ -70,6 +70,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for n, pb, mb, gap in summary:
         print(f"| {n} | {pb} | {mb} | {100 * gap:.1f} % |")
+    worst = max(gap for *_, gap in summary)
+    verdict = "PASS" if worst <= 0.02 else "MISS"
+    print(f"\ntarget: the predicted best B_large measures within 2 % of the measured best at "
+          f"every N: {verdict} (worst {100 * worst:.1f} %)")  # fmt: skip
 
     async def burst() -> tuple[int, int, int]:
         lists = threshold_lists(tune(profile, [1, 2, 4, 8], {"small": 1}), max_n=48)
@@ -82,7 +86,7 @@ def main() -> None:
     submitted, finished, stalled = asyncio.run(burst())
     print(f"\nopen loop, max_defer_s = inf, one replica each: {submitted} submitted, "
           f"{finished} finished, {stalled} never finished (5 s)")  # fmt: skip
-    print(f"\n{time.perf_counter() - start:.0f} s")
+    print(f"\n{time.perf_counter() - start:.0f} s\nReproduce: {command()}")
 
 
 if __name__ == "__main__":

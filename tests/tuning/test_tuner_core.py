@@ -144,7 +144,7 @@ def test_tuner_follows_a_routing_shift_on_the_simulated_runtime() -> None:
     )
     auto = TunerCore(MODELS, spec)
 
-    async def run() -> tuple[list[int], list[int], float, float]:
+    async def run() -> tuple[list[int], list[int]]:
         loop = ClosedLoop(sim_profile(0.35), n, (1, 1), time_scale=scale,
                           sleep_bias_s=calibrate_sleep_bias())  # fmt: skip
         stop = asyncio.Event()
@@ -162,24 +162,23 @@ def test_tuner_follows_a_routing_shift_on_the_simulated_runtime() -> None:
                 lambda: auto.thresholds["large"][n] != old[n] and not auto.solver.converging, 30
             )
             new = list(auto.thresholds["large"])
+            assert loop.runtime.engines["large"].batch_thresholds == new  # adopted live
             after = await loop.measure(3.0)
             stop.set()
             await tuner
-            large = next(s for s in loop.servers if s.name == "large")
-            large.set_batch_thresholds(old)  # the old thresholds under the new traffic
-            await asyncio.sleep(0.5)
-            before = await loop.measure(3.0)
         assert after.escalation_rate == pytest.approx(0.15, abs=0.04)
-        return old, new, after.throughput, before.throughput
+        return old, new
 
-    old, new, with_new, with_old = asyncio.run(run())
+    old, new = asyncio.run(run())
     # Each setting's thresholds are (near) the exact model's optimum for it.
     for p_large, table in ((0.35, old), (0.15, new)):
         profile = sim_profile(p_large)
         chosen = throughput(profile, n, (1, table[n])).throughput
         assert chosen >= 0.98 * best_large(profile, n), (p_large, table[n])
     assert new[n] < old[n]  # less escalation: the large model should wait for fewer
-    assert with_new >= with_old, (with_new, with_old)
+    # (Whether the chosen thresholds also win in wall-clock tokens/s is a benchmark's
+    # question, not a test's: ``python -m loadtest markov-validate`` measures the model
+    # against the simulated runtime.)
 
 
 def test_decisions_are_exported_as_metrics() -> None:
