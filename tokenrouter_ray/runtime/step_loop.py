@@ -564,8 +564,4 @@ class StepLoop:
         for rid, error in failed.items():
             logger.warning("%s: %s", self.name, error)
             self.metrics.error(self.name, "request_failed")
-            tracked = self.tracked.get(rid)
-            if tracked is not None:
-                self.server.finish(tracked, "error", out, error=error)
-            else:
-                self.engine.abort(rid)
+            self.server.fail_request(rid, error, out)

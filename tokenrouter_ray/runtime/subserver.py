@@ -434,16 +434,20 @@ class SubServer:
         self.engine.abort(rid)
         out += self.messages.finished(tracked, reason, error)
 
+    def fail_request(self, rid: str, error: str, out: list[PeerReq]) -> None:
+        """End ``rid`` with an error: reported where it is tracked, else only freed."""
+        tracked = self.tracked.get(rid)
+        if tracked is not None:
+            self.finish(tracked, "error", out, error=error)
+        else:
+            self.engine.abort(rid)
+
     def fail_runnable(self, error: str) -> list[PeerReq]:
         """End every request that could have been in the failed step, with an error."""
         self.engine.discard_uncommitted()
         out: list[PeerReq] = []
         for rid in self.engine.request_ids(runnable_only=True):
-            tracked = self.tracked.get(rid)
-            if tracked is not None:
-                self.finish(tracked, "error", out, error=error)
-            else:
-                self.engine.abort(rid)
+            self.fail_request(rid, error, out)
         return out
 
     def _fail(self, msg: PeerReq, error: str, out: list[PeerReq]) -> None:
