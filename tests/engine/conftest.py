@@ -6,6 +6,7 @@ and unbatched math from flipping an argmax, so exactness tests hold by construct
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -17,7 +18,7 @@ from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 
 # The shared tiny shape (tests/tiny_models.py), re-exported for the tests that import it here.
-__all__ = ["TINY", "greedy_reference", "make_engine", "save_tiny"]
+__all__ = ["TINY", "assert_blocks_accounted", "greedy_reference", "make_engine", "save_tiny"]
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen3"])
@@ -56,6 +57,16 @@ def make_engine(path: str, num_blocks: int = 256, block_size: int = 4, **kwargs:
             **kwargs,
         )
     )
+
+
+def assert_blocks_accounted(engine: Engine) -> None:
+    """Every block's reference count is the number of live requests holding it, and the
+    pool's used blocks are exactly the held ones: no block leaked, none freed while held.
+    A block may have several holders (a prefix-cache hit shares it)."""
+    holders = Counter(b for r in engine.requests.values() for b in r.block_ids)
+    pool = engine.kv.pool
+    assert {b: n for b, n in enumerate(pool.ref_counts) if n} == dict(holders)
+    assert pool.num_used_blocks == len(holders)
 
 
 def greedy_reference(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tests.engine.conftest import greedy_reference, make_engine
+from tests.engine.conftest import assert_blocks_accounted, greedy_reference, make_engine
 from tokenrouter_ray.engine.request import RequestStatus, SamplingParams
 
 
@@ -214,8 +214,7 @@ def test_random_operations_leave_every_block_free(tiny_llama_dir) -> None:
                 engine.finish(rid)
             else:
                 engine.abort(rid)
-        held_blocks = sum(len(r.block_ids) for r in engine.requests.values())
-        assert held_blocks == pool.num_used_blocks  # no block leaked or double-owned
+        assert_blocks_accounted(engine)
         queued_at_full |= pool.num_free_blocks < 3 and bool(engine.scheduler.waiting)
     for rid in list(engine.requests):
         engine.resume(rid, [])
