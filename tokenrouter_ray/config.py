@@ -263,10 +263,8 @@ class IngressSpec(_Strict):
     limits: RequestLimitSpec = Field(default_factory=RequestLimitSpec)
 
 
-class TunerSpec(BaseModel):
+class TunerSpec(_Strict):
     """The ``tuner`` section of an app config (Hydra group ``conf/tuner/``)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(False, description="Run the tuner deployment and follow it.")
     period_s: float = Field(10.0, gt=0, description="Replicas report and the tuner decides.")
