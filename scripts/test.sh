@@ -28,4 +28,9 @@ echo "test.sh: demo models (built once and cached; a first build takes 10-25 min
 [ -t 2 ] || export TQDM_MININTERVAL="${TQDM_MININTERVAL:-30}"
 "$VENV/bin/tokenrouter-ray" prepare-demo >/dev/null
 echo "test.sh: demo models ready ($((SECONDS - mark)) s)" >&2
+# Set order, dict-of-set iteration and anything else hash-seeded differ between processes
+# unless the seed is fixed: pick one per run (or take the caller's) and print it, so a
+# failure that depends on it reproduces with PYTHONHASHSEED=<seed> ./scripts/test.sh.
+export PYTHONHASHSEED="${PYTHONHASHSEED:-$((RANDOM * 32768 + RANDOM))}"
+echo "test.sh: PYTHONHASHSEED=$PYTHONHASHSEED" >&2
 exec "$VENV/bin/python" -m pytest "$@"

@@ -5,6 +5,7 @@ times) with the traffic changing under it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import pickle
 import time
@@ -132,7 +133,37 @@ def best_large(profile: RoutingProfile, n: int) -> float:
     return max(throughput(profile, n, (1, b)).throughput for b in range(1, n + 1))
 
 
+class SimulatedStepTimes(TunerCore):
+    """The live tuner with the simulated models' exact step times in place of the measured
+    ones. Routing statistics still come live from the runtime's windows; only the step times,
+    a property of the (simulated) hardware that a shared 2-core host measures with scheduling
+    jitter, are fixed. With measured step times this test chose B_large = 6 at p = 0.15 once
+    on CI (the jitter made larger batches look cheap): a coin toss, not a check."""
+
+    def __init__(self, *args, scale: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.exact = tuple(
+            ModelProfile(m.name, tuple((b, ms * scale) for b, ms in m.step_ms))
+            for m in sim_profile(0.0).models
+        )
+        self.solved: list[tuple[RoutingProfile, TunerDecision]] = []
+
+    def collect(self) -> RoutingProfile | None:
+        profile = super().collect()
+        return None if profile is None else dataclasses.replace(profile, models=self.exact)
+
+    def record(self, decision: TunerDecision, profile: RoutingProfile | None) -> None:
+        super().record(decision, profile)
+        if decision.solved and profile is not None:
+            self.solved.append((profile, decision))
+
+
 def test_tuner_follows_a_routing_shift_on_the_simulated_runtime() -> None:
+    """The live loop end to end: the runtime's windows reach the tuner, its thresholds reach
+    the engine while requests run, and when the traffic shifts under it the tuner re-solves
+    from what it now sees and the engine adopts the new table. What the tuner chose is judged
+    against the statistics it solved from (its recorded profile), so the verdict does not
+    depend on what a live window happened to hold when the test looked."""
     n, scale = 8, 0.5  # step times halved: the whole run takes ~20 s
     spec = TunerSpec(
         period_s=0.5,
@@ -142,39 +173,46 @@ def test_tuner_follows_a_routing_shift_on_the_simulated_runtime() -> None:
         fixed={"small": 1},
         min_moves=50,
     )
-    auto = TunerCore(MODELS, spec)
+    auto = SimulatedStepTimes(MODELS, spec, scale=scale)
 
-    async def run() -> tuple[list[int], list[int]]:
+    def settled_at(p_large: float) -> bool:
+        """The last re-solve saw p(small->large) near ``p_large`` and is not mid-move."""
+        if not auto.solved or auto.solver.converging:
+            return False
+        profile, _ = auto.solved[-1]
+        return abs(profile.route_prob[0][1] - p_large) < 0.04
+
+    async def run() -> list[tuple[RoutingProfile, list[int]]]:
         loop = ClosedLoop(sim_profile(0.35), n, (1, 1), time_scale=scale,
                           sleep_bias_s=calibrate_sleep_bias())  # fmt: skip
         stop = asyncio.Event()
+        settled = []  # (the profile solved from, the large model's table it chose)
         async with loop:
             tuner = asyncio.create_task(drive_local(auto, loop.servers, stop))
-            # Tuned for p = 0.35 from the all-ones start.
-            await wait_until(
-                lambda: auto.thresholds["large"][n] > 1 and not auto.solver.converging, 30
-            )
-            old = list(auto.thresholds["large"])
-            assert loop.runtime.engines["large"].batch_thresholds == old
-            loop.set_escalation(0.15)  # the traffic changes under the tuner
-            await asyncio.sleep(spec.window_s)
-            await wait_until(
-                lambda: auto.thresholds["large"][n] != old[n] and not auto.solver.converging, 30
-            )
-            new = list(auto.thresholds["large"])
-            assert loop.runtime.engines["large"].batch_thresholds == new  # adopted live
+            for p_large in (0.35, 0.15):
+                if settled:
+                    loop.set_escalation(p_large)  # the traffic changes under the tuner
+                    await asyncio.sleep(spec.window_s)  # the old traffic leaves the window
+                first = len(auto.solved)
+                await wait_until(lambda: len(auto.solved) > first and settled_at(p_large), 60)
+                # record() and publish() run back to back on this loop: the engine has it
+                profile, decision = auto.solved[-1]
+                table = list(decision.thresholds["large"])
+                assert loop.runtime.engines["large"].batch_thresholds == table  # adopted live
+                settled.append((profile, table))
             after = await loop.measure(3.0)
             stop.set()
             await tuner
         assert after.escalation_rate == pytest.approx(0.15, abs=0.04)
-        return old, new
+        return settled
 
-    old, new = asyncio.run(run())
-    # Each setting's thresholds are (near) the exact model's optimum for it.
-    for p_large, table in ((0.35, old), (0.15, new)):
-        profile = sim_profile(p_large)
+    (old_profile, old), (new_profile, new) = asyncio.run(run())
+    assert old[n] > 1  # tuned away from the all-ones start
+    # Each setting's table is (near) the model's optimum for the profile the tuner solved
+    # from (hysteresis keeps a table within min_gain = 2 % of the best).
+    for profile, table in ((old_profile, old), (new_profile, new)):
         chosen = throughput(profile, n, (1, table[n])).throughput
-        assert chosen >= 0.98 * best_large(profile, n), (p_large, table[n])
+        assert chosen >= 0.98 * best_large(profile, n), (profile.route_prob, table[n])
     assert new[n] < old[n]  # less escalation: the large model should wait for fewer
     # (Whether the chosen thresholds also win in wall-clock tokens/s is a benchmark's
     # question, not a test's: ``python -m loadtest markov-validate`` measures the model
