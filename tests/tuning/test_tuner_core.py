@@ -194,7 +194,9 @@ def test_tuner_follows_a_routing_shift_on_the_simulated_runtime() -> None:
                     loop.set_escalation(p_large)  # the traffic changes under the tuner
                     await asyncio.sleep(spec.window_s)  # the old traffic leaves the window
                 first = len(auto.solved)
-                await wait_until(lambda: len(auto.solved) > first and settled_at(p_large), 60)
+                await wait_until(
+                    lambda f=first, p=p_large: len(auto.solved) > f and settled_at(p), 60
+                )
                 # record() and publish() run back to back on this loop: the engine has it
                 profile, decision = auto.solved[-1]
                 table = list(decision.thresholds["large"])
