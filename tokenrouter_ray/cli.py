@@ -16,6 +16,8 @@ from tokenrouter_ray.errors import UserFacingError
 COMMAND_MODULES = (
     "tokenrouter_ray.dashboards.commands",
     "tokenrouter_ray.demo.commands",
+    "tokenrouter_ray.quality.calibrate",
+    "tokenrouter_ray.quality.commands",
     "tokenrouter_ray.routing.importing",
     "tokenrouter_ray.routing.training.commands",
     "tokenrouter_ray.simulation.commands",
