@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -396,3 +398,23 @@ def test_by_destination_keeps_first_seen_order_and_message_order() -> None:
         "large/1": ["d"],
     }
     assert by_destination([]) == {}
+
+
+def test_route_thresholds_travel_with_the_sampling_and_are_checked_on_decode() -> None:
+    """A request's own routing threshold(s) (issue 36) ride in ``SamplingSpec``; a frame with
+    one outside [0, 1], NaN or not a number is refused, not run."""
+    spec = SamplingSpec(max_tokens=4, route_thresholds=(0.25, 1.0))
+    m = PeerReq("r", "ingress/0", "small/0", MsgKind.NEW, 0, [1], sampling=spec)
+    assert decode(encode(m)).sampling.route_thresholds == (0.25, 1.0)
+    assert decode(encode(msg("r", MsgKind.NEW, 0))).sampling is None
+    for bad in (math.nan, 1.5, -0.1, math.inf):
+        with pytest.raises(ValueError, match="route_thresholds"):
+            SamplingSpec(route_thresholds=(bad,))
+        raw = msgspec.msgpack.decode(encode(m))
+        raw[10][-1] = [0.5, bad]
+        with pytest.raises(ProtocolError, match="route_thresholds"):
+            decode(msgspec.msgpack.encode(raw))
+    raw = msgspec.msgpack.decode(encode(m))
+    raw[10][-1] = ["high"]
+    with pytest.raises(ProtocolError):
+        decode(msgspec.msgpack.encode(raw))

@@ -11,7 +11,7 @@ and returns an ``AppConfig``. Every problem surfaces as one
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -104,9 +104,39 @@ class ModelSpec(_Strict):
         return self
 
 
+# Built-in policies whose decision thresholds a request cannot set, or sets per level
+# (routing/policy.py ``Policy.threshold_levels`` says the same; tests/routing checks).
+THRESHOLDLESS_POLICIES = frozenset({"never", "always"})
+PER_LEVEL_POLICIES = frozenset({"escalation"})
+
+PresetValue = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+
+
 class PolicySpec(_Strict):
     name: str = Field(description="A registered policy (see docs/policies.md).")
     options: dict[str, Any] = Field(default_factory=dict, description="The policy's config.")
+    presets: dict[str, PresetValue | list[PresetValue]] = Field(
+        default_factory=dict,
+        description="Per-request quality presets (a request's `routing.quality`, "
+        "docs/api.md): name (e.g. high, balanced, fast) -> the decision threshold it stands "
+        "for, in the policy's own terms (r2r/entropy/citer/co_llm threshold, rstitch/"
+        "glimprouter tau, bernoulli p); escalation: one value for every level or one per "
+        "level. Empty: requests may give only `routing.threshold`.",
+    )
+
+    def threshold_levels(self, num_models: int) -> int:
+        """How many thresholds a request's ``routing.threshold`` may give (besides one for
+        every level): 0 for a policy without one, ``num_models - 1`` for escalation, else 1."""
+        if self.name in THRESHOLDLESS_POLICIES:
+            return 0
+        return num_models - 1 if self.name in PER_LEVEL_POLICIES else 1
+
+    def preset_thresholds(self) -> dict[str, tuple[float, ...]]:
+        """Every preset as the ``SamplingSpec.route_thresholds`` it stands for."""
+        return {
+            name: tuple(value) if isinstance(value, list) else (value,)
+            for name, value in self.presets.items()
+        }
 
 
 class ZmqSpec(_Strict):
@@ -317,10 +347,23 @@ class AppConfig(_Strict):
         self._check_deadlock_free()
         self._check_device_groups()
         self._check_frame_limit()
+        self._check_presets()
         unknown = set(self.tuner.fixed) - set(self.models)
         if unknown:
             raise ValueError(f"tuner.fixed names unknown models {sorted(unknown)}")
         return self
+
+    def _check_presets(self) -> None:
+        """Every preset gives one threshold, or (escalation) one per level."""
+        levels = self.policy.threshold_levels(len(self.models))
+        for name, values in self.policy.preset_thresholds().items():
+            if levels == 0:
+                raise ValueError(f"policy {self.policy.name!r} has no threshold to preset")
+            if len(values) not in (1, levels):
+                raise ValueError(
+                    f"policy.presets.{name}: {len(values)} thresholds; the policy takes one"
+                    + (f" or {levels} (one per level)" if levels > 1 else "")
+                )
 
     def scheduler_for(self, name: str) -> SchedulerConfig:
         merged = {**self.scheduler.model_dump(), **self.models[name].scheduler}

@@ -63,6 +63,9 @@ the receiver fills next) and their totals in `FinishSummary`.
 Issue 28: `SamplingSpec.presence_penalty`, `.frequency_penalty`, `.repetition_penalty`,
 `.min_p`, `.logit_bias`, `.min_tokens` (defaults: off; an older peer ignores them, so a
 deployment must not mix versions while requests use them).
+Issue 36: `SamplingSpec.route_thresholds` (a request's own routing threshold; default:
+the policy's). It rides in the sampling, not in `RouteState`: it never changes, and the
+sampling already reaches every model a request visits (and a re-created NEW).
 """
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]

@@ -14,6 +14,9 @@ logits, then the same sampler; routing sees the raw logits, as in the runtime.
 A request with a grammar (``sampling.grammar``) is masked here too, by one matcher per
 model that follows the whole sequence (``grammars``: each model's ``GrammarBook``, by
 name), and routed on masked or raw logits as the policy says, as the runtime does.
+
+A request's own routing threshold (``sampling.route_thresholds``, the API's ``routing``
+field) replaces the policy's configured one here too, at every model it visits.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from tokenrouter_ray.engine.logits_processors import apply_processors
 from tokenrouter_ray.engine.outputs import StepResult
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.sampler import sample
-from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch
+from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, threshold_overrides
 
 
 @dataclass
@@ -92,6 +95,7 @@ def reference_generate(
             is_first=torch.tensor([len(sequence) == len(prompt)]),
             seeds=[seed],
             embed=model.get_input_embeddings(),
+            threshold_overrides=threshold_overrides([sampling.route_thresholds], active),
         )
         dst = int(policy.route_on_view(batch)[0])
         drop = (

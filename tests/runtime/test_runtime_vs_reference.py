@@ -174,3 +174,90 @@ def test_prefix_caching_equals_reference(name, caching, chain_dirs, chain_refere
     assert hits[0] >= 6 * 16  # every request of the second wave hit the system prompt
     if name != "never":
         assert hits[-1] > 0  # first visits of handoffs hit on the last model too
+
+
+# Per-request routing thresholds (the API's ``routing`` field; issue 36): rows with different
+# thresholds share every batch. None: the policy's configured value.
+THRESHOLD_POLICIES = [n for n in CASES if n not in ("never", "always")]
+OVERRIDES: list[tuple[float, ...]] = [(), (0.0,), (1.0,), (), (0.3,), (0.6,), (0.05,), (0.95,)]
+PER_LEVEL = {6: (0.0, 1.0), 7: (1.0, 0.0)}  # escalation: one value per level
+
+
+def request_thresholds(name: str) -> list[tuple[float, ...]]:
+    if name != "escalation":
+        return OVERRIDES
+    return [PER_LEVEL.get(i, t) for i, t in enumerate(OVERRIDES)]
+
+
+def run_local_each(policy, engines, specs: list[SamplingSpec]):
+    """One runtime, one request per spec, all at once."""
+
+    async def go():
+        async with LocalRuntime(engines, policy, InProcChannel) as runtime:
+            work = (runtime.complete(p, s) for p, s in zip(prompts(len(specs)), specs, strict=True))
+            results = await asyncio.wait_for(asyncio.gather(*work), 120)
+            await runtime.wait_idle()
+            pools = [s.engine.kv.pool for s in runtime.subservers]
+            assert all(p.num_free_blocks == p.num_blocks for p in pools)  # no leaked KV
+            return list(results)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("name", THRESHOLD_POLICIES)
+def test_per_request_thresholds_equal_reference(name, chain_dirs, chain_reference_models) -> None:
+    """8 concurrent greedy requests, each with its own threshold (none, 0, 1, low, high, and
+    per level for escalation), in one runtime: each equals the reference run with the same
+    threshold; and the thresholds did change routing (compared with the configured one)."""
+    options, names = CASES[name]
+    policy = build_policy(name, options, names)
+    thresholds = request_thresholds(name)
+    specs = [
+        SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED, route_thresholds=t)
+        for t in thresholds
+    ]
+    results = run_local_each(policy, chain_engines(chain_dirs, names), specs)
+    models = [(n, chain_reference_models[n]) for n in names]
+    changed = 0
+    for prompt, got, t in zip(prompts(), results, thresholds, strict=True):
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, route_thresholds=t)
+        want = reference_generate(models, policy, prompt, sampling, SEED)
+        assert got.error is None
+        assert (got.token_ids, got.counts, got.handoffs, got.finish_reason) == (
+            want.token_ids,
+            want.counts,
+            want.handoffs,
+            want.finish_reason,
+        ), f"{name}: request with thresholds {t}"
+        if t:
+            plain = reference_generate(
+                models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
+            )
+            changed += (plain.counts, plain.handoffs) != (want.counts, want.handoffs)
+    assert changed >= 4, f"{name}: the per-request thresholds changed too little ({changed})"
+
+
+@pytest.mark.parametrize("name", THRESHOLD_POLICIES)
+def test_extreme_thresholds_route_as_expected(name, chain_dirs, chain_reference_models) -> None:
+    """The reference honours an override in the policy's direction: at one extreme the
+    entry model writes every token, at the other the larger models write some (so an
+    ignored override could not pass the test above by chance)."""
+    options, names = CASES[name]
+    policy = build_policy(name, options, names)
+    models = [(n, chain_reference_models[n]) for n in names]
+    prompt = prompts()[0]
+    # the threshold at which the policy never hands off: above every score, or p = 0
+    never = 0.0 if name in ("bernoulli", "citer") else 1.0
+    runs = {
+        t: reference_generate(
+            models,
+            policy,
+            prompt,
+            SamplingParams(max_tokens=MAX_TOKENS, route_thresholds=(t,)),
+            SEED,
+        )
+        for t in (never, 1.0 - never)
+    }
+    assert runs[never].counts == {names[0]: len(runs[never].token_ids)}
+    assert runs[never].handoffs == 0
+    assert runs[1.0 - never].handoffs > 0

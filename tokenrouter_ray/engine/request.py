@@ -85,6 +85,11 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
 
     ``grammar`` (appended last): a structured-output grammar every model masks its logits
     with before sampling this request (engine/grammar.py); None: unconstrained.
+
+    ``route_thresholds`` (appended last; the API's ``routing`` field): the routing policy's
+    decision threshold for this request only, in [0, 1]. Empty: the policy's configured
+    one; one value: that, at every model; k values: one per escalation level
+    (``routing/policy.py row_threshold``). The engine only carries it; the policy reads it.
     """
 
     temperature: float = 0.0
@@ -104,6 +109,7 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100), ids ascending
     min_tokens: int = 0  # EOS / stop_token_ids masked until this many output tokens exist
     grammar: GrammarSpec | None = None  # structured outputs: the tokens every model may write
+    route_thresholds: tuple[float, ...] = ()  # per-request routing threshold(s); (): policy's
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -135,6 +141,8 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
             raise ValueError("logit_bias token ids must be >= 0, distinct and ascending")
         if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
             raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
+        if any(not 0 <= t <= 1 for t in self.route_thresholds):  # NaN fails too
+            raise ValueError(f"route_thresholds must be in [0, 1], got {self.route_thresholds}")
 
     @property
     def is_greedy(self) -> bool:

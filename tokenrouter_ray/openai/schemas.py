@@ -35,6 +35,10 @@ Policy on fields:
 - ``logprobs`` (chat: a boolean, with ``top_logprobs`` 0..20; completions: 0..5) are
   served, from the model that wrote each token; ``routing_trace`` (a boolean, this
   server's extension) asks for the per-token routing trace.
+- ``routing`` (this server's extension, an object with exactly one of ``threshold`` and
+  ``quality``) sets the routing policy's decision threshold for this request only; its
+  shape and range ([0, 1], finite) are checked here, its fit to the served policy (how many
+  values, which presets exist) by `validation`.
 """
 
 from __future__ import annotations
@@ -183,6 +187,65 @@ class StreamOptions(_Lenient):
     )
 
 
+MAX_ROUTING_THRESHOLDS = 16  # values in one ``routing.threshold`` list (escalation levels)
+
+
+def _threshold_value(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PydanticCustomError(
+            "invalid_type", "routing.threshold must be a number or a list of numbers"
+        )
+    if not 0 <= value <= 1:  # NaN fails too; infinities are out of range
+        raise PydanticCustomError(
+            "invalid_value",
+            "routing.threshold values must be in [0, 1], got {value}",
+            {"value": json.dumps(value)},
+        )
+    return float(value)
+
+
+class RoutingRequest(BaseModel):
+    """``routing`` (extension): this request's own routing threshold, given directly or as a
+    preset the config names (``policy.presets``); exactly one of the two. Unknown keys are
+    a 400 (a misspelt knob must not silently route by the default)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    threshold: Any = Field(
+        None,
+        description="The policy's decision threshold for this request, in [0, 1] (r2r, "
+        "entropy, citer, co_llm: threshold; rstitch, glimprouter: tau; bernoulli: p); "
+        "escalation: one value for every level or a list, one per level.",
+    )
+    quality: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="A preset of the config's policy.presets (e.g. high, balanced, fast).",
+    )
+
+    @field_validator("threshold", mode="after")
+    @classmethod
+    def _threshold(cls, value: Any) -> float | list[float] | None:
+        if value is None or not isinstance(value, list):
+            return value if value is None else _threshold_value(value)
+        if not 1 <= len(value) <= MAX_ROUTING_THRESHOLDS:
+            raise PydanticCustomError(
+                "invalid_value",
+                "routing.threshold as a list needs 1..{most} values, got {got}",
+                {"most": MAX_ROUTING_THRESHOLDS, "got": len(value)},
+            )
+        return [_threshold_value(v) for v in value]
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> RoutingRequest:
+        if (self.threshold is None) == (self.quality is None):
+            raise PydanticCustomError(
+                "invalid_value", "routing needs exactly one of 'threshold' and 'quality'"
+            )
+        return self
+
+
 class JsonSchemaFormat(_Lenient):
     """``response_format.json_schema`` (OpenAI's shape)."""
 
@@ -288,6 +351,11 @@ class _SamplingRequest(_Lenient):
     )
     routing_trace: bool | None = Field(
         None, description="Extension: per choice, which model wrote each token and why."
+    )
+    routing: RoutingRequest | None = Field(
+        None,
+        description="Extension: this request's routing threshold (`threshold`) or preset "
+        "(`quality`), instead of the policy's configured one.",
     )
     cache_salt: str | None = Field(
         None,

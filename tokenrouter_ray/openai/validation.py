@@ -12,7 +12,8 @@ it leaves as a `PreparedRequest` or as an `OpenAIError` (400 / 404) raised on th
 3. `prepare_completion` / `prepare_chat`: check content length (characters of the prompt or
    of all messages) before tokenizing (chat: apply the chat template), then the limits that
    depend on the model: ``n`` cap, ``n × max_tokens``, token ids inside the vocabulary,
-   prompt plus completion within the context (400 ``context_length_exceeded``).
+   prompt plus completion within the context (400 ``context_length_exceeded``), and the
+   ``routing`` extension against the served policy (``routing_levels``, ``routing_presets``).
 
 The model's generation_config.json sampling values (`GenerationDefaults`) fill what a
 request omits, before OpenAI's defaults (vLLM's behaviour; ``ingress.generation_config``
@@ -51,7 +52,11 @@ from tokenrouter_ray.openai.reasoning import (
     prompt_opens_reasoning,
     reasoning_parser_for,
 )
-from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
+from tokenrouter_ray.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RoutingRequest,
+)
 from tokenrouter_ray.openai.structured import structured_grammar
 from tokenrouter_ray.openai.tool_parser import tool_format_for
 from tokenrouter_ray.protocol import SamplingSpec
@@ -90,6 +95,17 @@ class RequestLimits(BaseModel):
         True,
         description="Grammars (response_format, structured_outputs, guided_*, a forced "
         "tool_choice) are served; false for simulated models (no real vocabulary).",
+    )
+    routing_levels: int = Field(
+        1,
+        ge=0,
+        description="Thresholds the routing policy has (config.py PolicySpec."
+        "threshold_levels): 0: `routing` is refused; k > 1 (escalation): `routing.threshold` "
+        "gives one value or k.",
+    )
+    routing_presets: dict[str, tuple[float, ...]] = Field(
+        default_factory=dict,
+        description="`routing.quality` presets (the config's policy.presets), name -> thresholds.",
     )
 
 
@@ -163,6 +179,7 @@ class SamplingOptions:
     include_stop_str_in_output: bool = False  # the ingress's (detokenizer), not the engine's
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured outputs: what every model may write
+    route_thresholds: tuple[float, ...] = ()  # the request's `routing`; (): the policy's
 
     @property
     def reports_tokens(self) -> bool:
@@ -193,6 +210,7 @@ class SamplingOptions:
             logit_bias=self.logit_bias,
             min_tokens=self.min_tokens,
             grammar=self.grammar,
+            route_thresholds=self.route_thresholds,
         )
 
 
@@ -464,7 +482,50 @@ def _sampling(
         min_tokens=_min_tokens(request.min_tokens, max_tokens),
         include_stop_str_in_output=bool(request.include_stop_str_in_output),
         skip_special_tokens=request.skip_special_tokens is not False,
+        route_thresholds=_route_thresholds(request.routing, limits),
     )
+
+
+def _route_thresholds(
+    routing: RoutingRequest | None, limits: RequestLimits | None
+) -> tuple[float, ...]:
+    """The request's ``routing`` (shape and range checked by the schema) as the
+    ``SamplingSpec.route_thresholds`` the served policy takes: a 400 naming the field when
+    the policy has no threshold, the preset is not configured, or a list has the wrong
+    length."""
+    if routing is None:
+        return ()
+    levels = 1 if limits is None else limits.routing_levels
+    presets = {} if limits is None else limits.routing_presets
+    if levels == 0:
+        raise InvalidRequestError(
+            "Invalid value for 'routing': this server's routing policy has no decision "
+            "threshold to set.",
+            param="routing",
+            code="unsupported_value",
+        )
+    if routing.quality is not None:
+        thresholds = presets.get(routing.quality)
+        if thresholds is None:
+            known = ", ".join(sorted(presets)) or "none"
+            raise InvalidRequestError(
+                f"Invalid value for 'routing.quality': preset {routing.quality!r} is not "
+                f"configured on this server (configured: {known}).",
+                param="routing.quality",
+                code="invalid_value",
+            )
+        return thresholds
+    value = routing.threshold
+    thresholds = tuple(value) if isinstance(value, list) else (value,)
+    if len(thresholds) not in (1, levels):
+        takes = f"one value or {levels} (one per level)" if levels > 1 else "one value"
+        raise InvalidRequestError(
+            f"Invalid value for 'routing.threshold': {len(thresholds)} values; this server's "
+            f"routing policy takes {takes}.",
+            param="routing.threshold",
+            code="invalid_value",
+        )
+    return thresholds
 
 
 def _logit_bias(

@@ -35,6 +35,10 @@ class Never(EscalateOnce):
     def escalate_host(self, batch: RouteBatch) -> list[bool]:
         return [False] * batch.size
 
+    @property
+    def threshold_levels(self) -> int:
+        return 0
+
 
 @register_policy
 class Always(EscalateOnce):
@@ -45,6 +49,10 @@ class Always(EscalateOnce):
 
     def escalate_host(self, batch: RouteBatch) -> list[bool]:
         return [True] * batch.size
+
+    @property
+    def threshold_levels(self) -> int:
+        return 0
 
 
 SCALAR_ROWS = 24  # up to this many rows, per-row Python draws beat one numpy pass
@@ -81,12 +89,17 @@ class Bernoulli(EscalateOnce):
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
         draws = seeded_uniforms(batch.seeds, batch.host_positions)
-        return torch.from_numpy(draws).to(batch.device) < self.config.p
+        return torch.from_numpy(draws).to(batch.device) < batch.thresholds(self.config.p)
 
     def escalate_host(self, batch: RouteBatch) -> list[bool]:
         """The same draws, compared on the host: seeds and positions are host facts, so a
-        device would only add two copies."""
-        seeds, positions, p = batch.seeds, batch.host_positions, self.config.p
+        device would only add two copies. A request's own ``p`` (its routing threshold)
+        replaces the configured one for its rows."""
+        seeds, positions = batch.seeds, batch.host_positions
+        p = batch.host_thresholds(self.config.p)
+        if isinstance(p, list):  # some row overrides: one p per row
+            draws = [seeded_uniform(s, x) for s, x in zip(seeds, positions, strict=True)]
+            return [d < q for d, q in zip(draws, p, strict=True)]
         if len(seeds) <= SCALAR_ROWS:  # numpy's fixed cost is larger than a few rows'
             return [seeded_uniform(s, x) < p for s, x in zip(seeds, positions, strict=True)]
         return (seeded_uniforms(seeds, positions) < p).tolist()
@@ -106,4 +119,4 @@ class Entropy(EscalateOnce):
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
         batch.scores = entropy = normalized_entropy(batch.step.logits)
-        return entropy > self.config.threshold
+        return entropy > batch.thresholds(self.config.threshold, entropy.dtype)

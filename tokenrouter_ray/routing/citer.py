@@ -39,4 +39,4 @@ class Citer(EscalateOnce):
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
         safe = self.router.score(batch.step.hidden)
         batch.scores = 1 - safe  # higher: closer to escalating, as for every policy
-        return safe < self.router.threshold
+        return safe < batch.thresholds(self.router.threshold, safe.dtype)

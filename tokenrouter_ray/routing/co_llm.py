@@ -34,4 +34,4 @@ class CoLLM(EscalateOnce):
 
     def escalate(self, batch: RouteBatch) -> torch.Tensor:
         batch.scores = p_defer = self.router.score(batch.step.hidden)
-        return p_defer > self.router.threshold
+        return p_defer > batch.thresholds(self.router.threshold, p_defer.dtype)

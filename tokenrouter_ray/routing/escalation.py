@@ -50,11 +50,15 @@ class Escalation(Policy):
                 f"got {config.thresholds}"
             )
 
+    @property
+    def threshold_levels(self) -> int:
+        return len(self.models) - 1  # tau_l of every level but the top
+
     def route(self, batch: RouteBatch) -> torch.Tensor:
         level = batch.model
         zeros = torch.zeros(batch.size, dtype=torch.long, device=batch.device)
         if level == len(self.models) - 1:
             return zeros
         batch.scores = entropy = normalized_entropy(batch.step.logits)
-        unsure = entropy > self.config.thresholds[level]
+        unsure = entropy > batch.thresholds(self.config.thresholds[level], entropy.dtype)
         return torch.where(unsure, level + 1, 0) if level else unsure.long()

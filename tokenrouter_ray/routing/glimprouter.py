@@ -68,5 +68,6 @@ class GlimpRouter(Policy):
             starts = batch.is_first | self._ends_step(batch.prev_tokens)
             entropy = normalized_entropy(batch.step.logits)
             batch.scores = entropy.masked_fill(~starts, float("nan"))  # glimpses only
-            return (starts & (entropy > self.config.tau)).long()
+            unsure = entropy > batch.thresholds(self.config.tau, entropy.dtype)
+            return (starts & unsure).long()
         return (~self._ends_step(batch.step.sampled)).long()  # stay until the step ends

@@ -10,6 +10,9 @@ asks three things:
   ``batch.scores`` (higher: closer to escalating; NaN for rows it did not score); the
   runtime copies it to the host only for steps where some request asked for a routing
   trace. docs/policies.md says what each policy's score is.
+  A policy compares its score with ``batch.thresholds(configured)``: per row, the
+  request's own threshold (the API's ``routing`` field, ``SamplingSpec.route_thresholds``)
+  or the configured one; just the configured float when no row overrides it.
   A policy whose decision needs no tensor at all (a seeded draw, a fixed destination, the
   large model of an escalate-once policy) may also answer ``route_host(batch)`` with the
   same destinations as a host list; the runtime's step then touches no device for routing.
@@ -86,6 +89,10 @@ class RouteBatch:
     # (B,) float, set by ``route`` when the policy computes a score per row (NaN: none for
     # that row); None: no score at this model (fixed and random policies, R2R's large model)
     scores: torch.Tensor | None = None
+    # (B,) float: each row's request's own decision threshold at this model (NaN: the
+    # policy's configured one), a host list until ``thresholds`` first reads it; None: no
+    # row overrides (the fast path: no tensor at all). Read through ``thresholds``.
+    threshold_overrides: Sequence[float] | torch.Tensor | None = None
 
     @classmethod
     def of_step(
@@ -96,10 +103,12 @@ class RouteBatch:
         is_first: Sequence[bool],
         seeds: Sequence[int],
         embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        threshold_overrides: Sequence[float] | None = None,
     ) -> RouteBatch:
         """The batch for one step of model ``model``: per-row facts come in as host lists
         (one per row of ``step``) and reach the step's device only if the policy reads
-        them, so the runtime that calls this needs no torch."""
+        them, so the runtime that calls this needs no torch. ``threshold_overrides``:
+        ``threshold_overrides(...)`` of the rows' requests (None: no row overrides)."""
         return cls(
             model=model,
             step=step,
@@ -108,7 +117,34 @@ class RouteBatch:
             is_first=is_first,
             seeds=seeds,
             embed=embed,
+            threshold_overrides=threshold_overrides,
         )
+
+    def thresholds(self, default: float, dtype: torch.dtype | None = None) -> torch.Tensor | float:
+        """Each row's decision threshold: its request's override, else ``default`` (the
+        configured one), as a (B,) tensor on the step's device in ``dtype`` (the score's:
+        an override compares as the configured float does against that score). When no
+        row overrides, ``default`` itself: no tensor, no copy, the policy's old path."""
+        overrides = self.threshold_overrides
+        if overrides is None:
+            return default
+        import torch
+
+        if not hasattr(overrides, "device"):  # a host list: move it once, in float64
+            overrides = self.threshold_overrides = torch.tensor(
+                list(overrides), dtype=torch.float64, device=self.device
+            )
+        chosen = torch.where(overrides.isnan(), default, overrides)  # (B,)
+        return chosen if dtype is None else chosen.to(dtype)
+
+    def host_thresholds(self, default: float) -> Sequence[float] | float:
+        """``thresholds`` on the host, for a policy's ``route_host``: a list, or ``default``
+        when no row overrides."""
+        overrides = self.threshold_overrides
+        if overrides is None:
+            return default
+        values = overrides.tolist() if hasattr(overrides, "device") else overrides
+        return [default if t != t else t for t in values]  # NaN: the configured one
 
     @property
     def host_positions(self) -> Sequence[int]:
@@ -165,6 +201,13 @@ class Policy(ABC):
         self.config = config
         self.models = list(models)
         self.tokenizer = tokenizer
+
+    @property
+    def threshold_levels(self) -> int:
+        """How many decision thresholds a request may set (``routing.threshold``): 1 for
+        most, 0 for a policy without one, one per level for escalation; config.py's
+        ``PolicySpec.threshold_levels`` says the same for the ingress (a test checks)."""
+        return 1
 
     @abstractmethod
     def route(self, batch: RouteBatch) -> torch.Tensor:
@@ -237,6 +280,25 @@ class EscalateOnce(Policy):
             return [0] * batch.size
         escalate = self.escalate_host(batch)
         return None if escalate is None else [int(e) for e in escalate]
+
+
+def row_threshold(route_thresholds: Sequence[float], model: int) -> float:
+    """A request's own threshold at model ``model`` from its ``SamplingSpec.route_thresholds``:
+    one value applies at every model, k values are per level (escalation's ``tau_l``; the
+    top level, which decides nothing, gets the last); NaN when it gives none."""
+    if not route_thresholds:
+        return math.nan
+    return float(route_thresholds[min(model, len(route_thresholds) - 1)])
+
+
+def threshold_overrides(
+    route_thresholds: Sequence[Sequence[float]], model: int
+) -> list[float] | None:
+    """``RouteBatch.threshold_overrides`` for rows whose requests carry these
+    ``route_thresholds`` (in row order) at model ``model``; None when none overrides."""
+    if not any(route_thresholds):
+        return None
+    return [row_threshold(t, model) for t in route_thresholds]
 
 
 def host_scores(batch: RouteBatch) -> list[float | None] | None:

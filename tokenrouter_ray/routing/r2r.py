@@ -48,4 +48,4 @@ class R2R(EscalateOnce):
         # (B,) each: the sampled ids too, for a router that owns its embedding table
         score = self.router.score(step.hidden, batch.embed(step.sampled), step.logits, step.sampled)
         batch.scores = score
-        return score >= self.router.threshold
+        return score >= batch.thresholds(self.router.threshold, score.dtype)

@@ -34,6 +34,6 @@ class RStitch(Policy):
 
     def route(self, batch: RouteBatch) -> torch.Tensor:
         batch.scores = entropy = normalized_entropy(batch.step.logits)  # (B,)
-        uncertain = entropy > self.config.tau
+        uncertain = entropy > batch.thresholds(self.config.tau, entropy.dtype)  # per row
         # Small: escalate when uncertain. Large: stay while uncertain, else return.
         return uncertain.long()

@@ -86,6 +86,8 @@ def request_limits_of(
         max_model_len=min(i.max_model_len for i in model_infos),
         vocab_size=min([len(tokenizer), *(i.vocab_size for i in model_infos)]),
         structured_outputs=entry.sim is None,  # grammars need a real vocabulary
+        routing_levels=cfg.policy.threshold_levels(len(cfg.models)),
+        routing_presets=cfg.policy.preset_thresholds(),
         **cfg.ingress.limits.model_dump(exclude={"max_body_mib"}),
     )
 

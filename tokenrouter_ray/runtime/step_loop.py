@@ -55,7 +55,13 @@ from typing import TYPE_CHECKING
 
 from tokenrouter_ray.engine.outputs import PendingStep, RequestOutput, StepResult
 from tokenrouter_ray.protocol import Dropped, MsgKind, PeerReq
-from tokenrouter_ray.routing.policy import RequestView, RouteBatch, Send, host_scores
+from tokenrouter_ray.routing.policy import (
+    RequestView,
+    RouteBatch,
+    Send,
+    host_scores,
+    threshold_overrides,
+)
 
 if TYPE_CHECKING:
     from tokenrouter_ray.runtime.subserver import SubServer
@@ -407,6 +413,10 @@ class StepLoop:
             is_first=is_first,
             seeds=result.seeds,
             embed=self._embed,
+            # each row's request's own routing threshold (None when no row has one)
+            threshold_overrides=threshold_overrides(
+                [r.sampling.route_thresholds for r in requests], self.index
+            ),
         )
         t0 = time.perf_counter()
         destinations = self.policy.route_step(batch)
