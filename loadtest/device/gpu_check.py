@@ -16,7 +16,11 @@ spends device time.
 
 Checks, in order; each prints ``name PASS|FAIL|SKIP`` and the JSON report (``--out``) is
 rewritten after every check, so a run cut short still returns what ran; no check starts
-after ``--budget-s`` (default 500 s; the device command kills at 570). Each check
+after ``--budget-s`` (default 300 s; the device command kills at 360, inside a 420 s call,
+so a 15-minute device allowance has room for start-up and one rerun). The JSON's ``rerun``
+(and the last line printed) is ``--only NAME,...`` of whatever did not finish; ``sdpa``
+records the allowed SDPA kernels, ``torch.backends.cudnn.version()`` and the kernel picked
+for a static bucket, a decode group and a prefill. Each check
 synchronizes the device before it ends, so an asynchronous CUDA error is blamed on it, and
 records its full traceback when it fails.
 1. ``capture``: every bucket captured at start-up into one pool writes K/V only into the
@@ -40,14 +44,15 @@ records its full traceback when it fails.
    built on the device, block size 256: decode and extend buckets captured, seeded sampled
    decoding with logprobs graphs == eager bit for bit, a long-context mixed batch, peak
    memory beyond weights and KV within the reserve.
-7. ``nccl_graph``: a one-rank NCCL all-reduce captured in a graph and replayed.
-8. ``tensor_parallel``: TP=2 vs TP=1 (``tp_bench.check_tp``); SKIP with the reason on one
+7. ``bench``: only when no check above failed (``gpu_flagship.bench_flagship``): decode
+   step time of both shapes at batch 1, 8, 32, 64 with graphs beside the bandwidth floor,
+   a seeded sampled row (temperature 0.7, top-p 0.9) with its ``host_free_share``, the
+   graph replay alone at batch 1 (host or device dominates), the 0.6B batch-1 2 ms
+   target, and the sampler at batch 64 before and after batching.
+8. ``nccl_graph``: a one-rank NCCL all-reduce captured in a graph and replayed (after the
+   benchmark: the likeliest hang; it gates nothing).
+9. ``tensor_parallel``: TP=2 vs TP=1 (``tp_bench.check_tp``); SKIP with the reason on one
    GPU.
-9. ``bench``: only when no engine check failed (``gpu_flagship.bench_flagship``; a failed
-   ``nccl_graph`` or ``tensor_parallel`` does not stop it): decode step time of both
-   shapes at batch 1, 8, 32, 64 with graphs beside the bandwidth floor, the graph
-   replay alone at batch 1 (host or device dominates), the 0.6B batch-1 2 ms target, and
-   the sampler at batch 64 before and after batching.
 """
 
 from __future__ import annotations
@@ -235,12 +240,13 @@ def check_capture(tmp: Path, report: dict, background: bool = False) -> bool:
     if busy is not None:
         busy.start()
     try:
-        mem0 = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+        # the private pool's segments are reserved memory (allocated misses cached blocks)
+        mem0 = torch.cuda.memory_reserved() if DEVICE == "cuda" else 0
         before_capture = busy.iterations if busy is not None else 0
         built = runner.capture_static()
         sync()
         during = (busy.iterations - before_capture) if busy is not None else 0
-        pool = (torch.cuda.memory_allocated() - mem0) if DEVICE == "cuda" else 0
+        pool = (torch.cuda.memory_reserved() - mem0) if DEVICE == "cuda" else 0
     finally:
         if busy is not None:
             busy.stop()
@@ -495,10 +501,50 @@ CHECKS: list[tuple[str, Callable[[Path, dict], bool | None]]] = [
     ("nccl_graph", check_nccl_graph),
     ("tensor_parallel", check_tensor_parallel),
 ]
-# Checks whose failure leaves the engine's speed meaningful: the benchmark still runs.
+# Checks whose failure leaves the engine's speed meaningful: they run after the benchmark
+# (``nccl_graph``, the likeliest hang, last but one) and do not gate it.
 NOT_GATING = {"nccl_graph", "tensor_parallel"}
-BUDGET_S = 500  # every check and the benchmark start within this; the device kills at 570
+BUDGET_S = 300  # every check and the benchmark start within this; the device kills at 360
 VERDICT = {None: "SKIP", True: "PASS", False: "FAIL"}
+
+
+def sdpa_report() -> dict[str, Any]:
+    """The SDPA kernels the engine allows (its default ``sdpa_backend``), cuDNN's version,
+    and the kernel SDPA picks for the Qwen3-0.6B shape (16/8 heads of 128, bf16, block 256)
+    in a static decode bucket, a decode group and a fresh prefill."""
+    from tokenrouter_ray.engine.attention import sdpa_backends, sdpa_choice
+
+    choice = EngineConfig.model_fields["sdpa_backend"].default
+    backends = sdpa_backends(choice)
+    out: dict[str, Any] = {
+        "sdpa_backend": choice,
+        "allowed": None if backends is None else [b.name for b in backends],
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    }
+    dev, dt, kv, group, hd, bs = torch.device(DEVICE), torch.bfloat16, 8, 2, 128, 256
+    if dev.type != "cuda":
+        dt = torch.float32
+
+    def folded(n: int, width: int) -> dict[str, Any]:  # q (n, kv, group, hd) over n x width
+        q = torch.zeros(n, kv, group, hd, dtype=dt, device=dev)
+        k = torch.zeros(n, kv, width, hd, dtype=dt, device=dev)
+        mask = torch.ones(n, 1, group, width, dtype=torch.bool, device=dev)
+        return {"shape": [n, width], "kernel": sdpa_choice(q, k, k, mask, backends)}
+
+    out["static_bucket"] = folded(32, 16 * bs)  # batch 32, 16 blocks: a captured decode
+    out["decode_group"] = folded(8, 4 * bs)  # 8 rows gathered 4 blocks wide
+    q = torch.zeros(1, kv * group, 512, hd, dtype=dt, device=dev)
+    k = torch.zeros(1, kv, 512, hd, dtype=dt, device=dev)
+    kernel = sdpa_choice(q, k, k, None, backends, is_causal=True, enable_gqa=True)
+    out["prefill"] = {"shape": [1, 512], "kernel": kernel}
+    return out
+
+
+def parse_only(values: list[str] | None) -> list[str] | None:
+    """``--only a,b c`` -> ["a", "b", "c"] (None: everything)."""
+    if not values:
+        return None
+    return [n for v in values for n in v.split(",") if n]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -506,11 +552,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the JSON report here (after each check)")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--device", default="cuda", help="cpu: dry-run the checks here")
-    parser.add_argument("--only", nargs="*", help="run only these checks")
+    parser.add_argument("--only", nargs="*", help="run only these checks: NAME,NAME or NAME NAME")
     parser.add_argument(
         "--budget-s", type=float, default=BUDGET_S, help="no check starts after this many seconds"
     )
     args = parser.parse_args(argv)
+    only = parse_only(args.only)
     global DEVICE
     DEVICE = args.device
     gpu_flagship.DEVICE = args.device
@@ -538,43 +585,66 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {},
     }
 
+    try:  # recorded, never fatal
+        report["sdpa"] = sdpa_report()
+    except Exception as exc:
+        report["sdpa"] = {"error": f"{type(exc).__name__}: {exc}"}
+    # Gating checks first, then the benchmark, then NCCL and tensor parallel.
+    gating = [(n, c) for n, c in CHECKS if n not in NOT_GATING]
+    late = [(n, c) for n, c in CHECKS if n in NOT_GATING]
+    order = [n for n, _ in gating] + ["bench"] + [n for n, _ in late]
+    wanted = [n for n in order if only is None or n in only]
+    finished: set[str] = set()
+
     def save() -> None:
+        left = [n for n in wanted if n not in finished]
+        report["rerun"] = f"--only {','.join(left)}" if left else None
         text = json.dumps(report, indent=2, default=str)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
 
+    def run_check(tmp: str, name: str, check: Callable[[Path, dict], bool | None]) -> None:
+        if time.monotonic() > deadline:
+            report["verdicts"][name] = "SKIP"
+            report["skipped"][name] = f"time budget ({args.budget_s:.0f} s) spent"
+            save()
+            return
+        print(f"{name:16} ...", flush=True)  # a hang shows where it is
+        t0 = time.perf_counter()
+        try:
+            result = check(Path(tmp), report)
+            sync()  # an asynchronous error surfaces here, still blamed on this check
+        except Exception:  # report and go on: one run must say everything
+            result = False
+            report["errors"][name] = traceback.format_exc()
+        report["verdicts"][name] = VERDICT[result]
+        report["seconds"][name] = round(time.perf_counter() - t0, 1)
+        release()
+        finished.add(name)
+        print(f"{name:16} {VERDICT[result]}  ({report['seconds'][name]} s)", flush=True)
+        if name in report["errors"]:
+            print(report["errors"][name], file=sys.stderr, flush=True)
+        save()
+
     save()
     with tempfile.TemporaryDirectory() as tmp:
-        for name, check in CHECKS:
-            if args.only and name not in args.only:
-                continue
-            if time.monotonic() > deadline:
-                report["verdicts"][name] = "SKIP"
-                report["skipped"][name] = f"time budget ({args.budget_s:.0f} s) spent"
-                save()
-                continue
-            t0 = time.perf_counter()
-            try:
-                result = check(Path(tmp), report)
-                sync()  # an asynchronous error surfaces here, still blamed on this check
-            except Exception:  # report and go on: one run must say everything
-                result = False
-                report["errors"][name] = traceback.format_exc()
-            report["verdicts"][name] = VERDICT[result]
-            report["seconds"][name] = round(time.perf_counter() - t0, 1)
-            release()
-            print(f"{name:16} {VERDICT[result]}  ({report['seconds'][name]} s)", flush=True)
-            if name in report["errors"]:
-                print(report["errors"][name], file=sys.stderr, flush=True)
-            save()
+        for name, check in gating:
+            if name in wanted:
+                run_check(tmp, name, check)
         failed = any(v == "FAIL" for k, v in report["verdicts"].items() if k not in NOT_GATING)
-        if args.skip_bench or (args.only and "bench" not in args.only):
+        if args.skip_bench or "bench" not in wanted:
             report["verdicts"]["bench"] = "SKIP"
+            finished.add("bench")
         elif failed:
             report["verdicts"]["bench"] = "SKIP"
             report["bench"] = "skipped: a check failed, so speed would mean nothing"
+            finished.add("bench")
+        elif time.monotonic() > deadline:
+            report["verdicts"]["bench"] = "SKIP"
+            report["skipped"]["bench"] = f"time budget ({args.budget_s:.0f} s) spent"
         else:
+            print(f"{'bench':16} ...", flush=True)
             t0 = time.perf_counter()
             try:
                 gpu_flagship.bench_flagship(report, deadline, save)
@@ -583,12 +653,20 @@ def main(argv: list[str] | None = None) -> int:
                 report["verdicts"]["bench"] = "FAIL"
                 report["errors"]["bench"] = traceback.format_exc()
             report["seconds"]["bench"] = round(time.perf_counter() - t0, 1)
+            finished.add("bench")
+            gpu_flagship.drop_models()
         print(f"{'bench':16} {report['verdicts']['bench']}", flush=True)
+        save()
+        for name, check in late:
+            if name in wanted:
+                run_check(tmp, name, check)
         gpu_flagship.drop_models()
         save()
     print(json.dumps(report, indent=2, default=str))
     failed = "FAIL" in report["verdicts"].values()
     print("verdict:", "FAIL" if failed else "PASS", flush=True)
+    if report["rerun"]:  # what a spent budget (or a kill) left undone
+        print(f"rerun: python3 -m loadtest.device.gpu_check {report['rerun']}", flush=True)
     return 1 if failed else 0
 
 

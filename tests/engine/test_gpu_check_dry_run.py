@@ -1,7 +1,8 @@
 """``loadtest.device.gpu_check`` dry-runs on CPU, so the one device command cannot rot: every check
 runs (graphs "on" = the static path eagerly; the flagship shapes at toy sizes), flash-attn
 reports SKIP with its reason, a failing check is recorded with its traceback, the rest still
-run, and the benchmark is skipped; a spent time budget skips what is left."""
+run, and the benchmark is skipped; a spent time budget skips what is left and names it in
+the ``--only`` rerun line; the benchmark has a seeded sampled row (issue 39)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def test_dry_run_gives_a_full_verdict(tmp_path: Path) -> None:
         rows = report["bench_flagship"][name]
         assert {"batch_1", "batch_2"} <= set(rows)
         assert rows["batch_1"]["step_ms"] > 0 and rows["batch_1"]["static_share"] == 1.0
+        sampled = rows["sampled_batch_2"]  # the dry run's largest batch stands in for 8
+        assert sampled["params"] == {"temperature": 0.7, "top_p": 0.9}
+        assert sampled["steps"] > 0 and 0.0 <= sampled["host_free_share"] <= 1.0
     assert report["flash"]["skipped"]  # the reason, e.g. "flash_attn is not installed"
     harness = report["flash"]["harness_dry_run"]  # SDPA standing in for flash-attn
     assert harness["graphs_equal_static_eager_bitwise"] is True
@@ -53,6 +57,10 @@ def test_dry_run_gives_a_full_verdict(tmp_path: Path) -> None:
         assert entry["requests_equal"] == entry["of"] and entry["static_steps"] > 0
     assert report["graphs_bf16"]["logits_bitwise_equal"] is True
     assert report["tp"]["tokens_equal"] is True
+    assert report["rerun"] is None  # everything finished
+    assert report["sdpa"]["sdpa_backend"] == "efficient"
+    assert "CUDNN_ATTENTION" not in report["sdpa"]["allowed"]
+    assert {"static_bucket", "decode_group", "prefill"} <= set(report["sdpa"])
 
 
 def test_a_failing_check_is_reported_and_the_rest_still_run(
@@ -126,3 +134,32 @@ def test_a_spent_time_budget_skips_the_remaining_checks(
     report = json.loads(out.read_text())
     assert report["verdicts"]["fine"] == "SKIP" and report["verdicts"]["late"] == "SKIP"
     assert "time budget" in report["skipped"]["late"]
+
+
+def test_the_rerun_line_names_what_did_not_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Gating checks first, then the benchmark, then the non-gating ones; what a spent
+    budget skipped comes back as one ``--only`` line (in the JSON and printed last)."""
+    ran: list[str] = []
+
+    def check(name: str):
+        def run(tmp: Path, report: dict) -> bool:
+            ran.append(name)
+            return True
+
+        return run
+
+    names = ["capture", "nccl_graph", "exact", "tensor_parallel"]
+    monkeypatch.setattr(gpu_check, "CHECKS", [(n, check(n)) for n in names])
+    out = tmp_path / "report.json"
+    args = ["--device", "cpu", "--out", str(out), "--skip-bench"]
+    assert gpu_check.main(args) == 0
+    assert ran == ["capture", "exact", "nccl_graph", "tensor_parallel"]
+    assert json.loads(out.read_text())["rerun"] is None
+    ran.clear()
+    assert gpu_check.main([*args, "--budget-s", "0", "--only", "exact,nccl_graph"]) == 0
+    report = json.loads(out.read_text())
+    assert ran == [] and report["rerun"] == "--only exact,nccl_graph"
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == "rerun: python3 -m loadtest.device.gpu_check --only exact,nccl_graph"

@@ -2,7 +2,8 @@
 the scratch block, flash-attn is chosen only where it can run, the folded GQA attention
 equals SDPA's own, sliding-window and soft-capped attention match transformers' eager
 attention, dynamic RoPE keeps a model off the static path, buckets are capped and ordered
-for capture, and the activation reserve grows with what a step can hold."""
+for capture, the activation reserve grows with what a step can hold, and the SDPA kernels
+are chosen by the config (issue 39)."""
 
 from __future__ import annotations
 
@@ -255,3 +256,32 @@ def test_attention_sinks_are_refused_not_ignored() -> None:
     with pytest.raises(NotImplementedError, match="s_aux"):
         paged_attention_forward(torch.nn.Identity(), q, kv, kv, None, paged=SimpleNamespace(),
                                 s_aux=torch.zeros(4))  # fmt: skip
+
+
+def test_the_sdpa_backend_is_chosen_and_validated(tiny_llama_dir) -> None:
+    """``sdpa_backend`` maps to the kernels allowed on CUDA: cuDNN only when asked for (by
+    name, or "auto": PyTorch's own choice); an unknown name is refused; off CUDA a no-op."""
+    import contextlib
+
+    from pydantic import ValidationError
+    from torch.nn.attention import SDPBackend
+
+    from tokenrouter_ray.engine.attention import sdpa_backends, sdpa_context
+    from tokenrouter_ray.engine.engine import EngineConfig
+
+    assert EngineConfig(model="m").sdpa_backend == "efficient"
+    with pytest.raises(ValidationError):
+        EngineConfig(model="m", sdpa_backend="fastest")
+    default = sdpa_backends("efficient")
+    assert default[:2] == (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+    assert SDPBackend.CUDNN_ATTENTION not in default
+    assert sdpa_backends("math") == (SDPBackend.MATH,)
+    assert sdpa_backends("flash")[0] == SDPBackend.FLASH_ATTENTION
+    assert sdpa_backends("cudnn")[0] == SDPBackend.CUDNN_ATTENTION
+    assert sdpa_backends("auto") is None
+    with pytest.raises(ValueError, match="sdpa_backend"):
+        sdpa_backends("fastest")
+    assert isinstance(sdpa_context(default, torch.device("cpu")), contextlib.nullcontext)
+    engine = make_engine(tiny_llama_dir, sdpa_backend="math")
+    assert engine.runner.sdpa_backend == "math"
+    assert engine.runner.sdpa_backends == (SDPBackend.MATH,)

@@ -37,18 +37,27 @@ kwargs are honoured on every path: ``sliding_window`` (a token sees itself and t
 ``sliding_window - 1`` before it: Mistral, sliding-window Qwen2, Gemma 2) and ``softcap``
 (Gemma 2's ``tanh`` capping of the scores; SDPA has none, so those layers use the explicit
 softmax).
+
+Which SDPA kernels may run is chosen, never left to PyTorch's default (which, on an H100 or
+H200 with a recent cuDNN, prefers cuDNN attention: a plan built per new shape, hundreds of
+ms each): ``sdpa_backends`` maps the engine's ``sdpa_backend`` setting to the allowed list
+and the runner enters ``sdpa_context`` around each forward and each graph capture (CUDA
+only; a no-op elsewhere). Host values reach the device through ``device_step.to_device``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from tokenrouter_ray.engine.device_step import host_to_device, to_device
 from tokenrouter_ray.engine.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "tokenrouter_paged"
@@ -68,6 +77,72 @@ MAX_DECODE_GATHER_TOKENS = 64 * 1024
 MAX_SPAN_MASK_ELEMENTS = 32 * 2**20
 # Attention kwargs of modelling code that change the result and that we do not implement.
 UNSUPPORTED_KWARGS = ("s_aux",)
+
+# ``sdpa_backend`` -> the SDPA kernels allowed on CUDA (PyTorch tries them in its own
+# priority order; None: PyTorch's default set, cuDNN included). "efficient", the default:
+# flash where it takes the call (no mask), the memory-efficient kernel for the masked ones,
+# math as the last resort; never cuDNN unless asked for.
+SDPA_BACKENDS: dict[str, tuple[SDPBackend, ...] | None] = {
+    "auto": None,
+    "efficient": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
+    "flash": (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH),
+    "math": (SDPBackend.MATH,),
+    "cudnn": (
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ),
+}
+
+
+def sdpa_backends(choice: str) -> tuple[SDPBackend, ...] | None:
+    """The SDPA kernels ``choice`` allows (None: PyTorch's own choice)."""
+    if choice not in SDPA_BACKENDS:
+        raise ValueError(f"sdpa_backend must be one of {', '.join(SDPA_BACKENDS)}, not {choice!r}")
+    return SDPA_BACKENDS[choice]
+
+
+def sdpa_context(
+    backends: tuple[SDPBackend, ...] | None, device: torch.device
+) -> contextlib.AbstractContextManager[None]:
+    """Only ``backends`` may run SDPA inside (CUDA; elsewhere, or for None, a no-op)."""
+    if backends is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(list(backends))  # pragma: no cover - needs CUDA
+
+
+def sdpa_choice(
+    q: torch.Tensor,  # (n, heads, q_len, head_dim)
+    k: torch.Tensor,  # (n, kv_heads, k_len, head_dim)
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    backends: tuple[SDPBackend, ...] | None,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+) -> str:
+    """The kernel SDPA would run for this call among ``backends`` on CUDA (PyTorch's
+    priority order: cuDNN, flash, memory-efficient, math), by its own ``can_use_*`` checks
+    (what the device check records); "math" off CUDA."""
+    if q.device.type != "cuda":
+        return "math"
+    allowed = set(SDPA_BACKENDS["cudnn"] if backends is None else backends)  # pragma: no cover
+    params = torch.backends.cuda.SDPAParams(
+        q, k, v, mask, 0.0, is_causal, False
+    )  # pragma: no cover
+    checks = (  # pragma: no cover - needs CUDA
+        (SDPBackend.CUDNN_ATTENTION, "cudnn", torch.backends.cuda.can_use_cudnn_attention),
+        (SDPBackend.FLASH_ATTENTION, "flash", torch.backends.cuda.can_use_flash_attention),
+        (
+            SDPBackend.EFFICIENT_ATTENTION,
+            "efficient",
+            torch.backends.cuda.can_use_efficient_attention,
+        ),
+    )
+    for backend, name, can_use in checks:  # pragma: no cover - needs CUDA
+        if backend in allowed and can_use(params, False):
+            return name
+    return "math"  # pragma: no cover - needs CUDA
 
 
 def flash_attn_available(device: torch.device) -> bool:
@@ -202,12 +277,12 @@ class PagedBatch:
                 if start > 0:  # query i sits at position start + i and sees keys <= it
                     q_pos = torch.arange(start, ctx, device=device)[:, None]
                     mask = torch.arange(ctx, device=device)[None, :] <= q_pos
-                table = torch.tensor(used, dtype=torch.long, device=device)
+                table = to_device(used, torch.long, device)  # (num_used_blocks,)
                 spans.append(SeqSpan(row, n, ctx, table, mask))
             row += n
         batch = cls(
             kv=kv,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=to_device(slots, torch.long, device),  # (num_tokens,)
             spans=spans,
             decode=[],
         )
@@ -218,13 +293,13 @@ class PagedBatch:
                 continue
             width = max(len(dec_tables[i]) for i in group)
             table = [list(dec_tables[i]) + [0] * (width - len(dec_tables[i])) for i in group]
-            lens = torch.tensor([dec_lens[i] for i in group])
+            lens = torch.tensor([dec_lens[i] for i in group])  # (n,) on the host
             mask = torch.arange(width * bs)[None, :] < lens[:, None]  # (n, width * bs)
             batch.decode.append(
                 DecodeGroup(
-                    rows=torch.tensor([dec_rows[i] for i in group], device=device),
-                    blocks=torch.tensor(table, dtype=torch.long, device=device),
-                    mask=mask[:, None, None, :].to(device),
+                    rows=to_device([dec_rows[i] for i in group], torch.long, device),
+                    blocks=to_device(table, torch.long, device),  # (n, width)
+                    mask=host_to_device(mask[:, None, None, :], device),  # (n, 1, 1, width * bs)
                 )
             )
         return batch
@@ -245,11 +320,11 @@ def _varlen_metadata(
         return torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
     return {
-        "cu_seqlens_q": cu(q_lens).to(device),
-        "cu_seqlens_k": cu(k_lens).to(device),
+        "cu_seqlens_q": host_to_device(cu(q_lens), device),
+        "cu_seqlens_k": host_to_device(cu(k_lens), device),
         "max_seqlen_q": max(q_lens),
         "max_seqlen_k": max(k_lens),
-        "block_table": table.to(device),
+        "block_table": host_to_device(table, device),
     }
 
 

@@ -1,11 +1,13 @@
 """How one engine is built: ``EngineConfig`` (model, dtype, device, KV blocks, memory budget,
-CUDA graphs, tensor parallel, the scheduler's own config).
+CUDA graphs, SDPA kernels, tensor parallel, the scheduler's own config).
 
 Torch-free and import-cheap: config.py (the app's), the memory reserve and the tensor-parallel
 launcher read it without loading the engine. ``Engine.from_config`` takes it.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,6 +48,12 @@ class EngineConfig(BaseModel):
     )
     static_batches: bool = Field(
         False, description="Run the bucketed fixed-shape path eagerly off CUDA (for checks)."
+    )
+    sdpa_backend: Literal["auto", "efficient", "flash", "math", "cudnn"] = Field(
+        "efficient",
+        description="SDPA kernels allowed on CUDA (engine/attention.py SDPA_BACKENDS): "
+        "efficient (flash where it takes the call, else memory-efficient, math last; never "
+        "cuDNN), flash, math, cudnn (cuDNN first: a plan per new shape), or auto (PyTorch's).",
     )
     tensor_parallel: int = Field(
         1, ge=1, description="Ranks the model is split over (tensor_parallel.py); 1: one device."

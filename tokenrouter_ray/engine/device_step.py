@@ -11,6 +11,11 @@ event, so the loop sleeps on a single event for both.
 
 The event only needs ``query()`` and ``synchronize()`` (a ``torch.cuda.Event``); a test
 passes a stand-in to check the logic on CPU.
+
+Host values reach the device through ``to_device`` / ``host_to_device`` only: a pinned
+staging copy queued without blocking on CUDA (a copy from pageable memory, or a
+``torch.tensor(..., device=cuda)``, would wait for every kernel queued before it: the whole
+forward, between launch and collect), the host tensor itself on CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +26,43 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
+
 from tokenrouter_ray.engine.outputs import StepResult
+
+# How long one ``wait_done`` sleeps on its wake event before it polls the device again (a
+# lost wake-up, or a watcher thread that died, then costs this much, never a hang).
+WAKE_POLL_S = 0.05
+
+
+def to_device(
+    values: object, dtype: torch.dtype | None, device: torch.device | str
+) -> torch.Tensor:
+    """Python values (a list, nested lists or a scalar) as a tensor on ``device``: built on
+    the host, then, on CUDA, copied once from pinned memory without blocking the host."""
+    device = torch.device(device)
+    if device.type != "cuda":  # the host itself, or a device without pinned staging (meta)
+        host = torch.tensor(values, dtype=dtype)
+        return host if device.type == "cpu" else host.to(device)
+    host = torch.tensor(values, dtype=dtype, pin_memory=True)  # pragma: no cover - needs CUDA
+    return host.to(device, non_blocking=True)  # pragma: no cover - needs CUDA
+
+
+def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``: on CUDA copied into fresh pinned memory (the caching
+    host allocator keeps it until the copy ran), then queued without blocking; on CPU
+    ``host`` itself."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host if device.type == "cpu" else host.to(device)
+    pinned = host if host.is_pinned() else host.pin_memory()  # pragma: no cover - needs CUDA
+    return pinned.to(device, non_blocking=True)  # pragma: no cover - needs CUDA
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty host tensor a device result is copied back into: pinned when ``device`` is
+    CUDA (so the copy does not block), plain otherwise."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
 
 
 class DeviceEvent(Protocol):
@@ -79,7 +120,9 @@ class DeviceStep:
         if not self._watched:  # the watcher sets ``wake`` when the device is done
             self.watcher.watch(self.done, wake)
             self._watched = True
-        wake.wait()
+        while not wake.wait(WAKE_POLL_S):  # bounded sleeps: a lost wake-up cannot hang
+            if self.done.query():
+                return True
         return self.done.query()
 
     def __call__(self) -> StepResult:

@@ -251,38 +251,51 @@ class GrammarBook:
 
     def apply(self, logits: torch.Tensor, states: Sequence[tuple[int, GrammarState]]) -> None:
         """Mask row ``row`` of ``logits`` (num_rows, vocab) with each synced ``state``: one
-        bitmask filled for those rows, applied in place."""
+        host bitmask for every row (unconstrained rows allow everything), staged to the
+        device once (pinned, non-blocking on CUDA) and applied in place: no device read
+        and no synchronous copy, so it queues behind the forward."""
+        import torch
         import xgrammar as xgr
 
-        bitmask = self._bitmask_for(logits.shape[0])  # row i masks logits row i
-        rows = [row for row, _ in states]
+        from tokenrouter_ray.engine.device_step import host_to_device
+
+        num_rows, width = logits.shape
+        bitmask = self._bitmask_for(num_rows)  # row i masks logits row i
+        constrained = {row for row, _ in states}
+        for row in range(num_rows):
+            if row not in constrained:
+                bitmask[row] = -1  # every bit set: all tokens allowed
         for row, state in states:
             if state.only_stop:
                 _allow_only(bitmask, row, state.stop_token_ids, self.vocab_size)
             else:
                 state.matcher.fill_next_token_bitmask(bitmask, row)
-        width = logits.shape[-1]
         if width > self.vocab_size:  # ids the tokenizer info does not cover: never allowed
-            logits[rows, self.vocab_size :] = float("-inf")
-        mask = bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
-        every = len(rows) == logits.shape[0]
-        xgr.apply_token_bitmask_inplace(
-            logits, mask, vocab_size=min(width, self.vocab_size), indices=None if every else rows
-        )
+            beyond = torch.zeros(num_rows, 1, dtype=torch.bool)  # (num_rows, 1) on the host
+            beyond[sorted(constrained)] = True
+            tail = logits[:, self.vocab_size :]  # (num_rows, width - vocab_size), a view
+            tail.masked_fill_(host_to_device(beyond, logits.device), float("-inf"))
+        mask = host_to_device(bitmask[:num_rows], logits.device)  # (num_rows, words) int32
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=min(width, self.vocab_size))
 
     def _bitmask_for(self, rows: int) -> torch.Tensor:
+        import torch
         import xgrammar as xgr
 
-        if self._bitmask is None or self._bitmask.shape[0] < rows:
-            self._bitmask = xgr.allocate_token_bitmask(max(rows, 8), self.vocab_size)
+        if self._bitmask is None or self._bitmask.shape[0] < rows:  # (rows, words) int32
+            shape = xgr.get_bitmask_shape(max(rows, 8), self.vocab_size)
+            self._bitmask = torch.full(shape, -1, dtype=torch.int32)  # all allowed
         return self._bitmask
 
 
 def _allow_only(bitmask: torch.Tensor, row: int, tokens: Sequence[int], vocab_size: int) -> None:
-    """Row ``row`` of an int32 bitmask allows ``tokens`` only."""
-    bitmask[row] = 0
+    """Row ``row`` of an int32 bitmask allows ``tokens`` only (words built in Python: no
+    read of the tensor)."""
+    words: dict[int, int] = {}
     for token in tokens:
         if 0 <= token < vocab_size:
             word, bit = divmod(token, 32)
-            value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
-            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+            words[word] = words.get(word, 0) | (1 << bit)
+    bitmask[row] = 0
+    for word, value in words.items():
+        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value

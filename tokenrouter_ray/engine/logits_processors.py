@@ -22,7 +22,9 @@ Then the sampler: greedy argmax, or temperature → min_p → top-k → top-p
 Batched: one kernel per processor for the rows that use it; the penalties count tokens
 with one bincount over the flattened (row, token id) pairs of those rows, on the logits'
 device (an ``index_add`` of ones; no loop over the vocabulary; host work is copying each
-such row's ids once).
+such row's ids once). Every per-row value is built on the host and staged once
+(``device_step.to_device``: pinned, non-blocking on CUDA) and every decision is taken from
+the params, so nothing here waits for the forward queued before it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from itertools import chain
 
 import torch
 
+from tokenrouter_ray.engine.device_step import to_device
 from tokenrouter_ray.engine.request import SamplingParams
 
 
@@ -54,7 +57,7 @@ def apply_processors(
         return logits
     dev = logits.device
     whole = len(hot) == logits.shape[0]
-    index = None if whole else torch.tensor(hot, device=dev)
+    index = None if whole else to_device(hot, torch.long, dev)  # (n,)
     part = (logits if whole else logits.index_select(0, index)).float().clone()  # (n, vocab)
     hot_params = [params[i] for i in hot]
     _add_bias(part, hot_params)
@@ -75,9 +78,9 @@ def _add_bias(part: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     vocab = part.shape[1]
     pairs = [(j, t, b) for j, t, b in pairs if t < vocab]  # the ingress refuses others
     dev = part.device
-    row = torch.tensor([j for j, _, _ in pairs], dtype=torch.long, device=dev)
-    tok = torch.tensor([t for _, t, _ in pairs], dtype=torch.long, device=dev)
-    bias = torch.tensor([b for _, _, b in pairs], dtype=part.dtype, device=dev)
+    row = to_device([j for j, _, _ in pairs], torch.long, dev)  # (num_pairs,)
+    tok = to_device([t for _, t, _ in pairs], torch.long, dev)
+    bias = to_device([b for _, _, b in pairs], part.dtype, dev)
     part.index_put_((row, tok), bias, accumulate=True)  # (row, token) pairs are distinct
 
 
@@ -99,9 +102,9 @@ def _mask_early_stops(
     ]
     if not cells:
         return
-    row = torch.tensor([j for j, _ in cells], dtype=torch.long, device=part.device)
-    tok = torch.tensor([t for _, t in cells], dtype=torch.long, device=part.device)
-    part.index_put_((row, tok), torch.tensor(float("-inf"), device=part.device))
+    row = to_device([j for j, _ in cells], torch.long, part.device)  # (num_cells,)
+    tok = to_device([t for _, t in cells], torch.long, part.device)
+    part.index_put_((row, tok), part.new_full((), float("-inf")))  # a fill, not a copy
 
 
 def _penalize(
@@ -119,21 +122,22 @@ def _penalize(
         return
     m, vocab = len(rows), part.shape[1]
     dev = part.device
-    sub = torch.tensor(rows, dtype=torch.long, device=dev)
+    sub = to_device(rows, torch.long, dev)  # (m,)
     # Each row's output ids and prompt ids, flattened to row * vocab + id: one bincount.
     outputs = [sequences[j][num_prompt[j] :] for j in rows]
     prompts = [sequences[j][: num_prompt[j]] for j in rows]
     out_counts = _bincount(outputs, m, vocab, dev)  # (m, vocab) occurrences in the output
     logits = part.index_select(0, sub)  # (m, vocab)
     if any(params[j].repetition_penalty != 1.0 for j in rows):  # decided on the host
-        rep = torch.tensor([params[j].repetition_penalty for j in rows], device=dev)[:, None]
+        rep = to_device([params[j].repetition_penalty for j in rows], torch.float32, dev)[:, None]
         seen = (out_counts > 0) | (_bincount(prompts, m, vocab, dev) > 0)
         penalty = torch.where(seen, rep, torch.ones_like(rep))  # (m, vocab)
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    freq = torch.tensor([params[j].frequency_penalty for j in rows], device=dev)[:, None]
-    pres = torch.tensor([params[j].presence_penalty for j in rows], device=dev)[:, None]
-    logits = logits - freq * out_counts
-    logits = logits - pres * (out_counts > 0)
+    if any(params[j].frequency_penalty or params[j].presence_penalty for j in rows):
+        freq = to_device([params[j].frequency_penalty for j in rows], torch.float32, dev)
+        pres = to_device([params[j].presence_penalty for j in rows], torch.float32, dev)
+        logits = logits - freq[:, None] * out_counts  # (m, vocab)
+        logits = logits - pres[:, None] * (out_counts > 0)
     part[sub] = logits
 
 
@@ -142,9 +146,13 @@ def _bincount(
 ) -> torch.Tensor:
     """(m, vocab) float32 counts of each row's token ids (ids outside the vocabulary are
     never committed: the engine checks every id it takes)."""
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
-    ids = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long, device=device)
-    rows = torch.repeat_interleave(torch.arange(m, device=device), lengths)
+    lengths = [len(s) for s in seqs]
+    ids = to_device(list(chain.from_iterable(seqs)), torch.long, device)  # (sum(lengths),)
+    rows = torch.repeat_interleave(  # (sum(lengths),): each id's row; the size known here
+        torch.arange(m, device=device),
+        to_device(lengths, torch.long, device),
+        output_size=sum(lengths),
+    )
     counts = torch.zeros(m * vocab, dtype=torch.float32, device=device)
     counts.index_add_(0, rows * vocab + ids, torch.ones_like(ids, dtype=torch.float32))
     return counts.view(m, vocab)

@@ -10,11 +10,21 @@ eagerly when ``static_batches`` asks for it (the CPU tests do, to check it token
 
 ``launch`` queues a step and returns the call that reads it back (``execute`` is both): on
 CUDA the host is free while the device computes (``device_step.py``), on CPU the step is
-computed in ``launch``.
+computed in ``launch``. Between the two nothing reads the device and nothing copies
+synchronously, whatever the rows ask (greedy, sampled, seeded, penalised, biased,
+min_tokens, grammar-constrained, logprobs): host values are staged through
+``device_step.to_device``, the sampler and processors decide from the params, and the
+tokens and logprobs come back in one non-blocking copy each behind the ``done`` event.
+
+Timings: on CUDA ``forward`` is the device time from the forward's start to the ``done``
+event (forward and sampler), ``launch`` the host time spent queuing them (inside that
+device time, so not in ``total``), ``sample`` the read-back; on CPU ``forward`` and
+``sample`` are the host's compute times.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -22,18 +32,24 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from tokenrouter_ray.engine.attention import PagedBatch, flash_attn_unusable
+from tokenrouter_ray.engine.attention import (
+    PagedBatch,
+    flash_attn_unusable,
+    sdpa_backends,
+    sdpa_context,
+)
 from tokenrouter_ray.engine.block_pool import ModelFootprint, kv_bytes_per_token
-from tokenrouter_ray.engine.device_step import DeviceStep, EventWatcher
+from tokenrouter_ray.engine.device_step import DeviceStep, EventWatcher, host_buffer, to_device
 from tokenrouter_ray.engine.kv_cache import PagedKVCache
 from tokenrouter_ray.engine.logits_processors import apply_processors
 from tokenrouter_ray.engine.outputs import StepResult, StepTimings
-from tokenrouter_ray.engine.sampler import sample, token_logprobs
+from tokenrouter_ray.engine.sampler import queue_logprobs, sample
 from tokenrouter_ray.engine.scheduler import SchedulerOutput
 from tokenrouter_ray.engine.static_forward import (
     DEFAULT_BATCH_BUCKETS,
     DEFAULT_QUERY_BUCKETS,
     MAX_STATIC_CONTEXT,
+    HostBatch,
     StaticForward,
     StaticOutputs,
     bucket,
@@ -78,6 +94,7 @@ class ModelRunner:
             static_batches=config.static_batches,
             cuda_graphs=config.cuda_graphs,
             max_model_len=config.max_model_len,
+            sdpa_backend=config.sdpa_backend,
             **extra,
         )
 
@@ -94,6 +111,7 @@ class ModelRunner:
         batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
         query_buckets: tuple[int, ...] = DEFAULT_QUERY_BUCKETS,
         tp_size: int = 1,  # tensor parallel: the cache holds this rank's KV heads only
+        sdpa_backend: str = "efficient",  # the SDPA kernels allowed (attention.SDPA_BACKENDS)
     ) -> None:
         self.model = model
         self.decoder = model.get_decoder()
@@ -105,6 +123,11 @@ class ModelRunner:
         # Why flash-attn is not used (None: it is): fp16/bf16, head_dim, block_size, GPU.
         self.flash_unusable = flash_attn_unusable(self.device, self.dtype, head_dim, block_size)
         self.use_flash = self.flash_unusable is None
+        self.sdpa_backend = sdpa_backend
+        self.sdpa_backends = sdpa_backends(sdpa_backend)  # raises on an unknown name
+        # The launch/collect split behind device events (CUDA); a CPU test may set it with
+        # a stand-in ``_new_event`` to run that path.
+        self.overlap = self.device.type == "cuda"
         self.kv = PagedKVCache(
             num_layers=cfg.num_hidden_layers,
             num_blocks=num_blocks + 1,  # + a scratch block for padded rows, never pooled
@@ -172,7 +195,7 @@ class ModelRunner:
             return 0
         order = sorted(self.static_shapes, key=lambda s: (s[0] * s[1] * s[2], s), reverse=True)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), sdpa_context(self.sdpa_backends, self.device):
             for shape in order:
                 fwd = self._new_static_forward(shape)
                 if self.capture:  # pragma: no cover - needs CUDA
@@ -271,17 +294,16 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
                 sampling_requests.append(r)
         dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)[None]  # (1, num_tokens)
-        position_ids = torch.tensor(positions, dtype=torch.long, device=dev)[None]
-        # Built before the forward is launched: a host-to-device copy queued after it would
-        # wait for the whole forward (a sync) before the lm_head could be launched.
-        row_index = torch.tensor(rows, dtype=torch.long, device=dev)  # (num_rows,)
+        input_ids = to_device(ids, torch.long, dev)[None]  # (1, num_tokens)
+        position_ids = to_device(positions, torch.long, dev)[None]  # (1, num_tokens)
+        row_index = to_device(rows, torch.long, dev)  # (num_rows,)
         batch = PagedBatch.build(self.kv, seqs, dev, use_flash=self.use_flash)
         t1 = time.perf_counter()
         started = self._device_event(t1)
-        hidden = self.decoder(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, paged=batch
-        ).last_hidden_state[0]  # (num_tokens, hidden_size)
+        with sdpa_context(self.sdpa_backends, dev):
+            hidden = self.decoder(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, paged=batch
+            ).last_hidden_state[0]  # (num_tokens, hidden_size)
         last = hidden.index_select(0, row_index)  # (num_rows, hidden)
         logits = self.lm_head(last).float()  # (num_rows, vocab)
         t2 = time.perf_counter()
@@ -303,11 +325,13 @@ class ModelRunner:
             *shape,
             self.kv.block_size,
             self.scratch_block,
-            with_mask=not self.use_flash,
+            with_mask=False,  # the forward builds its SDPA mask from ctx_lens on the device
         )
+        host = self._pinned(host)
         t1 = time.perf_counter()
         started = self._device_event(t1)
-        logits, last = fwd.run(host, replay=not self.taps_open)
+        with sdpa_context(self.sdpa_backends, self.device):
+            logits, last = fwd.run(host, replay=not self.taps_open)
         t2 = time.perf_counter()
         timings.prepare += t1 - t0  # (a tensor-parallel rank 0 adds its control frames)
         timings.forward = t2 - t1
@@ -316,14 +340,27 @@ class ModelRunner:
         num_tokens = sum(c.num_tokens for c in out.chunks)
         return self._sample(out, sampling_requests, logits, last, num_tokens, timings, started)
 
+    def _pinned(self, host: HostBatch) -> HostBatch:
+        """The static batch's host tensors in pinned memory on CUDA (their non-blocking
+        loads then do not block the host), as they are elsewhere."""
+        if self.device.type != "cuda":
+            return host
+        fields = ("input_ids", "positions", "slots", "block_table", "ctx_lens")  # pragma: no cover
+        pinned = {name: getattr(host, name).pin_memory() for name in fields}  # pragma: no cover
+        return dataclasses.replace(host, **pinned)  # pragma: no cover - needs CUDA
+
+    def _new_event(self) -> torch.cuda.Event:  # pragma: no cover - needs CUDA
+        """A timing event whose ``synchronize`` sleeps instead of spinning a core."""
+        return torch.cuda.Event(enable_timing=True, blocking=True)
+
     def _device_event(self, now: float) -> torch.cuda.Event | float:
         """Where the forward starts: a timing event queued on CUDA (the step's device time
         is read from it when the step is collected), else the host clock."""
-        if self.device.type != "cuda":
+        if not self.overlap:
             return now
-        event = torch.cuda.Event(enable_timing=True)  # pragma: no cover - needs CUDA
-        event.record()  # pragma: no cover - needs CUDA
-        return event  # pragma: no cover - needs CUDA
+        event = self._new_event()
+        event.record()
+        return event
 
     def _sample(
         self,
@@ -366,25 +403,30 @@ class ModelRunner:
             params,
             [r.seed for r in sampling_requests],
             sample_positions,
-        )
-        asked = [r.sampling.logprobs for r in sampling_requests]
+        )  # (num_rows,) long, on the device
+        # Asked logprobs (raw logits, asked rows only) are queued here, before ``done``.
+        queued = queue_logprobs(logits, tokens, [p.logprobs for p in params])
         readback, done = tokens, None
-        if not isinstance(started, float):  # pragma: no cover - needs CUDA
-            readback = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        if self.overlap:  # the copies back start now, into pinned memory, behind the step
+            readback = host_buffer(tuple(tokens.shape), tokens.dtype, self.device)
             readback.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True)
+            queued = queued.to_host() if queued is not None else None
+            done = self._new_event()
             done.record()
-        timings.sample = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        if done is None:  # computed on the host: the sampler's own time
+            timings.sample = t3 - t2
+        else:  # queued: the host's time is inside the device's, not added to it
+            timings.launch = timings.forward + (t3 - t2)
+            timings.forward = timings.sample = 0.0
 
         def finish() -> StepResult:
-            t3 = time.perf_counter()
+            t4 = time.perf_counter()
             token_list = readback.tolist()
-            logprobs = None
-            if asked.count(None) != len(asked):  # some row asked: only those rows, raw logits
-                logprobs = token_logprobs(logits, tokens, asked)
-            if done is not None:  # pragma: no cover - needs CUDA
-                timings.forward = started.elapsed_time(done) / 1e3  # forward and sampler
-            timings.sample += time.perf_counter() - t3
+            logprobs = queued.read() if queued is not None else None
+            if done is not None:  # the forward and sampler on the device, once
+                timings.forward = started.elapsed_time(done) / 1e3
+            timings.sample += time.perf_counter() - t4
             return StepResult(
                 request_ids=[r.request_id for r in sampling_requests],
                 sampled=tokens,
@@ -406,4 +448,4 @@ class ModelRunner:
             self._watcher = EventWatcher(
                 f"{device}-events", on_start=lambda: torch.cuda.set_device(device)
             )
-        return DeviceStep(done, finish, self._watcher)  # pragma: no cover - needs CUDA
+        return DeviceStep(done, finish, self._watcher)

@@ -24,21 +24,30 @@ TokenLogprobs = tuple[float, list[int], list[float]]
 
 @dataclass
 class StepTimings:
-    """Seconds spent in each phase of one step (host clock)."""
+    """Seconds spent in each phase of one step, each counted once.
+
+    ``forward`` is the model (lm_head included) and, on a device, the sampler: on CUDA the
+    device time from the forward's start event to the step's done event, on CPU the host's
+    compute time. The host phases (schedule, prepare, sample, commit) are host clock;
+    ``launch`` is the host time spent queuing the forward and sampler on a device, which
+    runs inside ``forward``'s device time and so is reported apart, never added.
+    """
 
     schedule: float = 0.0
     prepare: float = 0.0  # building input ids, positions and attention metadata
-    forward: float = 0.0  # the model, lm_head included
-    sample: float = 0.0
+    forward: float = 0.0  # the model (and on CUDA the sampler): device time there
+    sample: float = 0.0  # host: the sampler on CPU; the read-back of tokens and logprobs
     commit: float = 0.0  # appending tokens, stop checks, status changes
+    launch: float = 0.0  # host, CUDA only: queuing forward + sampler (inside ``forward``)
 
     @property
     def overhead(self) -> float:
-        """Everything outside the model forward."""
+        """The host's phases outside the forward (``launch`` overlaps it: not counted)."""
         return self.schedule + self.prepare + self.sample + self.commit
 
     @property
     def total(self) -> float:
+        """The step's time, each phase once: what the tuner and the step metrics read."""
         return self.overhead + self.forward
 
 

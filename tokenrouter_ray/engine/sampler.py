@@ -5,14 +5,22 @@ the batch it shares: each sampled row gets its own generator seeded from both, a
 by the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which samples exactly from
 ``p`` with one vector of noise. Logits enter as (num_rows, vocab) float tensors; token ids
 leave as a (num_rows,) long tensor on the same device.
+
+Nothing here reads the device: every per-row value (indices, k, p, min-p) is built on the
+host from the rows' ``SamplingParams`` and staged once (``device_step.to_device``: pinned,
+non-blocking on CUDA), and every branch is decided from those host lists, so on CUDA the
+whole sampler is queued behind the forward without waiting for it. Asked logprobs are
+queued the same way (``queue_logprobs``) and read back with the tokens (``LogprobRows``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from tokenrouter_ray.engine.device_step import host_buffer, to_device
 from tokenrouter_ray.engine.outputs import TokenLogprobs
 from tokenrouter_ray.engine.request import SamplingParams
 
@@ -31,58 +39,47 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then min-p, top-k and top-p (vLLM's order), on (num_rows, vocab) float
     logits, one ``SamplingParams`` per row, batched: a handful of kernels for the whole
-    batch, never a loop of full-vocabulary sorts. The arithmetic per row is the one-row
-    recipe's:
+    batch, never a loop of full-vocabulary sorts, and no read of the device (every
+    decision is taken from ``params``). The arithmetic per row is the one-row recipe's:
 
     - temperature: each distinct temperature divides its rows by the same Python scalar;
     - min-p (only when some row sets it): a token whose probability after temperature is
       below ``min_p`` times the row's largest is dropped;
     - top-k: one ``topk`` at the largest k; a row's k-th largest value is its threshold
       (ties with it are kept);
-    - top-p: the sorted order restricted to the candidates that can survive (after top-k,
-      the finite ones: one ``topk`` of that many instead of a sort of the vocabulary; a
-      full batched sort only when some row has no top-k); the kept set is the shortest
-      sorted prefix whose mass reaches p (the token crossing p is kept).
+    - top-p (only on the rows that set it): one batched descending sort of those rows (a
+      top-k of the survivors would need their count, a device read); the kept set is the
+      shortest sorted prefix whose mass reaches p (the token crossing p is kept).
     """
     rows, vocab = logits.shape
+    dev = logits.device
     temps = [p.temperature for p in params]
     if len(set(temps)) == 1:
         out = logits / temps[0]
     else:
         out = torch.empty_like(logits)
-        for t in set(temps):
-            index = torch.tensor([i for i, v in enumerate(temps) if v == t], device=logits.device)
+        for t in sorted(set(temps)):
+            index = to_device([i for i, v in enumerate(temps) if v == t], torch.long, dev)
             out[index] = logits.index_select(0, index) / t
     if any(p.min_p for p in params):
         out = _min_p(out, params)
     ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
-    ranked = order = None  # the top-k survivors, descending, when top-k saw them all
     if any(ks):
-        k_max = max(ks)
-        top, top_ids = torch.topk(out, k_max, dim=-1)  # (rows, k_max), descending
-        k_index = torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)
+        top = torch.topk(out, max(ks), dim=-1).values  # (rows, k_max), descending
+        k_index = to_device([max(k, 1) - 1 for k in ks], torch.long, dev)  # (rows,)
         kth = top.gather(1, k_index[:, None])  # (rows, 1)
-        unlimited = torch.tensor([k == 0 for k in ks], device=logits.device)[:, None]
-        kth = kth.masked_fill(unlimited, float("-inf"))
-        cut = out < kth
-        out = out.masked_fill(cut, float("-inf"))
-        if not unlimited.any() and int((~cut).sum(-1).max()) <= k_max:  # no tie past k_max
-            ranked, order = top.masked_fill(top < kth, float("-inf")), top_ids
+        if not all(ks):  # rows without top-k keep everything
+            unlimited = to_device([k == 0 for k in ks], torch.bool, dev)[:, None]
+            kth = kth.masked_fill(unlimited, float("-inf"))
+        out = out.masked_fill(out < kth, float("-inf"))
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
         whole = len(nucleus) == rows
-        index = None if whole else torch.tensor(nucleus, device=logits.device)
+        index = None if whole else to_device(nucleus, torch.long, dev)  # (n,)
         part = out if whole else out.index_select(0, index)  # (n, vocab)
-        top_p = torch.tensor([params[i].top_p for i in nucleus], device=logits.device)
-        if ranked is not None:  # the survivors, already ranked by top-k
-            if not whole:
-                ranked, order = ranked.index_select(0, index), order.index_select(0, index)
-        elif all(ks[i] for i in nucleus):  # only the finite tokens can be kept
-            width = int(torch.isfinite(part).sum(-1).max())
-            ranked, order = torch.topk(part, width, dim=-1)  # (n, width) descending
-        else:
-            ranked, order = torch.sort(part, dim=-1, descending=True)  # (n, vocab)
-        probs = ranked.softmax(-1)  # (n, width): the -inf past a row's survivors add 0
+        top_p = to_device([params[i].top_p for i in nucleus], torch.float32, dev)  # (n,)
+        ranked, order = torch.sort(part, dim=-1, descending=True)  # (n, vocab)
+        probs = ranked.softmax(-1)  # (n, vocab): the -inf past a row's survivors add 0
         before = probs.cumsum(-1) - probs  # mass strictly before each token
         keep = torch.zeros_like(part, dtype=torch.bool)
         keep.scatter_(1, order, before < top_p[:, None])
@@ -97,10 +94,10 @@ def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
 def _min_p(out: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Drop tokens below ``min_p`` x the top probability, on the rows that set min_p."""
     rows = [i for i, p in enumerate(params) if p.min_p]  # ``out`` is the temperature's copy
-    index = torch.tensor(rows, device=out.device)
+    index = to_device(rows, torch.long, out.device)  # (n,)
     part = out.index_select(0, index)  # (n, vocab)
     probs = part.softmax(-1)
-    min_p = torch.tensor([params[i].min_p for i in rows], device=out.device)[:, None]
+    min_p = to_device([params[i].min_p for i in rows], torch.float32, out.device)[:, None]
     cut = probs < min_p * probs.max(-1, keepdim=True).values
     out[index] = part.masked_fill(cut, float("-inf"))
     return out
@@ -112,24 +109,80 @@ def sample(
     seeds: Sequence[int],
     positions: Sequence[int],
 ) -> torch.Tensor:
+    """One token per row, (num_rows,) long on the logits' device: argmax for greedy rows,
+    the exponential race over the filtered distribution for the others."""
     hot = [row for row, p in enumerate(params) if not p.is_greedy]
     if not hot:
         return logits.argmax(-1)  # (num_rows,)
     whole = len(hot) == len(params)
-    index = torch.tensor(hot, device=logits.device)
+    index = None if whole else to_device(hot, torch.long, logits.device)  # (hot,)
     chosen = logits if whole else logits.index_select(0, index)
     probs = filter_rows(chosen.float(), [params[r] for r in hot]).softmax(-1)  # (hot, vocab)
-    noise = torch.empty_like(probs)
-    for j, row in enumerate(hot):  # each row's own (seed, position) stream
+    noise = torch.empty_like(probs)  # (hot, vocab)
+    for j, row in enumerate(hot):  # each row's own (seed, position) stream; no device read
         gen = torch.Generator(device=logits.device)
         gen.manual_seed(position_seed(seeds[row], positions[row]))
         noise[j].exponential_(generator=gen)
-    drawn = (probs / noise).argmax(-1)
+    drawn = (probs / noise).argmax(-1)  # (hot,)
     if whole:
         return drawn
     tokens = logits.argmax(-1)  # greedy rows; the sampled ones overwritten
     tokens[index] = drawn
     return tokens
+
+
+@dataclass
+class LogprobRows:
+    """The asked rows' logprobs, queued on the device (``queue_logprobs``); ``to_host``
+    queues their copy back (non-blocking into pinned memory on CUDA), ``read`` gives the
+    per-row tuples once the step is done."""
+
+    top: list[int | None]  # per row: None (not asked) or how many alternatives
+    rows: list[int]  # the asked rows
+    chosen: torch.Tensor  # (n,) float32: the sampled token's logprob
+    ids: torch.Tensor | None  # (n, k_max) long, descending; None when no row asked for any
+    values: torch.Tensor | None  # (n, k_max) float32
+
+    def to_host(self) -> LogprobRows:
+        def back(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.device.type == "cpu":
+                return t
+            buf = host_buffer(tuple(t.shape), t.dtype, t.device)  # pragma: no cover - CUDA
+            return buf.copy_(t, non_blocking=True)  # pragma: no cover - needs CUDA
+
+        chosen, ids, values = back(self.chosen), back(self.ids), back(self.values)
+        return LogprobRows(self.top, self.rows, chosen, ids, values)
+
+    def read(self) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(self.top)
+        chosen = self.chosen.tolist()
+        ids = self.ids.tolist() if self.ids is not None else [[] for _ in self.rows]
+        values = self.values.tolist() if self.values is not None else [[] for _ in self.rows]
+        for j, i in enumerate(self.rows):
+            k = self.top[i]
+            out[i] = (chosen[j], ids[j][:k], values[j][:k])
+        return out
+
+
+def queue_logprobs(
+    logits: torch.Tensor,  # (num_rows, vocab)
+    tokens: torch.Tensor,  # (num_rows,) the sampled ids
+    top: Sequence[int | None],  # per row: None (not asked) or how many alternatives
+) -> LogprobRows | None:
+    """log_softmax of the raw logits at each asked row, on the device (None: no row
+    asked): the sampled token's and the ``top[row]`` largest, descending."""
+    rows = [i for i, k in enumerate(top) if k is not None]
+    if not rows:
+        return None
+    index = to_device(rows, torch.long, logits.device)  # (n,)
+    logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # (n, vocab)
+    chosen = logp.gather(1, tokens.index_select(0, index)[:, None])[:, 0]  # (n,)
+    k_max = max(top[i] for i in rows)
+    ids = values = None
+    if k_max:
+        best = torch.topk(logp, k_max, dim=-1)  # (n, k_max)
+        ids, values = best.indices, best.values
+    return LogprobRows(list(top), rows, chosen, ids, values)
 
 
 def token_logprobs(
@@ -140,20 +193,5 @@ def token_logprobs(
     """log_softmax of the raw logits (before temperature, top-k and top-p: vLLM's default
     "raw" logprobs) at each asked row: the sampled token's and the ``top[row]`` largest,
     descending. Only the asked rows are normalised and copied to the host."""
-    rows = [i for i, k in enumerate(top) if k is not None]
-    out: list[TokenLogprobs | None] = [None] * len(top)
-    if not rows:
-        return out
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-    chosen = logp.gather(1, tokens.index_select(0, index)[:, None])[:, 0].tolist()
-    k_max = max(top[i] for i in rows)
-    ids: list[list[int]] = [[] for _ in rows]
-    values: list[list[float]] = [[] for _ in rows]
-    if k_max:
-        best = torch.topk(logp, k_max, dim=-1)
-        ids, values = best.indices.tolist(), best.values.tolist()
-    for j, i in enumerate(rows):
-        k = top[i]
-        out[i] = (chosen[j], ids[j][:k], values[j][:k])
-    return out
+    queued = queue_logprobs(logits, tokens, top)
+    return [None] * len(top) if queued is None else queued.to_host().read()
