@@ -108,8 +108,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="http://127.0.0.1:8000/v1@tokenrouter",
         help="the routed app: URL[@MODEL]",
     )
-    parser.add_argument("--large", help="the large model alone (URL[@MODEL]): the reference")
-    parser.add_argument("--small", help="the small model alone (URL[@MODEL]), for the plot")
+    parser.add_argument(
+        "--large",
+        help="the large model alone, the reference: URL[@MODEL], or threshold:X for the "
+        "routed system at a threshold that sends every position to it (R2R: threshold:0)",
+    )
+    parser.add_argument(
+        "--small", help="the small model alone, for the table and plot (URL[@MODEL] or threshold:X)"
+    )
     parser.add_argument(
         "--policy",
         default="r2r",
@@ -163,6 +169,17 @@ def _system(text: str) -> tuple[str, str]:
     return url, model
 
 
+def _reference(text: str, routed: tuple[str, str]) -> tuple[tuple[str, str], float | None]:
+    """A reference system: ``threshold:X`` is the routed system at threshold X (R2R at 0
+    sends every position to the large model, at 1 none), else URL[@MODEL] as it serves."""
+    if text.startswith("threshold:"):
+        try:
+            return routed, float(text.removeprefix("threshold:"))
+        except ValueError:
+            raise UserFacingError(f"not a threshold: {text!r}") from None
+    return _system(text), None
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     return asyncio.run(calibrate(args))
 
@@ -203,7 +220,8 @@ async def calibrate(args: argparse.Namespace) -> int:
     references: dict[str, Any] = {}
     for name in ("large", "small"):
         if getattr(args, name):
-            references[name] = await run(dev, _system(getattr(args, name)), None, f"{name} (dev)")
+            where, at = _reference(getattr(args, name), (url, model))
+            references[name] = await run(dev, where, at, f"{name} (dev)")
     points = []
     for t in thresholds:
         result = await run(dev, (url, model), t, f"{args.policy} {t:g} (dev)")
@@ -227,7 +245,8 @@ async def calibrate(args: argparse.Namespace) -> int:
         test_point = point_of(chosen.threshold, test_result, step_models, args.at_concurrency)
         large_test = None
         if args.large:
-            large_test = await run(test, _system(args.large), None, "large (test)")
+            where, at = _reference(args.large, (url, model))
+            large_test = await run(test, where, at, "large (test)")
         report["chosen"] = {
             "threshold": chosen.threshold,
             "dev": chosen.to_json(),
