@@ -48,6 +48,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "local": ("loadtest.local_bench", "LocalRuntime vs a glue dispatcher, demo pair"),
     "trace-overhead": ("loadtest.trace_overhead", "what routing traces and metrics cost"),
     "demo-pair": ("loadtest.demo_pair_bench", "the demo pair's agreement and step times"),
+    "router-bound": (
+        "loadtest.router_bound",
+        "what a router could reach on a task set: the oracle bound vs R2R and entropy",
+    ),
     "multiturn": ("loadtest.multiturn", "multi-turn chats, prefix caching on vs off"),
     "prefix-cost": ("loadtest.prefix_cost", "prefix caching on vs off: nothing shared, long input"),
     "structured": (

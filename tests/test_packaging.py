@@ -72,7 +72,8 @@ for path in sorted(CONF_DIR.glob("*.yaml")):
             f"models.{name}.num_cpus=0.5",
         ]
     policy = choice(overrides, "policy", defaults["policy"])
-    options = yaml.safe_load((CONF_DIR / "policy" / f"{policy}.yaml").read_text())["options"]
+    policy_file = yaml.safe_load((CONF_DIR / "policy" / f"{policy}.yaml").read_text())
+    options = policy_file.get("options") or {}  # always / never have none
     if "checkpoint" in options:  # an untrained router: no router file in a fresh install
         overrides.append("policy.options.checkpoint=null")
         if "threshold" in options:  # null / demo: "the file's own", and there is no file

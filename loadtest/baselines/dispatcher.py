@@ -107,6 +107,9 @@ class Dispatcher:
             "max_tokens": max_tokens,
             "temperature": 0,
             "stream": True,
+            # Usage comes in a stream only when asked (OpenAI's rule; transformers >= 5.25
+            # follows it), and the produced count is read from it.
+            "stream_options": {"include_usage": True},
             "generation_config": json.dumps({"do_sample": False, "eos_token_id": eos}),
         }
         async with self.client.stream(
