@@ -142,6 +142,7 @@ class RouteState(msgspec.Struct, array_like=True, frozen=True):
     peer_bytes: NonNegative = 0  # encoded size of every HANDOFF sent so far (this one too)
     dropped: NonNegative = 0  # sampled tokens dropped at handoffs
     drops: list[Dropped] = []  # dropped at the next position to fill (traced requests)
+    cached_tokens: NonNegative | None = None  # prompt tokens the entry found in its cache
 
 
 class FinishSummary(msgspec.Struct, array_like=True, frozen=True):
@@ -154,6 +155,7 @@ class FinishSummary(msgspec.Struct, array_like=True, frozen=True):
     pending_s: dict[str, float] = {}  # every model's, open intervals closed at the end
     peer_bytes: NonNegative = 0
     dropped: NonNegative = 0
+    cached_tokens: NonNegative | None = None  # prompt tokens the entry found in its cache
 
 
 class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION):

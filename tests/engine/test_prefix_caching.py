@@ -55,6 +55,7 @@ def test_second_request_reuses_full_blocks_but_never_its_last_token() -> None:
     assert b.block_ids[:3] == a.block_ids[:3] and b.block_ids[3] != a.block_ids[3]
     assert all(kv.pool.ref_counts[x] == 2 for x in a.block_ids[:3])
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (14 + 15, 12)
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 12)  # the API's cached_tokens
     # A prompt made only of cached blocks still computes its last block's tokens.
     c = request("c", system)
     assert kv.cached_prefix(c).num_tokens == 8
@@ -99,6 +100,7 @@ def test_failed_allocation_with_a_hit_changes_nothing() -> None:
     assert len(prefix.blocks) == 2
     assert kv.allocate_slots(b, b.num_tokens - 8, prefix) is None
     assert b.block_ids == [] and b.num_computed_tokens == 0 and kv.prefix_cache_queries == 9
+    assert b.num_cached_tokens == -1  # not computed yet
     assert kv.pool.num_free_blocks == 4 and kv.pool.num_cached_blocks == 2
 
 
@@ -137,6 +139,7 @@ def test_preempted_request_finds_its_own_blocks_again() -> None:
     assert prefix.blocks == blocks[:3]
     compute(kv, r)
     assert r.block_ids[:3] == blocks[:3]
+    assert r.num_cached_tokens == 0  # what its first computation found, not the recompute
 
 
 def test_incref_and_touch_refuse_blocks_that_are_not_theirs() -> None:

@@ -168,10 +168,14 @@ def test_prefix_caching_equals_reference(name, caching, chain_dirs, chain_refere
             want.counts,
             want.handoffs,
         )
+    cached = [got.summary.cached_tokens for got in results]  # usage's cached_tokens
     if not caching:
         assert hits == [0] * len(names)
+        assert cached == [0] * len(prompts)
         return
     assert hits[0] >= 6 * 16  # every request of the second wave hit the system prompt
+    assert all(16 <= c < len(p) for c, p in zip(cached[2:], prompts[2:], strict=True))
+    assert sum(cached) == hits[0]  # what the entry model found, request by request
     if name != "never":
         assert hits[-1] > 0  # first visits of handoffs hit on the last model too
 

@@ -283,7 +283,7 @@ def test_metrics_are_on_every_choice_and_consistent(served_chain_dirs, policy) -
     for m, routing, n in seen:
         assert set(m) == {"ttft_s", "queue_s", "mean_itl_s", "e2e_s", "tokens_per_s",
                           "tokens_per_model", "handoffs", "dropped_tokens", "pending_s",
-                          "peer_bytes"}  # fmt: skip
+                          "peer_bytes", "cached_tokens"}  # fmt: skip
         assert 0 <= m["queue_s"] <= m["ttft_s"] <= m["e2e_s"]
         assert 0 < m["mean_itl_s"] <= m["e2e_s"]
         assert m["tokens_per_s"] == pytest.approx(n / m["e2e_s"])
@@ -301,3 +301,45 @@ def test_metrics_are_on_every_choice_and_consistent(served_chain_dirs, policy) -
         handed += m["handoffs"]
     assert (handed > 0) == (policy[0] == "bernoulli")
     json.dumps(seen)  # plain JSON all the way
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(served_chain_dirs) -> None:
+    """``usage.prompt_tokens_details.cached_tokens``: 0 for a prompt the entry model has
+    not seen, its cached full blocks (never the last prompt token) for one that shares
+    them; on completions and chat, streamed (the usage chunk) and not, with n = 2."""
+    system = [(7 * j + 3) % 128 for j in range(22)]  # five full 4-token blocks and a bit
+
+    async def body(client: openai.AsyncOpenAI, rt: LocalRuntime) -> list[Any]:
+        first = await client.completions.create(
+            model=SERVED, prompt=system, max_tokens=3, temperature=0
+        )
+        again = await client.completions.create(
+            model=SERVED, prompt=[*system, 9, 8], max_tokens=3, temperature=0, n=2
+        )
+        chunks = await collect(await client.completions.create(
+            model=SERVED, prompt=[*system, 5], max_tokens=3, temperature=0, stream=True,
+            stream_options={"include_usage": True}))  # fmt: skip
+        chat = [{"role": "user", "content": words(system)}]
+        chat_first = await client.chat.completions.create(
+            model=SERVED, messages=chat, max_tokens=3, temperature=0
+        )
+        chat_chunks = await collect(await client.chat.completions.create(
+            model=SERVED, messages=chat, max_tokens=3, temperature=0, stream=True,
+            stream_options={"include_usage": True}))  # fmt: skip
+        return [first.usage, again.usage, chunks[-1]["usage"], chat_first.usage,
+                chat_chunks[-1]["usage"], again.choices]  # fmt: skip
+
+    first, again, streamed, chat_first, chat_streamed, choices = run_flow(
+        served_chain_dirs, ("never", {}), body
+    )
+    assert first.prompt_tokens == 22 and first.prompt_tokens_details.cached_tokens == 0
+    assert again.prompt_tokens == 24 and again.prompt_tokens_details.cached_tokens == 20
+    for choice in choices:  # each choice is its own request at the entry model
+        assert choice_extra(choice, "metrics")["cached_tokens"] == 20
+    assert streamed["prompt_tokens"] == 23
+    assert streamed["prompt_tokens_details"] == {"cached_tokens": 20}
+    # the chat prompt (a template around the words) was new once, then found again
+    assert chat_first.prompt_tokens_details.cached_tokens < chat_first.prompt_tokens
+    assert chat_streamed["prompt_tokens"] == chat_first.prompt_tokens
+    full = (chat_first.prompt_tokens - 1) // 4 * 4  # every full block but the last token's
+    assert chat_streamed["prompt_tokens_details"] == {"cached_tokens": full}

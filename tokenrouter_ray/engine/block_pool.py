@@ -192,6 +192,8 @@ class KVCacheManager:
         revived = sum(1 for b in hit if self.pool.ref_counts[b] == 0)
         if max(missing, 0) > self.pool.num_free_blocks - revived:
             return None
+        if request.num_cached_tokens < 0:  # its first computation here
+            request.num_cached_tokens = prefix.num_tokens if prefix is not None else 0
         if prefix is not None:
             self.pool.touch(hit)
             request.block_ids.extend(hit)

@@ -182,6 +182,8 @@ class Request:
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache (or tried)
     runnable_since: float = 0.0  # when it last became WAITING/RUNNING (deferred launch)
     num_preemptions: int = 0
+    # prompt tokens its first computation here found in the prefix cache (-1: not yet)
+    num_cached_tokens: int = -1
     seed: int = -1  # resolved seed: the given one, or drawn once at admission
     # sampling.has_processors, read once: the runner checks it per row per step
     uses_processors: bool = field(init=False, default=False)

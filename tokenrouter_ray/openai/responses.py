@@ -83,19 +83,51 @@ class RoutingInfo(BaseModel):
         return cls(tokens_per_model=tokens, handoffs=handoffs)
 
 
+class PromptTokensDetails(BaseModel):
+    model_config = _OUT
+
+    cached_tokens: int = Field(
+        description="Prompt tokens the entry model found in its prefix cache (their KV was "
+        "reused, not computed)."
+    )
+
+
 class Usage(BaseModel):
     model_config = _OUT
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(
+        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+    ) -> Usage:
+        """``cached_tokens`` None (no model reported it: every choice ended before its
+        model's report) leaves ``prompt_tokens_details`` out."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=(
+                None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
+            ),
+        )
+
+    @classmethod
+    def of_choices(cls, prompt_tokens: int, choices: Iterable[ChoiceResult]) -> Usage:
+        """The response's usage: completion tokens summed over its choices; cached prompt
+        tokens as the choice whose model found the most (each choice is its own request at
+        the entry model; the prompt is counted once, as OpenAI does)."""
+        choices = list(choices)
+        cached = [
+            c.metrics.cached_tokens
+            for c in choices
+            if c.metrics is not None and c.metrics.cached_tokens is not None
+        ]
+        return cls.of(
+            prompt_tokens, sum(c.num_tokens for c in choices), max(cached) if cached else None
         )
 
 
@@ -213,7 +245,7 @@ def _response_fields(
         id=rid,
         created=int(time.time()) if created is None else created,
         model=model,
-        usage=Usage.of(prompt_tokens, sum(c.num_tokens for c in ordered)),
+        usage=Usage.of_choices(prompt_tokens, ordered),
         routing=RoutingInfo.merge(c.routing for c in ordered),
     )
 

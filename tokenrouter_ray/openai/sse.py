@@ -115,14 +115,20 @@ class _Stream:
         return chunk
 
     def end(
-        self, prompt_tokens: int, completion_tokens: int, routing: RoutingInfo | None = None
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        routing: RoutingInfo | None = None,
+        cached_tokens: int | None = None,
     ) -> bytes:
         """The usage chunk (only with ``include_usage``), then ``[DONE]``.
-        ``completion_tokens``: summed over choices; ``routing``: likewise (see `merge`)."""
+        ``completion_tokens``: summed over choices; ``routing``: likewise (see `merge`);
+        ``cached_tokens``: see ``Usage.of_choices``."""
         if not self.include_usage:
             return SSE_DONE
         chunk = self._chunk([], routing)
-        chunk["usage"] = Usage.of(prompt_tokens, completion_tokens).model_dump()
+        usage = Usage.of(prompt_tokens, completion_tokens, cached_tokens)
+        chunk["usage"] = usage.model_dump(exclude_none=True)
         return sse_event(chunk) + SSE_DONE
 
 
@@ -268,9 +274,15 @@ async def merge_choice_streams(
                 yield stream.finish(choice.index, choice.finish_reason, choice.routing, extra=extra)
                 hooks.sent()
         results = [t.result() for t in tasks]
-        total = sum(c.num_tokens for c in results)
+        usage = Usage.of_choices(prompt_len, results)
+        cached = usage.prompt_tokens_details
         hooks.sending()
-        yield stream.end(prompt_len, total, RoutingInfo.merge(c.routing for c in results))
+        yield stream.end(
+            prompt_len,
+            usage.completion_tokens,
+            RoutingInfo.merge(c.routing for c in results),
+            None if cached is None else cached.cached_tokens,
+        )
         hooks.sent()
     finally:
         for task in tasks:

@@ -166,6 +166,9 @@ class RequestMetrics(BaseModel):
     peer_bytes: int | None = Field(
         None, description="Encoded bytes of the HANDOFF messages sent for this request."
     )
+    cached_tokens: int | None = Field(
+        None, description="Prompt tokens the entry model found in its prefix cache."
+    )
 
 
 def request_metrics(
@@ -198,4 +201,5 @@ def request_metrics(
         dropped_tokens=None if summary is None else summary.dropped,
         pending_s=None if pending is None else dict(pending),
         peer_bytes=None if summary is None else summary.peer_bytes,
+        cached_tokens=None if summary is None else summary.cached_tokens,
     )

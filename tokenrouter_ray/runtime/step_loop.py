@@ -469,7 +469,8 @@ class StepLoop:
 
     def _note_queued(self, started: float) -> None:
         """Queue time (the ingress sent the NEW -> the start of the first step computing
-        it here) of the new requests this step computed."""
+        it here) and the prompt tokens found in the prefix cache, of the new requests this
+        step computed."""
         for rid, sent in list(self.server.unqueued.items()):
             request = self.engine.get_request(rid)
             tracked = self.tracked.get(rid)
@@ -477,6 +478,7 @@ class StepLoop:
                 del self.server.unqueued[rid]
             elif request.num_computed_tokens > 0:
                 tracked.queue_s = max(0.0, started - sent)
+                tracked.cached_tokens = max(0, request.num_cached_tokens)
                 del self.server.unqueued[rid]
 
     def _decide(

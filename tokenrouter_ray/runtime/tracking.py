@@ -49,6 +49,7 @@ class Tracked:
     peer_bytes: int = 0
     dropped: int = 0
     drops: list[Dropped] = field(default_factory=list)  # at the next position (traced)
+    cached_tokens: int | None = None  # prompt tokens the entry model found in its cache
 
     @classmethod
     def from_route(cls, rid: str, route: RouteState, sampling: SamplingSpec, seq: int) -> Tracked:
@@ -95,4 +96,5 @@ class Tracked:
             pending_s=pending,
             peer_bytes=self.peer_bytes,
             dropped=self.dropped,
+            cached_tokens=self.cached_tokens,
         )
