@@ -183,8 +183,17 @@ def test_thinking_is_split_and_max_tokens_counts_both() -> None:
             "The answer.",
         )
         assert full.choices[0].finish_reason == "stop"
+        # usage: the tokens of the thinking block, its tags included, of all the answer's
+        think = len(qwen3_tokenizer()("<think>\nlong thoughts here\n</think>")["input_ids"])
+        assert 0 < think < full.usage.completion_tokens
+        assert full.usage.completion_tokens_details.reasoning_tokens == think
+        chunks = [c async for c in await client.chat.completions.create(
+            model=SERVED, messages=messages, stream=True,
+            stream_options={"include_usage": True})]  # fmt: skip
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == think
         cut = await client.chat.completions.create(model=SERVED, messages=messages, max_tokens=12)
         assert cut.usage.completion_tokens == 12 and cut.choices[0].finish_reason == "length"
+        assert cut.usage.completion_tokens_details.reasoning_tokens == 12  # never closed
         assert (
             cut.choices[0].message.model_extra["reasoning_content"] == "\nlong thoug"
         )  # <think> is one token
@@ -194,6 +203,7 @@ def test_thinking_is_split_and_max_tokens_counts_both() -> None:
                 "enable_thinking": False}}
         )  # fmt: skip
         assert off.choices[0].message.content == "Direct answer."
+        assert off.usage.completion_tokens_details.reasoning_tokens == 0
         assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
         s = await streamed(client, messages=messages)
         assert (s["reasoning"], s["content"]) == ("\nlong thoughts here\n", "The answer.")

@@ -22,6 +22,7 @@ from tokenrouter_ray.openai import (
     InvalidRequestError,
     RequestLimits,
     RoutingInfo,
+    Usage,
     parse_request,
     prepare_chat,
     sse_error,
@@ -68,7 +69,7 @@ def test_chat_stream_sequence_with_usage() -> None:
         + s.delta(0, "lo")
         + s.finish(0, "stop", RoutingInfo(tokens_per_model={"small": 2}))
         + s.finish(1, "length", RoutingInfo(tokens_per_model={"large": 1}, handoffs=1), text="!")
-        + s.end(5, 4, RoutingInfo(tokens_per_model={"small": 2, "large": 1}, handoffs=1))
+        + s.end(Usage.of(5, 4), RoutingInfo(tokens_per_model={"small": 2, "large": 1}, handoffs=1))
     )
     got = events(body)
     assert got[-1] == "[DONE]"
@@ -91,7 +92,7 @@ def test_chat_stream_sequence_with_usage() -> None:
 
 def test_chat_stream_without_usage_has_no_usage_chunk() -> None:
     s = ChatStream("tiny")
-    got = events(s.start() + s.delta(0, "x") + s.finish(0, "stop") + s.end(1, 1))
+    got = events(s.start() + s.delta(0, "x") + s.finish(0, "stop") + s.end(Usage.of(1, 1)))
     assert got[-1] == "[DONE]" and all("usage" not in e for e in got[:-1])
     assert all(e["choices"] for e in got[:-1])
 
@@ -99,7 +100,9 @@ def test_chat_stream_without_usage_has_no_usage_chunk() -> None:
 def test_completion_stream_parses_as_completion_chunks() -> None:
     s = CompletionStream("tiny", n=1, include_usage=True)
     assert s.start() == b""
-    body = s.delta(0, "a b") + s.finish(0, "length", text="c") + s.end(3, 2, RoutingInfo())
+    body = (
+        s.delta(0, "a b") + s.finish(0, "length", text="c") + s.end(Usage.of(3, 2), RoutingInfo())
+    )
     got = events(body)
     # Mid-stream chunks have `finish_reason: null`, as OpenAI's do, which the client's
     # `Completion` type (shared with non-streaming) does not allow; the client builds stream
@@ -118,7 +121,7 @@ def test_completion_stream_parses_as_completion_chunks() -> None:
 
 def test_openai_client_streams_completions() -> None:
     s = CompletionStream("tiny", include_usage=True)
-    body = s.delta(0, "Hello") + s.delta(0, " world") + s.finish(0, "stop") + s.end(2, 2)
+    body = s.delta(0, "Hello") + s.delta(0, " world") + s.finish(0, "stop") + s.end(Usage.of(2, 2))
     stream = client_for(body).completions.create(model="tiny", prompt="x", stream=True)
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "Hello world"
@@ -183,7 +186,7 @@ def test_streaming_chat_n2_end_to_end(demo_tokenizer: Any) -> None:
             tail = detoks[i].finish()
             sent += stream.finish(i, "stop", RoutingInfo(tokens_per_model={"small": 1}), text=tail)
     completion_tokens = sum(d.num_tokens for d in detoks)
-    sent += stream.end(len(prepared.prompt_token_ids), completion_tokens, RoutingInfo())
+    sent += stream.end(Usage.of(len(prepared.prompt_token_ids), completion_tokens), RoutingInfo())
 
     chunks = list(client_for(sent).chat.completions.create(**body))
     texts = ["", ""]

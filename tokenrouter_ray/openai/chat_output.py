@@ -12,10 +12,16 @@ reasoning parser → tool parser: a call written while thinking is thinking, not
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tokenrouter_ray.openai.reasoning import QWEN3, ReasoningFormat, ReasoningParser
+from tokenrouter_ray.openai.reasoning import (
+    QWEN3,
+    ReasoningFormat,
+    ReasoningParser,
+    reasoning_token_count,
+)
 from tokenrouter_ray.openai.tool_parser import HermesToolParser, ToolCall, ToolCallDelta
 
 FinishReasonT = TypeVar("FinishReasonT", bound=str)
@@ -115,6 +121,15 @@ class ChatOutputParser:
         delta = self.push(tail) if tail else ChatDelta()
         delta.add(self.finish())
         return delta
+
+    def reasoning_tokens(self, text: str, token_ends: Sequence[int], num_tokens: int) -> int | None:
+        """The output tokens that were thinking (``reasoning_token_count`` over the
+        detokenizer's ``text`` and ``token_ends``); None when reasoning is not parsed."""
+        if self.reasoning is None:
+            return None
+        return reasoning_token_count(
+            text, token_ends, num_tokens, self.reasoning.fmt, self.reasoning.thought
+        )
 
     def finish_reason(self, reason: FinishReasonT) -> FinishReasonT:
         """``"tool_calls"`` for an answer that ended by itself after calling tools."""

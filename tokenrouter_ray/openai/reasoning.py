@@ -17,6 +17,7 @@ Families (`reasoning_parser_for` picks one from the chat template):
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,7 @@ class ReasoningParser:
     def __init__(self, fmt: ReasoningFormat = QWEN3, in_reasoning: bool = False) -> None:
         self.fmt = fmt
         self._state = self._REASONING if in_reasoning else self._START
+        self.thought = in_reasoning  # a thinking block opened (possibly empty)
         self._held = ""
         self._strip_newlines = False  # just after the end tag
 
@@ -70,6 +72,7 @@ class ReasoningParser:
                 return "", ""
             if head.startswith(self.fmt.start):
                 self._state, buf = self._REASONING, head[len(self.fmt.start) :]
+                self.thought = True
             else:
                 self._state = self._CONTENT
         if self._state == self._REASONING:
@@ -92,6 +95,21 @@ class ReasoningParser:
         if self._state == self._REASONING:
             return held, ""
         return "", held.lstrip() if self._state == self._START else held
+
+
+def reasoning_token_count(
+    text: str, token_ends: Sequence[int], num_tokens: int, fmt: ReasoningFormat, thought: bool
+) -> int:
+    """How many of a choice's ``num_tokens`` output tokens were thinking (OpenAI's
+    ``completion_tokens_details.reasoning_tokens``): those up to and including the one that
+    completes the end tag in the decoded ``text`` (``token_ends[i]``: where token i's text
+    ends); all of them when the block never closed; 0 when the answer had no thinking."""
+    if not thought:
+        return 0
+    end = text.find(fmt.end)
+    if end < 0:
+        return num_tokens
+    return min(num_tokens, bisect_left(token_ends, end + len(fmt.end)) + 1)
 
 
 def reasoning_parser_for(tokenizer: Any) -> ReasoningFormat | None:

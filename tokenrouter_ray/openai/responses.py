@@ -92,6 +92,14 @@ class PromptTokensDetails(BaseModel):
     )
 
 
+class CompletionTokensDetails(BaseModel):
+    model_config = _OUT
+
+    reasoning_tokens: int = Field(
+        description="Completion tokens inside the thinking block (its tags included)."
+    )
+
+
 class Usage(BaseModel):
     model_config = _OUT
 
@@ -99,13 +107,20 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
     def of(
-        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int | None = None,
+        reasoning_tokens: int | None = None,
     ) -> Usage:
         """``cached_tokens`` None (no model reported it: every choice ended before its
-        model's report) leaves ``prompt_tokens_details`` out."""
+        model's report) leaves ``prompt_tokens_details`` out; ``reasoning_tokens`` None (no
+        reasoning parsed: completions, a template without thinking) leaves
+        ``completion_tokens_details`` out."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
@@ -113,21 +128,30 @@ class Usage(BaseModel):
             prompt_tokens_details=(
                 None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
             ),
+            completion_tokens_details=(
+                None
+                if reasoning_tokens is None
+                else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+            ),
         )
 
     @classmethod
     def of_choices(cls, prompt_tokens: int, choices: Iterable[ChoiceResult]) -> Usage:
-        """The response's usage: completion tokens summed over its choices; cached prompt
-        tokens as the choice whose model found the most (each choice is its own request at
-        the entry model; the prompt is counted once, as OpenAI does)."""
+        """The response's usage: completion and reasoning tokens summed over its choices;
+        cached prompt tokens as the choice whose model found the most (each choice is its
+        own request at the entry model; the prompt is counted once, as OpenAI does)."""
         choices = list(choices)
         cached = [
             c.metrics.cached_tokens
             for c in choices
             if c.metrics is not None and c.metrics.cached_tokens is not None
         ]
+        thinking = [c.reasoning_tokens for c in choices if c.reasoning_tokens is not None]
         return cls.of(
-            prompt_tokens, sum(c.num_tokens for c in choices), max(cached) if cached else None
+            prompt_tokens,
+            sum(c.num_tokens for c in choices),
+            max(cached) if cached else None,
+            sum(thinking) if thinking else None,
         )
 
 
@@ -147,6 +171,8 @@ class ChoiceResult:
     # chat, when the output was parsed: its reasoning / content / tool calls (None: all
     # of ``text`` is content)
     message: ParsedMessage | None = None
+    # chat with reasoning parsed: how many of ``num_tokens`` were thinking (None: not parsed)
+    reasoning_tokens: int | None = None
 
 
 class CompletionChoice(BaseModel):

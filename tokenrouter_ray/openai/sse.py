@@ -114,20 +114,12 @@ class _Stream:
             chunk["routing"] = routing.model_dump()
         return chunk
 
-    def end(
-        self,
-        prompt_tokens: int,
-        completion_tokens: int,
-        routing: RoutingInfo | None = None,
-        cached_tokens: int | None = None,
-    ) -> bytes:
-        """The usage chunk (only with ``include_usage``), then ``[DONE]``.
-        ``completion_tokens``: summed over choices; ``routing``: likewise (see `merge`);
-        ``cached_tokens``: see ``Usage.of_choices``."""
+    def end(self, usage: Usage, routing: RoutingInfo | None = None) -> bytes:
+        """The usage chunk (only with ``include_usage``), then ``[DONE]``. ``usage``: the
+        request's (``Usage.of_choices``); ``routing``: summed over choices (see `merge`)."""
         if not self.include_usage:
             return SSE_DONE
         chunk = self._chunk([], routing)
-        usage = Usage.of(prompt_tokens, completion_tokens, cached_tokens)
         chunk["usage"] = usage.model_dump(exclude_none=True)
         return sse_event(chunk) + SSE_DONE
 
@@ -274,14 +266,9 @@ async def merge_choice_streams(
                 yield stream.finish(choice.index, choice.finish_reason, choice.routing, extra=extra)
                 hooks.sent()
         results = [t.result() for t in tasks]
-        usage = Usage.of_choices(prompt_len, results)
-        cached = usage.prompt_tokens_details
         hooks.sending()
         yield stream.end(
-            prompt_len,
-            usage.completion_tokens,
-            RoutingInfo.merge(c.routing for c in results),
-            None if cached is None else cached.cached_tokens,
+            Usage.of_choices(prompt_len, results), RoutingInfo.merge(c.routing for c in results)
         )
         hooks.sent()
     finally:

@@ -372,6 +372,9 @@ class IngressServer:
             metrics,
             details,
             parser.message if parser is not None else None,
+            parser.reasoning_tokens(detok.text, detok.token_ends, n)
+            if parser is not None
+            else None,
         )
 
     def _details(
