@@ -184,7 +184,7 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
     return InternalServerError()
 
 
-REQUEST_MODELS = frozenset({"CompletionRequest", "ChatCompletionRequest"})
+REQUEST_MODELS = frozenset({"CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"})
 
 
 def _is_request_validation_error(exc: BaseException) -> bool:

@@ -158,12 +158,14 @@ class _Lenient(BaseModel):
 
     model_config = _STRICT_LENIENT
     PART: ClassVar[str] = "request"  # where the field sits, for the log line
+    KNOWN_EXTRA: ClassVar[frozenset[str]] = frozenset()  # undeclared names handled elsewhere
 
     @model_validator(mode="before")
     @classmethod
     def _log_unknown_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
             known = cls.model_fields.keys() | {f.alias for f in cls.model_fields.values()}
+            known |= cls.KNOWN_EXTRA
             for name in data.keys() - known:
                 key = f"{cls.PART}.{name}"
                 if key not in _warned_unknown:

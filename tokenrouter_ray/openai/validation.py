@@ -137,6 +137,7 @@ def check_raw_limits(data: Any, limits: RequestLimits) -> None:
         return  # parse_request reports the shape
     for field, limit, what in (
         ("messages", limits.max_messages, "messages"),
+        ("input", limits.max_messages, "input items"),  # POST /v1/responses
         ("stop", limits.max_stop, "stop sequences"),
         ("stop_token_ids", limits.max_stop_token_ids, "stop token ids"),
         ("logit_bias", limits.max_logit_bias, "logit_bias entries"),
