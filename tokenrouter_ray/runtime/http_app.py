@@ -7,7 +7,9 @@ A request is admitted (past ``max_active_requests`` it waits in a short bounded 
 Content-Length or while reading), parsed and tokenized (big bodies off the event loop), then
 answered by the service's ``IngressServer``: a JSON response, or an SSE stream whose choices
 are cancelled however the response ends and which is cut once its client stops reading
-(runtime/backpressure.py). Every error is the OpenAI envelope.
+(runtime/backpressure.py). Every error is the OpenAI envelope. ``POST /v1/responses`` (the
+Responses API) is served as the chat request it maps to, its answer translated
+(openai/responses_input.py, responses_output.py).
 
 Middlewares: optional API keys (``TOKENROUTER_API_KEYS``; every route but ``/health``, 401
 envelope) and ``X-Request-Id`` (accepted or made, the prefix of the request's rids on every
@@ -22,7 +24,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -35,12 +37,20 @@ from tokenrouter_ray.openai import tokenize as token_ids
 from tokenrouter_ray.openai.auth import ApiKeyMiddleware
 from tokenrouter_ray.openai.errors import (
     InvalidRequestError,
+    NotFoundError,
     OpenAIError,
     as_openai_error,
     error_response,
     from_json_error,
 )
 from tokenrouter_ray.openai.request_id import RequestIdMiddleware, request_id_of, rid_prefix
+from tokenrouter_ray.openai.responses_input import ResponsesRequest, prepare_responses
+from tokenrouter_ray.openai.responses_output import (
+    ResponseStream,
+    build_response,
+    response_events,
+    response_head,
+)
 from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenrouter_ray.openai.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from tokenrouter_ray.openai.validation import (
@@ -237,8 +247,11 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
     async def tuner_status() -> Any:
         return await service.tuner_status()
 
-    async def complete_request(request: Request, schema: type, prepare: Any, chat: bool) -> Any:
-        """Admission, body, parsing and tokenizing (off the loop), then the response."""
+    async def answer(
+        request: Request, schema: type, prepare: Any, chat: bool
+    ) -> tuple[Any, PreparedRequest, Any]:
+        """Admission, body, parsing and tokenizing (off the loop), then the server's answer:
+        ``(parsed request, prepared request, response object or StreamedChoices)``."""
         async with service.admission.admit(service.has_room):  # before any reading: cheap 429
             service.server.check_admission()
             body = await read_body(request, service.max_body_bytes)
@@ -250,15 +263,18 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
             prepared = _with_request_id(prepared, request)
             timeout_s = timeout_of(data)
         # Out of the queue's block: nothing suspends before the core counts the request.
-        result = await service.server.respond(prepared, chat, timeout_s)
+        return parsed, prepared, await service.server.respond(prepared, chat, timeout_s)
+
+    def stream_response(result: StreamedChoices, body: AsyncIterator[bytes]) -> Response:
+        """``body`` (the choices' SSE, or a translation of it) as the HTTP response."""
+        return ChoicesResponse(
+            result.tasks, result.stalled, body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS
+        )
+
+    async def complete_request(request: Request, schema: type, prepare: Any, chat: bool) -> Any:
+        _, _, result = await answer(request, schema, prepare, chat)
         if isinstance(result, StreamedChoices):
-            return ChoicesResponse(
-                result.tasks,
-                result.stalled,
-                result.body,
-                media_type=SSE_MEDIA_TYPE,
-                headers=SSE_HEADERS,
-            )
+            return stream_response(result, result.body)
         return JSONResponse(result.model_dump(mode="json"))
 
     @app.post("/v1/completions")
@@ -268,5 +284,24 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await complete_request(request, ChatCompletionRequest, prepare_chat, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """The Responses API, served as the chat request it maps to (openai/responses_*.py)."""
+        parsed, prepared, result = await answer(
+            request, ResponsesRequest, prepare_responses, chat=True
+        )
+        head = response_head(parsed, prepared.sampling, served)
+        if isinstance(result, StreamedChoices):
+            return stream_response(result, response_events(ResponseStream(head), result.body))
+        return JSONResponse(build_response(head, result).model_dump(mode="json"))
+
+    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"])
+    async def stored_response(response_id: str) -> Response:
+        """Retrieve, cancel, delete, input items: there is nothing stored to act on."""
+        raise NotFoundError(
+            f"No response '{response_id}': this server does not store responses.",
+            param="response_id",
+        )
 
     return app

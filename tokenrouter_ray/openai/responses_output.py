@@ -1,0 +1,423 @@
+"""Responses API answers (``POST /v1/responses``), translated from the chat path's answer
+to the request's chat equivalent (openai/responses_input.py).
+
+Every answer starts from `response_head`: a `ResponseObject` with the request's settings as
+resolved (temperature and top_p after the model's defaults), status ``in_progress``, no
+output. Output items, in the order the parsed answer has its parts:
+
+- ``reasoning`` (the chat message's ``reasoning_content``, when there was thinking): the
+  whole text as one ``reasoning_text`` content part (not a summary: ``summary`` is empty);
+- ``message`` (its ``content``; absent only when the answer is tool calls alone): one
+  ``output_text`` part;
+- ``function_call`` per tool call: ``call_id`` is chat's call id (``call_...``).
+
+Items have ids (``rs_``, ``msg_``, ``fc_``) and status ``completed``; a chat finish reason
+``length`` makes the response ``incomplete`` (``incomplete_details.reason:
+"max_output_tokens"``) and its last item ``incomplete``. ``usage`` is chat's renamed
+(``input_tokens``, ``output_tokens``; the cached and reasoning token details are not
+counted here: 0). Extensions: ``routing`` and the choice's ``metrics``, as on chat.
+
+Non-streamed, `build_response(head, completion)` reads the `ChatCompletion`. Streamed, a
+`ResponseStream` reads the chat stream's chunks (decoded from its SSE frames by
+`response_events`; the chat request asked for usage) and writes OpenAI's event sequence,
+each ``event: <type>\\ndata: <json>\\n\\n`` with a ``sequence_number`` from 0:
+``response.created``, ``response.in_progress``; per item ``response.output_item.added``,
+then for a message ``response.content_part.added``, ``response.output_text.delta`` (one per
+chat delta), ``response.output_text.done``, ``response.content_part.done`` (reasoning: the
+same with ``response.reasoning_text.delta`` / ``.done``; a call:
+``response.function_call_arguments.delta`` / ``.done``), ``response.output_item.done``;
+last ``response.completed`` (``response.incomplete`` at ``max_output_tokens``) with the
+whole response and its usage. A failure after the headers is an ``error`` event then
+``response.failed``, never a cut connection. Events are dicts encoded with `json.dumps`
+(no pydantic on the per-token path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenrouter_ray.openai.errors import InternalServerError, as_openai_error
+from tokenrouter_ray.openai.responses import ChatCompletion, RoutingInfo, Usage
+from tokenrouter_ray.openai.responses_input import ResponsesRequest
+from tokenrouter_ray.openai.token_reports import RequestMetrics
+from tokenrouter_ray.openai.validation import SamplingOptions
+
+logger = logging.getLogger(__name__)
+
+Status = Literal["in_progress", "completed", "incomplete", "failed"]
+_OUT = ConfigDict(extra="forbid")
+
+
+def new_id(prefix: str) -> str:
+    """``resp``, ``msg``, ``rs``, ``fc``: OpenAI's id prefixes."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseUsage(BaseModel):
+    model_config = _OUT
+
+    input_tokens: int
+    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+    output_tokens: int
+    output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
+    total_tokens: int
+
+    @classmethod
+    def of(cls, usage: Usage) -> ResponseUsage:
+        return cls(
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
+        )
+
+
+class ResponseObject(BaseModel):
+    """``object: "response"``, the shape the ``openai`` client parses, plus ``routing`` and
+    ``metrics`` (extensions, reachable through ``model_extra`` there)."""
+
+    model_config = _OUT
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Status = "in_progress"
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, str] | None = None
+    model: str
+    output: list[dict[str, Any]] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    # the request's settings, as served
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float
+    top_p: float
+    parallel_tool_calls: bool = True
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None, "summary": None})
+    truncation: Literal["disabled"] = "disabled"
+    previous_response_id: None = None
+    background: bool = False
+    store: bool = False  # whatever was asked: responses are not stored
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+    routing: RoutingInfo | None = None
+    metrics: RequestMetrics | None = None
+
+
+def response_head(
+    request: ResponsesRequest, sampling: SamplingOptions, model: str
+) -> ResponseObject:
+    """A fresh response to ``request`` (served as ``model``, sampled by ``sampling``),
+    before any output."""
+    fmt = request.text.format if request.text is not None else None
+    summary = request.reasoning.summary if request.reasoning is not None else None
+    return ResponseObject(
+        id=new_id("resp"),
+        created_at=int(time.time()),
+        model=model,
+        instructions=request.instructions,
+        max_output_tokens=request.max_output_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+        tool_choice=request.tool_choice or "auto",
+        tools=request.tools or [],
+        text={"format": fmt or {"type": "text"}},
+        reasoning={"effort": None, "summary": summary},
+        metadata=request.metadata or {},
+        user=request.user,
+    )
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _reasoning_text(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+# a text item's kind -> (id prefix, event name prefix of its text, its content part)
+TEXT_ITEMS = {
+    "message": ("msg", "response.output_text", _output_text),
+    "reasoning": ("rs", "response.reasoning_text", _reasoning_text),
+}
+
+
+def text_item(kind: str, item_id: str, text: str | None, status: Status) -> dict[str, Any]:
+    """A ``message`` or ``reasoning`` item with ``text`` as its one content part (None: its
+    head, no part yet)."""
+    content = [] if text is None else [TEXT_ITEMS[kind][2](text)]
+    if kind == "message":
+        return {
+            "type": "message",
+            "id": item_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
+
+
+def function_call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: Status
+) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def finished(
+    head: ResponseObject,
+    output: list[dict[str, Any]],
+    finish_reason: str | None,
+    usage: ResponseUsage,
+    routing: RoutingInfo | None,
+    metrics: RequestMetrics | None,
+) -> ResponseObject:
+    """``head`` with its output and usage: ``incomplete`` (and its last item) when the
+    output was cut by its token budget, else ``completed``."""
+    cut = finish_reason == "length"
+    if cut and output:
+        output[-1]["status"] = "incomplete"
+    return head.model_copy(
+        update={
+            "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "output": output,
+            "usage": usage,
+            "routing": routing,
+            "metrics": metrics,
+        }
+    )
+
+
+def build_response(head: ResponseObject, completion: ChatCompletion) -> ResponseObject:
+    """The non-streamed response: ``completion``'s one choice as output items."""
+    (choice,) = completion.choices
+    message = choice.message
+    output = []
+    if message.reasoning_content:
+        reasoning = text_item("reasoning", new_id("rs"), message.reasoning_content, "completed")
+        output.append(reasoning)
+    if message.content is not None:
+        output.append(text_item("message", new_id("msg"), message.content, "completed"))
+    for call in message.tool_calls or ():
+        function = call["function"]
+        output.append(
+            function_call_item(
+                new_id("fc"), call["id"], function["name"], function["arguments"], "completed"
+            )
+        )
+    usage = ResponseUsage.of(completion.usage)
+    return finished(head, output, choice.finish_reason, usage, completion.routing, choice.metrics)
+
+
+def _encode(data: Mapping[str, Any]) -> bytes:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class ResponseStream:
+    """The Responses events of one streamed request, from its chat chunks (decoded dicts of
+    ``chat.completion.chunk``, one choice; the module docstring has the sequence). An
+    item stays open while deltas of its kind come; another kind closes it and opens the
+    next. ``done``: the last event (completed, incomplete or failed) was written."""
+
+    def __init__(self, head: ResponseObject) -> None:
+        self.head = head
+        self.items: list[dict[str, Any]] = []  # the last one is open until closed
+        self.open = False
+        self.text = ""  # the open item's text (a call: its arguments) so far
+        self.answered = False  # a message or a call was opened
+        self.finish_reason: str | None = None
+        self.metrics: RequestMetrics | None = None
+        self.sequence = 0
+        self.done = False
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _encode(data) + b"\n\n"
+
+    def start(self) -> bytes:
+        """``response.created`` and ``response.in_progress``."""
+        head = self.head.model_dump(mode="json")
+        return self.event("response.created", response=head) + self.event(
+            "response.in_progress", response=head
+        )
+
+    def feed(self, chunk: Mapping[str, Any]) -> bytes:
+        """The events one chat chunk makes (``b""``: none, e.g. the role chunk)."""
+        if self.done:
+            return b""
+        if "error" in chunk:
+            return self.fail(chunk["error"])
+        out = []
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out.append(self._text("reasoning", delta["reasoning_content"]))
+            if delta.get("content"):
+                out.append(self._text("message", delta["content"]))
+            for call in delta.get("tool_calls") or ():
+                out.append(self._call(call))
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+                if choice.get("metrics") is not None:
+                    self.metrics = RequestMetrics.model_validate(choice["metrics"])
+                if not self.answered:  # an empty answer is an empty message
+                    out.append(self._open(text_item("message", new_id("msg"), None, "in_progress")))
+                cut = self.finish_reason == "length"
+                out.append(self._close("incomplete" if cut else "completed"))
+        if chunk.get("usage") is not None:
+            out.append(self._end(chunk["usage"], chunk.get("routing")))
+        return b"".join(out)
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def _open(self, item: dict[str, Any]) -> bytes:
+        """Close the open item, open ``item`` (its head; a text item's empty part too)."""
+        out = self._close("completed") if self.open else b""
+        self.items.append(item)
+        self.open, self.text = True, ""
+        self.answered = self.answered or item["type"] != "reasoning"
+        index = len(self.items) - 1
+        out += self.event("response.output_item.added", output_index=index, item=item)
+        if item["type"] in TEXT_ITEMS:
+            part = TEXT_ITEMS[item["type"]][2]("")
+            out += self.event(
+                "response.content_part.added", **self._where(), content_index=0, part=part
+            )
+        return out
+
+    def _text(self, kind: str, delta: str) -> bytes:
+        """A text delta of a ``message`` or ``reasoning`` item (opened if another is)."""
+        prefix, events, _ = TEXT_ITEMS[kind]
+        out = b""
+        if not self.open or self.items[-1]["type"] != kind:
+            out = self._open(text_item(kind, new_id(prefix), None, "in_progress"))
+        self.text += delta
+        extra = {"logprobs": []} if kind == "message" else {}
+        where = self._where()
+        return out + self.event(f"{events}.delta", **where, content_index=0, delta=delta, **extra)
+
+    def _call(self, call: Mapping[str, Any]) -> bytes:
+        """A streamed tool call piece: the first (with ``id``) opens its item."""
+        function = call.get("function") or {}
+        out = b""
+        if call.get("id") is not None:
+            name = function.get("name") or ""
+            out = self._open(function_call_item(new_id("fc"), call["id"], name, "", "in_progress"))
+        arguments = function.get("arguments") or ""
+        if arguments and self.open and self.items[-1]["type"] == "function_call":
+            self.text += arguments
+            out += self.event(
+                "response.function_call_arguments.delta", **self._where(), delta=arguments
+            )
+        return out
+
+    def _close(self, status: Status) -> bytes:
+        """The open item's done events, and the item itself in its final state."""
+        if not self.open:
+            return b""
+        item, where, text = self.items[-1], self._where(), self.text
+        item["status"] = status
+        self.open = False
+        if item["type"] in TEXT_ITEMS:
+            _, events, make = TEXT_ITEMS[item["type"]]
+            item["content"] = [make(text)]
+            extra = {"logprobs": []} if item["type"] == "message" else {}
+            out = self.event(f"{events}.done", **where, content_index=0, text=text, **extra)
+            out += self.event(
+                "response.content_part.done", **where, content_index=0, part=item["content"][0]
+            )
+        else:
+            item["arguments"] = text
+            out = self.event(
+                "response.function_call_arguments.done", **where, name=item["name"], arguments=text
+            )
+        index = where["output_index"]
+        return out + self.event("response.output_item.done", output_index=index, item=item)
+
+    def _end(self, usage: Mapping[str, Any], routing: Mapping[str, Any] | None) -> bytes:
+        """The last event: the whole response with its usage."""
+        response = finished(
+            self.head,
+            self.items,
+            self.finish_reason,
+            ResponseUsage.of(Usage.model_validate(usage)),
+            RoutingInfo.model_validate(routing) if routing is not None else None,
+            self.metrics,
+        )
+        self.done = True
+        kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+        return self.event(kind, response=response.model_dump(mode="json"))
+
+    def fail(self, error: Mapping[str, Any]) -> bytes:
+        """``error`` (OpenAI's error object) as an ``error`` event, then
+        ``response.failed`` with the output so far (an open item ``incomplete``)."""
+        message = str(error.get("message") or "The server had an error.")
+        code = error.get("code") or error.get("type")
+        out = self.event("error", code=code, message=message, param=error.get("param"))
+        if self.open:
+            item = self.items[-1]
+            item["status"] = "incomplete"
+            if item["type"] in TEXT_ITEMS:
+                item["content"] = [TEXT_ITEMS[item["type"]][2](self.text)]
+            else:
+                item["arguments"] = self.text
+            self.open = False
+        failed = self.head.model_copy(
+            update={
+                "status": "failed",
+                "error": {"code": "server_error", "message": message},
+                "output": self.items,
+            }
+        )
+        self.done = True
+        return out + self.event("response.failed", response=failed.model_dump(mode="json"))
+
+
+def chat_chunks(frame: bytes) -> Iterator[dict[str, Any]]:
+    """The chunks in one chat SSE frame (a frame may hold several events; ``[DONE]`` is
+    none)."""
+    for event in frame.split(b"\n\n"):
+        if event.startswith(b"data: ") and event != b"data: [DONE]":
+            yield json.loads(event[6:])
+
+
+async def response_events(
+    stream: ResponseStream, frames: AsyncGenerator[bytes, None]
+) -> AsyncIterator[bytes]:
+    """The Responses SSE body of a request whose chat stream is ``frames``. Closing it
+    closes ``frames`` (which cancels the choices); a failure of the translation itself is
+    a failed response too, and so is a chat stream that ends without its usage."""
+    try:
+        async with contextlib.aclosing(frames):
+            yield stream.start()
+            async for frame in frames:
+                events = b"".join(stream.feed(chunk) for chunk in chat_chunks(frame))
+                if events:
+                    yield events
+        if not stream.done:
+            raise InternalServerError()
+    except Exception as exc:  # never a cut connection: the error and a failed response
+        logger.exception("ingress: responses stream failed")
+        if not stream.done:
+            yield stream.fail(as_openai_error(exc).to_dict()["error"])
