@@ -48,6 +48,7 @@ def refused(exc: pytest.ExceptionInfo[LimitExceededError], param: str, limit: in
     ("field", "value", "limit"),
     [
         ("messages", [USER] * 9, 8),
+        ("input", [USER] * 9, 8),  # POST /v1/responses
         ("stop_token_ids", list(range(5)), 4),
         ("logit_bias", {str(i): 1.0 for i in range(4)}, 3),
         ("stop", ["x" * 11], 10),
@@ -142,7 +143,7 @@ def routes(demo_tokenizer: Any) -> Any:
 def test_the_routes_refuse_big_bodies_with_413_and_serve_small_ones(routes: Any) -> None:
     http, _ = routes
     big = b'{"model": "tokenrouter", "prompt": "' + b"a" * 8192 + b'"}'
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         r = http.post(path, content=big, headers={"content-type": "application/json"})
         assert r.status_code == 413, r.text
         assert r.json()["error"]["code"] == "request_too_large"
