@@ -37,7 +37,7 @@ from tokenrouter_ray.runtime.openai_server import IngressServer
 
 TWO = ["small", "large"]
 POLICY = ("entropy", {"threshold": 0.45})
-PROMPT = "w5 w9 w3 w17"
+PROMPT = "w5 w9 w3 w17 w22 w31 w8 w64 w90 w11"  # two full KV blocks and a bit
 INSTRUCTIONS = "w40 w41"
 FUNCTION = {"type": "function", **WEATHER["function"]}  # the Responses shape of the tool
 
@@ -156,8 +156,14 @@ def test_responses_equal_chat_streamed_or_not(served_chain_dirs: dict[str, str])
             assert usage.input_tokens == chat.usage.prompt_tokens
             assert usage.output_tokens == chat.usage.completion_tokens == 12
             assert usage.total_tokens == usage.input_tokens + usage.output_tokens
-            assert usage.input_tokens_details.cached_tokens == 0
-            assert usage.output_tokens_details.reasoning_tokens == 0
+            # chat ran first, so the entry model had the prompt's blocks cached: as chat
+            # finds them now
+            again = await client.chat.completions.create(
+                model=SERVED, messages=messages, max_tokens=12, temperature=0
+            )
+            cached = again.usage.prompt_tokens_details.cached_tokens
+            assert usage.input_tokens_details.cached_tokens == cached > 0
+            assert usage.output_tokens_details.reasoning_tokens == 0  # no thinking here
             routing = extra(got, "routing")
             assert routing == chat.model_extra["routing"]
             assert sum(routing["tokens_per_model"].values()) == 12
@@ -437,6 +443,11 @@ def test_thinking_cut_by_the_budget() -> None:
         assert (reasoning.status, message.status) == ("completed", "incomplete")
         assert reasoning.content[0].text == "\nlong thoug" and message.content[0].text == ""
         assert got.status == "incomplete" and got.usage.output_tokens == 12
+        chat = await client.chat.completions.create(
+            model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=12
+        )
+        thinking = chat.usage.completion_tokens_details.reasoning_tokens
+        assert got.usage.output_tokens_details.reasoning_tokens == thinking == 12
         events = await events_of(await client.responses.create(**kw, stream=True))
         assert events[-1]["type"] == "response.incomplete"
         final = events[-1]["response"]["output"]
@@ -444,8 +455,14 @@ def test_thinking_cut_by_the_budget() -> None:
             ("reasoning", "completed"),
             ("message", "incomplete"),
         ]
+        assert events[-1]["response"]["usage"]["output_tokens_details"] == {"reasoning_tokens": 12}
         whole = await client.responses.create(model=SERVED, input="Hi")
         assert whole.output_text == "The answer." and whole.status == "completed"
+        full = await client.chat.completions.create(
+            model=SERVED, messages=[{"role": "user", "content": "Hi"}]
+        )
+        thinking = full.usage.completion_tokens_details.reasoning_tokens
+        assert whole.usage.output_tokens_details.reasoning_tokens == thinking > 0
 
     serve(body, script)
 
@@ -479,3 +496,23 @@ def test_a_failure_mid_stream_is_an_error_event_then_failed() -> None:
         assert raised.value.status_code == 503
 
     serve(body, lambda _: "<think>\nhmm\n</think>\n\nThe answer.")
+
+
+def test_text_format_json_schema_is_chats_response_format() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    async def body(client: openai.AsyncOpenAI, core: ScriptedCore, _: Any) -> None:
+        fmt = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
+        got = await client.responses.create(model=SERVED, input="Hi", text={"format": fmt})
+        grammar = core.sent[-1][2].grammar
+        assert grammar is not None and json.loads(got.output_text) == {"a": 1}
+        assert got.text.format.type == "json_schema" and got.text.format.name == "thing"
+        await client.chat.completions.create(
+            model=SERVED, messages=[{"role": "user", "content": "Hi"}],
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "thing", "schema": schema, "strict": True}},
+        )  # fmt: skip
+        assert core.sent[-1][2].grammar == grammar
+        assert core.sent[-1][1] == core.sent[-2][1]  # the same prompt
+
+    serve(body, lambda _: '{"a": 1}')

@@ -14,8 +14,8 @@ output. Output items, in the order the parsed answer has its parts:
 Items have ids (``rs_``, ``msg_``, ``fc_``) and status ``completed``; a chat finish reason
 ``length`` makes the response ``incomplete`` (``incomplete_details.reason:
 "max_output_tokens"``) and its last item ``incomplete``. ``usage`` is chat's renamed
-(``input_tokens``, ``output_tokens``; the cached and reasoning token details are not
-counted here: 0). Extensions: ``routing`` and the choice's ``metrics``, as on chat.
+(``input_tokens`` with ``cached_tokens``, ``output_tokens`` with ``reasoning_tokens``).
+Extensions: ``routing`` and the choice's ``metrics``, as on chat.
 
 Non-streamed, `build_response(head, completion)` reads the `ChatCompletion`. Streamed, a
 `ResponseStream` reads the chat stream's chunks (decoded from its SSE frames by
@@ -65,16 +65,22 @@ class ResponseUsage(BaseModel):
     model_config = _OUT
 
     input_tokens: int
-    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+    input_tokens_details: dict[str, int]  # cached_tokens
     output_tokens: int
-    output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
+    output_tokens_details: dict[str, int]  # reasoning_tokens
     total_tokens: int
 
     @classmethod
     def of(cls, usage: Usage) -> ResponseUsage:
+        """Chat's usage renamed; a detail chat leaves out (no model reported its cache, no
+        reasoning parsed) is 0 here, where the fields are required."""
+        cached, thinking = usage.prompt_tokens_details, usage.completion_tokens_details
+        reasoning_tokens = thinking.reasoning_tokens if thinking is not None else 0
         return cls(
             input_tokens=usage.prompt_tokens,
+            input_tokens_details={"cached_tokens": cached.cached_tokens if cached else 0},
             output_tokens=usage.completion_tokens,
+            output_tokens_details={"reasoning_tokens": reasoning_tokens},
             total_tokens=usage.total_tokens,
         )
 
