@@ -78,6 +78,8 @@ for path in sorted(CONF_DIR.glob("*.yaml")):
         overrides.append("policy.options.checkpoint=null")
         if "threshold" in options:  # null / demo: "the file's own", and there is no file
             overrides.append("policy.options.threshold=0.5")
+        if policy_file.get("presets"):  # the demo's: rates of the router's training scores
+            overrides.append("policy.presets={}")
     args["overrides"] = overrides
     module_name, attr = app["import_path"].split(":")  # what Serve does with import_path
     built = getattr(importlib.import_module(module_name), attr)(args)

@@ -91,6 +91,27 @@ def test_chat_and_completions_streaming_and_not(served) -> None:
     assert completion.usage.completion_tokens == 8
 
 
+def test_the_readmes_first_example_answers_right_and_presets_trade_it(served) -> None:
+    """README's first request on the default (calibrated) operating point: right. The
+    ``fast`` preset (the router's training rate) hands more of it to the small model."""
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=120)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def ask(quality: str | None) -> tuple[str, dict[str, int]]:
+        body = {} if quality is None else {"routing": {"quality": quality}}
+        r = client.chat.completions.create(
+            model="tokenrouter", messages=question, max_tokens=32, temperature=0,
+            extra_body=body,
+        )  # fmt: skip
+        return r.choices[0].message.content, r.model_extra["routing"]["tokens_per_model"]
+
+    answer, default = ask(None)
+    assert "Paris" in answer.split(".")[0], answer
+    _, fast = ask("fast")
+    share = lambda t: t.get("large", 0) / sum(t.values())  # noqa: E731
+    assert share(fast) < share(default)
+
+
 def test_sigterm_shuts_down_cleanly(served) -> None:
     served.send_signal(signal.SIGTERM)
     assert served.wait(timeout=120) is not None

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.tiny_models import tiny_model
+from tokenrouter_ray.demo.router import threshold_at_rate
 from tokenrouter_ray.engine.engine import Engine, EngineConfig
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.errors import UserFacingError
@@ -33,6 +34,7 @@ from tokenrouter_ray.routing.training.train import (
     POLICIES,
     TrainOptions,
     build_data,
+    evaluate,
     fit,
     predict,
     routes,
@@ -163,6 +165,27 @@ def test_threshold_routes_the_target_rate(policy: str) -> None:
         t = threshold_for_rate(policy, scores, rate)
         assert 0 <= t <= 1
         assert routes(policy, scores, t).float().mean() == pytest.approx(rate, abs=1e-3)
+
+
+def test_a_threshold_named_by_rate_routes_that_rate_from_the_stored_quantiles() -> None:
+    """The demo names its thresholds by route rate (``${demo:router_threshold,RATE}``):
+    from the 101 held-out score quantiles ``evaluate`` stores, the threshold for a rate
+    routes about that rate of the scores themselves."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(2000, generator=gen) * 3
+    target = (torch.rand(2000, generator=gen) < 0.4).float()
+    metrics = evaluate("r2r", logits, target, 0.3, target)
+    quantiles = metrics["test_score_quantiles"]
+    assert len(quantiles) == 101 and quantiles == sorted(quantiles)
+    scores = torch.sigmoid(logits)
+    for rate in (0.05, 0.3, 0.5, 0.93, 1.0):
+        t = threshold_at_rate(quantiles, rate)
+        assert routes("r2r", scores, t).float().mean() == pytest.approx(rate, abs=0.011)
+    assert threshold_at_rate(quantiles, 0.3) == pytest.approx(
+        metrics["threshold_for_rate"], abs=0.01
+    )
+    with pytest.raises(UserFacingError, match="route rate"):
+        threshold_at_rate(quantiles, 1.5)
 
 
 # -------------------------------------------------------------------------- training

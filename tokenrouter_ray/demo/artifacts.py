@@ -15,16 +15,19 @@ RESOLVER = "demo"
 
 
 def register_resolver() -> None:
-    """Make ``${demo:large|small|router|router_threshold}`` resolvable (idempotent)."""
+    """Make ``${demo:large|small|router|router_threshold}`` (and
+    ``${demo:router_threshold,RATE}``) resolvable (idempotent)."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver(RESOLVER):
         OmegaConf.register_new_resolver(RESOLVER, built_artifact)
 
 
-def built_artifact(which: str) -> str:
+def built_artifact(which: str, rate: float | None = None) -> str:
     """The path (or, for ``router_threshold``, the value) of a demo artifact that
     ``prepare-demo`` has built; a clear error naming that command when it has not.
+    ``router_threshold`` with a ``rate``: the threshold that routed that share of the
+    held-out chat positions to the large model (``demo_router_threshold``).
 
     Serve configs resolve ``${demo:...}`` through this; it never builds.
     """
@@ -52,6 +55,8 @@ def built_artifact(which: str) -> str:
             "(a few minutes on 2 CPU cores; see docs/demo_pair.md), and caches them; set "
             "TOKENROUTER_CACHE to use another cache directory."
         )
+    if rate is not None and which != "router_threshold":
+        raise ValueError(f"demo artifact {which!r} takes no rate")
     if which == "router_threshold":
-        return str(demo_router_threshold())
+        return str(demo_router_threshold(None if rate is None else float(rate)))
     return str({"large": large, "small": small, "router": demo_router_path()}[which])

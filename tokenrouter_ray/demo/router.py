@@ -13,6 +13,7 @@ from pathlib import Path
 from tokenrouter_ray.demo.cache import DEMO_NAME, cache_dir
 from tokenrouter_ray.demo.large import prepare_demo
 from tokenrouter_ray.demo.small import BUILD_FILE, prepare_small_model
+from tokenrouter_ray.errors import UserFacingError
 
 ROUTER_TARGET_RATE = 0.3  # share of positions the demo's R2R router sends to the large model
 
@@ -59,10 +60,31 @@ def router_is_current(small: Path) -> bool:
 
     if not is_router_file(target, "r2r"):  # e.g. a pickled router from an older release
         return False
-    return json.loads(info.read_text()).get("small_build_sha256") == _build_fingerprint(small)
+    metrics = json.loads(info.read_text())
+    if "test_score_quantiles" not in metrics:  # trained before rates could be asked for
+        return False
+    return metrics.get("small_build_sha256") == _build_fingerprint(small)
 
 
-def demo_router_threshold() -> float:
-    """The threshold that routed ROUTER_TARGET_RATE of held-out positions in training."""
+def demo_router_threshold(rate: float | None = None) -> float:
+    """The threshold that routed ``rate`` of the held-out chat positions to the large model
+    in training (default ROUTER_TARGET_RATE, the one training chose). A rate names the same
+    operating point on every build of the demo pair, whose scores differ (bf16 or fp32
+    distillation, docs/demo_pair.md), where a fixed threshold would not."""
     metrics = json.loads(prepare_demo_router(quiet=True).with_suffix(".json").read_text())
-    return float(metrics["threshold_for_rate"])
+    if rate is None:
+        return float(metrics["threshold_for_rate"])
+    return threshold_at_rate(metrics["test_score_quantiles"], rate)
+
+
+def threshold_at_rate(quantiles: list[float], rate: float) -> float:
+    """The R2R threshold (score >= threshold routes) that would send ``rate`` of the
+    held-out positions to the large model, from their score quantiles at evenly spaced
+    levels 0 ... 1 (``test_score_quantiles``), linearly interpolated."""
+    if not 0 <= rate <= 1:
+        raise UserFacingError(f"route rate {rate}: must be in [0, 1]")
+    if len(quantiles) < 2:
+        raise UserFacingError("the router's metrics hold no score quantiles: retrain it")
+    at = (1 - rate) * (len(quantiles) - 1)  # the (1 - rate) quantile
+    i = min(int(at), len(quantiles) - 2)
+    return quantiles[i] + (at - i) * (quantiles[i + 1] - quantiles[i])

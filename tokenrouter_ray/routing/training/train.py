@@ -209,6 +209,9 @@ def threshold_for_rate(policy: str, scores: torch.Tensor, rate: float) -> float:
     return 1.0 if k == n else float(desc.flip(0)[k])  # citer, score < t: the (k+1)-th least
 
 
+SCORE_QUANTILES = 101  # held-out score quantiles kept in the metrics (0 %, 1 %, ..., 100 %)
+
+
 def routing_metrics(
     policy: str, scores: torch.Tensor, target: torch.Tensor, threshold: float
 ) -> dict[str, float]:
@@ -242,6 +245,8 @@ def evaluate(
     t = threshold_for_rate(policy, scores, target_rate)
     at_t = routing_metrics(policy, scores, target, t)
     base = float(need.float().mean())
+    levels = torch.linspace(0, 1, SCORE_QUANTILES, dtype=torch.float64)
+    quantiles = torch.quantile(scores.double(), levels)
     return {
         "positive_rate": float(target.mean()),  # the router's own label
         "needs_large_rate": base,
@@ -252,6 +257,9 @@ def evaluate(
         "target_rate": target_rate,
         "threshold_for_rate": t,
         **{f"{k}_at_threshold": v for k, v in at_t.items()},
+        # the held-out scores' quantiles at 0, 1, ..., 100 %: a threshold for any route rate
+        # later (``threshold_at_rate``), without the data
+        "test_score_quantiles": [float(q) for q in quantiles],
     }
 
 
