@@ -101,3 +101,54 @@ def test_calibrate_sweeps_chooses_on_dev_and_reports_on_test(served_chain_dirs, 
     assert chosen["override"]["config"] == f"policy.options.threshold={chosen['threshold']:g}"
     assert chosen["override"]["request"] == {"routing": {"threshold": chosen["threshold"]}}
     assert Path(tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_set_without_answers_is_calibrated_by_teacher_forced_agreement(
+    served_chain_dirs, tmp_path
+) -> None:
+    """No ``answer``: each point scores the share of answer tokens the large model (the
+    ``--judge``) would have written there. Its own greedy answers agree everywhere; the
+    small model's alone do not."""
+    from tokenrouter_ray.cli import main
+
+    items = [
+        TaskItem(id=f"q{i}", prompt=words(p), split="dev" if i % 2 == 0 else "test")
+        for i, p in enumerate(PROMPTS)
+    ]
+    path = tmp_path / "open.jsonl"
+    write_tasks(items, path)
+
+    async def body(url: str) -> tuple[int, dict]:
+        argv = [
+            "calibrate", "--system", f"{url}@tokenrouter", "--policy", "entropy",
+            "--tasks", str(path), "--thresholds", "0.3", "--large", "threshold:0",
+            "--small", "threshold:1", "--judge", served_chain_dirs["large"],
+            "--max-tokens", "6", "--concurrency", "2", "--at-concurrency", "4",
+            "--no-progress", "--out", str(tmp_path / "open.json"),
+        ]  # fmt: skip
+        code = await asyncio.to_thread(main, argv)
+        return code, json.loads((tmp_path / "open.json").read_text())
+
+    code, report = serve(served_chain_dirs, body)
+    assert code == 0
+    refs = report["references_dev"]
+    assert refs["large"]["accuracy"] == 1.0 and refs["large"]["correct"] == 4
+    assert refs["small"]["accuracy"] < 1.0
+    (point,) = report["dev"]["points"]
+    assert point["interval"][0] <= point["accuracy"] <= point["interval"][1]
+
+
+def test_eval_refuses_a_set_without_answers_unless_judged(tmp_path, capsys) -> None:
+    from tokenrouter_ray.cli import main
+
+    path = tmp_path / "open.jsonl"
+    write_tasks([TaskItem(id="a", prompt="w1 w2", split="test")], path)
+    assert main(["eval", "--tasks", str(path), "--split", "test"]) != 0
+    assert "--judge" in capsys.readouterr().err
+    mixed = [
+        TaskItem(id="a", prompt="w1", split="test"),
+        TaskItem(id="b", prompt="w2", answer="w3", split="test"),
+    ]
+    write_tasks(mixed, path)
+    assert main(["eval", "--tasks", str(path), "--split", "test", "--judge", "x"]) != 0
+    assert "1 of 2 items have no 'answer'" in capsys.readouterr().err

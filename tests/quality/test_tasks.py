@@ -46,7 +46,6 @@ def test_load_round_trips_through_write(tmp_path: Path) -> None:
         ("[1, 2]", "expected a JSON object"),
         ('{"id": "x", "answer": "1"}', "exactly one of 'prompt' and 'messages'"),
         ('{"id": "x", "prompt": "p", "messages": [{"role": "user"}], "answer": "1"}', "exactly"),
-        ('{"id": "x", "prompt": "p"}', "answer"),
         ('{"id": "x", "prompt": "p", "answer": 2}', "answer"),  # strict: not a string
         ('{"id": "x", "prompt": "p", "answer": "1", "colour": "red"}', "colour"),
         ('{"id": "x", "prompt": "p", "answer": "1", "split": "train"}', "split"),

@@ -168,6 +168,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--out", type=Path, help="write the report as JSON")
     parser.add_argument("--plot", type=Path, help="draw the frontier (PNG)")
+    parser.add_argument(
+        "--judge",
+        metavar="MODEL_DIR",
+        help="for a task set without answers: the large model's directory; answers are "
+        "scored by teacher-forced agreement with it (quality/judge.py)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run_calibrate)
 
@@ -195,8 +201,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 async def calibrate(args: argparse.Namespace) -> int:
-    from tokenrouter_ray.quality.commands import load_items
+    from tokenrouter_ray.quality.commands import load_items, make_judge
     from tokenrouter_ray.quality.evaluate import run_eval
+    from tokenrouter_ray.quality.judge import judged
     from tokenrouter_ray.quality.tasks import split_items
     from tokenrouter_ray.simulation.served import profile_models
 
@@ -214,6 +221,7 @@ async def calibrate(args: argparse.Namespace) -> int:
     if not dev or not test:
         raise UserFacingError(f"{args.tasks}: need items in both the dev and the test split")
     url, model = _system(args.system)
+    judge = make_judge(items, args.judge)  # a set without answers: agreement, not accuracy
     common = dict(
         concurrency=args.concurrency,
         seed=args.seed,
@@ -224,6 +232,8 @@ async def calibrate(args: argparse.Namespace) -> int:
     async def run(on: list, where: tuple[str, str], threshold: float | None, label: str) -> Any:
         extra = None if threshold is None else {"routing": {"threshold": threshold}}
         result = await run_eval(where[0], where[1], on, extra_body=extra, **common)
+        if judge is not None:
+            result = await asyncio.to_thread(judged, result, on, judge)
         result.label = label
         return result
 

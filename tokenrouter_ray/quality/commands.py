@@ -14,12 +14,14 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.quality.builtin import builtin_names, tasks_from_spec
 from tokenrouter_ray.quality.evaluate import SystemResult, run_eval
+from tokenrouter_ray.quality.judge import TeacherForcedJudge, judged, needs_judge
 from tokenrouter_ray.quality.tasks import SPLITS, TaskItem, split_items, write_tasks
 
 DEFAULT_SYSTEM = "served=http://127.0.0.1:8000/v1@tokenrouter"
@@ -68,6 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--answers", action="store_true", help="print every wrong answer")
+    parser.add_argument(
+        "--judge",
+        metavar="MODEL_DIR",
+        help="for a task set without answers: the large model's directory; answers are "
+        "scored by teacher-forced agreement with it (quality/judge.py)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--write-tasks",
@@ -162,6 +170,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     items = split_items(load_items(args.tasks), args.split)[: args.limit]
     if not items:
         raise UserFacingError(f"{args.tasks}: no items in the {args.split} split")
+    judge = make_judge(items, args.judge)
     results = [
         asyncio.run(
             run_eval(
@@ -173,6 +182,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
         )
         for label, url, model in systems
     ]  # fmt: skip
+    if judge is not None:
+        results = [judged(r, items, judge) for r in results]
     print(format_table(results))
     silent = [r for r in results if r.n and r.failures == r.n]
     for r in silent:
@@ -194,3 +205,15 @@ def run_eval_command(args: argparse.Namespace) -> int:
         args.out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
         print(f"\nwrote {args.out}", file=sys.stderr)
     return 1 if silent else 0
+
+
+def make_judge(items: Sequence[TaskItem], model_dir: str | None) -> Any:
+    """The teacher-forced judge a set without answers needs (None for one with answers)."""
+    if not needs_judge(items):
+        return None
+    if not model_dir:
+        raise UserFacingError(
+            "these items have no 'answer': pass --judge MODEL_DIR (the large model) to score "
+            "the answers by teacher-forced agreement with it"
+        )
+    return TeacherForcedJudge(model_dir)

@@ -36,7 +36,7 @@ class ItemResult:
     """One item's answer and what it cost."""
 
     id: str
-    answer: str  # the expected one
+    answer: str | None  # the expected one (None: a set judged by agreement)
     response: str  # the text the server returned ("" on a failure)
     correct: bool
     completion_tokens: int = 0

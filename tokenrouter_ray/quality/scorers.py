@@ -129,7 +129,10 @@ def get_scorer(name: str) -> Scorer:
 
 
 def score(item: TaskItem, response: str) -> bool:
-    """Whether ``response`` answers ``item`` correctly, by the item's scorer."""
+    """Whether ``response`` answers ``item`` correctly, by the item's scorer (False for an
+    item without an answer: those are judged, not scored, ``judge.py``)."""
+    if item.answer is None:
+        return False
     return get_scorer(item.scorer_name)(response, item)
 
 
@@ -138,6 +141,10 @@ def check_item(item: TaskItem) -> None:
     name = item.scorer_name
     if name not in SCORERS:
         raise ValueError(f"unknown scorer {name!r}; expected one of {', '.join(SCORERS)}")
+    if item.answer is None:
+        if item.scorer or item.choices:
+            raise ValueError("a scorer or choices need an 'answer'")
+        return
     if name == "regex":
         try:
             re.compile(item.answer)

@@ -32,7 +32,11 @@ class TaskItem(BaseModel):
     messages: list[dict[str, Any]] | None = Field(
         None, description="OpenAI chat messages, sent as they are."
     )
-    answer: str = Field(description="The expected answer (a pattern for the regex scorer).")
+    answer: str | None = Field(
+        None,
+        description="The expected answer (a pattern for the regex scorer). None: a set "
+        "without answers, which `calibrate --judge` measures by teacher-forced agreement.",
+    )
     choices: list[str] | None = Field(None, description="Multiple choice: the options A, B, ...")
     scorer: str | None = Field(None, description="A scorer name; default exact or choice.")
     split: Split | None = Field(None, description="dev or test; default: a hash of the id.")
