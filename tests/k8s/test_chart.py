@@ -173,7 +173,11 @@ def test_values_variant(render_values: Callable[..., Objects]) -> None:
 
     assert kinds(objects) == ["Ingress", "NetworkPolicy", "RayService", "Secret"]
     overrides = serve_config(objects)["applications"][0]["args"]["overrides"]
-    assert overrides[5:] == ["transport.zmq.port_range=[6000,6007]", "tuner.period_s=5"]
+    assert overrides[5:] == [
+        "transport.zmq.port_range=[6000,6007]",
+        "transport.zmq.curve=true",  # on by default
+        "tuner.period_s=5",
+    ]
     groups = only(objects, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert [g["groupName"] for g in groups] == ["small", "medium", "large"]
     assert groups[2]["template"]["spec"]["nodeSelector"] == {

@@ -165,10 +165,12 @@ def test_one_peer_secret_for_every_pod(
 
 
 def test_curve_and_the_serve_timeout_reach_the_app(render_values: Callable[..., Objects]) -> None:
-    values = manifests.default_values()
-    values["transport"]["curve"] = True
+    values = manifests.default_values()  # CURVE on by default
     config = yaml.safe_load(only(render_values(values), "RayService")["spec"]["serveConfigV2"])
     assert "transport.zmq.curve=true" in config["applications"][0]["args"]["overrides"]
+    values["transport"]["curve"] = False
+    off = yaml.safe_load(only(render_values(values), "RayService")["spec"]["serveConfigV2"])
+    assert "transport.zmq.curve=true" not in off["applications"][0]["args"]["overrides"]
     from tokenrouter_ray.config import IngressSpec
 
     assert config["http_options"]["request_timeout_s"] > IngressSpec().request_timeout_s
