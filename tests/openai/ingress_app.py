@@ -129,3 +129,45 @@ def ingress_app(tokenizer: Any) -> tuple[Any, IngressService]:
     """``(app, service)``: the ingress's FastAPI app over a Ray-less service."""
     service = ingress_service(tokenizer)
     return build_app(service), service
+
+
+def run_served_flow(dirs: dict[str, str], policy: tuple[str, dict], body: Any) -> Any:
+    """``await body(client, runtime, http)`` against this app over a real ``LocalRuntime``
+    of the tiny small + large models with ``policy`` (the official ``openai`` client over
+    ASGI, no Ray); checks nothing is left anywhere afterwards."""
+    import asyncio
+
+    import httpx
+    import openai
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import chain_engines
+    from tokenrouter_ray.openai.validation import RequestLimits
+    from tokenrouter_ray.routing.policy import build_policy
+    from tokenrouter_ray.runtime.local import LocalRuntime
+    from tokenrouter_ray.runtime.openai_server import IngressServer
+
+    models = ["small", "large"]
+    tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
+    app, ingress = ingress_app(tokenizer)
+    ingress.limits = RequestLimits(max_model_len=256, vocab_size=128)
+
+    async def go() -> Any:
+        async with LocalRuntime(chain_engines(dirs, models), build_policy(*policy, models)) as rt:
+            entry = [rt.subservers[0].endpoint]
+            server = IngressServer(rt.ingress, tokenizer, SERVED, lambda: entry, models=models)
+            ingress.core, ingress.server = rt.ingress, server
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://in") as http:
+                client = openai.AsyncOpenAI(
+                    base_url="http://in/v1", api_key="none", http_client=http, max_retries=0
+                )
+                result = await body(client, rt, http)
+            await rt.wait_idle()
+            assert rt.ingress.num_active == 0
+            return result
+
+    try:
+        return asyncio.run(go())
+    finally:
+        app.dependency_overrides.clear()

@@ -14,7 +14,6 @@ streamed and not, and the ``responses.stream`` helper) against the real FastAPI 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -23,19 +22,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
-from tests.openai.ingress_app import SERVED, ingress_app
+from tests.openai.ingress_app import SERVED, run_served_flow
 from tests.openai.qwen3_tiny import ScriptedCore
 from tests.openai.test_reasoning_tools import RESULT, THINK_1, THINK_2, WEATHER, serve
-from tests.tiny_models import chain_engines
 from tokenrouter_ray.openai import schemas
-from tokenrouter_ray.openai.validation import RequestLimits
-from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.local import LocalRuntime
-from tokenrouter_ray.runtime.openai_server import IngressServer
 
-TWO = ["small", "large"]
 POLICY = ("entropy", {"threshold": 0.45})
 PROMPT = "w5 w9 w3 w17 w22 w31 w8 w64 w90 w11"  # two full KV blocks and a bit
 INSTRUCTIONS = "w40 w41"
@@ -47,26 +39,7 @@ Body = Callable[[openai.AsyncOpenAI, httpx.AsyncClient], Awaitable[Any]]
 def run(dirs: dict[str, str], body: Body) -> Any:
     """``body(client, http)`` against the app over a LocalRuntime of small + large; checks
     nothing is left anywhere afterwards."""
-    tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
-    app, ingress = ingress_app(tokenizer)
-    ingress.limits = RequestLimits(max_model_len=256, vocab_size=128)
-
-    async def go() -> Any:
-        async with LocalRuntime(chain_engines(dirs, TWO), build_policy(*POLICY, TWO)) as rt:
-            entry = [rt.subservers[0].endpoint]
-            server = IngressServer(rt.ingress, tokenizer, SERVED, lambda: entry, models=TWO)
-            ingress.core, ingress.server = rt.ingress, server
-            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://in") as http:
-                client = openai.AsyncOpenAI(
-                    base_url="http://in/v1", api_key="none", http_client=http, max_retries=0
-                )
-                result = await body(client, http)
-            await rt.wait_idle()
-            assert rt.ingress.num_active == 0
-            return result
-
-    return asyncio.run(go())
+    return run_served_flow(dirs, POLICY, lambda client, _rt, http: body(client, http))
 
 
 def extra(obj: Any, name: str) -> Any:

@@ -13,22 +13,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from tests.openai.ingress_app import SERVED, ingress_app
-from tests.tiny_models import chain_engines
-from tokenrouter_ray.openai.validation import RequestLimits
-from tokenrouter_ray.routing.policy import build_policy
+from tests.openai.ingress_app import SERVED, run_served_flow
 from tokenrouter_ray.runtime.local import LocalRuntime
-from tokenrouter_ray.runtime.openai_server import IngressServer
 from tokenrouter_ray.traceview.model import trace_from_json
 
 TWO = ["small", "large"]
@@ -47,29 +41,7 @@ def ids_of(text: str) -> list[int]:
 def run_flow(dirs: dict[str, str], policy: tuple[str, dict], body: Any) -> Any:
     """``body(client, runtime)`` against the app over a LocalRuntime of small + large with
     ``policy``; checks nothing is left anywhere afterwards."""
-    tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
-    app, ingress = ingress_app(tokenizer)
-    ingress.limits = RequestLimits(max_model_len=256, vocab_size=128)
-
-    async def go() -> Any:
-        async with LocalRuntime(chain_engines(dirs, TWO), build_policy(*policy, TWO)) as rt:
-            entry = [rt.subservers[0].endpoint]
-            server = IngressServer(rt.ingress, tokenizer, SERVED, lambda: entry, models=TWO)
-            ingress.core, ingress.server = rt.ingress, server
-            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://in") as http:
-                client = openai.AsyncOpenAI(
-                    base_url="http://in/v1", api_key="none", http_client=http, max_retries=0
-                )
-                result = await body(client, rt)
-            await rt.wait_idle()
-            assert rt.ingress.num_active == 0
-            return result
-
-    try:
-        return asyncio.run(go())
-    finally:
-        app.dependency_overrides.clear()
+    return run_served_flow(dirs, policy, lambda client, rt, _http: body(client, rt))
 
 
 async def collect(stream: Any) -> list[dict[str, Any]]:
