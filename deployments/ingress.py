@@ -1,9 +1,9 @@
 """The OpenAI HTTP ingress in Ray Serve: a thin shim over ``IngressService``.
 
 Everything an ingress does (admission, parsing, submitting, streaming, recovery, the SLO
-cap, health, statistics) is Ray-free: ``IngressService`` (tokenrouter_ray/runtime/service.py)
+cap, health, statistics) is Ray-free: ``IngressService`` (tokenrouter_ray/ingress/service.py)
 over an ``IngressCore`` and an ``IngressServer``, and the FastAPI app over it
-(tokenrouter_ray/runtime/http_app.py ``build_app``; docs/reliability.md for the rules). This
+(tokenrouter_ray/ingress/http_app.py ``build_app``; docs/reliability.md for the rules). This
 deployment builds what only Ray knows and injects it: the endpoint directory
 (``ServeDirectory``), the peer key and channel (``make_channel``), the peer book
 (``PeerBook``: model endpoints, heartbeat, lost replicas), the models' infos and status and
@@ -11,7 +11,7 @@ the tuner's handle. Serve takes the app from ``__serve_build_asgi_app__``, calle
 constructor (Ray >= 2.60: ``@serve.ingress()`` without an app), and its health probe is
 ``check_health``, delegated to the service. Serve's proxy echoes ``X-Request-Id`` itself,
 so the app does not add a second. With ``ingress.direct_port`` the replica also serves the
-app itself on that port (runtime/direct_http.py: no proxy hop, and backpressure works), on
+app itself on that port (ingress/direct_http.py: no proxy hop, and backpressure works), on
 ``ingress.direct_host`` (null: the node's own address, which only Ray knows here).
 """
 
@@ -29,9 +29,9 @@ from deployments.model_server import spec_tokenizer
 from deployments.peers import PeerBook, make_channel, peer_key
 from deployments.ray_metrics import ray_metrics
 from tokenrouter_ray.config import AppConfig
-from tokenrouter_ray.runtime.direct_http import DirectHttp
-from tokenrouter_ray.runtime.http_app import build_app
-from tokenrouter_ray.runtime.service import IngressService
+from tokenrouter_ray.ingress.direct_http import DirectHttp
+from tokenrouter_ray.ingress.http_app import build_app
+from tokenrouter_ray.ingress.service import IngressService
 
 
 @serve.deployment(max_ongoing_requests=1000, graceful_shutdown_timeout_s=5)

@@ -1,7 +1,7 @@
 """One Serve deployment per model: a replica hosts one model sub-server (engine + policy +
 peer channel). Requests reach it as PeerReqs over the channel, not as handle calls; the
 handle serves only ``info`` and ``status`` (``ReplicaInfo`` / ``ReplicaStatus``, typed:
-``runtime/replica.py``), health checks and ``inject_fault`` (chaos tests).
+``replica/status.py``), health checks and ``inject_fault`` (chaos tests).
 With the tuner enabled, each replica reports its statistics window to the tuner every period
 and adopts the thresholds it answers. Serve's ``check_health`` fails (and Serve restarts the
 replica) when the sub-server's receive, send or step loop stopped, the channel closed, the
@@ -24,10 +24,11 @@ from deployments.peers import PeerBook, make_channel, peer_key
 from deployments.ray_metrics import ray_metrics
 from deployments.tp_workers import RayWorkerLauncher
 from tokenrouter_ray.config import AppConfig, ModelSpec
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
+from tokenrouter_ray.replica.status import ReplicaInfo, ReplicaStatus, SimDevice
+from tokenrouter_ray.replica.subserver import SubServer
 from tokenrouter_ray.routing.policy import build_policy, policy_class
-from tokenrouter_ray.runtime.replica import ReplicaInfo, ReplicaStatus, SimDevice
-from tokenrouter_ray.runtime.subserver import SubServer
 
 logger = logging.getLogger("ray.serve")
 

@@ -201,7 +201,7 @@ class PeerBook:
 
     def sticky(self, model: str, key: str) -> str:
         """A model server's fallback for a request that names no replica of ``model``
-        (never one from this app's ingress: it places every model, runtime/placement.py):
+        (never one from this app's ingress: it places every model, ingress/placement.py):
         spread by request id."""
         options = self.by_model[model]
         if not options:

@@ -30,7 +30,8 @@ from tokenrouter_ray.demo.small import (
     read_build_info,
     teacher_samples,
 )
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loadtest.common import chat_prompts, command, machine
 from tokenrouter_ray.demo import prepare_demo
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.outputs import StepTimings
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.scheduler import SchedulerConfig

@@ -26,7 +26,7 @@ time, the host works meanwhile; ``simulation/backend.py``):
    bytes), which on the ``zero`` profile is the runtime's overhead alone (the simulated
    prefill costs nothing). The ``... direct`` systems are the
    same apps with ``ingress.direct_port`` set and their clients on that port (the ingress
-   replica's own HTTP server, runtime/direct_http.py), beside Serve's proxy.
+   replica's own HTTP server, ingress/direct_http.py), beside Serve's proxy.
 
 Targets (PASS / MISS, never a failure): paper >= 93 % of Markov at N = 8 and >= 90 % at N = 32;
 tuned / Eager-Async within 3 points of the model's ratio; zero profile: critical-path host

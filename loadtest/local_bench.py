@@ -21,12 +21,13 @@ from transformers import AutoTokenizer
 
 from loadtest.common import chat_prompts, command, machine
 from tokenrouter_ray.demo import prepare_demo
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.request import SamplingParams
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.baselines import seeded_uniform
 from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.local import LocalRuntime
 
 SEED = 7
 

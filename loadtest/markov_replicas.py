@@ -5,7 +5,7 @@ replicas of the large model, each applying B_large to the requests placed on it:
 in ``--concurrency`` and every admissible B_large (``2 (B_large - 1) < N``), the Monte Carlo
 prediction of sticky placement (``montecarlo.monte_carlo_bound``) next to the closed-loop
 measurement on ``ReplicatedRuntime`` (simulated engines, production's placement,
-runtime/placement.py), and the predicted best B against the measured best, and how often
+ingress/placement.py), and the predicted best B against the measured best, and how often
 the ``max_defer_s`` safety net (0.05 s, the config default) fired in each steady-state
 window. Then, with ``max_defer_s = inf``, an open-loop burst (Poisson arrivals, then none)
 counts the requests that never finish: nonzero while models learn N only from NEW frames

@@ -29,12 +29,13 @@ from transformers import AutoTokenizer
 
 from loadtest.common import command, machine
 from tokenrouter_ray.demo import prepare_demo
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.scheduler import Scheduler, SchedulerOutput
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.openai.chat import render_chat
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.local import LocalRuntime
 
 SYSTEM = (
     "You are a careful assistant for a small engineering team. Answer in plain English, "

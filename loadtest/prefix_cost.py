@@ -26,9 +26,9 @@ import time
 
 from loadtest.common import command, machine
 from loadtest.multiturn import pair
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.local import LocalRuntime
 
 
 def prompts(n: int, length: int, salt: int) -> list[list[int]]:

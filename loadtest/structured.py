@@ -33,9 +33,10 @@ from transformers import AutoTokenizer
 from loadtest.common import chat_prompts, command, demo_r2r_policy, machine
 from loadtest.local_bench import demo_pair_configs
 from tokenrouter_ray.engine.engine import Engine
-from tokenrouter_ray.engine.grammar import GrammarBook, GrammarSpec
+from tokenrouter_ray.engine.grammar import GrammarBook
+from tokenrouter_ray.engine.request import GrammarSpec
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
-from tokenrouter_ray.runtime.local import LocalRuntime
 
 SCHEMA = {
     "type": "object",

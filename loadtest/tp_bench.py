@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.random_model import save_random_model
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.scheduler import SchedulerConfig

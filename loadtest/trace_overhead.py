@@ -42,13 +42,13 @@ from transformers import AutoTokenizer
 from loadtest.common import chat_prompts, command, demo_r2r_policy, machine
 from loadtest.local_bench import demo_pair_configs
 from tokenrouter_ray.engine.engine import Engine
+from tokenrouter_ray.ingress.core import IngressCore
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
-from tokenrouter_ray.runtime.ingress import IngressCore
-from tokenrouter_ray.runtime.local import LocalRuntime
-from tokenrouter_ray.runtime.subserver import SubServer
+from tokenrouter_ray.replica.subserver import SubServer
 
 try:
-    from tokenrouter_ray.runtime.step_loop import StepLoop
+    from tokenrouter_ray.replica.step_loop import StepLoop
 except ImportError:  # an older build
     StepLoop = None
 

@@ -53,7 +53,7 @@ SLOW_FIXTURES = frozenset({"chain_reference_models"})
 SLOW_TESTS = (
     "tests/engine/test_gpu_check_dry_run.py::test_dry_run_gives_a_full_verdict",
     "tests/engine/test_static_path.py::test_the_forward_computes_the_mask_the_host_would_build",
-    "tests/runtime/test_runtime_vs_reference.py",
+    "tests/local/test_runtime_vs_reference.py",
     "tests/simulation/test_backend.py::test_measured_throughput_tracks_the_prediction",
     "tests/simulation/test_open_loop.py::test_open_loop_moderate_load_without_a_timeout",
     "tests/simulation/test_open_loop.py::test_step_load_follows_the_client_count",

@@ -71,7 +71,8 @@ def test_small_model_copies_the_first_layers_exactly(tiny_large, tmp_path: Path)
 
 
 def test_teacher_samples_tap_the_exit_states(tiny_large, tmp_path: Path) -> None:
-    from tokenrouter_ray.engine.engine import Engine, EngineConfig
+    from tokenrouter_ray.engine.config import EngineConfig
+    from tokenrouter_ray.engine.engine import Engine
 
     tiny_large.save_pretrained(tmp_path)
     engine = Engine.from_config(
@@ -182,7 +183,8 @@ def test_demo_small_model_agrees_with_the_large_model_on_heldout_prompts(demo_pa
     again, and the saved small model predicts those answers (teacher-forced) at least half
     of the time, as the build recorded."""
     from tokenrouter_ray.demo.small import agreement, encode_chat
-    from tokenrouter_ray.engine.engine import Engine, EngineConfig
+    from tokenrouter_ray.engine.config import EngineConfig
+    from tokenrouter_ray.engine.engine import Engine
     from tokenrouter_ray.engine.scheduler import SchedulerConfig
 
     large_dir, small_dir = demo_pair
@@ -209,7 +211,8 @@ def test_demo_small_model_agrees_with_the_large_model_on_heldout_prompts(demo_pa
 
 @pytest.mark.demo
 def test_demo_small_model_runs_in_the_engine(demo_pair) -> None:
-    from tokenrouter_ray.engine.engine import Engine, EngineConfig
+    from tokenrouter_ray.engine.config import EngineConfig
+    from tokenrouter_ray.engine.engine import Engine
     from tokenrouter_ray.engine.request import SamplingParams
 
     _, small_dir = demo_pair

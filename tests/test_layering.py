@@ -1,13 +1,21 @@
 """The layering rules of docs/architecture.md, checked on the source and in fresh interpreters.
 
-- ``engine/`` imports neither ``routing/`` nor ``runtime/`` (anywhere in a module, lazy
-  imports included), and its modules import one another without a circle.
-- ``runtime/`` loads neither torch nor ray when imported (a fresh interpreter imports each
-  runtime module and looks at ``sys.modules``).
+- ``engine/`` imports neither ``routing/`` nor the processes' packages (``ingress/``,
+  ``replica/``, ``local.py``), anywhere in a module, lazy imports included.
+- The ingress process and a model replica are two processes: ``ingress/`` imports nothing
+  from ``replica/`` and ``replica/`` nothing from ``ingress/`` (``local.py`` wires both).
+- No import circle anywhere in the package, ``deployments/`` or ``loadtest/``, inside a folder
+  or across folders. Here every import counts, ``TYPE_CHECKING`` ones too (two modules that
+  each need the other to be read are one module in two files), except a module's import of
+  its own package (``from pkg import sub`` is an arrow to ``pkg.sub``, and importing a
+  sibling runs the package's ``__init__`` anyway).
+- ``ingress/`` and ``replica/`` load neither torch nor ray when imported (a fresh
+  interpreter imports each of their modules and looks at ``sys.modules``).
 - Ray is imported only in ``deployments/`` and ``tokenrouter_ray/transport/ray*``.
 - ``config.py`` imports no ``tuning/`` module.
 
-Imports under ``if TYPE_CHECKING:`` never run and are not counted. A rule that cannot hold
+Imports under ``if TYPE_CHECKING:`` never run and are not counted, except by the circle
+rule. A rule that cannot hold
 is written into ``ALLOWED`` with the module and the reason, never skipped.
 """
 
@@ -76,8 +84,11 @@ def test_the_scanner_sees_lazy_imports_and_skips_type_checking_ones() -> None:
     assert "torch" not in got
 
 
-def test_engine_imports_neither_routing_nor_runtime() -> None:
-    banned = ("tokenrouter_ray.routing", "tokenrouter_ray.runtime")
+PROCESSES = ("tokenrouter_ray.ingress", "tokenrouter_ray.replica", "tokenrouter_ray.local")
+
+
+def test_engine_imports_neither_routing_nor_the_processes() -> None:
+    banned = ("tokenrouter_ray.routing", *PROCESSES)
     found = {
         mod: {name for name in runtime_imports(path.read_text()) if name.startswith(banned)}
         for mod, path in modules_under("engine").items()
@@ -85,30 +96,99 @@ def test_engine_imports_neither_routing_nor_runtime() -> None:
     assert violations("engine", found) == {}
 
 
-def test_engine_modules_import_without_a_circle() -> None:
-    engine = modules_under("engine")
-    graph = {
-        mod: {name for name in runtime_imports(path.read_text()) if name in engine and name != mod}
-        for mod, path in engine.items()
+@pytest.mark.parametrize(("side", "other"), [("ingress", "replica"), ("replica", "ingress")])
+def test_the_ingress_and_a_replica_import_nothing_of_each_other(side: str, other: str) -> None:
+    banned = f"tokenrouter_ray.{other}"
+    found = {
+        mod: {n for n in all_imports(path.read_text()) if n == banned or n.startswith(banned + ".")}
+        for mod, path in modules_under(side).items()
     }
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    assert violations("processes", found) == {}
 
-    def cycle_from(mod: str, path: list[str]) -> list[str] | None:
-        state[mod] = 1
-        for dep in sorted(graph[mod]):
-            if state.get(dep) == 1:
-                return [*path[path.index(dep) :], dep] if dep in path else [mod, dep]
-            if dep not in state:
-                found = cycle_from(dep, [*path, dep])
-                if found:
-                    return found
-        state[mod] = 2
-        return None
 
-    for mod in sorted(graph):
-        if mod not in state:
-            cycle = cycle_from(mod, [mod])
-            assert cycle is None, "import circle in engine/: " + " -> ".join(cycle)
+def all_imports(source: str) -> set[str]:
+    """Every module a source names in an import, ``TYPE_CHECKING`` ones included."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the modules of ``sources`` (module -> its text) it imports, by the circle
+    rule's count."""
+    graph: dict[str, set[str]] = {}
+    for mod, source in sources.items():
+        names = all_imports(source)
+        deps = {name for name in names if name in sources}
+        # ``from pkg import sub``: the arrow goes to pkg.sub, not to pkg's __init__
+        deps -= {n for n in deps if any(other.startswith(n + ".") for other in deps & names)}
+        graph[mod] = {d for d in deps if d != mod and not mod.startswith(d + ".")}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_circle_finder_sees_a_type_checking_circle_and_skips_the_package() -> None:
+    """The rule below can fail: a circle through a ``TYPE_CHECKING`` import is found, and a
+    submodule's import of its own package is not an arrow."""
+    sources = {
+        "p": "from p import a\n",
+        "p.a": "from p import b\n",
+        "p.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.a import X\n",
+    }
+    graph = import_graph(sources)
+    assert graph == {"p": {"p.a"}, "p.a": {"p.b"}, "p.b": {"p.a"}}
+    assert circles(graph) == [["p.a", "p.b"]]
+    assert circles({**graph, "p.b": set()}) == []
+
+
+def test_no_import_circle_in_the_package_the_deployments_or_the_benchmarks() -> None:
+    paths = {
+        **modules_under(),
+        **{module_name(p): p for p in sorted((ROOT / "deployments").rglob("*.py"))},
+        **{module_name(p): p for p in sorted((ROOT / "loadtest").rglob("*.py"))},
+    }
+    sources = {mod: path.read_text() for mod, path in paths.items()}
+    found = [c for c in circles(import_graph(sources)) if ("circle", c[0]) not in ALLOWED]
+    assert found == [], "import circles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
 def test_the_app_config_imports_no_tuning_module() -> None:
@@ -141,10 +221,10 @@ print(json.dumps(out))
 """
 
 
-def test_runtime_loads_neither_torch_nor_ray() -> None:
-    """Each runtime module imported in turn in a fresh interpreter: the first one that
-    pulls torch or ray in is named (the ones after it would hide theirs)."""
-    names = sorted(modules_under("runtime"))
+def test_the_ingress_and_a_replica_load_neither_torch_nor_ray() -> None:
+    """Each ingress and replica module imported in turn in a fresh interpreter: the first
+    one that pulls torch or ray in is named (the ones after it would hide theirs)."""
+    names = sorted({**modules_under("ingress"), **modules_under("replica")})
     proc = subprocess.run(
         [sys.executable, "-c", _HEAVY_PROBE, *names],
         capture_output=True,

@@ -17,6 +17,7 @@ from deployments import ray_metrics as ray_layer
 from deployments.ray_metrics import RayBackend, ray_instrument_specs
 from tests.engine.conftest import make_engine
 from tests.tiny_models import save_chain_model
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.metrics import (
     DEFINITIONS,
     RAY_PREFIX,
@@ -26,7 +27,6 @@ from tokenrouter_ray.metrics import (
 )
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.local import LocalRuntime
 
 TWO = ["small", "large"]
 NUM_PROMPTS, MAX_TOKENS = 8, 24

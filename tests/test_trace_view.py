@@ -331,10 +331,10 @@ def test_cli_url_against_a_served_app(served_chain_dirs, tmp_path: Path, capsys)
 
     from tests.openai.ingress_app import SERVED, ingress_app
     from tests.tiny_models import chain_engines
+    from tokenrouter_ray.ingress.openai_server import IngressServer
+    from tokenrouter_ray.local import LocalRuntime
     from tokenrouter_ray.openai.validation import RequestLimits
     from tokenrouter_ray.routing.policy import build_policy
-    from tokenrouter_ray.runtime.local import LocalRuntime
-    from tokenrouter_ray.runtime.openai_server import IngressServer
 
     tokenizer = AutoTokenizer.from_pretrained(served_chain_dirs["small"])
     app, ingress = ingress_app(tokenizer)

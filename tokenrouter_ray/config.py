@@ -273,7 +273,7 @@ class IngressSpec(_Strict):
         ge=0,
         le=65535,
         description="Also serve the OpenAI API from each ingress replica on this port "
-        "(runtime/direct_http.py; replicas on one node share it with SO_REUSEPORT), beside "
+        "(ingress/direct_http.py; replicas on one node share it with SO_REUSEPORT), beside "
         "Serve's proxy: one process hop less per request and per chunk, and a client that "
         "stops reading is seen (client_stall_s). null: Serve's proxy only.",
     )

@@ -25,7 +25,8 @@ from fastapi import FastAPI
 from transformers import AutoTokenizer
 
 from loadtest.baselines.api import Answer, ChatRequest, chat_app, posted_tokens
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.openai.chat import render_chat
 from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer

@@ -80,7 +80,8 @@ from transformers import (
 
 from loadtest.device import gpu_flagship
 from tokenrouter_ray.engine.attention import flash_attn_unusable
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.loader import load_causal_lm
 from tokenrouter_ray.engine.model_runner import ModelRunner
 from tokenrouter_ray.engine.random_model import save_windowed

@@ -40,7 +40,8 @@ from transformers import Qwen3Config
 
 from tokenrouter_ray.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from tokenrouter_ray.engine.block_pool import kv_bytes_per_token
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.memory_reserve import forward_reserve, forward_reserve_bytes
 from tokenrouter_ray.engine.model_runner import ModelRunner
 from tokenrouter_ray.engine.outputs import StepResult

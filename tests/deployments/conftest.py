@@ -12,9 +12,9 @@ import pytest
 
 from tests.tiny_models import chain_engines
 from tokenrouter_ray.config import compose_config
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.local import LocalRuntime
 
 
 def tiny_overrides(

@@ -13,10 +13,10 @@ import pytest
 
 from tests.deployments.conftest import tiny_overrides
 from tests.tiny_models import TINY_CHAT_TEMPLATE, chain_engines, save_chain_model
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.glimprouter import GlimpRouter, blank_line_tokens
 from tokenrouter_ray.routing.policy import build_policy, policy_class
-from tokenrouter_ray.runtime.local import LocalRuntime
 
 TWO = ["small", "large"]
 STEP_ENDS = set(range(0, 128, 3))  # these tokens' text ends a paragraph

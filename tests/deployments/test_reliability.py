@@ -673,7 +673,7 @@ def test_clients_that_never_read_leave_the_ingress_bounded_and_everything_freed(
     stream, and once they go nothing is held anywhere. Behind Serve's HTTP proxy the
     ingress's sends never block (the proxy takes every frame and buffers it), so the
     stall rule is not what ends these streams here: closing the sockets is (see
-    docs/reliability.md, backpressure; tests/runtime/test_backpressure_http.py shows the
+    docs/reliability.md, backpressure; tests/ingress/test_backpressure_http.py shows the
     rule over a server that blocks)."""
     import socket
     from urllib.parse import urlsplit

@@ -17,9 +17,9 @@ import openai
 
 from tests.deployments.conftest import tiny_overrides
 from tests.tiny_models import chain_engines
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.local import LocalRuntime
 
 TWO = ["small", "large"]
 POLICY = ["policy.options.threshold=0.45"]

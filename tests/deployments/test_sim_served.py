@@ -72,7 +72,7 @@ def test_the_direct_port_serves_the_same_api_and_cuts_clients_that_stop_reading(
     import socket
     import time
 
-    from tests.runtime.test_backpressure_http import http_post, small_socket
+    from tests.ingress.test_backpressure_http import http_post, small_socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -14,7 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.tiny_models import TINY, save_tiny
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 
 # The shared tiny shape (tests/tiny_models.py), re-exported for the tests that import it here.

@@ -267,7 +267,7 @@ def test_the_sdpa_backend_is_chosen_and_validated(tiny_llama_dir) -> None:
     from torch.nn.attention import SDPBackend
 
     from tokenrouter_ray.engine.attention import sdpa_backends, sdpa_context
-    from tokenrouter_ray.engine.engine import EngineConfig
+    from tokenrouter_ray.engine.config import EngineConfig
 
     assert EngineConfig(model="m").sdpa_backend == "efficient"
     with pytest.raises(ValidationError):

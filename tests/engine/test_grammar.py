@@ -15,8 +15,8 @@ import torch
 from tests.engine.conftest import make_engine
 from tests.openai.qwen3_tiny import VOCAB_SIZE, qwen3_tokenizer, save_qwen3
 from tokenrouter_ray.engine import grammar as grammar_module
-from tokenrouter_ray.engine.grammar import GrammarBook, GrammarSpec, check_grammar
-from tokenrouter_ray.engine.request import SamplingParams
+from tokenrouter_ray.engine.grammar import GrammarBook, check_grammar
+from tokenrouter_ray.engine.request import GrammarSpec, SamplingParams
 
 SCHEMA = {
     "type": "object",

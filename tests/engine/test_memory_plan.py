@@ -9,7 +9,8 @@ import pytest
 from tests.engine.conftest import save_tiny
 from tokenrouter_ray.config import ConfigError, compose_config, plan_shared_devices
 from tokenrouter_ray.engine.block_pool import ModelFootprint, plan_joint, plan_num_blocks
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.memory_plan import footprint_from_checkpoint, plan_shared_device
 from tokenrouter_ray.engine.model_runner import model_footprint
 

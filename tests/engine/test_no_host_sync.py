@@ -34,9 +34,8 @@ from tests.openai.qwen3_tiny import qwen3_tokenizer, save_qwen3
 from tokenrouter_ray.engine import logits_processors, sampler
 from tokenrouter_ray.engine.device_step import EventWatcher
 from tokenrouter_ray.engine.engine import Engine
-from tokenrouter_ray.engine.grammar import GrammarSpec
 from tokenrouter_ray.engine.outputs import StepTimings
-from tokenrouter_ray.engine.request import SamplingParams
+from tokenrouter_ray.engine.request import GrammarSpec, SamplingParams
 
 aten = torch.ops.aten
 READS = {  # under inference mode the composites arrive undecomposed: item, is_nonzero

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.outputs import StepResult, StepTimings
 from tokenrouter_ray.engine.request import Request, SamplingParams
 from tokenrouter_ray.engine.scheduler import SchedulerOutput

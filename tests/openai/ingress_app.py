@@ -1,4 +1,4 @@
-"""The real ingress FastAPI app (runtime/http_app.py: routes, validation, error handlers,
+"""The real ingress FastAPI app (ingress/http_app.py: routes, validation, error handlers,
 API-key middleware) served in-process, without Ray, over a real ``IngressService`` built
 with its public constructor from fakes: a peer view with one replica per model, a channel
 that sends nothing, and a core that "generates" the token ids of ``FILLER`` (one per step,
@@ -11,12 +11,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.ingress.core import Completion
+from tokenrouter_ray.ingress.http_app import build_app
+from tokenrouter_ray.ingress.service import IngressService
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
 from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, encode_batch
-from tokenrouter_ray.runtime.http_app import build_app
-from tokenrouter_ray.runtime.ingress import Completion
-from tokenrouter_ray.runtime.service import IngressService
 
 SERVED = "tokenrouter"
 MAX_MODEL_LEN = 64
@@ -67,7 +67,7 @@ class FakeCore:
 
 
 class FakePeers:
-    """A peer view (``runtime/service.py PeerView``) with one replica per model."""
+    """A peer view (``ingress/service.py PeerView``) with one replica per model."""
 
     def __init__(self) -> None:
         self.refreshing = True
@@ -142,10 +142,10 @@ def run_served_flow(dirs: dict[str, str], policy: tuple[str, dict], body: Any) -
     from transformers import AutoTokenizer
 
     from tests.tiny_models import chain_engines
+    from tokenrouter_ray.ingress.openai_server import IngressServer
+    from tokenrouter_ray.local import LocalRuntime
     from tokenrouter_ray.openai.validation import RequestLimits
     from tokenrouter_ray.routing.policy import build_policy
-    from tokenrouter_ray.runtime.local import LocalRuntime
-    from tokenrouter_ray.runtime.openai_server import IngressServer
 
     models = ["small", "large"]
     tokenizer = AutoTokenizer.from_pretrained(dirs["small"])

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from tokenrouter_ray.ingress.core import Completion
 from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, encode_batch
-from tokenrouter_ray.runtime.ingress import Completion
 
 TEMPLATE = (Path(__file__).parent / "qwen3_template.jinja").read_text()
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -20,9 +20,9 @@ import pytest
 
 from tests.openai.ingress_app import SERVED, ingress_app
 from tests.openai.qwen3_tiny import ScriptedCore, qwen3_tokenizer
+from tokenrouter_ray.ingress.openai_server import IngressServer
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
 from tokenrouter_ray.openai.validation import RequestLimits
-from tokenrouter_ray.runtime.openai_server import IngressServer
 
 WEATHER = {
     "type": "function",

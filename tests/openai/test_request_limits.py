@@ -163,7 +163,7 @@ def test_the_routes_refuse_big_bodies_with_413_and_serve_small_ones(routes: Any)
 
 @pytest.mark.demo
 def test_the_routes_answer_429_with_retry_after_past_the_admission_queue(routes: Any) -> None:
-    from tokenrouter_ray.runtime.admission import AdmissionQueue
+    from tokenrouter_ray.ingress.admission import AdmissionQueue
 
     http, obj = routes
     obj.admission = AdmissionQueue(max_waiting=0, max_wait_s=0.1)

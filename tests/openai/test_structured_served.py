@@ -22,10 +22,10 @@ from pydantic import BaseModel, Field
 from tests.engine.conftest import make_engine
 from tests.openai.ingress_app import SERVED, ingress_app
 from tests.openai.qwen3_tiny import save_qwen3_models
+from tokenrouter_ray.ingress.openai_server import IngressServer
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.local import LocalRuntime
-from tokenrouter_ray.runtime.openai_server import IngressServer
 
 TWO = ["small", "large"]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}

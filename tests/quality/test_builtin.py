@@ -17,7 +17,8 @@ from tokenrouter_ray.quality.builtin import (
     tasks_from_spec,
 )
 from tokenrouter_ray.quality.scorers import normalise, score
-from tokenrouter_ray.quality.tasks import split_items, write_tasks
+from tokenrouter_ray.quality.task_files import write_tasks
+from tokenrouter_ray.quality.tasks import split_items
 
 EXPRESSION = re.compile(r"^What is (\d+) ([+\-×]) (\d+)\? Answer with the number only\.$")
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tests.quality.test_eval_served import serve, words
 from tokenrouter_ray.quality.evaluate import run_eval
-from tokenrouter_ray.quality.tasks import TaskItem, write_tasks
+from tokenrouter_ray.quality.task_files import write_tasks
+from tokenrouter_ray.quality.tasks import TaskItem
 
 PROMPTS = [[(11 * i + 3 * j) % 120 + 4 for j in range(3 + i % 3)] for i in range(8)]
 

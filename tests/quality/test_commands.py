@@ -12,7 +12,8 @@ from tokenrouter_ray.cli import main
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.quality.builtin import builtin_tasks
 from tokenrouter_ray.quality.commands import parse_extra_body, parse_system
-from tokenrouter_ray.quality.tasks import load_tasks, split_items
+from tokenrouter_ray.quality.task_files import load_tasks
+from tokenrouter_ray.quality.tasks import split_items
 
 
 def test_parse_system() -> None:

@@ -19,7 +19,8 @@ import pytest
 
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.quality.evaluate import SystemResult, run_eval
-from tokenrouter_ray.quality.tasks import TaskItem, write_tasks
+from tokenrouter_ray.quality.task_files import write_tasks
+from tokenrouter_ray.quality.tasks import TaskItem
 
 TWO = ["small", "large"]
 MAX_MODEL_LEN = 256
@@ -46,10 +47,10 @@ def serve(dirs: dict[str, str], body: Callable[[str], Awaitable[Any]]) -> Any:
 
     from tests.openai.ingress_app import SERVED, ingress_app
     from tests.tiny_models import chain_engines
+    from tokenrouter_ray.ingress.openai_server import IngressServer
+    from tokenrouter_ray.local import LocalRuntime
     from tokenrouter_ray.openai.validation import RequestLimits
     from tokenrouter_ray.routing.policy import build_policy
-    from tokenrouter_ray.runtime.local import LocalRuntime
-    from tokenrouter_ray.runtime.openai_server import IngressServer
 
     tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
     app, ingress = ingress_app(tokenizer)

@@ -8,13 +8,8 @@ from pathlib import Path
 import pytest
 
 from tokenrouter_ray.errors import UserFacingError
-from tokenrouter_ray.quality.tasks import (
-    TaskItem,
-    hash_split,
-    load_tasks,
-    split_items,
-    write_tasks,
-)
+from tokenrouter_ray.quality.task_files import load_tasks, write_tasks
+from tokenrouter_ray.quality.tasks import TaskItem, hash_split, split_items
 
 
 def write_lines(path: Path, *lines: str) -> Path:

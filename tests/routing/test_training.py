@@ -16,7 +16,8 @@ import torch
 
 from tests.tiny_models import tiny_model
 from tokenrouter_ray.demo.router import threshold_at_rate
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.routing.policy import RouteBatch, build_policy

@@ -32,7 +32,8 @@ def _cmd_prepare_demo(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from tokenrouter_ray.engine.engine import Engine, EngineConfig
+    from tokenrouter_ray.engine.config import EngineConfig
+    from tokenrouter_ray.engine.engine import Engine
     from tokenrouter_ray.engine.request import SamplingParams
 
     model = args.model or str(prepare_demo(quiet=True))

@@ -419,7 +419,8 @@ def build_small_model(large_dir: Path, out: Path, recipe: Recipe, quiet: bool = 
     """Generate teacher data, distill, evaluate and save into ``out``; returns the build info."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokenrouter_ray.engine.engine import Engine, EngineConfig
+    from tokenrouter_ray.engine.config import EngineConfig
+    from tokenrouter_ray.engine.engine import Engine
     from tokenrouter_ray.engine.scheduler import SchedulerConfig
 
     t0 = time.perf_counter()

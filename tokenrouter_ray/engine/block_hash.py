@@ -4,7 +4,7 @@ A block's hash covers its own token ids and its parent's hash, so equal hashes m
 prefixes, not just equal blocks. The first block also covers the request's extra keys (its
 ``cache_salt``): requests with different salts never share a block. Hashes are 128-bit
 BLAKE2b digests of the token ids' bytes, stable across processes, so the ingress's
-cache-aware chooser (``runtime/affinity.py``) and the engines agree on them. No torch here.
+cache-aware chooser (``ingress/affinity.py``) and the engines agree on them. No torch here.
 """
 
 from __future__ import annotations

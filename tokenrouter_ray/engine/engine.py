@@ -8,7 +8,7 @@ applies stop conditions and pauses requests a routing policy sent elsewhere. ``e
 ``commit`` are separate so the policy can look at the ``StepResult`` in between; ``step``
 runs both with every request staying here. ``execute`` is ``launch`` (schedule and start the
 forward) then ``collect`` (wait for it): a serving loop that calls them apart does its other
-host work while the forward runs (runtime/step_loop.py), including ``draft``, which
+host work while the forward runs (replica/step_loop.py), including ``draft``, which
 schedules the next step ahead so that the next ``launch`` only checks what changed.
 
 Lifecycle calls on unknown or finished requests are no-ops, never exceptions that could kill
@@ -42,10 +42,6 @@ from tokenrouter_ray.thresholds import ThresholdTable
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.taps import LayerTap
     from tokenrouter_ray.engine.tensor_parallel import WorkerLauncher
-
-# Re-exported: ``from tokenrouter_ray.engine.engine import EngineConfig`` (and ``PendingStep``)
-# keep working; their homes are engine/config.py and engine/outputs.py.
-__all__ = ["Engine", "EngineConfig", "PendingStep"]
 
 
 class Engine:

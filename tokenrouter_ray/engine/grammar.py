@@ -36,44 +36,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
+from tokenrouter_ray.engine.request import GrammarSpec, Request
 
 if TYPE_CHECKING:
     import torch
 
-    from tokenrouter_ray.engine.request import Request
-
 logger = logging.getLogger(__name__)
 
-# kind -> what ``text`` holds
-GRAMMAR_KINDS = {
-    "json_schema": "a JSON schema (JSON text)",
-    "json_object": "nothing (any JSON object)",
-    "regex": "a regular expression",
-    "ebnf": "an EBNF grammar (xgrammar / GBNF syntax, rule 'root')",
-    "structural_tag": "an xgrammar structural tag (JSON text)",
-}
-MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text, in characters
 MAX_ROLLBACK = 64  # tokens rolled back in place; a deeper truncate resets and replays
 MAX_COMPILED = 64  # compiled grammars kept per model
 # JSON is written compactly (", " and ": " between items, no other whitespace): free
 # whitespace lets a small model wander into endless blank runs (a known failure of
 # unconstrained whitespace), and the text means the same
 JSON_SEPARATORS = (", ", ": ")
-
-
-class GrammarSpec(msgspec.Struct, array_like=True, frozen=True):
-    """A request's grammar as it travels: ``kind`` (one of ``GRAMMAR_KINDS``) and its
-    ``text``. Hashable: the compiled grammar is cached by it."""
-
-    kind: str
-    text: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in GRAMMAR_KINDS:
-            raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}")
-        if len(self.text) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"grammar text is longer than {MAX_GRAMMAR_CHARS} characters")
 
 
 def grammar_error(exc: BaseException) -> str:

@@ -75,7 +75,7 @@ def model_footprint(model: PreTrainedModel) -> ModelFootprint:
 
 
 if TYPE_CHECKING:
-    from tokenrouter_ray.engine.engine import EngineConfig
+    from tokenrouter_ray.engine.config import EngineConfig
     from tokenrouter_ray.engine.grammar import GrammarBook
 
 

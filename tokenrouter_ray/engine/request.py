@@ -18,7 +18,29 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tokenrouter_ray.engine.grammar import GrammarSpec
+# kind -> what ``text`` holds
+GRAMMAR_KINDS = {
+    "json_schema": "a JSON schema (JSON text)",
+    "json_object": "nothing (any JSON object)",
+    "regex": "a regular expression",
+    "ebnf": "an EBNF grammar (xgrammar / GBNF syntax, rule 'root')",
+    "structural_tag": "an xgrammar structural tag (JSON text)",
+}
+MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text, in characters
+
+
+class GrammarSpec(msgspec.Struct, array_like=True, frozen=True):
+    """A request's grammar as it travels: ``kind`` (one of ``GRAMMAR_KINDS``) and its
+    ``text``. Hashable: the compiled grammar is cached by it."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}")
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"grammar text is longer than {MAX_GRAMMAR_CHARS} characters")
 
 
 class RequestStatus(enum.IntEnum):

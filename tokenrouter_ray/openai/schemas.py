@@ -345,7 +345,7 @@ class _SamplingRequest(_Lenient):
         None, description="Extension: leave special tokens out of the text (default true)."
     )
     ignore_eos: bool | None = Field(None, description="Extension: keep generating past EOS.")
-    timeout: object = Field(  # checked by the ingress (runtime/http_app.py, timeout_of)
+    timeout: object = Field(  # checked by the ingress (ingress/http_app.py, timeout_of)
         None, description="Extension: seconds until the request ends with an error."
     )
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(

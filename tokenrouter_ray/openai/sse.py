@@ -199,7 +199,7 @@ class CompletionStream(_Stream):
 
 
 class WriterHooks(Protocol):
-    """What the writer tells a backpressure gate (``runtime/backpressure.py``'s
+    """What the writer tells a backpressure gate (``ingress/backpressure.py``'s
     ``StreamGate``): it is about to hand a frame to the server, and the server took it."""
 
     def sending(self) -> None: ...

@@ -31,7 +31,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from tokenrouter_ray.engine.grammar import GrammarSpec, check_grammar
+from tokenrouter_ray.engine.grammar import check_grammar
+from tokenrouter_ray.engine.request import GrammarSpec
 from tokenrouter_ray.openai.errors import InvalidRequestError
 from tokenrouter_ray.openai.reasoning import ReasoningFormat
 from tokenrouter_ray.openai.schemas import ResponseFormat

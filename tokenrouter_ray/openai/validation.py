@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenrouter_ray.engine.grammar import GrammarSpec
+from tokenrouter_ray.engine.request import GrammarSpec
 from tokenrouter_ray.openai.chat import render_chat, template_supports_tools
 from tokenrouter_ray.openai.chat_output import ChatOutputParser, ChatOutputSpec
 from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer

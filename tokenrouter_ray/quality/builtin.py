@@ -18,7 +18,8 @@ import re
 from importlib import resources
 
 from tokenrouter_ray.errors import UserFacingError
-from tokenrouter_ray.quality.tasks import TaskItem, load_tasks
+from tokenrouter_ray.quality.task_files import load_tasks
+from tokenrouter_ray.quality.tasks import TaskItem
 
 BUILTIN_PREFIX = "builtin:"
 ARITHMETIC_SEED = 36

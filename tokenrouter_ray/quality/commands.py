@@ -22,7 +22,8 @@ from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.quality.builtin import builtin_names, tasks_from_spec
 from tokenrouter_ray.quality.evaluate import SystemResult, run_eval
 from tokenrouter_ray.quality.judge import TeacherForcedJudge, judged, needs_judge
-from tokenrouter_ray.quality.tasks import SPLITS, TaskItem, split_items, write_tasks
+from tokenrouter_ray.quality.task_files import write_tasks
+from tokenrouter_ray.quality.tasks import SPLITS, TaskItem, split_items
 
 DEFAULT_SYSTEM = "served=http://127.0.0.1:8000/v1@tokenrouter"
 DEFAULT_MODEL = "tokenrouter"

@@ -36,13 +36,14 @@ from typing import Any
 
 import torch
 
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.outputs import StepResult, StepTimings
 from tokenrouter_ray.engine.scheduler import SchedulerConfig, SchedulerOutput
+from tokenrouter_ray.ingress.core import IngressCore
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.metrics import definitions as m
-from tokenrouter_ray.runtime.ingress import IngressCore
-from tokenrouter_ray.runtime.local import LocalRuntime
-from tokenrouter_ray.runtime.subserver import SubServer
+from tokenrouter_ray.replica.subserver import SubServer
 from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_name
 from tokenrouter_ray.transport.inproc import InProcHub
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
@@ -343,7 +344,7 @@ class ReplicatedRuntime(LocalRuntime):
     sub-server with its own scheduler and thresholds; a request keeps its replica of each
     model (its KV lives there). ``assignment`` says who picks it:
 
-    - ``"placement"`` (default): production's rule (runtime/placement.py, what the Serve
+    - ``"placement"`` (default): production's rule (ingress/placement.py, what the Serve
       ingress does): when the request is submitted, one replica of every model by prefix
       affinity bounded by load (requests placed there and not finished; ties: the first
       replica), named in its NEW;

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenrouter_ray.engine.engine import Engine
+from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.metrics.latency import token_gaps
 from tokenrouter_ray.metrics.recorder import Metrics
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
-from tokenrouter_ray.runtime.local import LocalRuntime
 from tokenrouter_ray.simulation.backend import (
     CountingBackend,
     ReplicatedRuntime,
@@ -230,7 +230,7 @@ class ClosedLoop:
     ``thresholds`` per model is one B (``thresholds_table``: B at index N, 1 below) or a
     full scheduler ``batch_thresholds`` list. With ``replicas`` above one per model it runs
     ``ReplicatedRuntime``; ``assignment`` is its replica placement (default: production's
-    rule, runtime/placement.py). ``transit_s``: every frame (handoffs, commits, the
+    rule, ingress/placement.py). ``transit_s``: every frame (handoffs, commits, the
     ingress's messages) takes this long to arrive (a simulated network).
     """
 

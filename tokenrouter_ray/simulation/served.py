@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenrouter_ray.config import SimSpec
-from tokenrouter_ray.engine.engine import Engine, EngineConfig
+from tokenrouter_ray.engine.config import EngineConfig
+from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 from tokenrouter_ray.simulation.backend import SimRunner, profile_step_seconds
 from tokenrouter_ray.tuning.profile import ModelProfile, load_profile

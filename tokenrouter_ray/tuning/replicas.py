@@ -41,7 +41,7 @@ is carried only by NEW frames); ``max_defer_s`` is then what moves them.
 
 Placement is sticky: a request is placed on a replica of each model and stays there (its KV
 lives there). Production, ``LocalRuntime`` and the simulation place with one rule
-(``runtime/placement.py``): when the request is submitted, every model's replica by prefix
+(``ingress/placement.py``): when the request is submitted, every model's replica by prefix
 affinity bounded by load, which is least-loaded placement when prompts share no prefix. The
 throughput model therefore keeps track of *which* replica each request uses: ``binding``
 splits the N requests into classes, one per combination of replica choices, as evenly as a

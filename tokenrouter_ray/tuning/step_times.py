@@ -94,7 +94,8 @@ def _model_args(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from tokenrouter_ray.engine.engine import Engine, EngineConfig
+    from tokenrouter_ray.engine.config import EngineConfig
+    from tokenrouter_ray.engine.engine import Engine
     from tokenrouter_ray.engine.scheduler import SchedulerConfig
     from tokenrouter_ray.tuning.commands import _int_list, _pairs
     from tokenrouter_ray.tuning.profile import profile_from_mapping

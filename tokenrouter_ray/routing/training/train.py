@@ -286,7 +286,8 @@ def build_data(
 ) -> tuple[RouterData, torch.Tensor, dict[str, float]]:
     """(features, labels, seconds per phase): generate with the large model, then teacher
     force the small one (and the large one for Co-LLM)."""
-    from tokenrouter_ray.engine.engine import Engine, EngineConfig
+    from tokenrouter_ray.engine.config import EngineConfig
+    from tokenrouter_ray.engine.engine import Engine
 
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()

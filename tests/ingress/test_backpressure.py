@@ -1,0 +1,118 @@
+"""The stream gate's rule (ingress/backpressure.py) with an injected clock, no Ray, no HTTP:
+a full choice waits for the client; a client blocked in ``send`` for ``client_stall_s``
+while output waits for it is stalled; a client that keeps taking chunks never is."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tokenrouter_ray.ingress.backpressure import Backpressure, StreamGate
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gate(n: int = 2, tokens: int = 4, stall_s: float = 10.0) -> tuple[StreamGate, Clock]:
+    clock = Clock()
+    return StreamGate(n, Backpressure(tokens, stall_s), clock), clock
+
+
+def test_the_buffer_counts_tokens_produced_and_not_taken_per_choice() -> None:
+    g, _ = gate()
+    g.produced(0, 3)
+    g.produced(1, 1)
+    g.produced(0, 2)
+    assert g.buffered == [5, 1] and g.full(0) and not g.full(1)
+    g.sending()
+    g.sent([0])  # the frame carried choice 0's first piece (3 tokens)
+    assert g.buffered == [2, 1] and not g.full(0)
+    g.sending()
+    g.sent([1, 0])
+    assert g.buffered == [0, 0] and g.buffered_total == 0
+
+
+def test_a_client_blocked_past_the_stall_time_with_a_full_choice_is_stalled() -> None:
+    g, clock = gate()
+    g.produced(0, 4)
+    g.sending()  # the server's send blocks from here
+    clock.now += 9.9
+    assert not g.stalled() and g.check_in_s() == pytest.approx(0.1)
+    clock.now += 0.1
+    assert g.stalled()
+
+
+def test_a_blocked_client_with_room_left_is_not_stalled_while_choices_generate() -> None:
+    g, clock = gate()
+    g.produced(0, 3)  # below the bound: the choice keeps reading
+    g.sending()
+    clock.now += 60
+    assert not g.stalled()
+    g.finished()
+    assert not g.stalled()  # one choice still generates: it will fill or finish
+    g.finished()
+    assert g.stalled()  # nothing more will come: the blocked client is all that is left
+
+
+def test_a_slow_reader_that_keeps_taking_chunks_is_never_stalled() -> None:
+    g, clock = gate(n=1, tokens=2, stall_s=1.0)
+    for _ in range(100):  # 0.9 s per chunk: slower than the bound needs, never stopped
+        g.produced(0, 1)
+        g.produced(0, 1)
+        assert g.full(0)
+        g.sending()
+        clock.now += 0.9
+        assert not g.stalled()
+        g.sent([0])
+        assert g.check_in_s() == float("inf")
+        clock.now += 5.0  # waiting for the models is not the client's stall
+        assert not g.stalled()
+        g.sending()
+        g.sent([0])
+    assert g.buffered == [0]
+
+
+def test_a_full_choice_waits_until_the_client_takes_a_chunk() -> None:
+    async def go() -> None:
+        g = StreamGate(1, Backpressure(2, 5.0))
+        g.produced(0, 1)
+        g.produced(0, 1)
+        waiter = asyncio.create_task(g.wait_for_room(0))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        g.sending()
+        g.sent([0])
+        await asyncio.wait_for(waiter, 1)
+
+    asyncio.run(go())
+
+
+def test_watch_returns_once_the_rule_fires_and_not_before() -> None:
+    async def go() -> None:
+        g = StreamGate(1, Backpressure(1, 0.2))
+        watcher = asyncio.create_task(g.watch())
+        g.produced(0, 1)
+        g.sending()
+        await asyncio.sleep(0.1)
+        g.sent([0])  # took it in time
+        await asyncio.sleep(0.3)
+        assert not watcher.done() and g.stalled_at is None
+        g.produced(0, 1)
+        g.sending()  # and now it stops reading
+        await asyncio.wait_for(watcher, 2)
+        assert g.stalled_at is not None
+
+    asyncio.run(go())
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError):
+        Backpressure(0, 1.0)
+    with pytest.raises(ValueError):
+        Backpressure(1, 0.0)

@@ -1,0 +1,267 @@
+"""LocalRuntime (8 concurrent requests, paged KV, batching, PeerReqs over in-process
+channels) produces exactly the sequential reference's tokens and per-model counts, for
+every policy."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from tests.tiny_models import chain_engines
+from tokenrouter_ray.engine.request import SamplingParams
+from tokenrouter_ray.local import LocalRuntime
+from tokenrouter_ray.protocol import SamplingSpec
+from tokenrouter_ray.reference import reference_generate
+from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.transport.inproc import InProcChannel
+
+TWO = ["small", "large"]
+CASES = {
+    "never": ({}, TWO),
+    "always": ({}, TWO),
+    "bernoulli": ({"p": 0.35}, TWO),
+    "entropy": ({"threshold": 0.45}, TWO),
+    "r2r": ({"threshold": 0.45}, TWO),
+    "citer": ({"threshold": 0.5}, TWO),
+    "co_llm": ({"threshold": 0.5}, TWO),
+    "rstitch": ({"tau": 0.45}, TWO),
+    "glimprouter": ({"tau": 0.45, "step_end_token_ids": list(range(0, 128, 3))}, TWO),
+    "escalation": ({"thresholds": [0.45, 0.4]}, ["small", "mid", "large"]),
+}
+MAX_TOKENS = 40
+SEED = 1234
+
+
+def prompts(n: int = 8) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(128) for _ in range(rng.randint(1, 30))] for _ in range(n)]
+
+
+def run_local(policy, engines, channel_type=InProcChannel, n: int = 8):
+    async def go():
+        async with LocalRuntime(engines, policy, channel_type) as runtime:
+            spec = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED)
+            results = await asyncio.wait_for(runtime.complete_all(prompts(n), spec), 120)
+            await runtime.wait_idle()
+            pools = [s.engine.kv.pool for s in runtime.subservers]
+            assert all(p.num_free_blocks == p.num_blocks for p in pools)  # no leaked KV
+            return results, runtime.handoffs
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_local_runtime_equals_reference(name, chain_dirs, chain_reference_models) -> None:
+    options, names = CASES[name]
+    policy = build_policy(name, options, names)
+    results, handoffs = run_local(policy, chain_engines(chain_dirs, names))
+    models = [(n, chain_reference_models[n]) for n in names]
+    for prompt, got in zip(prompts(), results, strict=True):
+        want = reference_generate(
+            models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
+        )
+        assert got.error is None
+        assert got.token_ids == want.token_ids
+        assert got.counts == want.counts
+        assert got.handoffs == want.handoffs
+        assert got.finish_reason == want.finish_reason
+    most = max(r.handoffs for r in results)
+    if name == "never":
+        assert most == 0 and not handoffs
+    else:
+        assert most >= 12, f"{name}: routing too rare to exercise handoffs ({most})"
+    if name in ("always", "bernoulli", "escalation"):
+        assert most >= 24  # dozens of handoffs in one request
+
+
+def test_handoffs_send_only_the_unseen_suffix(chain_dirs) -> None:
+    """Replay every handoff in order: each sends exactly sequence[anchor:] where anchor is
+    what the destination held after its last visit; never the full context again."""
+    names = ["small", "mid", "large"]
+    policy = build_policy("escalation", CASES["escalation"][0], names)
+    _, handoffs = run_local(policy, chain_engines(chain_dirs, names))
+    by_request: dict[str, list] = {}
+    for h in handoffs:
+        by_request.setdefault(h.rid, []).append(h)
+    revisits = 0
+    for records in by_request.values():
+        held: dict[str, int] = {}
+        for h in sorted(records, key=lambda h: h.seq):
+            assert h.anchor == held.get(h.dst, 0)
+            assert h.num_tokens == h.end - h.anchor
+            assert h.first_visit == (h.dst not in held)
+            if not h.first_visit:
+                revisits += 1
+                assert h.num_tokens < h.end  # a suffix, not the context
+            held[h.src] = held[h.dst] = h.end
+    assert revisits > 50
+
+
+class DuplicatingChannel(InProcChannel):
+    """Delivers every frame twice: duplicates must change nothing."""
+
+    async def _send_frame(self, dst, msgs) -> None:
+        await super()._send_frame(dst, msgs)
+        await super()._send_frame(dst, msgs)
+
+
+def test_duplicated_messages_change_nothing(chain_dirs, chain_reference_models) -> None:
+    policy = build_policy("bernoulli", {"p": 0.35}, TWO)
+    results, _ = run_local(policy, chain_engines(chain_dirs, TWO), DuplicatingChannel)
+    models = [(n, chain_reference_models[n]) for n in TWO]
+    for prompt, got in zip(prompts(), results, strict=True):
+        want = reference_generate(
+            models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
+        )
+        assert (got.token_ids, got.counts) == (want.token_ids, want.counts)
+
+
+def shared_prompts(n: int = 8) -> list[list[int]]:
+    """Prompts under one 16-token system prompt (four KV blocks of the test engines)."""
+    rng = random.Random(5)
+    system = [rng.randrange(128) for _ in range(16)]
+    return [system + [rng.randrange(128) for _ in range(rng.randint(1, 14))] for _ in range(n)]
+
+
+def run_waves(policy, engines, waves: list[list[list[int]]]):
+    """One runtime, prompts in waves (each after the previous one finished), so later
+    waves find the earlier ones' blocks cached on every model they visit."""
+
+    async def go():
+        async with LocalRuntime(engines, policy, InProcChannel) as runtime:
+            spec = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED)
+            results = []
+            for wave in waves:
+                results += await asyncio.wait_for(runtime.complete_all(wave, spec), 120)
+                await runtime.wait_idle()
+            pools = [s.engine.kv.pool for s in runtime.subservers]
+            assert all(p.num_free_blocks == p.num_blocks for p in pools)  # no leaked KV
+            return results, [s.engine.kv.prefix_cache_hits for s in runtime.subservers]
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("name", "caching"),
+    [(name, True) for name in CASES] + [("r2r", False), ("escalation", False)],
+)
+def test_prefix_caching_equals_reference(name, caching, chain_dirs, chain_reference_models) -> None:
+    """Shared-prefix prompts in two waves, with prefix caching on (and off): the tokens and
+    per-model counts equal the sequential reference; with caching on, the later wave's
+    requests reuse the system prompt's blocks on the entry model, and handoffs' first
+    visits reuse them on the models they reach."""
+    options, names = CASES[name]
+    policy = build_policy(name, options, names)
+    engines = chain_engines(chain_dirs, names, prefix_caching=caching)
+    prompts = shared_prompts()
+    results, hits = run_waves(policy, engines, [prompts[:2], prompts[2:]])
+    models = [(n, chain_reference_models[n]) for n in names]
+    for prompt, got in zip(prompts, results, strict=True):
+        want = reference_generate(
+            models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
+        )
+        assert got.error is None
+        assert (got.token_ids, got.counts, got.handoffs) == (
+            want.token_ids,
+            want.counts,
+            want.handoffs,
+        )
+    cached = [got.summary.cached_tokens for got in results]  # usage's cached_tokens
+    if not caching:
+        assert hits == [0] * len(names)
+        assert cached == [0] * len(prompts)
+        return
+    assert hits[0] >= 6 * 16  # every request of the second wave hit the system prompt
+    assert all(16 <= c < len(p) for c, p in zip(cached[2:], prompts[2:], strict=True))
+    assert sum(cached) == hits[0]  # what the entry model found, request by request
+    if name != "never":
+        assert hits[-1] > 0  # first visits of handoffs hit on the last model too
+
+
+# Per-request routing thresholds (the API's ``routing`` field; issue 36): rows with different
+# thresholds share every batch. None: the policy's configured value.
+THRESHOLD_POLICIES = [n for n in CASES if n not in ("never", "always")]
+OVERRIDES: list[tuple[float, ...]] = [(), (0.0,), (1.0,), (), (0.3,), (0.6,), (0.05,), (0.95,)]
+PER_LEVEL = {6: (0.0, 1.0), 7: (1.0, 0.0)}  # escalation: one value per level
+
+
+def request_thresholds(name: str) -> list[tuple[float, ...]]:
+    if name != "escalation":
+        return OVERRIDES
+    return [PER_LEVEL.get(i, t) for i, t in enumerate(OVERRIDES)]
+
+
+def run_local_each(policy, engines, specs: list[SamplingSpec]):
+    """One runtime, one request per spec, all at once."""
+
+    async def go():
+        async with LocalRuntime(engines, policy, InProcChannel) as runtime:
+            work = (runtime.complete(p, s) for p, s in zip(prompts(len(specs)), specs, strict=True))
+            results = await asyncio.wait_for(asyncio.gather(*work), 120)
+            await runtime.wait_idle()
+            pools = [s.engine.kv.pool for s in runtime.subservers]
+            assert all(p.num_free_blocks == p.num_blocks for p in pools)  # no leaked KV
+            return list(results)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("name", THRESHOLD_POLICIES)
+def test_per_request_thresholds_equal_reference(name, chain_dirs, chain_reference_models) -> None:
+    """8 concurrent greedy requests, each with its own threshold (none, 0, 1, low, high, and
+    per level for escalation), in one runtime: each equals the reference run with the same
+    threshold; and the thresholds did change routing (compared with the configured one)."""
+    options, names = CASES[name]
+    policy = build_policy(name, options, names)
+    thresholds = request_thresholds(name)
+    specs = [
+        SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED, route_thresholds=t)
+        for t in thresholds
+    ]
+    results = run_local_each(policy, chain_engines(chain_dirs, names), specs)
+    models = [(n, chain_reference_models[n]) for n in names]
+    changed = 0
+    for prompt, got, t in zip(prompts(), results, thresholds, strict=True):
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, route_thresholds=t)
+        want = reference_generate(models, policy, prompt, sampling, SEED)
+        assert got.error is None
+        assert (got.token_ids, got.counts, got.handoffs, got.finish_reason) == (
+            want.token_ids,
+            want.counts,
+            want.handoffs,
+            want.finish_reason,
+        ), f"{name}: request with thresholds {t}"
+        if t:
+            plain = reference_generate(
+                models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
+            )
+            changed += (plain.counts, plain.handoffs) != (want.counts, want.handoffs)
+    assert changed >= 4, f"{name}: the per-request thresholds changed too little ({changed})"
+
+
+@pytest.mark.parametrize("name", THRESHOLD_POLICIES)
+def test_extreme_thresholds_route_as_expected(name, chain_dirs, chain_reference_models) -> None:
+    """The reference honours an override in the policy's direction: at one extreme the
+    entry model writes every token, at the other the larger models write some (so an
+    ignored override could not pass the test above by chance)."""
+    options, names = CASES[name]
+    policy = build_policy(name, options, names)
+    models = [(n, chain_reference_models[n]) for n in names]
+    prompt = prompts()[0]
+    # the threshold at which the policy never hands off: above every score, or p = 0
+    never = 0.0 if name in ("bernoulli", "citer") else 1.0
+    runs = {
+        t: reference_generate(
+            models,
+            policy,
+            prompt,
+            SamplingParams(max_tokens=MAX_TOKENS, route_thresholds=(t,)),
+            SEED,
+        )
+        for t in (never, 1.0 - never)
+    }
+    assert runs[never].counts == {names[0]: len(runs[never].token_ids)}
+    assert runs[never].handoffs == 0
+    assert runs[1.0 - never].handoffs > 0

@@ -1,0 +1,192 @@
+"""Every model replica knows the true global N (issue 14 part 1): with two ingress replicas
+and two replicas of the large model, each model's N follows arrivals and completions at
+both ingresses, down to 0, within a message delay; a silent (dead) ingress stops counting."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tokenrouter_ray.ingress.core import IngressCore
+from tokenrouter_ray.protocol import MsgKind, PeerReq, SamplingSpec
+from tokenrouter_ray.replica import subserver as subserver_module
+from tokenrouter_ray.replica.subserver import SubServer
+from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.simulation.backend import sim_engine
+from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_name
+from tokenrouter_ray.transport.inproc import InProcChannel, InProcHub
+
+MODELS = ["small", "large"]
+LONG = SamplingSpec(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+
+
+class Cluster:
+    """small/0, large/0, large/1 and two ingresses on one in-process hub."""
+
+    def __init__(self) -> None:
+        self.servers: list[SubServer] = []
+        self.ingresses: list[IngressCore] = []
+
+    async def __aenter__(self) -> Cluster:
+        hub, directory = InProcHub(), InMemoryDirectory()
+        policy = build_policy("bernoulli", {"p": 0.3}, MODELS)
+        for index, (model, replica) in enumerate([("small", "0"), ("large", "0"), ("large", "1")]):
+            channel = InProcChannel(model, replica, directory, hub)
+            await channel.start()
+            # Thresholds that defer on a large N: a stale N would hold launches back.
+            engine = sim_engine(lambda b: 0.002, batch_thresholds=[1, 1, 1, 2, 2, 3])
+            server = SubServer(
+                MODELS,
+                min(index, 1),
+                engine,
+                policy,
+                channel,
+                pick_endpoint=lambda model, rid: (
+                    endpoint_name(model, str(hash(rid) % 2))
+                    if model == "large"
+                    else endpoint_name(model, "0")
+                ),
+            )
+            await server.start()
+            self.servers.append(server)
+        endpoints = [s.endpoint for s in self.servers]
+        for k in range(2):
+            channel = InProcChannel("ingress", str(k), directory, hub)
+            await channel.start()
+            core = IngressCore(channel, lambda: endpoints[0], lambda: endpoints)
+            await core.start()
+            self.ingresses.append(core)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for core in self.ingresses:
+            await core.stop()
+            await core.channel.close()
+        for server in self.servers:
+            await server.stop()
+            await server.channel.close()
+
+    @property
+    def truth(self) -> int:
+        return sum(core.num_active for core in self.ingresses)
+
+    async def settled(self, timeout_s: float = 2.0) -> float:
+        """Seconds until every model replica's N (and its scheduler's) equals the truth."""
+        start = time.monotonic()
+        while True:
+            seen = [(s.active_requests, s.engine.scheduler.active_requests) for s in self.servers]
+            if all(n == self.truth and e == self.truth for n, e in seen):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise AssertionError(f"models see N {seen}, truth is {self.truth}")
+            await asyncio.sleep(0.002)
+
+
+def test_every_model_replica_tracks_the_global_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each arrival and completion reaches every replica by itself: the periodic refresh is
+    switched off, so only the per-change publish can deliver the count (``settled`` fails
+    after its timeout otherwise)."""
+    from tokenrouter_ray.ingress import core as ingress_module
+
+    monkeypatch.setattr(ingress_module, "ACTIVE_REFRESH_S", 3600.0)
+
+    async def go() -> None:
+        async with Cluster() as cluster:
+            a, b = cluster.ingresses
+            for i in range(5):  # arrivals at both ingresses
+                await a.submit(f"a{i}", [1, 2, 3], LONG)
+                await cluster.settled()
+                await b.submit(f"b{i}", [1, 2, 3], LONG)
+                await cluster.settled()
+            assert cluster.truth == 10
+            for i in range(5):  # completions (client aborts) at both
+                await a.abort(f"a{i}")
+                a.release(f"a{i}")
+                await cluster.settled()
+            for i in range(5):
+                await b.abort(f"b{i}")
+                b.release(f"b{i}")
+                await cluster.settled()
+            assert cluster.truth == 0  # the drop to 0 reaches every replica
+            # A request that finishes on its own (max_tokens) is a completion too.
+            await a.submit("short", [1, 2], SamplingSpec(temperature=0.0, max_tokens=4))
+            await cluster.settled()
+            done = await a.result("short")
+            assert done.finish_reason == "length" and len(done.token_ids) == 4
+            await cluster.settled()
+            assert all(s.active_requests == 0 for s in cluster.servers)
+
+    asyncio.run(go())
+
+
+def test_a_burst_of_arrivals_sends_one_active_frame_per_endpoint() -> None:
+    async def go() -> tuple[int, int]:
+        async with Cluster() as cluster:
+            a = cluster.ingresses[0]
+            sent: list[PeerReq] = []
+            send = a.channel.send
+
+            async def recording_send(dst: str, msgs: list[PeerReq]) -> None:
+                sent.extend(msgs)
+                await send(dst, msgs)
+
+            a.channel.send = recording_send
+            await asyncio.gather(*(a.submit(f"r{i}", [1, 2], LONG) for i in range(8)))
+            await cluster.settled()
+            actives = [m for m in sent if m.kind == MsgKind.ACTIVE]
+            for i in range(8):
+                a.abort_nowait(f"r{i}")
+                a.release(f"r{i}")
+            await cluster.settled()
+            return len(actives), {m.active_requests for m in actives} == {8}
+
+    count, all_eight = asyncio.run(go())
+    assert count == 3 and all_eight  # one frame per model endpoint, carrying the final 8
+
+
+def test_a_silent_ingress_stops_counting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subserver_module, "INGRESS_SILENCE_S", 0.3)
+
+    async def go() -> list[int]:
+        async with Cluster() as cluster:
+            a, b = cluster.ingresses
+            await a.submit("a", [1, 2], LONG)
+            await b.submit("b", [1, 2], LONG)
+            await cluster.settled()
+            await b.stop()  # b's replica dies: its count of 1 is never refreshed
+            await asyncio.sleep(2.5)  # a keeps refreshing its own count every second
+            seen = [s.active_requests for s in cluster.servers]
+            await a.abort("a")
+            a.release("a")
+            return seen
+
+    assert asyncio.run(go()) == [1, 1, 1]
+
+
+def test_models_end_the_requests_of_a_silent_ingress(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenrouter_ray.ingress import core as ingress_module
+
+    monkeypatch.setattr(ingress_module, "ACTIVE_REFRESH_S", 0.1)  # a live ingress: 10 per s
+    monkeypatch.setattr(subserver_module, "INGRESS_SILENCE_S", 0.6)
+
+    async def go() -> tuple[bool, bool]:
+        async with Cluster() as cluster:
+            a, b = cluster.ingresses
+            await a.submit("a", [1, 2], LONG)
+            await b.submit("b", [1, 2], LONG)
+            await cluster.settled()
+            held_before = any("b" in s.tracked for s in cluster.servers)
+            assert a.health_problem() is None and b.health_problem() is None
+            await b.stop()  # b's replica dies: nobody will read request b again
+            assert "stopped" in (b.health_problem() or "")  # what its check_health raises
+            await asyncio.sleep(2.0)
+            gone = all("b" not in s.tracked and "b" not in s.engine.requests
+                       for s in cluster.servers)  # fmt: skip
+            kept = any("a" in s.tracked for s in cluster.servers)  # a's request goes on
+            await a.abort("a")
+            a.release("a")
+            return held_before and gone, kept
+
+    assert asyncio.run(go()) == (True, True)

@@ -1,0 +1,586 @@
+"""The ingress side of the protocol: submit requests, assemble commits, abort, recover;
+and the OpenAI flow on top of it (admission, entry load-balancing, one loop per choice).
+
+``IngressCore`` is the single holder of each request's committed output. It sends NEW to
+the entry model, orders COMMITs from whichever model committed (``CommitLog``), completes a
+request once FINISHED arrived *and* every committed token up to the final length is in, and
+broadcasts ABORT to every model endpoint (receivers that never held the request ignore it).
+``IngressServer`` (``ingress/openai_server.py``) drives it for the OpenAI API, inside an
+``IngressService`` (``ingress/service.py``; the Serve ingress ``deployments/ingress.py`` is
+a shim around it); ``LocalRuntime`` drives the core directly. Neither needs Ray.
+
+Reliability rules (docs/reliability.md):
+- cleanup never awaits: ``abort_nowait`` and ``release`` change state at once and the ABORT
+  broadcast runs as a background task the core owns, so a cancelled caller (a client that
+  disconnected) cannot leave a request behind on any model or in the active count;
+- every request has a deadline: ``stream`` waits no longer than it, then ends the request
+  with ``error_kind="timeout"`` and aborts it everywhere;
+- the active count (the global N of the models' launch thresholds) is published to every
+  model endpoint in an ACTIVE frame whenever it changes, coalesced (changes within one
+  event-loop turn send one frame per endpoint), and again every ``ACTIVE_REFRESH_S`` while
+  it is not 0, so a model can tell a live ingress from a dead one;
+- ``recreate`` re-submits requests whose models were lost from the committed sequence held
+  here, under a new wire id (``<rid>~<k>``): the old incarnation is aborted everywhere, the
+  new one is a NEW to the entry model carrying prompt + committed tokens, the original
+  prompt length (so ``max_tokens`` and first-token logic keep their meaning) and the
+  replicas to use. Anchors and policy state start afresh;
+- copies this ingress no longer wants are stopped: a COMMIT for a wire id it does not hold
+  (an incarnation superseded by ``recreate`` on a replica that only stalled past its lease,
+  or a request whose submission was cancelled after its NEW was queued) brings an ABORT to
+  every model endpoint and its sender, once per id; and an endpoint that (re)appears gets
+  the ABORTs of the incarnations superseded lately, for copies held there that report
+  nothing (paused while another model writes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from tokenrouter_ray.engine.request import draw_seed
+from tokenrouter_ray.metrics import INGRESS, Metrics
+from tokenrouter_ray.metrics.latency import mean_itl
+from tokenrouter_ray.protocol import (
+    CommitLog,
+    FinishSummary,
+    MsgKind,
+    PeerReq,
+    ProtocolError,
+    RouteState,
+    SamplingSpec,
+    TokenInfo,
+    by_destination,
+)
+from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+ACTIVE_REFRESH_S = 1.0  # a non-zero active count is republished this often
+STOPPED_REMEMBERED = 4096  # wire ids told to stop, and superseded incarnations, remembered
+SUPERSEDED_RESEND_S = 60.0  # superseded incarnations are ABORTed everywhere this long
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_len: int
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    counts: dict[str, int] = field(default_factory=dict)  # committed tokens per model
+    handoffs: int = 0
+    error: str | None = None
+    error_kind: str | None = None  # "model" (a model failed it), "timeout", "unavailable"
+    recreated: int = 0  # times it was re-created after losing a model replica
+    # per-request metrics: ingress clock (monotonic seconds) ...
+    ttft_s: float | None = None  # submit -> first committed token here
+    e2e_s: float | None = None  # submit -> release
+    mean_itl_s: float | None = None  # (last - first token) / (tokens - 1)
+    # ... and what the models reported (None: the request ended before they did, e.g. cut
+    # by a stop string or aborted)
+    summary: FinishSummary | None = None
+    writers: list[str | None] = field(default_factory=list)  # model of each output token
+    infos: list[TokenInfo | None] = field(default_factory=list)  # if the request asked
+
+
+class _Live:
+    def __init__(self, rid: str, prompt: list[int], sampling: SamplingSpec, timeout_s: float):
+        self.rid = rid
+        self.wire_rid = rid  # the id models know it by (changes when it is re-created)
+        self.prompt = prompt
+        self.sampling = sampling
+        self.log = CommitLog(len(prompt))
+        self.completion = Completion(rid, len(prompt))
+        self.final_len: int | None = None
+        self.aborted = False
+        self.counts: dict[str, int] = {}  # committed tokens per model, as seen here
+        self.updates: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        self.submitted_at = time.monotonic()  # for TTFT / ITL / end-to-end metrics
+        self.deadline = self.submitted_at + timeout_s
+        self.deadline_wall = time.time() + timeout_s  # travels to the models
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.timer: asyncio.TimerHandle | None = None  # fires at the deadline
+        self.holders: set[str] | None = None  # endpoints it may be on (None: any)
+        self.seen_seq = 0  # highest handoff_seq on a commit: handoffs so far, at least
+
+    @property
+    def complete(self) -> bool:
+        return self.final_len is not None and self.log.end >= self.final_len
+
+    @property
+    def done(self) -> bool:
+        return self.complete or self.aborted
+
+
+class IngressCore:
+    def __init__(
+        self,
+        channel: PeerChannel,
+        entry_endpoint: Callable[[], str],
+        all_endpoints: Callable[[], list[str]],
+        metrics: Metrics | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.channel = channel
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.entry_endpoint = entry_endpoint
+        self.all_endpoints = all_endpoints
+        self.timeout_s = timeout_s
+        self.live: dict[str, _Live] = {}  # by client request id
+        self._wire: dict[str, _Live] = {}  # by the id models know (differs once re-created)
+        self._task: asyncio.Task | None = None
+        self._refresh: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        self._publish_due = False  # an ACTIVE broadcast is scheduled for this loop turn
+        self._published: int | None = None  # the count last sent in an ACTIVE
+        self.tokens_received = 0  # committed tokens received (for host-path benchmarks)
+        self.frames_received = 0
+        self._told_to_stop: dict[str, None] = {}  # orphan wire ids aborted (insertion order)
+        self._superseded: dict[str, None] = {}  # wire ids replaced by ``recreate``
+        self._recent: dict[str, float] = {}  # of those, the recent ones -> when superseded
+        self._endpoints_seen: set[str] = set()  # model endpoints at the last refresh
+        self.orphans_aborted = 0  # orphan copies told to stop (stats)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._receive_loop(), name="ingress-recv")
+        self._refresh = asyncio.create_task(self._refresh_loop(), name="ingress-active")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, self._refresh, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, ChannelClosed, Exception):
+                await task
+
+    @property
+    def num_active(self) -> int:
+        return len(self.live)
+
+    def health_problem(self) -> str | None:
+        """Why this ingress cannot serve (its receive or refresh loop stopped, its channel
+        closed), or None."""
+        for task in (self._task, self._refresh):
+            if task is None or task.done():
+                why = "not started" if task is None else repr(task)
+                return f"ingress loop stopped: {why}"
+        if self.channel.closed:
+            return "ingress channel closed"
+        return None
+
+    # ------------------------------------------------------------- active count
+    def _active_changed(self) -> None:
+        """The active count changed: metrics now, one ACTIVE broadcast per loop turn."""
+        self.metrics.ingress_active(self.num_active)
+        if not self._publish_due:
+            self._publish_due = True
+            asyncio.get_running_loop().call_soon(self._publish_active)
+
+    def _publish_active(self) -> None:
+        self._publish_due = False
+        n = self._published = self.num_active
+        msgs = [
+            PeerReq(
+                rid="",
+                src=self.channel.name,
+                dst=dst,
+                kind=MsgKind.ACTIVE,
+                handoff_seq=0,
+                active_requests=n,
+            )
+            for dst in self.all_endpoints()
+        ]
+        self._spawn(self._send_each(msgs))
+
+    async def _refresh_loop(self) -> None:
+        """Republish a non-zero count: models drop an ingress silent for long (its replica
+        died) and would otherwise hold its last count forever."""
+        while True:
+            await asyncio.sleep(ACTIVE_REFRESH_S)
+            if self._published or self.num_active:
+                self._publish_active()
+            self._abort_superseded_on_new_endpoints()
+
+    def _abort_superseded_on_new_endpoints(self) -> None:
+        """An endpoint that appeared since the last refresh (a replica back from a stall
+        past its lease, or a new one) may hold copies of incarnations ``recreate``
+        superseded while it was away: ABORT them there (unknown ids are ignored). The
+        incarnations superseded in the last ``SUPERSEDED_RESEND_S`` are ABORTed at every
+        endpoint on every refresh too: a replica that stalled only briefly may never have
+        left the endpoint list between two refreshes (so it never looks new), and an ABORT
+        sent while it was frozen may have been dropped with its connection."""
+        now = set(self.all_endpoints())
+        new, self._endpoints_seen = now - self._endpoints_seen, now
+        cutoff = time.monotonic() - SUPERSEDED_RESEND_S
+        for rid in [r for r, at in self._recent.items() if at < cutoff]:
+            del self._recent[rid]
+        targets = {dst: list(self._superseded) for dst in new if self._superseded}
+        for dst in now - new if self._recent else ():
+            targets[dst] = list(self._recent)
+        msgs = [
+            PeerReq(rid=rid, src=self.channel.name, dst=dst, kind=MsgKind.ABORT, handoff_seq=0)
+            for dst in sorted(targets)
+            for rid in targets[dst]
+        ]
+        if msgs:
+            self._spawn(self._send_grouped(msgs))
+
+    async def submit(
+        self,
+        rid: str,
+        prompt: list[int],
+        sampling: SamplingSpec,
+        entry: str | None = None,
+        timeout_s: float | None = None,
+        endpoints: Mapping[str, str] | None = None,
+    ) -> None:
+        """Send NEW to ``entry`` (default: ``entry_endpoint()``); ``endpoints`` (model ->
+        the replica to use) ride on it. A failed send forgets the request and raises
+        (nothing was started)."""
+        if rid in self.live:
+            raise ValueError(f"request {rid!r} is already running")
+        if sampling.seed is None:  # one seed for every model the request visits
+            sampling = msgspec.structs.replace(sampling, seed=draw_seed())
+        timeout_s = timeout_s or self.timeout_s
+        live = _Live(rid, list(prompt), sampling, timeout_s)
+        live.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, rid)
+        self.live[rid] = self._wire[rid] = live
+        try:
+            dst = entry or self.entry_endpoint()
+            live.holders = _holders(dst, endpoints)
+            await self.channel.send(dst, [self._new_msg(live, dst, endpoints)])
+        except BaseException:
+            live.timer.cancel()  # set just above
+            self.live.pop(rid, None)
+            self._wire.pop(rid, None)
+            # a send cancelled while it waited (the Ray channel's window) may have queued the
+            # NEW already: the request would run with nobody holding it here
+            self._broadcast_abort(rid)
+            raise
+        self._active_changed()
+
+    def _new_msg(self, live: _Live, dst: str, endpoints: Mapping[str, str] | None) -> PeerReq:
+        route = RouteState(
+            ingress=self.channel.name,
+            prompt_len=len(live.prompt),
+            endpoints=dict(endpoints or {}),
+            counts=dict(live.counts),
+            deadline=live.deadline_wall,
+        )
+        return PeerReq(
+            rid=live.wire_rid,
+            src=self.channel.name,
+            dst=dst,
+            kind=MsgKind.NEW,
+            handoff_seq=0,
+            tokens=live.prompt + live.log.tokens,
+            sampling=live.sampling,
+            route=route,
+            active_requests=self.num_active,
+        )
+
+    async def stream(self, rid: str) -> AsyncIterator[list[int]]:
+        """Newly committed tokens as they become contiguous, until the request completes,
+        is aborted, fails, or reaches its deadline (then it fails with ``timeout``). Tokens
+        that arrived together (one frame, or while the reader was busy) come as one list."""
+        live = self.live[rid]
+        updates = live.updates
+        while (chunk := await updates.get()) is not None:
+            ended = False
+            while not updates.empty():  # what else arrived: one piece, one SSE chunk
+                more = updates.get_nowait()
+                if more is None:
+                    ended = True
+                    break
+                chunk = chunk + more
+            yield chunk
+            if ended:
+                return
+
+    def _expire(self, rid: str) -> None:
+        """The request's deadline timer fired."""
+        live = self.live.get(rid)
+        if live is not None and not live.done:
+            waited = time.monotonic() - live.submitted_at
+            self.fail(rid, f"no answer within the request's deadline ({waited:.0f} s)", "timeout")
+
+    def abort_nowait(self, rid: str, reason: str = "abort") -> asyncio.Task | None:
+        """Stop the request on every model (unless it already completed); ``reason`` is its
+        finish reason (``"stop"`` when the caller saw a stop string). Changes state at once;
+        the ABORT broadcast runs in the background (returned, to await if wanted)."""
+        live = self.live.get(rid)
+        if live is None or live.done:
+            return None
+        live.aborted = True
+        live.completion.finish_reason = reason
+        live.updates.put_nowait(None)
+        return self._broadcast_abort(live.wire_rid)
+
+    async def abort(self, rid: str, reason: str = "abort") -> None:
+        task = self.abort_nowait(rid, reason)
+        if task is not None:
+            await asyncio.shield(task)
+
+    def fail(self, rid: str, error: str, kind: str = "model") -> None:
+        """End a request here with an error, and abort it on every model."""
+        live = self.live.get(rid)
+        if live is None or live.done:
+            return
+        live.completion.error, live.completion.error_kind = error, kind
+        self.metrics.error(INGRESS, kind)
+        self.abort_nowait(rid, reason="error")
+
+    def _broadcast_abort(self, wire_rid: str) -> asyncio.Task:
+        msgs = [
+            PeerReq(
+                rid=wire_rid,
+                src=self.channel.name,
+                dst=dst,
+                kind=MsgKind.ABORT,
+                handoff_seq=0,
+            )
+            for dst in self.all_endpoints()
+        ]
+        return self._spawn(self._send_each(msgs))
+
+    async def _send_each(self, msgs: list[PeerReq]) -> None:
+        """One frame per destination; one unreachable destination does not stop the rest."""
+        for msg in msgs:
+            try:
+                await self.channel.send(msg.dst, [msg])
+            except ChannelClosed:
+                return
+            except Exception as exc:
+                logger.warning(
+                    "ingress: %s for %s to %s failed: %s", msg.kind.name, msg.rid, msg.dst, exc
+                )
+                self.metrics.error(INGRESS, "send_failed")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def release(self, rid: str) -> Completion:
+        """Forget a completed, failed or aborted request; its final record. Never awaits."""
+        live = self.live.pop(rid)
+        if live.timer is not None:
+            live.timer.cancel()
+        self._wire.pop(live.wire_rid, None)
+        self._finish_record(live)
+        self._record_done(live)
+        return live.completion
+
+    def commit_log(self, rid: str) -> CommitLog:
+        """A live request's committed output with its writers and token reports."""
+        return self.live[rid].log
+
+    @staticmethod
+    def _finish_record(live: _Live) -> None:
+        """The request's metrics and per-token record, into its `Completion`."""
+        done, now = live.completion, time.monotonic()
+        done.e2e_s = now - live.submitted_at
+        if live.first_token_at is not None:
+            done.ttft_s = live.first_token_at - live.submitted_at
+            if live.last_token_at is not None:
+                done.mean_itl_s = mean_itl(
+                    live.first_token_at, live.last_token_at, len(done.token_ids)
+                )
+        if done.summary is None:  # no FINISHED (cut by a stop string, aborted, failed)
+            done.counts = done.counts or dict(live.counts)
+            done.handoffs = done.handoffs or live.seen_seq
+        done.writers, done.infos = live.log.writers, live.log.infos
+
+    def _record_done(self, live: _Live) -> None:
+        done, n = live.completion, len(live.completion.token_ids)
+        tpot = None
+        if n > 1 and live.first_token_at is not None and live.last_token_at is not None:
+            tpot = (live.last_token_at - live.first_token_at) / (n - 1)
+        self.metrics.request_done(
+            done.finish_reason or "unknown",
+            time.monotonic() - live.submitted_at,
+            done.prompt_len,
+            n,
+            done.handoffs,
+            tpot,
+        )
+        if done.error or done.finish_reason == "error":
+            self.metrics.error(INGRESS, "request_failed")
+        self._active_changed()
+
+    async def result(self, rid: str) -> Completion:
+        try:
+            async for _ in self.stream(rid):
+                pass
+        finally:
+            self.abort_nowait(rid)  # no-op once complete; frees the models if cancelled
+            done = self.release(rid)
+        return done
+
+    # ----------------------------------------------------------------- recovery
+    async def recreate(
+        self,
+        endpoints: Callable[[str], Mapping[str, str]] | None = None,
+        entry: str | None = None,
+        reason: str = "a model replica was lost",
+        lost: set[str] | None = None,
+    ) -> int:
+        """Re-create unfinished requests from their committed sequence (see the module
+        docstring): those that may be on an endpoint in ``lost`` (every one when None, or
+        when a request was not told its replicas); ``endpoints(rid)`` (model -> endpoint)
+        are the replicas it must use now. Returns how many were re-created."""
+        news: list[PeerReq] = []
+        for live in list(self.live.values()):
+            if live.done:
+                continue
+            if lost is not None and live.holders is not None and not live.holders & lost:
+                continue
+            self._broadcast_abort(live.wire_rid)
+            self._wire.pop(live.wire_rid, None)
+            _remember(self._superseded, live.wire_rid)
+            self._recent[live.wire_rid] = time.monotonic()
+            live.completion.recreated += 1
+            live.wire_rid = f"{live.rid}~{live.completion.recreated}"
+            self._wire[live.wire_rid] = live
+            live.log = live.log.settled()  # drop commits waiting on a gap
+            assigned = endpoints(live.rid) if endpoints is not None else None
+            dst = entry or self.entry_endpoint()
+            live.holders = _holders(dst, assigned)
+            news.append(self._new_msg(live, dst, assigned))
+        for dst, msgs in by_destination(news).items():
+            logger.warning("ingress: re-creating %d requests on %s: %s", len(msgs), dst, reason)
+            self.metrics.error(INGRESS, "recreated")
+            try:
+                await self.channel.send(dst, msgs)
+            except Exception as exc:
+                for msg in msgs:
+                    live = self._wire.get(msg.rid)
+                    if live is not None:
+                        self.fail(
+                            live.rid, f"{reason}; re-creating it failed: {exc}", "unavailable"
+                        )
+        return len(news)
+
+    # ------------------------------------------------------------------ receive
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                batch = await self.channel.recv()
+            except ChannelClosed:
+                return
+            except Exception:  # a transport hiccup must not stop every request
+                logger.exception("ingress: receive failed")
+                self.metrics.error(INGRESS, "recv_failed")
+                await asyncio.sleep(0.05)
+                continue
+            self.frames_received += 1
+            for msg in batch:
+                try:
+                    self.metrics.peer_message(INGRESS, msg.sent_at)
+                    self._on_message(msg)
+                except Exception as exc:
+                    logger.exception("ingress: message %s for %s failed", msg.kind.name, msg.rid)
+                    self.metrics.error(INGRESS, "bad_message")
+                    live = self._wire.get(msg.rid)
+                    if live is not None:
+                        self.fail(live.rid, f"bad {msg.kind.name} message: {exc}")
+
+    def _on_message(self, msg: PeerReq) -> None:
+        live = self._wire.get(msg.rid)
+        if live is None:
+            if msg.kind == MsgKind.COMMIT:
+                self._abort_orphan(msg)
+            return
+        if live.done:
+            return
+        if msg.kind == MsgKind.COMMIT:
+            model = msg.src.split("/", 1)[0]
+            try:
+                fresh = live.log.add(msg.anchor, msg.tokens, model, msg.token_info or None)
+            except ProtocolError as exc:
+                self.metrics.error(INGRESS, "protocol_error")
+                self.fail(live.rid, str(exc))
+                return
+            if msg.handoff_seq > live.seen_seq:
+                live.seen_seq = msg.handoff_seq
+            if fresh:
+                for writer in live.log.writers[len(live.log.writers) - len(fresh) :]:
+                    live.counts[writer] = live.counts.get(writer, 0) + 1
+                self._record_tokens(live, len(fresh))
+                self.tokens_received += len(fresh)
+                live.completion.token_ids += fresh
+                live.updates.put_nowait(fresh)
+        elif msg.kind == MsgKind.FINISHED:
+            summary = msg.summary or FinishSummary()
+            live.completion.counts = dict(summary.counts)
+            if summary.error:
+                self.fail(live.rid, summary.error, "model")
+                return
+            live.final_len = msg.anchor
+            live.completion.finish_reason = msg.finish_reason
+            live.completion.handoffs = summary.handoffs
+            live.completion.summary = summary
+        if live.complete:
+            live.updates.put_nowait(None)
+
+    def _abort_orphan(self, msg: PeerReq) -> None:
+        """A model still generates a request this ingress does not hold (see the module
+        docstring): ABORT it on every model endpoint and its sender, once per wire id.
+        Every holder, not only the sender: a copy paused on another model (waiting for
+        this one to hand it back) would otherwise be held there for good."""
+        if msg.rid in self._told_to_stop:
+            return
+        _remember(self._told_to_stop, msg.rid)
+        self.orphans_aborted += 1
+        self.metrics.error(INGRESS, "orphan_aborted")
+        logger.info("ingress: %s commits %s, which it no longer holds: aborting", msg.src, msg.rid)
+        msgs = [
+            PeerReq(rid=msg.rid, src=self.channel.name, dst=dst, kind=MsgKind.ABORT, handoff_seq=0)
+            for dst in dict.fromkeys([msg.src, *self.all_endpoints()])
+        ]
+        self._spawn(self._send_each(msgs))
+
+    async def _send_grouped(self, msgs: list[PeerReq]) -> None:
+        """One frame per destination, each destination on its own (like ``_send_each``)."""
+        for dst, group in by_destination(msgs).items():
+            try:
+                await self.channel.send(dst, group)
+            except ChannelClosed:
+                return
+            except Exception as exc:
+                logger.warning("ingress: %d ABORTs to %s failed: %s", len(group), dst, exc)
+                self.metrics.error(INGRESS, "send_failed")
+
+    def _record_tokens(self, live: _Live, n: int) -> None:
+        now = time.monotonic()
+        if live.first_token_at is None:
+            live.first_token_at = now
+            self.metrics.first_token(now - live.submitted_at)
+        else:
+            # this COMMIT's n tokens after the last one seen: n gaps
+            gap = mean_itl(live.last_token_at, now, n + 1)
+            if gap is not None:
+                self.metrics.inter_token(gap)
+        live.last_token_at = now
+
+
+def _remember(ids: dict[str, None], rid: str) -> None:
+    """Add to a bounded insertion-ordered set (the oldest falls out)."""
+    ids[rid] = None
+    if len(ids) > STOPPED_REMEMBERED:
+        ids.pop(next(iter(ids)))
+
+
+def _holders(entry: str, assigned: Mapping[str, str] | None) -> set[str] | None:
+    """The endpoints a request can be on: its entry and the replicas it was told to use
+    (None when it was not told: a model may pick any replica then)."""
+    return {entry, *assigned.values()} if assigned else None

@@ -1,0 +1,307 @@
+"""The OpenAI HTTP app of an ingress: ``build_app(service)`` -> a FastAPI app over one
+``IngressService`` (ingress/service.py). Servable by Ray Serve (``deployments/ingress.py``
+returns it from ``__serve_build_asgi_app__``) or by plain uvicorn; no Ray in it.
+
+A request is admitted (past ``max_active_requests`` it waits in a short bounded queue, then
+429 with Retry-After), its body read (past ``ingress.limits.max_body_mib``: 413, from
+Content-Length or while reading), parsed and tokenized (big bodies off the event loop), then
+answered by the service's ``IngressServer``: a JSON response, or an SSE stream whose choices
+are cancelled however the response ends and which is cut once its client stops reading
+(ingress/backpressure.py). Every error is the OpenAI envelope. ``POST /v1/responses`` (the
+Responses API) is served as the chat request it maps to, its answer translated
+(openai/responses_input.py, responses_output.py).
+
+Middlewares: optional API keys (``TOKENROUTER_API_KEYS``; every route but ``/health``, 401
+envelope) and ``X-Request-Id`` (accepted or made, the prefix of the request's rids on every
+model; echoed on every response when ``echo_request_id``: Serve's proxy echoes it itself, so
+the Serve shim turns it off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenrouter_ray import __version__
+from tokenrouter_ray.ingress.openai_server import StreamedChoices
+from tokenrouter_ray.metrics import INGRESS
+from tokenrouter_ray.openai import tokenize as token_ids
+from tokenrouter_ray.openai.auth import ApiKeyMiddleware
+from tokenrouter_ray.openai.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    OpenAIError,
+    as_openai_error,
+    error_response,
+    from_json_error,
+)
+from tokenrouter_ray.openai.request_id import RequestIdMiddleware, request_id_of, rid_prefix
+from tokenrouter_ray.openai.responses_input import ResponsesRequest, prepare_responses
+from tokenrouter_ray.openai.responses_output import (
+    ResponseStream,
+    build_response,
+    response_events,
+    response_head,
+)
+from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
+from tokenrouter_ray.openai.sse import SSE_HEADERS, SSE_MEDIA_TYPE
+from tokenrouter_ray.openai.validation import (
+    PayloadTooLargeError,
+    PreparedRequest,
+    RequestLimits,
+    check_model,
+    check_raw_limits,
+    parse_request,
+    prepare_chat,
+    prepare_completion,
+)
+
+if TYPE_CHECKING:
+    from tokenrouter_ray.ingress.service import IngressService
+
+logger = logging.getLogger(__name__)
+MAX_TIMEOUT_S = 24 * 3600.0
+PARSE_INLINE_BYTES = 64 << 10  # bodies above this are parsed off the event loop
+
+
+def load_json(body: bytes) -> Any:
+    """The body as JSON; malformed or absurdly nested bodies are a 400, never a 500."""
+    try:
+        return json.loads(body)
+    except ValueError as exc:  # JSONDecodeError, and UnicodeDecodeError for bytes
+        raise from_json_error(exc) from None
+    except RecursionError:
+        raise InvalidRequestError(
+            "The JSON body is nested too deeply to parse.", code="invalid_json"
+        ) from None
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused with 413 past ``max_bytes``: from Content-Length before reading,
+    and while reading (a chunked or lying client never makes the ingress buffer more)."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise InvalidRequestError("Invalid Content-Length header.")
+        if int(length) > max_bytes:
+            raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        f"The request body is larger than this server accepts ({max_bytes} bytes)."
+    )
+
+
+def _parse(cls: type, body: bytes, limits: RequestLimits) -> tuple[Any, Any]:
+    """JSON, the cheap count limits, then the schema: ``(data, parsed request)``."""
+    data = load_json(body)
+    check_raw_limits(data, limits)
+    return data, parse_request(cls, data)
+
+
+async def parse_off_loop(cls: type, body: bytes, limits: RequestLimits) -> tuple[Any, Any]:
+    if len(body) <= PARSE_INLINE_BYTES:  # a thread hop costs more than a small parse
+        return _parse(cls, body, limits)
+    return await asyncio.to_thread(_parse, cls, body, limits)
+
+
+def timeout_of(data: Any) -> float | None:
+    """The ``timeout`` extension (seconds until the request is ended with an error)."""
+    value = data.get("timeout") if isinstance(data, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError("'timeout' must be a number of seconds.", param="timeout")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise InvalidRequestError(
+            f"'timeout' must be in (0, {MAX_TIMEOUT_S:.0f}] seconds.", param="timeout"
+        )
+    return float(value)
+
+
+def _with_request_id(prepared: PreparedRequest, request: Request) -> PreparedRequest:
+    """The request's ``X-Request-Id`` (set by `RequestIdMiddleware`) as its rid prefix."""
+    request_id = request_id_of(request)
+    if request_id is None:
+        return prepared
+    return dataclasses.replace(prepared, request_id=rid_prefix(request_id))
+
+
+class ChoicesResponse(StreamingResponse):
+    """A stream whose choices are cancelled however the response ends (a client that
+    disconnects before the first byte never starts the body generator, so the body's own
+    cleanup would not run), and that stops, unfinished, once ``stalled`` returns (the client
+    stopped reading: ingress/backpressure.py); the server then closes the connection."""
+
+    def __init__(
+        self, tasks: list[asyncio.Future], stalled: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.tasks = tasks
+        self.stalled = stalled
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        respond = asyncio.ensure_future(super().__call__(scope, receive, send))
+        watch = asyncio.ensure_future(self.stalled()) if self.stalled is not None else None
+        try:
+            await asyncio.wait([t for t in (respond, watch) if t is not None],
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if respond.done():
+                respond.result()  # its exception, if any
+        finally:
+            for task in (respond, watch, *self.tasks):
+                if task is not None:
+                    task.cancel()
+            with contextlib.suppress(BaseException):
+                await respond
+
+
+def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
+    """The ingress's FastAPI app over ``service`` (see the module docstring)."""
+    app = FastAPI(title="tokenrouter-ray", docs_url=None, redoc_url=None)
+    app.state.service = service
+    served = service.cfg.served_model_name
+
+    def count_rejected_key() -> None:
+        service.metrics.error(INGRESS, "invalid_request_error_401")
+
+    app.add_middleware(ApiKeyMiddleware, on_reject=count_rejected_key)
+    # added last: outermost, so a 401 carries X-Request-Id too
+    echo: Callable[[], bool] = (lambda: True) if echo_request_id else (lambda: False)
+    app.add_middleware(RequestIdMiddleware, echo=echo)
+
+    # OpenAIError and RequestValidationError are handled inside the middleware stack
+    # (Starlette's ExceptionMiddleware), so their responses carry X-Request-Id; any other
+    # exception reaches the outermost ServerErrorMiddleware (a 500 envelope, without it).
+    @app.exception_handler(OpenAIError)
+    @app.exception_handler(RequestValidationError)
+    @app.exception_handler(Exception)
+    async def openai_errors(_: Request, exc: Exception) -> JSONResponse:
+        status, body = error_response(exc)
+        if status >= 500 and not isinstance(exc, OpenAIError):
+            logger.error("ingress: unexpected error", exc_info=exc)
+        service.metrics.error(INGRESS, f"{as_openai_error(exc).error_type}_{status}")  # bounded
+        return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
+
+    def check_optional_model(data: Any) -> None:
+        name = token_ids.model_of(data)
+        if name is not None:
+            check_model(name, [served])
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [service.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        check_model(model_id, [served])
+        return service.model_card()
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        data = load_json(await request.body())
+        check_optional_model(data)
+        out = await asyncio.to_thread(token_ids.tokenize, data, service.tokenizer, service.limits)
+        return JSONResponse(out.model_dump(mode="json", exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        data = load_json(await request.body())
+        check_optional_model(data)
+        out = await asyncio.to_thread(token_ids.detokenize, data, service.tokenizer, service.limits)
+        return JSONResponse(out.model_dump(mode="json"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        status, body = service.health()
+        headers = {"Retry-After": "1"} if status == 503 else None
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.get("/v1/tokenrouter/stats")
+    async def stats() -> dict[str, Any]:
+        """This ingress's counts, and what one replica of each model holds now."""
+        return await service.stats()
+
+    @app.get("/v1/tokenrouter/tuner")
+    async def tuner_status() -> Any:
+        return await service.tuner_status()
+
+    async def answer(
+        request: Request, schema: type, prepare: Any, chat: bool
+    ) -> tuple[Any, PreparedRequest, Any]:
+        """Admission, body, parsing and tokenizing (off the loop), then the server's answer:
+        ``(parsed request, prepared request, response object or StreamedChoices)``."""
+        async with service.admission.admit(service.has_room):  # before any reading: cheap 429
+            service.server.check_admission()
+            body = await read_body(request, service.max_body_bytes)
+            data, parsed = await parse_off_loop(schema, body, service.limits)
+            check_model(parsed.model, [served])
+            prepared = await asyncio.to_thread(
+                prepare, parsed, service.tokenizer, service.limits, service.generation_defaults
+            )
+            prepared = _with_request_id(prepared, request)
+            timeout_s = timeout_of(data)
+        # Out of the queue's block: nothing suspends before the core counts the request.
+        return parsed, prepared, await service.server.respond(prepared, chat, timeout_s)
+
+    def stream_response(result: StreamedChoices, body: AsyncIterator[bytes]) -> Response:
+        """``body`` (the choices' SSE, or a translation of it) as the HTTP response."""
+        return ChoicesResponse(
+            result.tasks, result.stalled, body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS
+        )
+
+    async def complete_request(request: Request, schema: type, prepare: Any, chat: bool) -> Any:
+        _, _, result = await answer(request, schema, prepare, chat)
+        if isinstance(result, StreamedChoices):
+            return stream_response(result, result.body)
+        return JSONResponse(result.model_dump(mode="json"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await complete_request(request, CompletionRequest, prepare_completion, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await complete_request(request, ChatCompletionRequest, prepare_chat, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """The Responses API, served as the chat request it maps to (openai/responses_*.py)."""
+        parsed, prepared, result = await answer(
+            request, ResponsesRequest, prepare_responses, chat=True
+        )
+        head = response_head(parsed, prepared.sampling, served)
+        if isinstance(result, StreamedChoices):
+            return stream_response(result, response_events(ResponseStream(head), result.body))
+        return JSONResponse(build_response(head, result).model_dump(mode="json"))
+
+    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"])
+    async def stored_response(response_id: str) -> Response:
+        """Retrieve, cancel, delete, input items: there is nothing stored to act on."""
+        raise NotFoundError(
+            f"No response '{response_id}': this server does not store responses.",
+            param="response_id",
+        )
+
+    return app

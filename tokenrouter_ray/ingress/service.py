@@ -1,0 +1,257 @@
+"""``IngressService``: everything an OpenAI ingress replica does that is not Ray Serve's.
+
+It owns the request core (``IngressCore``), the OpenAI server (``IngressServer``), admission
+(``AdmissionQueue`` and ``AdmissionCap``, with the loop that follows the tuner's SLO cap),
+recovery (``Recovery``), the request limits, the tokenizer and generation defaults, health
+(``health`` for ``/health``, ``check_health`` for the platform's probe) and the statistics
+of ``/v1/tokenrouter/stats``. It is built from injected parts, so tests build it for real
+without Ray:
+
+- ``channel``: this replica's peer channel, started (its endpoint is what ``peers``
+  heartbeats); the service closes it on ``stop``;
+- ``peers``: a ``PeerView`` (model -> live endpoints, refreshed in the background;
+  ``deployments/peers.py PeerBook`` in Serve), whose lost endpoints are reported to
+  ``on_lost``;
+- ``model_infos``: each model's ``info()`` (``max_model_len``, ``vocab_size``), entry first;
+- callables for what lives elsewhere: ``admission_cap`` (the tuner's app-wide cap, polled
+  in SLO mode), ``tuner_status``, and ``model_status`` (model -> its replica's status).
+
+The HTTP app over it is ``ingress/http_app.py build_app``; the Serve deployment
+(``deployments/ingress.py``) builds the Ray parts, this service and that app. No Ray here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.ingress.admission import AdmissionQueue
+from tokenrouter_ray.ingress.backpressure import Backpressure
+from tokenrouter_ray.ingress.core import IngressCore
+from tokenrouter_ray.ingress.openai_server import IngressServer
+from tokenrouter_ray.ingress.recovery import AdmissionCap, Recovery
+from tokenrouter_ray.metrics import Metrics
+from tokenrouter_ray.openai.errors import NotFoundError
+from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
+from tokenrouter_ray.openai.validation import RequestLimits
+from tokenrouter_ray.transport.base import PeerChannel
+
+STATUS_TIMEOUT_S = 5.0  # one model's status in /v1/tokenrouter/stats
+
+
+class ModelLimits(Protocol):
+    """What the service reads of a model's ``info()`` (replica/status.py ``ReplicaInfo``)."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+class PeerView(Protocol):
+    """What the service needs of a peer book (``deployments/peers.py PeerBook``)."""
+
+    by_model: dict[str, list[str]]  # model -> its live endpoints
+
+    @property
+    def refreshing(self) -> bool: ...  # the background refresh runs
+
+    def missing(self) -> list[str]: ...  # models without a live endpoint
+
+    def all(self) -> list[str]: ...  # every model endpoint, in model order
+
+    async def start(self, wait_for_all: bool = True) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def generation_defaults_of(cfg: AppConfig) -> GenerationDefaults:
+    """The entry model's ``generation_config.json`` defaults (``ingress.generation_config``
+    = auto, real models), else none."""
+    spec = cfg.models[cfg.model_names[0]]
+    if cfg.ingress.generation_config == "auto" and spec.sim is None:
+        return GenerationDefaults.from_model_dir(spec.path)
+    return GenerationDefaults()
+
+
+def request_limits_of(
+    cfg: AppConfig, tokenizer: Any, model_infos: Sequence[ModelLimits]
+) -> RequestLimits:
+    """What one request may ask: the configured limits, within every model's length and
+    vocabulary (and the tokenizer's)."""
+    entry = cfg.models[cfg.model_names[0]]
+    return RequestLimits(
+        max_model_len=min(i.max_model_len for i in model_infos),
+        vocab_size=min([len(tokenizer), *(i.vocab_size for i in model_infos)]),
+        structured_outputs=entry.sim is None,  # grammars need a real vocabulary
+        routing_levels=cfg.policy.threshold_levels(len(cfg.models)),
+        routing_presets=cfg.policy.preset_thresholds(),
+        **cfg.ingress.limits.model_dump(exclude={"max_body_mib"}),
+    )
+
+
+class IngressService:
+    """One ingress replica's serving logic over injected parts (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: AppConfig,
+        channel: PeerChannel,
+        peers: PeerView,
+        tokenizer: Any,
+        model_infos: Sequence[ModelLimits],
+        *,
+        metrics: Metrics | None = None,
+        generation_defaults: GenerationDefaults | None = None,
+        admission_cap: Callable[[], Awaitable[int | None]] | None = None,
+        tuner_status: Callable[[], Awaitable[Any]] | None = None,
+        model_status: Mapping[str, Callable[[], Awaitable[Any]]] | None = None,
+        core: IngressCore | None = None,
+    ) -> None:
+        ing = cfg.ingress
+        self.cfg = cfg
+        self.channel = channel
+        self.peers = peers
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.tokenizer = tokenizer
+        self.generation_defaults = (
+            generation_defaults if generation_defaults is not None else generation_defaults_of(cfg)
+        )
+        self.limits = request_limits_of(cfg, tokenizer, model_infos)
+        self.max_body_bytes = int(ing.limits.max_body_mib * 2**20)
+        self.timeout_s = ing.request_timeout_s
+        # admission limit: the configured cap, or the tuner's SLO cap when lower
+        self.cap = AdmissionCap(ing.max_active_requests, ing.num_replicas)
+        self.admission = AdmissionQueue(ing.admission_queue, ing.admission_wait_s)
+        self.admission_cap = admission_cap
+        self.tuner_status_of = tuner_status
+        self.model_status = dict(model_status or {})
+        if core is None:
+            core = IngressCore(channel, self._entry, peers.all, self.metrics, self.timeout_s)
+        self.core = core
+        self.recovery = Recovery(self.core, peers.missing, self._replace, timeout_s=self.timeout_s)
+        names = cfg.model_names
+        self.server = IngressServer(
+            self.core,
+            tokenizer,
+            cfg.served_model_name,
+            entries=lambda: self.peers.by_model[names[0]],
+            max_active=lambda: self.cap.limit,
+            unavailable=self.unavailable,
+            models=names,
+            # every model's replica by the one placement rule (ingress/placement.py)
+            replicas_of=lambda model: self.peers.by_model.get(model, []),
+            block_sizes={name: spec.block_size for name, spec in cfg.models.items()},
+            backpressure=Backpressure(ing.stream_buffer_tokens, ing.client_stall_s),
+        )
+        self._slo: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Wait until every model has a replica, start the core, and in SLO mode follow the
+        tuner's admission cap."""
+        await self.peers.start(wait_for_all=True)
+        await self.core.start()
+        if self.cfg.tuner.min_tokens_per_s and self.admission_cap is not None:
+            self._slo = asyncio.create_task(
+                self.cap.follow(self.admission_cap, self.cfg.tuner.period_s), name="ingress-slo"
+            )
+
+    async def stop(self) -> None:
+        if self._slo is not None:
+            self._slo.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._slo
+        await self.recovery.stop()
+        await self.admission.close()
+        await self.core.stop()
+        await self.peers.stop()
+        await self.channel.close()
+
+    # ------------------------------------------------------------------- health
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``/health``: 503 while a model has no replica or the peer view is not refreshed."""
+        missing = self.peers.missing()
+        if missing or not self.peers.refreshing:
+            return 503, {"status": "unavailable", "models_without_replica": missing}
+        return 200, {"status": "ok"}
+
+    def check_health(self) -> None:
+        """The platform's probe: raises while the receive or refresh loop stopped or the
+        channel closed (a failure restarts this replica; its streams end, and the models end
+        its requests once its active count goes silent)."""
+        problem = self.core.health_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    def unavailable(self) -> str | None:
+        """The models without a healthy replica (or recovery in progress); None: none."""
+        missing = self.peers.missing()
+        if missing or self.recovery.running:
+            return ", ".join(missing) or "being recovered"
+        return None
+
+    def has_room(self, reserved: int) -> bool:
+        """A slot is free for one more request, counting those the admission queue let in
+        that have not been submitted yet."""
+        return self.core.num_active + reserved < self.cap.limit
+
+    # ------------------------------------------------------------------ reports
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.cfg.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tokenrouter-ray",
+            "max_model_len": self.limits.max_model_len,
+            "models": self.cfg.model_names,
+        }
+
+    async def stats(self) -> dict[str, Any]:
+        """This ingress's counts, and what one replica of each model holds now."""
+        models: dict[str, Any] = {}
+        for name, status in self.model_status.items():
+            try:
+                status_now = await asyncio.wait_for(status(), timeout=STATUS_TIMEOUT_S)
+                models[name] = status_now.to_json()  # a ReplicaStatus (replica/status.py)
+            except Exception as exc:
+                models[name] = {"error": repr(exc)}
+        return {
+            "active_requests": self.core.num_active,
+            "entry_requests": self.server.entry_total,
+            "tokens_received": self.core.tokens_received,  # committed tokens seen here
+            "frames_received": self.core.frames_received,
+            "bytes_sent": self.channel.bytes_sent,  # NEW, ACTIVE, ABORT frames
+            "cpu_s": time.process_time(),  # this ingress process's CPU time
+            "endpoints": self.peers.by_model,
+            "recoveries": self.recovery.log[-20:],
+            "stream_buffered_tokens": self.server.buffered_tokens,  # not yet taken by clients
+            "client_stalls": self.server.client_stalls,  # streams cut: client stopped reading
+            "orphans_aborted": self.core.orphans_aborted,  # copies told to stop (issue 26)
+            "models": models,
+        }
+
+    async def tuner_status(self) -> Any:
+        if self.tuner_status_of is None:
+            raise NotFoundError("The threshold tuner is not enabled (set `tuner=live`).")
+        return (await self.tuner_status_of()).to_json()  # a TunerStatus (tuning/decision.py)
+
+    # ----------------------------------------------------------------- recovery
+    def on_lost(self, lost: set[str]) -> None:
+        """Model endpoints whose lease ran out: their replicas died. Their channels and
+        prefix memories are dropped, and their unfinished requests re-created once each
+        model has a replica again (``ingress/recovery.py``)."""
+        for name in lost:
+            self.channel.forget_peer(name)
+            self.server.forget_replica(name)
+        self.recovery.lost(lost)
+
+    def _replace(self, rid: str) -> dict[str, str]:
+        """A re-created request's replica of each non-entry model, by the placement rule:
+        kept where it is still live, placed anew where it was lost."""
+        return self.server.replace(rid)
+
+    def _entry(self) -> str:
+        return self.server.entry()

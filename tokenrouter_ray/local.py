@@ -1,0 +1,149 @@
+"""``LocalRuntime``: M model sub-servers and an ingress in one process and one event loop,
+wired by in-process channels (the same code the Ray Serve deployments run over ZeroMQ or
+Ray). Used by tests, benchmarks and anyone routing on one machine without Ray.
+
+Replicas are chosen by production's rule (ingress/placement.py ``Placement``): with one
+replica per model that is the only one, picked by each model on a request's first visit
+(``pick_endpoint``). ``ReplicatedRuntime`` (simulation/backend.py) runs several replicas
+and places every request at the ingress, as the Serve ingress does (``place_at_ingress``:
+each model's replica named in the NEW).
+
+    async with LocalRuntime([("small", e0), ("large", e1)], policy) as runtime:
+        completion = await runtime.complete(prompt_ids, SamplingSpec(temperature=0))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tokenrouter_ray.ingress.core import Completion, IngressCore
+from tokenrouter_ray.ingress.placement import Placement
+from tokenrouter_ray.metrics import Metrics
+from tokenrouter_ray.protocol import SamplingSpec
+from tokenrouter_ray.replica.subserver import HandoffRecord, SubServer
+from tokenrouter_ray.routing.policy import Policy
+from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_name
+from tokenrouter_ray.transport.inproc import InProcChannel, InProcHub
+
+if TYPE_CHECKING:
+    from tokenrouter_ray.engine.engine import Engine
+
+
+class LocalRuntime:
+    def __init__(
+        self,
+        engines: Sequence[tuple[str, Engine]],
+        policy: Policy,
+        channel_type: type[InProcChannel] = InProcChannel,
+        metrics: Metrics | None = None,
+        transit_s: float = 0.0,
+    ) -> None:
+        """``transit_s``: each frame between the models and the ingress arrives this long
+        after it was sent (``InProcHub``: a simulated network; 0 by default)."""
+        self.models = [name for name, _ in engines]
+        if policy.models != self.models:
+            raise ValueError(f"policy routes {policy.models}, runtime has {self.models}")
+        self.engines = dict(engines)
+        self.policy = policy
+        self.channel_type = channel_type
+        # Default: prometheus-client on its global registry, labelled with the policy.
+        self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
+        self.subservers: list[SubServer] = []
+        self.ingress: IngressCore | None = None
+        self._ids = itertools.count()
+        # model -> its replicas' endpoints; what the placement chooses from
+        self.replicas: dict[str, list[str]] = {m: [endpoint_name(m, "0")] for m in self.models}
+        self.placement = Placement(self.replicas.__getitem__, self._block_sizes())
+        self.place_at_ingress = False  # True: every model's replica named in the NEW
+        self.transit_s = transit_s
+
+    def _block_sizes(self) -> dict[str, int]:
+        return {
+            name: getattr(getattr(engine, "config", None), "block_size", 16)
+            for name, engine in self.engines.items()
+        }
+
+    async def __aenter__(self) -> LocalRuntime:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        hub, directory = InProcHub(self.transit_s), InMemoryDirectory()
+        for index, name in enumerate(self.models):
+            channel = self.channel_type(name, "0", directory, hub)
+            await channel.start()
+            server = SubServer(
+                self.models,
+                index,
+                self.engines[name],
+                self.policy,
+                channel,
+                pick_endpoint=lambda model, rid: self.placement.choose(model),
+                metrics=self.metrics,
+            )
+            await server.start()
+            self.subservers.append(server)
+        channel = self.channel_type("ingress", "0", directory, hub)
+        await channel.start()
+        endpoints = [s.endpoint for s in self.subservers]
+        self.ingress = IngressCore(
+            channel, lambda: endpoints[0], lambda: endpoints, metrics=self.metrics
+        )
+        await self.ingress.start()
+
+    async def stop(self) -> None:
+        """Every sub-server's loops first (nothing sends after this), then the ingress, then
+        the channels: a channel closed while a peer still runs makes that peer's last sends
+        fail ("nothing is bound at ...") at every teardown."""
+        for server in self.subservers:
+            await server.stop()
+        if self.ingress is not None:
+            await self.ingress.stop()
+            await self.ingress.channel.close()
+        for server in self.subservers:
+            await server.channel.close()
+        self.subservers = []
+
+    async def complete(
+        self, prompt: Sequence[int], sampling: SamplingSpec, request_id: str | None = None
+    ) -> Completion:
+        rid = request_id or f"local-{next(self._ids)}"
+        try:
+            await self.submit(rid, prompt, sampling)
+            return await self.ingress.result(rid)
+        finally:
+            self.placement.release(rid)
+
+    async def submit(self, rid: str, prompt: Sequence[int], sampling: SamplingSpec) -> None:
+        """Send a request to the ingress core; with ``place_at_ingress``, placed first (its
+        replicas stay counted until ``placement.release(rid)``)."""
+        if not self.place_at_ingress:
+            await self.ingress.submit(rid, list(prompt), sampling)
+            return
+        placed = self.placement.place(rid, self.models, prompt)
+        entry, *others = (placed[m] for m in self.models)
+        endpoints = dict(zip(self.models[1:], others, strict=True))
+        await self.ingress.submit(rid, list(prompt), sampling, entry, endpoints=endpoints)
+
+    async def complete_all(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
+    ) -> list[Completion]:
+        return list(await asyncio.gather(*(self.complete(p, sampling) for p in prompts)))
+
+    async def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until no model holds any request (after aborts, finishes and late messages)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while any(s.holds_anything for s in self.subservers):
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError("models still hold requests")
+            await asyncio.sleep(0.01)
+
+    @property
+    def handoffs(self) -> list[HandoffRecord]:
+        return [h for s in self.subservers for h in s.handoff_log]
