@@ -1,11 +1,12 @@
-"""One Serve deployment per model: a replica hosts one model sub-server (engine + policy +
-peer channel). Requests reach it as PeerReqs over the channel, not as handle calls; the
-handle serves only ``info`` and ``status`` (``ReplicaInfo`` / ``ReplicaStatus``, typed:
-``replica/status.py``), health checks and ``inject_fault`` (chaos tests).
+"""One Serve deployment per model: a replica hosts one ``Replica`` (replica/step.py: engine +
+policy + peer channel, and the thread that steps them). Requests reach it as PeerReqs over
+the channel, not as handle calls; the handle serves only ``info`` and ``status``
+(``ReplicaInfo`` / ``ReplicaStatus``, typed: ``replica/status.py``), health checks and
+``inject_fault`` (chaos tests).
 With the tuner enabled, each replica reports its statistics window to the tuner every period
 and adopts the thresholds it answers. Serve's ``check_health`` fails (and Serve restarts the
-replica) when the sub-server's receive, send or step loop stopped, the channel closed, the
-endpoint heartbeat stopped, a step ran past ``max_step_s`` (a wedged device) or
+replica) when the replica's receive or send task or its step thread stopped, the channel
+closed, the endpoint heartbeat stopped, a step ran past ``max_step_s`` (a wedged device) or
 ``max_failed_steps`` steps in a row failed (a sticky device error)."""
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from deployments.tp_workers import RayWorkerLauncher
 from tokenrouter_ray.config import AppConfig, ModelSpec
 from tokenrouter_ray.engine.config import EngineConfig
 from tokenrouter_ray.engine.engine import Engine
-from tokenrouter_ray.replica.status import ReplicaInfo, ReplicaStatus, SimDevice
-from tokenrouter_ray.replica.subserver import SubServer
+from tokenrouter_ray.replica.status import ReplicaInfo, ReplicaStatus, replica_info, replica_status
+from tokenrouter_ray.replica.step import Replica
 from tokenrouter_ray.routing.policy import build_policy, policy_class
 
 logger = logging.getLogger("ray.serve")
@@ -118,7 +119,7 @@ class ModelServer:
             alive=lambda: not hasattr(self, "server") or self.server.alive,
         )
         await self.peers.start(wait_for_all=False)
-        self.server = SubServer(
+        self.server = Replica(
             cfg.model_names,
             index,
             self.engine,
@@ -137,11 +138,12 @@ class ModelServer:
         )
 
     async def _follow_tuner(self, tuner: DeploymentHandle, period_s: float) -> None:
-        """Report this replica's window; adopt the ``ThresholdTable`` the tuner answers."""
+        """Report this replica's window; adopt the ``ThresholdTable`` the tuner answers (both
+        through the step thread's call queue)."""
         while True:
             await asyncio.sleep(period_s)
             try:
-                snapshot = self.server.stats.snapshot()
+                snapshot = await asyncio.wait_for(self.server.window(), timeout=period_s)
                 report = tuner.report.remote(self.model, self.replica, snapshot)
                 table = await asyncio.wait_for(report, timeout=max(10.0, 2 * period_s))
             except Exception as exc:  # the tuner restarting must not stop serving
@@ -161,28 +163,31 @@ class ModelServer:
     async def info(self) -> ReplicaInfo:
         import ray
 
-        return ReplicaInfo.of(self.server, ray.get_runtime_context().get_node_id())
+        return await replica_info(self.server, ray.get_runtime_context().get_node_id())
 
     async def status(self) -> ReplicaStatus:
         """What this replica holds now (cheap: no statistics snapshot)."""
-        return ReplicaStatus.of(self.server, SimDevice.of(self.engine.device_stats))
+        return await replica_status(self.server)
 
     async def explain(self, rid: str | None = None) -> dict[str, Any]:
         """Debugging: what this replica knows of one request (default: its oldest)."""
-        if rid is None:
-            rid = next(iter(self.engine.request_ids()), None)
-            if rid is None:
+
+        def read() -> dict[str, Any]:
+            key = rid if rid is not None else next(iter(self.engine.request_ids()), None)
+            if key is None:
                 return {}
-        request, tracked = self.engine.get_request(rid), self.server.tracked.get(rid)
-        return {
-            "rid": rid,
-            "status": request.status.name if request is not None else None,
-            "num_tokens": request.num_tokens if request is not None else None,
-            "route": None if tracked is None else asdict(tracked.route_state()),
-            "seq": None if tracked is None else tracked.seq,
-            "ledger_finished": self.server.ledger.is_finished(rid),
-            "ledger_seq": self.server.ledger.held_seq(rid),
-        }
+            request, tracked = self.engine.get_request(key), self.server.tracked.get(key)
+            return {
+                "rid": key,
+                "status": request.status.name if request is not None else None,
+                "num_tokens": request.num_tokens if request is not None else None,
+                "route": None if tracked is None else asdict(tracked.route_state()),
+                "seq": None if tracked is None else tracked.seq,
+                "ledger_finished": self.server.ledger.is_finished(key),
+                "ledger_seq": self.server.ledger.held_seq(key),
+            }
+
+        return await self.server.call(read, read_only=True)
 
     async def check_health(self) -> None:
         flush = getattr(self.channel, "on_reject", None)
@@ -203,7 +208,7 @@ class ModelServer:
         makes the next ``count`` steps take ``seconds`` longer (a model that stops
         answering); ``clear`` removes any fault. To kill a replica, kill its process
         (``status().pid``)."""
-        self.engine.inject_fault(kind, count, seconds)
+        await self.server.call(lambda: self.engine.inject_fault(kind, count, seconds))
 
     async def __del__(self) -> None:
         if self._tuning is not None:

@@ -74,8 +74,9 @@ async def level(name: str, n: int, window_s: float, warmup_s: float) -> dict[str
 
 def host_totals(server: object) -> tuple[int, float, float, int]:
     """(steps, critical-path seconds, launch-to-launch seconds, back-to-back steps) so far:
-    the step loop's ``HostProfile`` (every tree with the step loop has these fields)."""
-    p = server.steps.profile  # type: ignore[attr-defined]
+    the replica's ``HostProfile`` (every tree with the step loop has these fields: on the
+    replica itself since replica/step.py, on its ``steps`` before)."""
+    p = getattr(server, "profile", None) or server.steps.profile  # type: ignore[attr-defined]
     return p.steps, p.critical_s, p.period_s, p.periods
 
 

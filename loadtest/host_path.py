@@ -160,7 +160,7 @@ async def in_process_level(
 
 
 def _host(server: Any) -> dict[str, Any]:
-    p = server.steps.profile
+    p = server.profile
     return {
         "steps": p.steps,
         "rows": p.rows,

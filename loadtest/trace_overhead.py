@@ -12,12 +12,12 @@ Rounds alternate between modes so that load from other processes hits them alike
 Each round reports output tokens per wall second, process CPU seconds per 1000 tokens
 (CPU time is less disturbed by other processes on a shared machine than wall time), and the
 CPU time per token of the host code the feature touches, measured with the thread's CPU
-clock around it: ``StepLoop.decide_and_commit`` (the policy's sends, the engine's
-commit), ``StepLoop.report`` (the COMMIT / HANDOFF / FINISHED messages: TokenInfo, HANDOFF
-sizes, route-state metrics), ``StepLoop._note_queued``, ``IngressCore._on_message`` (the
-commit log with writers and reports) and ``IngressCore.release`` (builds before the step
-loop had ``SubServer._commit`` and ``SubServer._note_queued``; what a build lacks is named
-at the start and not timed). That figure is precise where wall time is not: the
+clock around it: ``Replica.commit`` (the policy's sends, the engine's commit),
+``Replica.report`` (the COMMIT / HANDOFF / FINISHED messages: TokenInfo, HANDOFF sizes,
+route-state metrics), ``Replica._note_queued``, ``IngressCore._on_message`` (the commit log
+with writers and reports) and ``IngressCore.release`` (what a build lacks is named at the
+start and not timed; a build from before ``ingress/`` and ``replica/`` needs the copy of this
+file from its own tree). That figure is precise where wall time is not: the
 feature's cost at N is its change divided by the CPU per token. The summary gives the
 median per mode and each mode's ratio to ``off``. Run it from a checkout
 of an older commit (``git worktree add /tmp/base <commit>``, copy this file there, run it
@@ -45,20 +45,13 @@ from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.ingress.core import IngressCore
 from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
-from tokenrouter_ray.replica.subserver import SubServer
-
-try:
-    from tokenrouter_ray.replica.step_loop import StepLoop
-except ImportError:  # an older build
-    StepLoop = None
+from tokenrouter_ray.replica.step import Replica
 
 MODES = {"off": {}, "on": {"trace": True}, "logprobs": {"logprobs": 5}}
 HOST = [  # (class, method) timed with the thread's CPU clock, where this build has them
-    (StepLoop, "decide_and_commit"),
-    (StepLoop, "report"),
-    (StepLoop, "_note_queued"),
-    (SubServer, "_commit"),
-    (SubServer, "_note_queued"),
+    (Replica, "commit"),
+    (Replica, "report"),
+    (Replica, "_note_queued"),
     (IngressCore, "_on_message"),
     (IngressCore, "release"),
 ]

@@ -81,7 +81,7 @@ def test_teacher_samples_tap_the_exit_states(tiny_large, tmp_path: Path) -> None
     )  # fmt: skip
     prompts = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [3, 4, 5]]
     samples = teacher_samples(engine, prompts, max_tokens=6, top_k=8, exit_layer=2)
-    assert not engine.has_unfinished and "execute" not in vars(engine.runner)  # tap removed
+    assert not engine.has_unfinished and not engine.runner.taps  # tap removed
     for prompt, sample in zip(prompts, samples, strict=True):
         assert sample.prompt_ids == prompt and len(sample.output_ids) == 6
         assert sample.top_ids.shape == sample.top_logprobs.shape == (6, 8)

@@ -23,7 +23,8 @@ from tokenrouter_ray.ingress.core import Completion, IngressCore
 from tokenrouter_ray.ingress.placement import Placement
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import SamplingSpec
-from tokenrouter_ray.replica.subserver import HandoffRecord, SubServer
+from tokenrouter_ray.replica.messages import HandoffRecord
+from tokenrouter_ray.replica.step import Replica
 from tokenrouter_ray.routing.policy import Policy
 from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_name
 from tokenrouter_ray.transport.inproc import InProcChannel, InProcHub
@@ -51,7 +52,7 @@ class LocalRuntime:
         self.channel_type = channel_type
         # Default: prometheus-client on its global registry, labelled with the policy.
         self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
-        self.subservers: list[SubServer] = []
+        self.subservers: list[Replica] = []
         self.ingress: IngressCore | None = None
         self._ids = itertools.count()
         # model -> its replicas' endpoints; what the placement chooses from
@@ -78,7 +79,7 @@ class LocalRuntime:
         for index, name in enumerate(self.models):
             channel = self.channel_type(name, "0", directory, hub)
             await channel.start()
-            server = SubServer(
+            server = Replica(
                 self.models,
                 index,
                 self.engines[name],

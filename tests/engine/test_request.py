@@ -1,7 +1,9 @@
 """A request owns its tokens, and the engine needs only a runner's narrow surface (no HF
-model behind it): vocab size, EOS ids, position limit, embeddings, ``execute``."""
+model behind it): the ``Runner`` protocol (engine/runner.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from tokenrouter_ray.engine.config import EngineConfig
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.outputs import StepResult, StepTimings
 from tokenrouter_ray.engine.request import Request, SamplingParams
+from tokenrouter_ray.engine.runner import Runner
 from tokenrouter_ray.engine.scheduler import SchedulerOutput
 
 
@@ -31,6 +34,17 @@ class CountingRunner:
     vocab_size = 11
     eos_token_ids = frozenset({9})
     max_positions = 32
+    stats = None
+
+    def check_alive(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def launch(self, out: SchedulerOutput, timings: StepTimings) -> Callable[[], StepResult]:
+        result = self.execute(out, timings)
+        return lambda: result
 
     def __init__(self) -> None:
         self.keep_logits = self.keep_hidden = False
@@ -55,6 +69,7 @@ class CountingRunner:
 
 def test_engine_runs_on_the_runner_surface_alone() -> None:
     runner = CountingRunner()
+    assert isinstance(runner, Runner)
     engine = Engine(runner, EngineConfig(model="none", block_size=4), num_blocks=16)
     assert (engine.vocab_size, engine.eos_token_ids, engine.max_model_len) == (11, {9}, 32)
     engine.keep_outputs(logits=True)

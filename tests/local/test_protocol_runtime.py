@@ -107,7 +107,7 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_the_model_keeps_serv
     async def go() -> None:
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
             runner = rt.subservers[0].engine.runner
-            real = runner.execute
+            real = runner.launch
             calls = {"n": 0}
 
             def flaky(out, timings):
@@ -116,7 +116,7 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_the_model_keeps_serv
                     raise RuntimeError("device fell over")
                 return real(out, timings)
 
-            runner.execute = flaky
+            runner.launch = flaky
             broken = await asyncio.wait_for(rt.complete([1, 2, 3], SPEC), 60)
             assert broken.finish_reason == "error" and "device fell over" in broken.error
             await rt.wait_idle()

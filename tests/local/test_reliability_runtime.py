@@ -128,20 +128,20 @@ def test_a_stalled_model_ends_the_request_at_its_deadline(chain_dirs) -> None:
     async def go() -> None:
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
             runner = rt.subservers[1].engine.runner
-            real = runner.execute
+            real = runner.launch
 
             def stalled(out, timings):  # type: ignore[no-untyped-def]
                 time.sleep(1.5)
                 return real(out, timings)
 
-            runner.execute = stalled
+            runner.launch = stalled
             rid = "slow"
             await rt.ingress.submit(rid, [1, 2, 3], SPEC, timeout_s=0.5)
             t0 = time.monotonic()
             done = await asyncio.wait_for(rt.ingress.result(rid), 30)
             assert time.monotonic() - t0 < 10
             assert done.finish_reason == "error" and done.error_kind == "timeout"
-            runner.execute = real
+            runner.launch = real
             await rt.wait_idle()
             assert all_free(rt)
 
@@ -182,22 +182,22 @@ def test_recreated_requests_reproduce_the_undisturbed_greedy_output(chain_dirs, 
 def test_models_free_requests_whose_ingress_is_gone_after_the_deadline(
     chain_dirs, monkeypatch
 ) -> None:
-    from tokenrouter_ray.replica import subserver
+    from tokenrouter_ray.replica import requests
 
-    monkeypatch.setattr(subserver, "EXPIRY_GRACE_S", 0.0)
+    monkeypatch.setattr(requests, "EXPIRY_GRACE_S", 0.0)
     policy = build_policy("bernoulli", {"p": 0.5}, TWO)
     spec = SamplingSpec(temperature=0.0, max_tokens=200, seed=3, ignore_eos=True)
 
     async def go() -> None:
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
             runner = rt.subservers[1].engine.runner
-            real = runner.execute
+            real = runner.launch
 
             def slow(out, timings):  # type: ignore[no-untyped-def]
                 time.sleep(0.2)  # 200 tokens would take far longer than the test waits
                 return real(out, timings)
 
-            runner.execute = slow
+            runner.launch = slow
             for i in range(4):
                 await rt.ingress.submit(f"orphan{i}", [1, 2, 3 + i], spec, timeout_s=0.5)
             await asyncio.sleep(0.3)
@@ -208,7 +208,7 @@ def test_models_free_requests_whose_ingress_is_gone_after_the_deadline(
             assert any(s.tracked for s in rt.subservers)
             await rt.wait_idle(timeout=10)
             assert all_free(rt)
-            runner.execute = real
+            runner.launch = real
 
     asyncio.run(go())
 
@@ -241,11 +241,11 @@ def slow_steps(rt: LocalRuntime, seconds: float) -> None:
     for server in rt.subservers:
         runner = server.engine.runner
 
-        def slow(out, timings, real=runner.execute):  # type: ignore[no-untyped-def]
+        def slow(out, timings, real=runner.launch):  # type: ignore[no-untyped-def]
             time.sleep(seconds)
             return real(out, timings)
 
-        runner.execute = slow
+        runner.launch = slow
 
 
 def test_a_copy_the_ingress_no_longer_holds_is_aborted_on_every_model(chain_dirs) -> None:
@@ -285,14 +285,14 @@ def test_copies_on_a_replica_that_stalled_past_its_lease_are_aborted(chain_dirs)
             await rt.wait_idle()
             small, large = rt.subservers
             stalled = threading.Event()
-            real = large.engine.runner.execute
+            real = large.engine.runner.launch
 
             def stalling(out, timings):  # type: ignore[no-untyped-def]
                 while stalled.is_set():
                     time.sleep(0.01)
                 return real(out, timings)
 
-            large.engine.runner.execute = stalling
+            large.engine.runner.launch = stalling
             tasks = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in batch]
             while (
                 not large.tracked
@@ -313,6 +313,6 @@ def test_copies_on_a_replica_that_stalled_past_its_lease_are_aborted(chain_dirs)
             assert all_free(rt)
             assert [c.token_ids for c in got] == [c.token_ids for c in want]
             assert all(c.recreated for c in got)
-            large.engine.runner.execute = real
+            large.engine.runner.launch = real
 
     asyncio.run(go())

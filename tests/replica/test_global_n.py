@@ -11,8 +11,8 @@ import pytest
 
 from tokenrouter_ray.ingress.core import IngressCore
 from tokenrouter_ray.protocol import MsgKind, PeerReq, SamplingSpec
-from tokenrouter_ray.replica import subserver as subserver_module
-from tokenrouter_ray.replica.subserver import SubServer
+from tokenrouter_ray.replica import requests as requests_module
+from tokenrouter_ray.replica.step import Replica
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.simulation.backend import sim_engine
 from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_name
@@ -26,7 +26,7 @@ class Cluster:
     """small/0, large/0, large/1 and two ingresses on one in-process hub."""
 
     def __init__(self) -> None:
-        self.servers: list[SubServer] = []
+        self.servers: list[Replica] = []
         self.ingresses: list[IngressCore] = []
 
     async def __aenter__(self) -> Cluster:
@@ -37,7 +37,7 @@ class Cluster:
             await channel.start()
             # Thresholds that defer on a large N: a stale N would hold launches back.
             engine = sim_engine(lambda b: 0.002, batch_thresholds=[1, 1, 1, 2, 2, 3])
-            server = SubServer(
+            server = Replica(
                 MODELS,
                 min(index, 1),
                 engine,
@@ -147,7 +147,7 @@ def test_a_burst_of_arrivals_sends_one_active_frame_per_endpoint() -> None:
 
 
 def test_a_silent_ingress_stops_counting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(subserver_module, "INGRESS_SILENCE_S", 0.3)
+    monkeypatch.setattr(requests_module, "INGRESS_SILENCE_S", 0.3)
 
     async def go() -> list[int]:
         async with Cluster() as cluster:
@@ -169,7 +169,7 @@ def test_models_end_the_requests_of_a_silent_ingress(monkeypatch: pytest.MonkeyP
     from tokenrouter_ray.ingress import core as ingress_module
 
     monkeypatch.setattr(ingress_module, "ACTIVE_REFRESH_S", 0.1)  # a live ingress: 10 per s
-    monkeypatch.setattr(subserver_module, "INGRESS_SILENCE_S", 0.6)
+    monkeypatch.setattr(requests_module, "INGRESS_SILENCE_S", 0.6)
 
     async def go() -> tuple[bool, bool]:
         async with Cluster() as cluster:

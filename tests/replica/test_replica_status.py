@@ -8,7 +8,14 @@ import asyncio
 import json
 import pickle
 
-from tokenrouter_ray.replica.status import HostSteps, ReplicaInfo, ReplicaStatus, SimDevice
+from tokenrouter_ray.replica.status import (
+    HostSteps,
+    ReplicaInfo,
+    ReplicaStatus,
+    SimDevice,
+    replica_info,
+    replica_status,
+)
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.tuning.examples import paper_r2r
@@ -28,8 +35,8 @@ def test_info_and_status_of_a_running_sub_server() -> None:
             await loop.measure(0.3)
             return [
                 (
-                    ReplicaInfo.of(server, "node-1"),
-                    ReplicaStatus.of(server, SimDevice.of(server.engine.runner.stats)),
+                    await replica_info(server, "node-1"),
+                    await replica_status(server),
                     server.engine.batch_thresholds,
                 )
                 for server in loop.servers

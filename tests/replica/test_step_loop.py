@@ -1,4 +1,4 @@
-"""The step loop's order (replica/step_loop.py): the previous step's reports run while the next
+"""The replica step's order (replica/step.py): the previous step's reports run while the next
 forward is in flight, a row routed away is never in the next batch, and the loop survives
 an unbounded deferral; on simulated engines (no model)."""
 
@@ -33,8 +33,8 @@ def test_reports_overlap_the_next_forward_and_leavers_skip_the_next_batch() -> N
             for server in loop.servers:
                 engine, real_report, real_commit = (
                     server.engine,
-                    server.steps.report,
-                    server.steps.decide_and_commit,
+                    server.report,
+                    server.commit,
                 )
                 runner, real_launch = engine.runner, engine.runner.launch
 
@@ -53,8 +53,7 @@ def test_reports_overlap_the_next_forward_and_leavers_skip_the_next_batch() -> N
                     launches[name] += 1
                     return real(out, timings)
 
-                steps = server.steps
-                steps.report, steps.decide_and_commit, runner.launch = report, commit, launch
+                server.report, server.commit, runner.launch = report, commit, launch
             await asyncio.sleep(1.5)
             servers = list(loop.servers)
         assert len(reports) > 50
@@ -72,7 +71,7 @@ def test_reports_overlap_the_next_forward_and_leavers_skip_the_next_batch() -> N
                     checked += 1
         assert checked > 10
         for server in servers:
-            profile = server.steps.profile
+            profile = server.profile
             assert profile.steps > 0 and profile.critical_s > 0
             assert {"route", "commit", "launch", "report"} <= set(profile.phases)
 
@@ -86,7 +85,7 @@ def test_an_unbounded_deferral_waits_without_failing_the_loop() -> None:
         loop = ClosedLoop(slow_profile(2.0), 4, (1, 3), max_defer_s=math.inf, max_tokens=30)
         async with loop:
             m = await loop.measure(1.0, (1, 3))
-            assert all(s.alive and s.steps.error is None for s in loop.servers)
+            assert all(s.alive and s.error is None for s in loop.servers)
         assert m.tokens > 0 and m.finished_requests > 0
 
     asyncio.run(go())
@@ -97,7 +96,7 @@ def test_the_watchdog_sees_a_wedged_step_and_a_run_of_failed_steps() -> None:
         loop = ClosedLoop(slow_profile(1.0), 2, (1, 1), max_tokens=1000)
         async with loop:
             small = loop.servers[0]
-            runner, real = small.engine.runner, small.engine.runner.execute
+            runner, real = small.engine.runner, small.engine.runner.launch
             await asyncio.sleep(0.2)
             healthy = small.health_problem(max_step_s=0.5, max_failed_steps=3)
             entered, release = threading.Event(), threading.Event()
@@ -107,9 +106,9 @@ def test_the_watchdog_sees_a_wedged_step_and_a_run_of_failed_steps() -> None:
                 release.wait(30)
                 return real(out, timings)
 
-            runner.execute = wedged  # the instance's execute: the engine runs it in launch
+            runner.launch = wedged  # the instance's launch: the engine calls it
             assert await asyncio.to_thread(entered.wait, 30)
-            since = small.steps.step_since
+            since = small.step_since
             assert since is not None
             # judged 1 s into the wedged step (the clock driven, not slept through)
             stuck = small.health_problem(max_step_s=0.5, max_failed_steps=3, now=since + 1.0)
@@ -117,14 +116,14 @@ def test_the_watchdog_sees_a_wedged_step_and_a_run_of_failed_steps() -> None:
             def broken(out, timings):  # type: ignore[no-untyped-def]
                 raise RuntimeError("device lost")
 
-            runner.execute = broken
+            runner.launch = broken
             release.set()  # the wedged step ends, then every step fails
             for _ in range(1000):
-                if small.steps.failed_in_row >= 3:
+                if small.failed_in_row >= 3:
                     break
                 await asyncio.sleep(0.01)
             failing = small.health_problem(max_step_s=60, max_failed_steps=3)
-            del runner.execute
+            del runner.launch
         return healthy, stuck, failing
 
     healthy, stuck, failing = asyncio.run(go())
@@ -171,7 +170,7 @@ def test_messages_apply_while_a_step_runs_and_wait_for_it_when_they_concern_its_
             await asyncio.gather(*tasks, late, return_exceptions=True)
             await rt.wait_idle()
             assert all_free(rt)
-            assert server.steps.profile.phases.get("receive_ahead", 0.0) > 0
+            assert server.profile.phases.get("receive_ahead", 0.0) > 0
 
     asyncio.run(go())
     cancelled = [rid for rid, _ in aborts]

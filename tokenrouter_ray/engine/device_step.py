@@ -2,7 +2,7 @@
 
 ``ModelRunner.launch`` queues a step's forward and sampler and returns at once on CUDA; the
 host does the previous step's reports and sends, applies arriving messages and drafts the
-next step while the device computes (replica/step_loop.py). ``DeviceStep`` is that
+next step while the device computes (replica/step.py). ``DeviceStep`` is that
 launched step: calling it waits for its ``done`` event and reads the sampled tokens back
 (one device-to-host copy, started at launch into pinned memory); ``wait_done(wake)``
 returns once the device is done or ``wake`` is set first, whichever comes first. One

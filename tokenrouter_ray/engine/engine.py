@@ -8,7 +8,7 @@ applies stop conditions and pauses requests a routing policy sent elsewhere. ``e
 ``commit`` are separate so the policy can look at the ``StepResult`` in between; ``step``
 runs both with every request staying here. ``execute`` is ``launch`` (schedule and start the
 forward) then ``collect`` (wait for it): a serving loop that calls them apart does its other
-host work while the forward runs (replica/step_loop.py), including ``draft``, which
+host work while the forward runs (replica/step.py), including ``draft``, which
 schedules the next step ahead so that the next ``launch`` only checks what changed.
 
 Lifecycle calls on unknown or finished requests are no-ops, never exceptions that could kill
@@ -36,7 +36,8 @@ from tokenrouter_ray.engine.outputs import (
     StepTimings,
 )
 from tokenrouter_ray.engine.request import Request, RequestStatus, SamplingParams
-from tokenrouter_ray.engine.scheduler import Draft, Scheduler, SchedulerOutput
+from tokenrouter_ray.engine.runner import FAULT_KINDS, FaultyRunner, Runner
+from tokenrouter_ray.engine.scheduler import Draft, Scheduler
 from tokenrouter_ray.thresholds import ThresholdTable
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, runner: Runner, config: EngineConfig, num_blocks: int) -> None:
         self.config = config
         self.runner = runner
         self.kv = KVCacheManager(num_blocks, config.block_size, config.prefix_caching)
@@ -174,6 +175,8 @@ class Engine:
         every token computed while it is open; ``.states(request_id, length)`` reads it."""
         from tokenrouter_ray.engine.taps import LayerTap
 
+        if not isinstance(self.runner, ModelRunner):
+            raise TypeError(f"a layer tap needs a model's runner, not {type(self.runner).__name__}")
         return LayerTap(self.runner, k)
 
     @property
@@ -228,12 +231,11 @@ class Engine:
     def launch(self, now: float | None = None) -> PendingStep | None:
         """Schedule one forward and start it; ``None`` when nothing is due (idle or
         deferred). The step runs while the caller does other host work (the previous
-        step's reports and sends); ``collect`` waits for it. A runner with a ``launch``
-        method returns at once (the simulated device; a GPU runner whose sampled tokens
-        are read at collect time); any other runner computes the step here. A runner whose
-        ``execute`` was replaced on the instance (a test's or a chaos hook's fault) always
-        runs through that ``execute``. A step drafted during the previous one (``draft``)
-        is used where it is still valid."""
+        step's reports and sends); ``collect`` waits for it. The runner's ``launch``
+        (engine/runner.py) returns at once where the device runs on (the simulated
+        device; a GPU runner whose sampled tokens are read at collect time) and computes
+        the step first on a CPU. A step drafted during the previous one (``draft``) is
+        used where it is still valid."""
         if self._uncommitted is not None or self._in_flight is not None:
             raise RuntimeError("commit() the previous step's result before launching another")
         t0 = time.perf_counter()
@@ -243,12 +245,7 @@ class Engine:
         if not out:
             return None
         timings = StepTimings(schedule=time.perf_counter() - t0)
-        runner_launch = getattr(self.runner, "launch", None)
-        if runner_launch is not None and "execute" not in vars(self.runner):
-            wait = runner_launch(out, timings)
-        else:
-            result = self.runner.execute(out, timings)
-            wait = lambda: result  # noqa: E731
+        wait = self.runner.launch(out, timings)
         for chunk in out.chunks:  # its KV is being written now
             chunk.request.advance_computed(chunk.num_tokens)
         pending = PendingStep(wait, out.num_tokens, len(out.chunks), out, timings)
@@ -345,46 +342,28 @@ class Engine:
     # ------------------------------------------------------------------ helpers
     def check_health(self) -> None:
         """Raise when the engine cannot step (a tensor-parallel worker is gone)."""
-        check = getattr(self.runner, "check_alive", None)
-        if check is not None:
-            check()
+        self.runner.check_alive()
 
     @property
     def device_stats(self) -> Any:
         """The runner's own counters, where it keeps any (the simulated device's)."""
-        return getattr(self.runner, "stats", None)
+        return self.runner.stats
 
     def inject_fault(self, kind: str, count: int = 1, seconds: float = 0.0) -> None:
         """Chaos hook: ``step`` makes the next ``count`` steps raise; ``stall`` makes them
         take ``seconds`` longer (a model that stops answering); ``clear`` removes a fault.
-        A faulty step runs through the runner's ``execute`` (computed in ``launch``)."""
-        if kind not in ("step", "stall", "clear"):
-            raise ValueError(f"unknown fault {kind!r} (step, stall, clear)")
-        runner = self.runner
-        vars(runner).pop("execute", None)  # the class's own execute again
-        if kind == "clear":
-            return
-        real = runner.execute
-        left = count
-
-        def faulty(out: SchedulerOutput, timings: StepTimings) -> StepResult:
-            nonlocal left
-            if left <= 0:
-                vars(runner).pop("execute", None)
-                return real(out, timings)
-            left -= 1
-            if kind == "step":
-                raise RuntimeError("injected step failure")
-            time.sleep(seconds)
-            return real(out, timings)
-
-        runner.execute = faulty
+        The runner is wrapped in a ``FaultyRunner`` (engine/runner.py) until it is cleared
+        (a spent fault stays wrapped, passing every launch through)."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault {kind!r} ({', '.join(FAULT_KINDS)})")
+        while isinstance(self.runner, FaultyRunner):
+            self.runner = self.runner.inner
+        if kind != "clear":
+            self.runner = FaultyRunner(self.runner, kind, count, seconds)
 
     def close(self) -> None:
         """Stop tensor-parallel workers, if any (a plain engine holds nothing to close)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     @property
     def has_unfinished(self) -> bool:

@@ -161,7 +161,9 @@ class ModelRunner:
         self.static: dict[tuple[int, int, int], StaticForward] = {}
         self._static_outputs: StaticOutputs | None = None  # shared by every bucket
         self.static_steps = 0  # steps that took the bucketed path
-        self.taps_open = 0  # open LayerTaps: static buckets run eagerly (hooks need it)
+        # open LayerTaps (engine/taps.py), each told every launch's batch; while any is
+        # open, static buckets run eagerly (a graph replay runs no hook)
+        self.taps: list[Callable[[SchedulerOutput], None]] = []
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.capture_seconds = 0.0  # time capture_static took
         self.grammars: GrammarBook | None = None  # structured outputs, on first use
@@ -270,12 +272,27 @@ class ModelRunner:
         """One step, start to finish."""
         return self.launch(out, timings)()
 
+    @property
+    def stats(self) -> None:
+        """A real model's runner keeps no device counters (``Runner.stats``)."""
+        return None
+
+    def check_alive(self) -> None:
+        """A single-process runner can always step (``TensorParallelRunner`` checks its
+        ranks)."""
+
+    def close(self) -> None:
+        """Nothing outside this process to release (``TensorParallelRunner`` stops its
+        ranks)."""
+
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, timings: StepTimings) -> Callable[[], StepResult]:
         """Prepare the step, queue its forward and sampler, and return the call that reads
         the sampled tokens back and gives the ``StepResult``. On CUDA nothing here waits for
         the device (greedy and seeded sampling need no host read; top-k/top-p read one
         count) and the call is a ``DeviceStep``; on CPU the step is computed here."""
+        for tap in self.taps:
+            tap(out)
         shape = self._static_bucket(out)
         if shape is not None:
             return self._launch_static(out, shape, timings)
@@ -331,7 +348,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         started = self._device_event(t1)
         with sdpa_context(self.sdpa_backends, self.device):
-            logits, last = fwd.run(host, replay=not self.taps_open)
+            logits, last = fwd.run(host, replay=not self.taps)
         t2 = time.perf_counter()
         timings.prepare += t1 - t0  # (a tensor-parallel rank 0 adds its control frames)
         timings.forward = t2 - t1

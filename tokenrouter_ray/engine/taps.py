@@ -15,7 +15,6 @@ import torch
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.model_runner import ModelRunner
-    from tokenrouter_ray.engine.outputs import StepResult, StepTimings
     from tokenrouter_ray.engine.scheduler import SchedulerOutput
 
 
@@ -23,7 +22,8 @@ class LayerTap:
     """Records the residual stream after decoder layer ``k`` while open (a context manager).
 
     A forward hook on that layer sees one packed row of all scheduled tokens; the runner's
-    ``SchedulerOutput`` (captured by wrapping ``runner.execute``) says which request and
+    ``SchedulerOutput`` (handed to the tap at each launch: ``ModelRunner.taps``) says which
+    request and
     positions each slice belongs to. On the bucketed static path the row is padded: each
     sequence owns ``q_len`` rows with its real tokens last (``static_forward.py``), and
     while a tap is open the runner runs those buckets eagerly instead of replaying their
@@ -38,21 +38,16 @@ class LayerTap:
         self._scheduled: list[tuple[str, int, int, int]] = []  # (rid, start, n, first row)
 
     def __enter__(self) -> LayerTap:
-        execute = self.runner.execute
-
-        def tapped(out: SchedulerOutput, timings: StepTimings) -> StepResult:
-            self._scheduled = self.layout(out)
-            return execute(out, timings)
-
-        self.runner.execute = tapped
-        self.runner.taps_open += 1  # static buckets eagerly: hooks run
+        self.runner.taps.append(self._launching)  # and static buckets run eagerly: hooks run
         self._hook = self.layer.register_forward_hook(self._record)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._hook.remove()
-        self.runner.taps_open -= 1
-        del self.runner.execute  # back to the class's method
+        self.runner.taps.remove(self._launching)
+
+    def _launching(self, out: SchedulerOutput) -> None:
+        self._scheduled = self.layout(out)
 
     def layout(self, out: SchedulerOutput) -> list[tuple[str, int, int, int]]:
         """Per chunk (request id, start, tokens, its first row in the layer's output):

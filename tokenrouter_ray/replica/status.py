@@ -1,13 +1,15 @@
 """What one model replica says about itself: ``ReplicaInfo`` and ``ReplicaStatus``.
 
-Both are msgspec structs built here, from a ``SubServer`` and its engine, without Ray: the
-model-server deployment (``deployments/model_server.py``) returns them from its ``info`` and
-``status`` handle methods and they cross Ray typed. ``ReplicaInfo`` is what the ingress needs
-to start (``max_model_len``, ``vocab_size``) plus where the replica runs, its statistics
-window and the thresholds it runs with; ``ReplicaStatus`` is cheap (no window snapshot): what
-the replica holds now, its channel's counts, host time per step phase (``HostSteps``) and, for
-a simulated model, its device (``SimDevice``). ``to_json`` is the readable form:
-``ReplicaStatus.to_json()`` is each model's entry of ``GET /v1/tokenrouter/stats``.
+Both are msgspec structs built here, from a ``Replica`` and its engine, without Ray, on the
+replica's step thread (``replica_info`` and ``replica_status`` send the build through its
+call queue): the model-server deployment (``deployments/model_server.py``) returns them from
+its ``info`` and ``status`` handle methods and they cross Ray typed. ``ReplicaInfo`` is what
+the ingress needs to start (``max_model_len``, ``vocab_size``) plus where the replica runs,
+its statistics window and the thresholds it runs with; ``ReplicaStatus`` is cheap (no window
+snapshot): what the replica holds now, its channel's counts, host time per step phase
+(``HostSteps``) and, for a simulated model, its device (``SimDevice``). ``to_json`` is the
+readable form: ``ReplicaStatus.to_json()`` is each model's entry of ``GET
+/v1/tokenrouter/stats``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from tokenrouter_ray.thresholds import ThresholdTable, json_hook
 from tokenrouter_ray.tuning.window import WindowSnapshot
 
 if TYPE_CHECKING:
-    from tokenrouter_ray.replica.step_loop import HostProfile
-    from tokenrouter_ray.replica.subserver import SubServer
+    from tokenrouter_ray.replica.profile import HostProfile
+    from tokenrouter_ray.replica.step import Replica
 
 
 class HostSteps(msgspec.Struct):
@@ -86,7 +88,7 @@ class ReplicaInfo(msgspec.Struct):
     batch_thresholds: ThresholdTable  # the deferred-launch thresholds in use
 
     @classmethod
-    def of(cls, server: SubServer, node_id: str | None = None) -> ReplicaInfo:
+    def of(cls, server: Replica, node_id: str | None = None) -> ReplicaInfo:
         engine, status = server.engine, server.engine.status()
         return cls(
             model=server.name,
@@ -140,7 +142,7 @@ class ReplicaStatus(msgspec.Struct):
     sim: SimDevice | None  # a simulated model's device
 
     @classmethod
-    def of(cls, server: SubServer, sim: SimDevice | None = None) -> ReplicaStatus:
+    def of(cls, server: Replica, sim: SimDevice | None = None) -> ReplicaStatus:
         status, channel = server.engine.status(), server.channel
         return cls(
             model=server.name,
@@ -160,7 +162,7 @@ class ReplicaStatus(msgspec.Struct):
             address=channel.address,
             peer_rejected=dict(getattr(channel, "rejected", {})),
             steps=server.num_steps,
-            host=HostSteps.of(server.steps.profile),
+            host=HostSteps.of(server.profile),
             bytes_sent=channel.bytes_sent,
             frames_sent=channel.frames_sent,
             sim=sim,
@@ -169,3 +171,18 @@ class ReplicaStatus(msgspec.Struct):
     def to_json(self) -> dict[str, Any]:
         """The readable form: one model's entry of ``GET /v1/tokenrouter/stats``."""
         return msgspec.to_builtins(self)
+
+
+async def replica_info(replica: Replica, node_id: str | None = None) -> ReplicaInfo:
+    """``ReplicaInfo.of(replica)``, built on its step thread."""
+    return await replica.call(lambda: ReplicaInfo.of(replica, node_id), read_only=True)
+
+
+async def replica_status(replica: Replica) -> ReplicaStatus:
+    """``ReplicaStatus.of(replica)`` with a simulated model's device, built on its step
+    thread."""
+
+    def build() -> ReplicaStatus:
+        return ReplicaStatus.of(replica, SimDevice.of(replica.engine.device_stats))
+
+    return await replica.call(build, read_only=True)

@@ -4,7 +4,7 @@
 of the batch it was given (``ModelProfile.step_time_ms(batch size)`` times ``time_scale``) and
 returns a ``StepResult`` with one token (id ``token_id``) per request that samples. Everything
 else is the production code path: ``Engine`` + ``Scheduler`` (deferred launch with the
-thresholds under test), ``SubServer`` decode loops (``execute`` in a worker thread, the
+thresholds under test), ``Replica`` step threads (``execute`` in a worker thread, the
 routing policy, ``commit``, handoffs over in-process channels) and the ingress, all wired by
 ``LocalRuntime``. Routing follows the profile's ``p(small->large)`` through the
 ``bernoulli`` policy, so the measured throughput includes every real overhead of the runtime
@@ -43,7 +43,7 @@ from tokenrouter_ray.engine.scheduler import SchedulerConfig, SchedulerOutput
 from tokenrouter_ray.ingress.core import IngressCore
 from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.metrics import definitions as m
-from tokenrouter_ray.replica.subserver import SubServer
+from tokenrouter_ray.replica.step import Replica
 from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_name
 from tokenrouter_ray.transport.inproc import InProcHub
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
@@ -129,6 +129,12 @@ class SimRunner:
     def execute(self, out: SchedulerOutput, timings: StepTimings) -> StepResult:
         """One step, start to finish (what a caller that does not overlap sees)."""
         return self.launch(out, timings)()
+
+    def check_alive(self) -> None:
+        """A simulated device never goes away."""
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     def launch(self, out: SchedulerOutput, timings: StepTimings) -> Callable[[], StepResult]:
         """Start one step on the simulated device and return at once; the returned call
@@ -395,7 +401,7 @@ class ReplicatedRuntime(LocalRuntime):
             for replica, engine in zip(names[name], self.replica_engines[name], strict=True):
                 channel = self.channel_type(name, replica, directory, hub)
                 await channel.start()
-                server = SubServer(
+                server = Replica(
                     self.models, index, engine, self.policy, channel, pick, metrics=self.metrics
                 )
                 await server.start()

@@ -1,7 +1,7 @@
 """Simulated models behind the real app: what ``models=sim_paper`` (``conf/sim_paper.yaml``) runs.
 
 A model whose ``ModelSpec.sim`` is set is served by the real ``ModelServer`` deployment, the
-real ``SubServer`` step loop, ``Engine`` and ``Scheduler``, over the real transport and
+real ``Replica`` step thread, ``Engine`` and ``Scheduler``, over the real transport and
 behind the real ingress (HTTP, SSE), but its forward is a ``SimRunner`` step that takes the
 profiled time on a simulated device (``simulation/backend.py``). No model files are needed:
 the ingress tokenizes with ``sim_tokenizer()``, a byte-level tokenizer built in memory, and

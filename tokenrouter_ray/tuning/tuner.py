@@ -36,7 +36,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -56,9 +56,10 @@ from tokenrouter_ray.tuning.window import WindowSnapshot
 logger = logging.getLogger(__name__)
 
 
-class _Reporter(Protocol):  # what drive_local needs from a sub-server
+class _Reporter(Protocol):  # what drive_local needs from a replica (replica/step.py)
     name: str
-    stats: Any
+
+    async def window(self) -> WindowSnapshot: ...
 
     def set_batch_thresholds(self, thresholds: ThresholdTable) -> None: ...
 
@@ -252,7 +253,7 @@ def route_probs(profile: RoutingProfile | None) -> dict[Pair, float] | None:
 async def run_tuner(
     core: TunerCore,
     stop: asyncio.Event,
-    gather: Callable[[], None] | None = None,
+    gather: Callable[[], Awaitable[None]] | None = None,
     publish: Callable[[TunerDecision, RoutingProfile | None], None] | None = None,
 ) -> None:
     """The tuner loop, shared by the Serve deployment and ``drive_local``: every
@@ -267,7 +268,7 @@ async def run_tuner(
             return
         try:
             if gather is not None:
-                gather()
+                await gather()
             profile = core.collect()
             decision = await asyncio.to_thread(core.solve, profile)
             core.record(decision, profile)
@@ -283,13 +284,14 @@ async def drive_local(
     stop: asyncio.Event,
     on_decision: Callable[[TunerDecision], None] | None = None,
 ) -> None:
-    """The tuner loop over in-process sub-servers (a ``LocalRuntime``'s ``servers``): it
-    pulls their windows and pushes the thresholds back each period."""
+    """The tuner loop over in-process replicas (a ``LocalRuntime``'s ``subservers``): it
+    pulls their windows and pushes the thresholds back each period (both through each
+    replica's call queue)."""
     servers = list(servers)
 
-    def gather() -> None:
+    async def gather() -> None:
         for k, server in enumerate(servers):
-            core.report(server.name, f"local-{k}", server.stats.snapshot())
+            core.report(server.name, f"local-{k}", await server.window())
 
     def publish(decision: TunerDecision, profile: RoutingProfile | None) -> None:
         for server in servers:
