@@ -19,18 +19,16 @@ Targets are printed PASS / MISS; they never fail the run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import replace
 
 import yaml
 
 from loadtest import common
-from loadtest.common import command, machine
+from loadtest.common import command, machine, ray_serve_deploy
 from loadtest.quality import quality_table
 from loadtest.report import markdown_table, plots, targets
 from loadtest.run import ALL_SYSTEMS, PRESETS, run_bench
@@ -103,33 +101,6 @@ def policy_apps(overrides: list[str]) -> dict[str, list[str]]:
     the demo's trained router) and with R-Stitch (its defaults, tau 0.3)."""
     base = without_policy(overrides)
     return {"r2r": [*base, "policy=r2r_demo"], "rstitch": [*base, "policy=rstitch"]}
-
-
-def ray_serve_deploy(http_port: int) -> object:
-    """A deploy function on a Ray cluster started here on first use (Serve HTTP on
-    ``http_port``)."""
-
-    @contextlib.contextmanager
-    def deploy(overrides: list[str], name: str) -> Iterator[str]:
-        import ray
-        from ray import serve
-
-        from deployments.app import build_app
-
-        if not ray.is_initialized():
-            # Ray starts its workers at nice 15; the baselines run at 0. On a machine shared
-            # with other work that would starve the served app, so every system gets 0.
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-            serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        serve.run(build_app({"overrides": overrides}), name=name, route_prefix=f"/{name}")
-        url = f"http://127.0.0.1:{http_port}/{name}/v1"
-        try:
-            yield url  # systems.serve_app waits until it answers
-        finally:
-            serve.delete(name)
-
-    return deploy
 
 
 def write_outputs(result: dict, out_dir: str, header: str) -> str:
