@@ -180,7 +180,8 @@ def _raw_stream(port: int, body: dict[str, Any]) -> socket.socket:
     return sock
 
 
-def _streams(base: str, n: int, max_tokens: int) -> tuple[list[Any], list[threading.Event]]:
+def _streams(base: str, n: int, max_tokens: int) -> list[Any]:
+    """``n`` streams in flight (futures of their texts), each past its fifth chunk."""
     client = api(base)
     started = [threading.Event() for _ in range(n)]
     pool = concurrent.futures.ThreadPoolExecutor(n)
@@ -189,7 +190,9 @@ def _streams(base: str, n: int, max_tokens: int) -> tuple[list[Any], list[thread
         for i, ev in enumerate(started)
     ]
     pool.shutdown(wait=False)
-    return futures, started
+    for ev in started:
+        ev.wait(120)
+    return futures
 
 
 def _outcomes(futures: list[Any], want: list[str] | None, t_ref: float) -> dict[str, Any]:
@@ -218,10 +221,6 @@ def _undisturbed(base: str, n: int, max_tokens: int) -> list[str]:
                 range(n),
             )
         )
-
-
-def _processes_pids() -> list[int]:
-    return [p.pid for p in _processes().values()]
 
 
 # -------------------------------------------------------------------------- scenarios
@@ -454,9 +453,7 @@ def directory_restart(base: str, n: int = 8, max_tokens: int = 64) -> dict[str, 
     want = _undisturbed(base, n, max_tokens)
     secret = handle("EndpointDirectory").peer_secret.remote().result()
     before = len(stats(base)["recoveries"])
-    futures, started = _streams(base, n, max_tokens)
-    for ev in started:
-        ev.wait(120)
+    futures = _streams(base, n, max_tokens)
     t0 = time.monotonic()
     _processes()["EndpointDirectory"].kill()
     time.sleep(1.0)
@@ -485,9 +482,7 @@ def wedged_step(base: str, n: int = 4, max_tokens: int = 64) -> dict[str, Any]:
     want = _undisturbed(base, n, max_tokens)
     old_pid = handle("large").status.remote().result().pid
     before = len(stats(base)["recoveries"])
-    futures, started = _streams(base, n, max_tokens)
-    for ev in started:
-        ev.wait(120)
+    futures = _streams(base, n, max_tokens)
     handle("large").inject_fault.remote("stall", 1, 3600.0).result()
     t0 = time.monotonic()
     replaced_s = None
@@ -500,7 +495,7 @@ def wedged_step(base: str, n: int = 4, max_tokens: int = 64) -> dict[str, Any]:
             pass
         time.sleep(0.5)
     outcomes = _outcomes(futures, want, t0)
-    with_old = [p for p in _processes_pids() if p == old_pid]
+    with_old = [p.pid for p in _processes().values() if p.pid == old_pid]
     seconds, state = settle(base)
     return {
         "requests_in_flight": n,
@@ -514,9 +509,7 @@ def wedged_step(base: str, n: int = 4, max_tokens: int = 64) -> dict[str, Any]:
 
 
 def ingress_kill(base: str, n: int = 4, max_tokens: int = 512) -> dict[str, Any]:
-    futures, started = _streams(base, n, max_tokens)
-    for ev in started:
-        ev.wait(120)
+    futures = _streams(base, n, max_tokens)
     ingress = _processes()["Ingress"]
     t0 = time.monotonic()
     ingress.send_signal(signal.SIGKILL)
