@@ -41,6 +41,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -223,6 +224,15 @@ def _undisturbed(base: str, n: int, max_tokens: int) -> list[str]:
         )
 
 
+def _tally(run: Callable[[int], str], n: int) -> dict[str, int]:
+    """``run(0)`` .. ``run(n - 1)`` on ``n`` threads: how many returned each outcome."""
+    outcomes: dict[str, int] = {}
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        for outcome in pool.map(run, range(n)):
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    return outcomes
+
+
 # -------------------------------------------------------------------------- scenarios
 def cancel(base: str, streams: int = 40, plain: int = 20, kept: int = 4) -> dict[str, Any]:
     client, rng = api(base), random.Random(0)
@@ -269,7 +279,6 @@ def cancel(base: str, streams: int = 40, plain: int = 20, kept: int = 4) -> dict
 def fault(base: str, n: int = 8) -> dict[str, Any]:
     client = api(base)
     handle("large").inject_fault.remote("step", 1).result()
-    outcomes: dict[str, int] = {}
 
     def run(i: int) -> str:
         try:
@@ -282,9 +291,7 @@ def fault(base: str, n: int = 8) -> dict[str, Any]:
             code = getattr(exc, "code", None) or (exc.body or {}).get("code")
             return f"error:{code}"
 
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        for outcome in pool.map(run, range(n)):
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    outcomes = _tally(run, n)
     seconds, state = settle(base)
     after = answer(client, QUESTIONS[0], 16)
     return {
@@ -298,7 +305,6 @@ def fault(base: str, n: int = 8) -> dict[str, Any]:
 
 def deadline(base: str, n: int = 4, stall_s: float = 6.0, timeout_s: float = 2.0) -> dict[str, Any]:
     handle("large").inject_fault.remote("stall", 1, stall_s).result()
-    outcomes: dict[str, int] = {}
     t0 = time.monotonic()
 
     def run(i: int) -> str:
@@ -307,9 +313,7 @@ def deadline(base: str, n: int = 4, stall_s: float = 6.0, timeout_s: float = 2.0
         code = r.json()["error"]["code"] if r.status_code != 200 else ""
         return f"{r.status_code} {code} retry-after={r.headers.get('retry-after')}"
 
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        for outcome in pool.map(run, range(n)):
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    outcomes = _tally(run, n)
     answered_s = round(time.monotonic() - t0, 2)
     seconds, state = settle(base)
     return {
