@@ -1,0 +1,6 @@
+"""The benchmarks: ``python -m loadtest`` (``__main__.py``) runs the paper's comparison by
+preset or any benchmark by name (``python -m loadtest list``; docs/benchmarks.md lists them
+with their commands). ``common.py`` is what the benchmarks share, ``harness.py`` the load
+generator; each other module is one benchmark or one part of the comparison (``run.py``,
+``systems.py``, ``report.py``, ``quality.py``, ``prediction.py``, ``workloads.py``);
+``baselines/`` are the systems it compares against, ``device/`` the checks for a GPU."""

@@ -19,20 +19,17 @@ Targets are printed PASS / MISS; they never fail the run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import replace
 
 import yaml
 
 from loadtest import common
-from loadtest.common import command, machine
-from loadtest.quality import quality_table
-from loadtest.report import markdown_table, plots, targets
+from loadtest.common import command, machine, ray_serve_deploy
+from loadtest.report import write_outputs
 from loadtest.run import ALL_SYSTEMS, PRESETS, run_bench
 from loadtest.systems import Bench
 
@@ -103,64 +100,6 @@ def policy_apps(overrides: list[str]) -> dict[str, list[str]]:
     the demo's trained router) and with R-Stitch (its defaults, tau 0.3)."""
     base = without_policy(overrides)
     return {"r2r": [*base, "policy=r2r_demo"], "rstitch": [*base, "policy=rstitch"]}
-
-
-def ray_serve_deploy(http_port: int) -> object:
-    """A deploy function on a Ray cluster started here on first use (Serve HTTP on
-    ``http_port``)."""
-
-    @contextlib.contextmanager
-    def deploy(overrides: list[str], name: str) -> Iterator[str]:
-        import ray
-        from ray import serve
-
-        from deployments.app import build_app
-
-        if not ray.is_initialized():
-            # Ray starts its workers at nice 15; the baselines run at 0. On a machine shared
-            # with other work that would starve the served app, so every system gets 0.
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-            serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        serve.run(build_app({"overrides": overrides}), name=name, route_prefix=f"/{name}")
-        url = f"http://127.0.0.1:{http_port}/{name}/v1"
-        try:
-            yield url  # systems.serve_app waits until it answers
-        finally:
-            serve.delete(name)
-
-    return deploy
-
-
-def write_outputs(result: dict, out_dir: str, header: str) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    table = markdown_table(result["rows"])
-    checks = targets(result)
-    pngs = plots(result, os.path.join(out_dir, "loadtest")) if result["rows"] else []
-    md = [header, "", table, "", "Targets (they never fail the run):", ""]
-    md += [f"- {c}" for c in checks]
-    if result.get("quality"):
-        md += [
-            "",
-            "Speed next to quality (greedy answers re-tokenized and compared position by "
-            "position with the large model alone's on the same prompt; loadtest/quality.py):",
-            "",
-            quality_table(result["quality"]),
-        ]
-    if result.get("system_wall_s"):
-        walls = ", ".join(f"{k} {v:.0f} s" for k, v in result["system_wall_s"].items())
-        md += ["", f"Wall time {result.get('wall_s', 0):.0f} s: {walls}"]
-    if result["errors"]:
-        md += ["", "Systems that failed:", ""] + [
-            f"- {k}: {v}" for k, v in result["errors"].items()
-        ]
-    md += ["", *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs]]
-    text = "\n".join(md) + "\n"
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(text)
-    return text
 
 
 def _concurrency_arg(args: argparse.Namespace) -> list[str]:

@@ -1,5 +1,8 @@
 """The load generator: closed- or open-loop streaming chat requests against one OpenAI base
-URL, with the official ``openai`` client, bounded in requests and in time.
+URL, with the official ``openai`` client, bounded in requests and in time. The comparison
+(``run.py``) drives every system with ``run_load``; ``main`` is the ``serve`` benchmark. The
+helpers every benchmark shares (machine and reproduce lines, percentiles, the demo pair)
+are in ``common.py``.
 
 Against an app that is already running (``serve run conf/local.yaml``, or any app):
 

@@ -47,7 +47,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.common import command, machine
+from loadtest.common import command, machine, ray_serve_deploy
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import is_admissible
 from tokenrouter_ray.tuning.examples import paper_r2r
@@ -708,8 +708,6 @@ def main(argv: list[str] | None = None) -> int:
     served: list[dict[str, Any]] = []
     if not args.no_served:
         served_levels = [int(x) for x in args.served_levels.split(",")]
-        from loadtest.__main__ import ray_serve_deploy
-
         deploy = ray_serve_deploy(args.port)
         systems = tuple(args.served_systems.split(","))
         served = run_served(served_levels, args.window_s, args.max_tokens, deploy, systems)

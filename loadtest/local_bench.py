@@ -17,11 +17,7 @@ import asyncio
 import statistics
 import time
 
-from transformers import AutoTokenizer
-
-from loadtest.common import chat_prompts, command, machine
-from tokenrouter_ray.demo import prepare_demo
-from tokenrouter_ray.engine.config import EngineConfig
+from loadtest.common import chat_prompts, command, demo_pair, machine
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.local import LocalRuntime
@@ -30,20 +26,6 @@ from tokenrouter_ray.routing.baselines import seeded_uniform
 from tokenrouter_ray.routing.policy import build_policy
 
 SEED = 7
-
-
-def demo_pair_configs() -> tuple[EngineConfig, EngineConfig, str]:
-    large = str(prepare_demo(quiet=True))
-    try:
-        from tokenrouter_ray.demo.small import prepare_small_model
-
-        small = EngineConfig(model=str(prepare_small_model(large, quiet=True)))
-        label = "demo small model"
-    except ImportError:
-        small = EngineConfig(model=large, num_hidden_layers=8)
-        label = "large truncated to 8 layers"
-    budget = dict(memory_budget_bytes=2 * 2**30)
-    return (small.model_copy(update=budget), EngineConfig(model=large, **budget), label)
 
 
 def glue_dispatch(
@@ -107,9 +89,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--p", type=float, default=0.35)
     args = parser.parse_args()
-    small_cfg, large_cfg, label = demo_pair_configs()
-    engines = [Engine.from_config(small_cfg), Engine.from_config(large_cfg)]
-    tokenizer = AutoTokenizer.from_pretrained(large_cfg.model)
+    engines, tokenizer, label = demo_pair()
     rows = []
     for n in (int(c) for c in args.concurrency.split(",")):
         prompts = chat_prompts(tokenizer, n)

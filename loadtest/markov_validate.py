@@ -7,7 +7,9 @@ protocol, steps that sleep for the profiled time) with N requests in a closed lo
 compare the measured committed tokens/s with the exact chain's prediction. Prints the
 per-point table and the per-N summary (predicted vs measured best B, whether the predicted
 best is within 2 % of the measured best, worst relative error), and with ``--plot FILE``
-writes a PNG (a small built-in rasterizer: no matplotlib needed).
+writes a PNG (``plot``: one panel per N, throughput against B_large, the prediction, the
+measured points and the prediction at the realized rate plus the loop overhead; matplotlib,
+the ``bench`` extra).
 
 Run: ``.venv/bin/python -m loadtest.markov_validate`` (about 4 min; ``--quick`` about 1 min;
 ``--time-scale 2`` stretches simulated step times 2x to shrink the share of the runtime's
@@ -19,9 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from loadtest.common import command, machine
-from loadtest.markov_plot import plot
 from tokenrouter_ray.simulation.validate import (
     DEFAULT_WINDOWS_S,
     QUICK_WINDOWS_S,
@@ -30,6 +33,34 @@ from tokenrouter_ray.simulation.validate import (
     validate,
 )
 from tokenrouter_ray.tuning.examples import PAPER_CONCURRENCIES, paper_r2r
+
+
+def plot(rows: Sequence[Any], path: str, title: str) -> None:
+    """``rows``: ``ValidationRow``s (``n_requests``, ``free``, ``points`` with ``thresholds``,
+    ``predicted``, ``measured``, ``predicted_overhead``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows), 3.6), squeeze=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        bs = [p.thresholds[row.free] for p in row.points]
+        overhead = [p.predicted_overhead for p in row.points]
+        if all(v is not None for v in overhead):
+            ax.plot(bs, overhead, "o-", color="0.6", ms=3,
+                    label="predicted at realized p + loop overhead")  # fmt: skip
+        ax.plot(bs, [p.predicted for p in row.points], "o-", ms=3, label="predicted (p = 0.35)")
+        ax.plot(bs, [p.measured for p in row.points], "s", color="tab:red", label="measured")
+        ax.set(title=f"N = {row.n_requests}", xlabel="B_large", ylabel="tokens/s")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------ main

@@ -27,10 +27,8 @@ from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
 
-from loadtest.common import command, machine
+from loadtest.common import command, demo_pair_engines, machine
 from tokenrouter_ray.demo import prepare_demo
-from tokenrouter_ray.engine.config import EngineConfig
-from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.scheduler import Scheduler, SchedulerOutput
 from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.openai.chat import render_chat
@@ -80,24 +78,6 @@ class PrefillCounter:
         scheduler.schedule = schedule  # type: ignore[method-assign]
 
 
-def pair(caching: bool) -> tuple[list[tuple[str, Engine]], str]:
-    large = str(prepare_demo(quiet=True))
-    small_cfg, label = EngineConfig(model=large, num_hidden_layers=8), "large truncated to 8"
-    try:
-        from tokenrouter_ray.demo.small import is_current, small_model_dir
-
-        if is_current(small_model_dir(large)):  # the trained demo small model, if built
-            small_cfg, label = EngineConfig(model=str(small_model_dir(large))), "demo small"
-    except ImportError:
-        pass
-    common = dict(memory_budget_bytes=2 * 2**30, prefix_caching=caching)
-    engines = [
-        ("small", Engine.from_config(small_cfg.model_copy(update=common))),
-        ("large", Engine.from_config(EngineConfig(model=large, **common))),
-    ]
-    return engines, label
-
-
 def next_prompt(tokenizer: object, prompt: list[int], answer: list[int], msg: str) -> list[int]:
     """Turn k+1: turn k's prompt + its answer + the next user message (ChatML)."""
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # type: ignore[attr-defined]
@@ -109,7 +89,7 @@ def next_prompt(tokenizer: object, prompt: list[int], answer: list[int], msg: st
 async def conversations(
     caching: bool, tokenizer: object, n: int, turns: int, tokens: int
 ) -> tuple[list[Turn], list[list[int]], str]:
-    engines, label = pair(caching)
+    engines, label = demo_pair_engines(caching)
     counters = [PrefillCounter(e.scheduler) for _, e in engines]
     policy = build_policy("bernoulli", {"p": 0.2}, ["small", "large"])
     spec = SamplingSpec(temperature=0.0, max_tokens=tokens, seed=7)

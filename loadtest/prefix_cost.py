@@ -24,8 +24,7 @@ import asyncio
 import statistics
 import time
 
-from loadtest.common import command, machine
-from loadtest.multiturn import pair
+from loadtest.common import command, demo_pair_engines, machine
 from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
@@ -53,7 +52,7 @@ def long_input_prompts(n: int) -> list[list[int]]:
 async def run(
     caching: bool, n: int, tokens: int, salt: int, workload: list[list[int]] | None = None
 ) -> tuple[float, list[list[int]]]:
-    engines, _ = pair(caching)
+    engines, _ = demo_pair_engines(caching)
     policy = build_policy("bernoulli", {"p": 0.35}, [name for name, _ in engines])
     spec = SamplingSpec(temperature=0.0, max_tokens=tokens, seed=1, ignore_eos=True)
     async with LocalRuntime(engines, policy) as runtime:

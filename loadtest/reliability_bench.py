@@ -4,16 +4,29 @@ private port, each scenario injects one kind of failure through real HTTP (the o
 
     python -m loadtest.reliability_bench [--port 18600] [--scenarios cancel,fault,...]
                                          [--json-out reliability.json]
+    python -m loadtest reliability ...   # the same
 
-Scenarios: ``cancel`` (streaming and plain requests cut by the client at random points
-beside a few kept ones), ``fault`` (a forward step of the large model raises), ``deadline``
-(the large model stalls past the requests' ``timeout``), ``kill`` (the large model's
-replica process is SIGKILLed with streams in flight), ``bad_json`` (a body nested 5,000
-deep), ``forged`` (forged, unsigned, replayed-looking and garbage frames sent to the large
-model's ZeroMQ socket); and, from ``loadtest/reliability_more.py``, ``slow_reader``,
-``directory_restart``, ``wedged_step`` (pass ``--override models.large.max_step_s=5``) and
-``ingress_kill``. Each prints one JSON line; ``leaked`` is what the ingress and the
-models still held once the scenario settled (requests, KV blocks).
+Scenarios run by default: ``cancel`` (streaming and plain requests cut by the client at
+random points beside a few kept ones), ``fault`` (a forward step of the large model raises),
+``deadline`` (the large model stalls past the requests' ``timeout``), ``kill`` (the large
+model's replica process is SIGKILLed with streams in flight), ``bad_json`` (a body nested
+5,000 deep), ``forged`` (forged, unsigned, replayed-looking and garbage frames sent to the
+large model's ZeroMQ socket). Issue 26's, on request (``--scenarios``):
+
+- ``slow_reader``: two raw-socket clients send a streaming ``n=16`` request each and never
+  read; the ingress's and Serve proxy's resident memory (psutil) and the ingress's own
+  count of buffered tokens are sampled; then the sockets close and everything must be free.
+- ``directory_restart``: the EndpointDirectory replica's process is killed mid-stream, then
+  the large model's: every stream must finish (none hangs), equal to an undisturbed run.
+- ``wedged_step`` (pass ``--override models.large.max_step_s=5``): the large model's next
+  step sleeps for an hour; its health check fails, Serve restarts it, and the requests in
+  flight are re-created: how long each phase took.
+- ``ingress_kill``: SIGKILL of the ingress replica with 4 streams in flight: how long until
+  the app answers again, and how long the models keep the orphaned requests.
+
+Each scenario returns one JSON-able dict, printed as one JSON line (and written to
+``--json-out``); ``leaked`` is what the ingress and the models still held once the scenario
+settled (requests, KV blocks).
 """
 
 from __future__ import annotations
@@ -25,8 +38,10 @@ import json
 import os
 import random
 import signal
+import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -134,6 +149,90 @@ def stream_answer(
     return text
 
 
+def _processes() -> dict[str, Any]:
+    """The app's replica processes by deployment name, and Serve's proxy."""
+    import psutil
+
+    prefix = f"ServeReplica:{APP}:"
+    found: dict[str, Any] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        title = " ".join(proc.info["cmdline"] or [])
+        if prefix in title:
+            found[title.split(prefix, 1)[1].split()[0].split(".")[0]] = proc
+        elif "ProxyActor" in title:
+            found["proxy"] = proc
+    return found
+
+
+def _model_states() -> dict[str, dict[str, Any]]:
+    return {m: handle(m).status.remote().result(timeout_s=30).to_json() for m in ("small", "large")}
+
+
+def _raw_stream(port: int, body: dict[str, Any]) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json"
+        + f"\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def _streams(base: str, n: int, max_tokens: int) -> list[Any]:
+    """``n`` streams in flight (futures of their texts), each past its fifth chunk."""
+    client = api(base)
+    started = [threading.Event() for _ in range(n)]
+    pool = concurrent.futures.ThreadPoolExecutor(n)
+    futures = [
+        pool.submit(stream_answer, client, QUESTIONS[i % len(QUESTIONS)], max_tokens, ev)
+        for i, ev in enumerate(started)
+    ]
+    pool.shutdown(wait=False)
+    for ev in started:
+        ev.wait(120)
+    return futures
+
+
+def _outcomes(futures: list[Any], want: list[str] | None, t_ref: float) -> dict[str, Any]:
+    out = {"completed": 0, "equal_undisturbed": 0, "failed_with_error": 0, "hung": 0}
+    done_at = t_ref
+    for i, f in enumerate(futures):
+        try:
+            text = f.result(timeout=300)
+            out["completed"] += 1
+            out["equal_undisturbed"] += want is not None and text == want[i]
+        except concurrent.futures.TimeoutError:
+            out["hung"] += 1
+        except openai.APIError:
+            out["failed_with_error"] += 1
+        done_at = max(done_at, time.monotonic())
+    out["all_done_s"] = round(done_at - t_ref, 2)
+    return out
+
+
+def _undisturbed(base: str, n: int, max_tokens: int) -> list[str]:
+    client = api(base)
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return list(
+            pool.map(
+                lambda i: stream_answer(client, QUESTIONS[i % len(QUESTIONS)], max_tokens),
+                range(n),
+            )
+        )
+
+
+def _tally(run: Callable[[int], str], n: int) -> dict[str, int]:
+    """``run(0)`` .. ``run(n - 1)`` on ``n`` threads: how many returned each outcome."""
+    outcomes: dict[str, int] = {}
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        for outcome in pool.map(run, range(n)):
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    return outcomes
+
+
 # -------------------------------------------------------------------------- scenarios
 def cancel(base: str, streams: int = 40, plain: int = 20, kept: int = 4) -> dict[str, Any]:
     client, rng = api(base), random.Random(0)
@@ -180,7 +279,6 @@ def cancel(base: str, streams: int = 40, plain: int = 20, kept: int = 4) -> dict
 def fault(base: str, n: int = 8) -> dict[str, Any]:
     client = api(base)
     handle("large").inject_fault.remote("step", 1).result()
-    outcomes: dict[str, int] = {}
 
     def run(i: int) -> str:
         try:
@@ -193,9 +291,7 @@ def fault(base: str, n: int = 8) -> dict[str, Any]:
             code = getattr(exc, "code", None) or (exc.body or {}).get("code")
             return f"error:{code}"
 
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        for outcome in pool.map(run, range(n)):
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    outcomes = _tally(run, n)
     seconds, state = settle(base)
     after = answer(client, QUESTIONS[0], 16)
     return {
@@ -209,7 +305,6 @@ def fault(base: str, n: int = 8) -> dict[str, Any]:
 
 def deadline(base: str, n: int = 4, stall_s: float = 6.0, timeout_s: float = 2.0) -> dict[str, Any]:
     handle("large").inject_fault.remote("stall", 1, stall_s).result()
-    outcomes: dict[str, int] = {}
     t0 = time.monotonic()
 
     def run(i: int) -> str:
@@ -218,9 +313,7 @@ def deadline(base: str, n: int = 4, stall_s: float = 6.0, timeout_s: float = 2.0
         code = r.json()["error"]["code"] if r.status_code != 200 else ""
         return f"{r.status_code} {code} retry-after={r.headers.get('retry-after')}"
 
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        for outcome in pool.map(run, range(n)):
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    outcomes = _tally(run, n)
     answered_s = round(time.monotonic() - t0, 2)
     seconds, state = settle(base)
     return {
@@ -237,11 +330,9 @@ def deadline(base: str, n: int = 4, stall_s: float = 6.0, timeout_s: float = 2.0
 def kill(base: str, n: int = 8, max_tokens: int = 64) -> dict[str, Any]:
     client = api(base)
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        want = list(pool.map(lambda q: stream_answer(client, q, max_tokens), questions))
+    want = _undisturbed(base, n, max_tokens)
     before = len(stats(base)["recoveries"])
     started = [threading.Event() for _ in questions]
-    outcomes = {"completed": 0, "equal_undisturbed": 0, "failed_with_error": 0, "hung": 0}
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         futures = [
             pool.submit(stream_answer, client, q, max_tokens, ev)
@@ -269,18 +360,8 @@ def kill(base: str, n: int = 8, max_tokens: int = 64) -> dict[str, Any]:
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        done_at = killed
-        for f, w in zip(futures, want, strict=True):
-            try:
-                text = f.result(timeout=300)
-                outcomes["completed"] += 1
-                outcomes["equal_undisturbed"] += text == w
-            except concurrent.futures.TimeoutError:
-                outcomes["hung"] += 1
-            except openai.APIError:
-                outcomes["failed_with_error"] += 1
-            done_at = max(done_at, time.monotonic())
-    all_done_s = round(done_at - killed, 2)
+        outcomes = _outcomes(futures, want, killed)
+    all_done_s = outcomes.pop("all_done_s")
     watcher.join(timeout=130)
     fresh = stream_answer(client, questions[0], max_tokens)
     seconds, state = settle(base)
@@ -331,6 +412,143 @@ def forged(base: str) -> dict[str, Any]:
     return {"frames_sent": len(frames) * 10, "rejected": rejected, "served_after": bool(served)}
 
 
+# ------------------------------------------------- issue 26's scenarios (on request)
+def slow_reader(
+    base: str, n: int = 16, max_tokens: int = 256, hold_s: float = 40
+) -> dict[str, Any]:
+    port = int(base.split(":")[2].split("/")[0])
+    procs = _processes()
+    rss0 = {k: procs[k].memory_info().rss for k in ("Ingress", "proxy") if k in procs}
+    body = chat(QUESTIONS[0], max_tokens, n=n, stream=True, ignore_eos=True)
+    socks = [_raw_stream(port, body) for _ in range(2)]
+    peak = {k: 0 for k in rss0}
+    buffered_peak, t0 = 0, time.monotonic()
+    stalls = 0
+    while time.monotonic() - t0 < hold_s:
+        for k in rss0:
+            peak[k] = max(peak[k], procs[k].memory_info().rss - rss0[k])
+        state = stats(base)
+        buffered_peak = max(buffered_peak, state.get("stream_buffered_tokens", 0))
+        stalls = state.get("client_stalls", 0)
+        time.sleep(0.5)
+    held_open = held(stats(base))
+    tokens = {m: s.get("steps") for m, s in _model_states().items()}
+    for sock in socks:
+        sock.close()
+    closed = time.monotonic()
+    seconds, state = settle(base)
+    return {
+        "clients": 2,
+        "n": n,
+        "max_tokens": max_tokens,
+        "held_s": hold_s,
+        "rss_growth_mib": {k: round(v / 2**20, 1) for k, v in peak.items()},
+        "ingress_buffered_tokens_peak": buffered_peak,
+        "client_stalls": stalls,
+        "held_while_open": held_open,
+        "model_steps": tokens,
+        "settled_after_close_s": seconds if seconds is None else round(seconds, 2),
+        "close_to_clean_s": round(time.monotonic() - closed, 2),
+        "leaked": state,
+    }
+
+
+def directory_restart(base: str, n: int = 8, max_tokens: int = 64) -> dict[str, Any]:
+    want = _undisturbed(base, n, max_tokens)
+    secret = handle("EndpointDirectory").peer_secret.remote().result()
+    before = len(stats(base)["recoveries"])
+    futures = _streams(base, n, max_tokens)
+    t0 = time.monotonic()
+    _processes()["EndpointDirectory"].kill()
+    time.sleep(1.0)
+    os.kill(handle("large").status.remote().result().pid, signal.SIGKILL)
+    outcomes = _outcomes(futures, want, t0)
+    back = wait_healthy(base, 180)
+    same_secret = handle("EndpointDirectory").peer_secret.remote().result() == secret
+    fresh = stream_answer(api(base), QUESTIONS[0], max_tokens)
+    seconds, state = settle(base)
+    return {
+        "requests_in_flight": n,
+        "outcomes": outcomes,
+        "same_secret_after_restart": same_secret,
+        "healthy_checked_after_streams_s": None
+        if back is None
+        else round(time.monotonic() - t0, 1),
+        "recoveries": stats(base)["recoveries"][before:],
+        "bad_mac_on_new_large": _model_states()["large"]["peer_rejected"].get("bad_mac", 0),
+        "new_request_equal_undisturbed": fresh == want[0],
+        "settled_s": seconds,
+        "leaked": state,
+    }
+
+
+def wedged_step(base: str, n: int = 4, max_tokens: int = 64) -> dict[str, Any]:
+    want = _undisturbed(base, n, max_tokens)
+    old_pid = handle("large").status.remote().result().pid
+    before = len(stats(base)["recoveries"])
+    futures = _streams(base, n, max_tokens)
+    handle("large").inject_fault.remote("stall", 1, 3600.0).result()
+    t0 = time.monotonic()
+    replaced_s = None
+    while time.monotonic() - t0 < 240 and replaced_s is None:
+        try:
+            pid = handle("large").status.remote().result(timeout_s=5).pid
+            if pid != old_pid:
+                replaced_s = round(time.monotonic() - t0, 1)
+        except Exception:  # the old replica is being stopped
+            pass
+        time.sleep(0.5)
+    outcomes = _outcomes(futures, want, t0)
+    with_old = [p.pid for p in _processes().values() if p.pid == old_pid]
+    seconds, state = settle(base)
+    return {
+        "requests_in_flight": n,
+        "wedge_to_new_replica_s": replaced_s,
+        "outcomes": outcomes,
+        "recoveries": stats(base)["recoveries"][before:],
+        "old_process_left": bool(with_old),
+        "settled_s": seconds,
+        "leaked": state,
+    }
+
+
+def ingress_kill(base: str, n: int = 4, max_tokens: int = 512) -> dict[str, Any]:
+    futures = _streams(base, n, max_tokens)
+    ingress = _processes()["Ingress"]
+    t0 = time.monotonic()
+    ingress.send_signal(signal.SIGKILL)
+    answered_s = None
+    orphans_gone_s = None
+    held_max = 0
+    while time.monotonic() - t0 < 180 and (answered_s is None or orphans_gone_s is None):
+        if orphans_gone_s is None:
+            states = _model_states()
+            held_now = sum(s["requests"] for s in states.values())
+            held_max = max(held_max, held_now)
+            if held_now == 0:
+                orphans_gone_s = round(time.monotonic() - t0, 1)
+        if answered_s is None:
+            try:
+                r = httpx.post(base + "/chat/completions", json=chat(QUESTIONS[1], 8), timeout=10)
+                if r.status_code == 200:
+                    answered_s = round(time.monotonic() - t0, 1)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.5)
+    cut = sum(1 for f in futures if f.exception(timeout=60) is not None)
+    seconds, state = settle(base)
+    return {
+        "streams_in_flight": n,
+        "max_tokens": max_tokens,
+        "streams_cut": cut,
+        "app_answers_again_s": answered_s,
+        "models_hold_orphans_until_s": orphans_gone_s,
+        "orphans_held_max": held_max,
+        "settled_s": seconds,
+        "leaked": state,
+    }
+
+
 SCENARIOS = {
     "cancel": cancel,
     "fault": fault,
@@ -338,20 +556,25 @@ SCENARIOS = {
     "kill": kill,
     "bad_json": bad_json,
     "forged": forged,
+    "slow_reader": slow_reader,
+    "directory_restart": directory_restart,
+    "wedged_step": wedged_step,
+    "ingress_kill": ingress_kill,
 }
+DEFAULT_SCENARIOS = ["cancel", "fault", "deadline", "kill", "bad_json", "forged"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=18600)
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="also: slow_reader, "
-                        "directory_restart, wedged_step, ingress_kill")  # fmt: skip
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(DEFAULT_SCENARIOS),
+        help="also: slow_reader, directory_restart, wedged_step, ingress_kill",
+    )
     parser.add_argument("--override", action="append", default=[], help="extra Hydra override")
     parser.add_argument("--json-out")
     args = parser.parse_args()
-    from loadtest.reliability_more import SCENARIOS as MORE  # issue 26's scenarios
-
-    SCENARIOS.update(MORE)
     print(f"# {command()}\n# {machine()}", flush=True)
     t0 = time.monotonic()
     base = deploy(args.port, DEMO + args.override)

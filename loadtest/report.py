@@ -1,5 +1,6 @@
 """A run's results as a Markdown table, target checks (PASS / MISS, never an error) and
-matplotlib plots: throughput vs N per system, latency CDFs, throughput vs output length.
+matplotlib plots: throughput vs N per system, latency CDFs, throughput vs output length;
+``write_outputs`` writes them with the JSON to the run's folder.
 
 matplotlib comes with the optional ``bench`` extra (``pip install -e '.[bench]'``); without
 it the tables and JSON are still written and the plots are skipped with a note.
@@ -7,10 +8,13 @@ it the tables and JSON are still written and the plots are skipped with a note.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from typing import Any
 
 from loadtest.prediction import predict, prediction_lines
+from loadtest.quality import quality_table
 from loadtest.sim_ablation import sim_lines
 from tokenrouter_ray.metrics.latency import token_gaps
 
@@ -252,3 +256,36 @@ def _save(fig: Any, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def write_outputs(result: dict, out_dir: str, header: str) -> str:
+    """``results.json``, the PNG plots and ``results.md`` (``header``, the table, the targets,
+    speed next to quality, wall times, failed systems) in ``out_dir``; returns the Markdown."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    table = markdown_table(result["rows"])
+    checks = targets(result)
+    pngs = plots(result, os.path.join(out_dir, "loadtest")) if result["rows"] else []
+    md = [header, "", table, "", "Targets (they never fail the run):", ""]
+    md += [f"- {c}" for c in checks]
+    if result.get("quality"):
+        md += [
+            "",
+            "Speed next to quality (greedy answers re-tokenized and compared position by "
+            "position with the large model alone's on the same prompt; loadtest/quality.py):",
+            "",
+            quality_table(result["quality"]),
+        ]
+    if result.get("system_wall_s"):
+        walls = ", ".join(f"{k} {v:.0f} s" for k, v in result["system_wall_s"].items())
+        md += ["", f"Wall time {result.get('wall_s', 0):.0f} s: {walls}"]
+    if result["errors"]:
+        md += ["", "Systems that failed:", ""] + [
+            f"- {k}: {v}" for k, v in result["errors"].items()
+        ]
+    md += ["", *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs]]
+    text = "\n".join(md) + "\n"
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(text)
+    return text

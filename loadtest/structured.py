@@ -28,10 +28,8 @@ import time
 
 import jsonschema
 import msgspec
-from transformers import AutoTokenizer
 
-from loadtest.common import chat_prompts, command, demo_r2r_policy, machine
-from loadtest.local_bench import demo_pair_configs
+from loadtest.common import chat_prompts, command, demo_pair, demo_r2r_policy, machine
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.grammar import GrammarBook
 from tokenrouter_ray.engine.request import GrammarSpec
@@ -111,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    small_cfg, large_cfg, label = demo_pair_configs()
-    engines = [Engine.from_config(small_cfg), Engine.from_config(large_cfg)]
-    tokenizer = AutoTokenizer.from_pretrained(large_cfg.model)
+    engines, tokenizer, label = demo_pair()
     prompts = chat_prompts(tokenizer, args.concurrency)
     start_load = os.getloadavg()
     time_masks()

@@ -30,8 +30,7 @@ import httpx
 
 from loadtest.baselines.api import ServerProcess, ThreadServer, python_module, start_server
 from loadtest.baselines.stock import launch_stock, wait_stock
-
-ServeDeploy = Callable[[list[str], str], contextlib.AbstractContextManager[str]]
+from loadtest.common import ServeDeploy
 
 
 @dataclass

@@ -37,10 +37,8 @@ import threading
 import time
 
 import msgspec
-from transformers import AutoTokenizer
 
-from loadtest.common import chat_prompts, command, demo_r2r_policy, machine
-from loadtest.local_bench import demo_pair_configs
+from loadtest.common import chat_prompts, command, demo_pair, demo_r2r_policy, machine
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.ingress.core import IngressCore
 from tokenrouter_ray.local import LocalRuntime
@@ -115,9 +113,7 @@ def main() -> None:
     parser.add_argument("--modes", default="off,on", help="of: " + ",".join(MODES))
     args = parser.parse_args()
     modes = args.modes.split(",")
-    small_cfg, large_cfg, label = demo_pair_configs()
-    engines = [Engine.from_config(small_cfg), Engine.from_config(large_cfg)]
-    tokenizer = AutoTokenizer.from_pretrained(large_cfg.model)
+    engines, tokenizer, label = demo_pair()
     prompts = chat_prompts(tokenizer, args.concurrency)
     start_load = os.getloadavg()
     time_host_code()

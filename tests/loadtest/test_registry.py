@@ -49,3 +49,18 @@ def test_the_reproduce_line_of_a_subcommand_is_a_command_that_runs_it(monkeypatc
     assert shlex.split(line) == [
         "python", "-m", "loadtest", "trace-overhead", "--modes", "off,on x"
     ]  # fmt: skip
+
+
+def test_docs_benchmarks_lists_every_subcommand_with_its_command() -> None:
+    doc = (LOADTEST.parent / "docs" / "benchmarks.md").read_text()
+    section = doc.split("\n## Every benchmark and the command that runs it\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    rows = {
+        line.split("|")[1].strip().strip("`"): line
+        for line in section.splitlines()
+        if line.startswith("| `")
+    }
+    assert set(rows) == set(BENCHMARKS)
+    for name, (module, _) in BENCHMARKS.items():
+        assert f"`python -m loadtest {name}" in rows[name], name
+        assert f"`{module.replace('.', '/')}.py`" in rows[name], name
