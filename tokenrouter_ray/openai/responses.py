@@ -8,8 +8,8 @@ reason, its token count, and the routing stats the runtime reports) and calls
 reachable there through ``model_extra``, as are each choice's ``metrics`` (always) and
 ``routing_trace`` (when asked; absent otherwise). A chat message parsed for reasoning or
 tools carries ``reasoning_content`` (vLLM's field; absent when there was no thinking) and
-``tool_calls`` (absent when none; ``content`` is null when only calls came). ``logprobs``
-(when asked) has OpenAI's shapes (`token_reports.py`).
+``tool_calls`` (absent when none; ``content`` is null when only calls came; each a
+`MessageToolCall`). ``logprobs`` (when asked) has OpenAI's shapes (`token_reports.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenrouter_ray.openai.chat_output import ParsedMessage
 from tokenrouter_ray.openai.errors import InternalServerError
 from tokenrouter_ray.openai.token_reports import RequestMetrics
+from tokenrouter_ray.openai.tool_parser import ToolCall
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -202,6 +203,27 @@ class Completion(BaseModel):
     routing: RoutingInfo | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = _OUT
+
+    name: str
+    arguments: str = Field(description="A JSON object as text, as the model wrote it.")
+
+
+class MessageToolCall(BaseModel):
+    """One tool call in a message, OpenAI's shape."""
+
+    model_config = _OUT
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    @classmethod
+    def of(cls, call: ToolCall) -> MessageToolCall:
+        return cls(id=call.id, function=CalledFunction(name=call.name, arguments=call.arguments))
+
+
 class AssistantMessage(BaseModel):
     model_config = _OUT
 
@@ -209,7 +231,7 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: None = None
     reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
-    tool_calls: list[dict[str, Any]] | None = Field(None, exclude_if=lambda v: v is None)
+    tool_calls: list[MessageToolCall] | None = Field(None, exclude_if=lambda v: v is None)
 
     @classmethod
     def of(cls, choice: ChoiceResult) -> AssistantMessage:
@@ -217,7 +239,7 @@ class AssistantMessage(BaseModel):
         parts = choice.message
         if parts is None:
             return cls(content=choice.text)
-        calls = [c.to_dict() for c in parts.tool_calls] or None
+        calls = [MessageToolCall.of(c) for c in parts.tool_calls] or None
         return cls(
             content=None if calls and not parts.content else parts.content,
             reasoning_content=parts.reasoning or None,
