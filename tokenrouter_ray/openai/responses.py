@@ -9,14 +9,15 @@ reachable there through ``model_extra``, as are each choice's ``metrics`` (alway
 ``routing_trace`` (when asked; absent otherwise). A chat message parsed for reasoning or
 tools carries ``reasoning_content`` (vLLM's field; absent when there was no thinking) and
 ``tool_calls`` (absent when none; ``content`` is null when only calls came; each a
-`MessageToolCall`). ``logprobs`` (when asked) has OpenAI's shapes (`token_reports.py`).
+`MessageToolCall`). ``logprobs`` (when asked) has OpenAI's shapes: a choice's reports come
+typed (`token_reports.TokenDetails`) and become its JSON objects here.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenrouter_ray.openai.chat_output import ParsedMessage
 from tokenrouter_ray.openai.errors import InternalServerError
-from tokenrouter_ray.openai.token_reports import RequestMetrics
+from tokenrouter_ray.openai.token_reports import RequestMetrics, TokenDetails
 from tokenrouter_ray.openai.tool_parser import ToolCall
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -168,7 +169,7 @@ class ChoiceResult:
     metrics: RequestMetrics | None = None
     # non-streaming: the whole output's ``routing_trace`` / ``logprobs`` when asked;
     # streaming: those of the tokens no earlier chunk reported (the finish chunk's)
-    details: Mapping[str, Any] | None = None
+    details: TokenDetails | None = None
     # chat, when the output was parsed: its reasoning / content / tool calls (None: all
     # of ``text`` is content)
     message: ParsedMessage | None = None
@@ -281,7 +282,7 @@ def _choice_fields(choice: ChoiceResult) -> dict[str, Any]:
         finish_reason=choice.finish_reason,
         routing=choice.routing,
         metrics=choice.metrics,
-        **(choice.details or {}),
+        **(choice.details.to_fields() if choice.details is not None else {}),
     )
 
 
