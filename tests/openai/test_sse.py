@@ -204,13 +204,14 @@ def test_merged_choice_streams_order_and_early_close() -> None:
     finish chunk, usage sums both, [DONE] last; closing the stream early cancels them."""
     import asyncio
 
+    from tokenrouter_ray.openai.choice_update import ChoiceUpdate
     from tokenrouter_ray.openai.responses import ChoiceResult
     from tokenrouter_ray.openai.sse import merge_choice_streams
 
     async def choice(index: int, words: list[str], pieces: asyncio.Queue) -> ChoiceResult:
         for w in words:
             await asyncio.sleep(0.001 * (index + 1))
-            pieces.put_nowait((index, w))
+            pieces.put_nowait(ChoiceUpdate(index, w))
         routing = RoutingInfo(tokens_per_model={"small": len(words)}, handoffs=index)
         return ChoiceResult(index, "".join(words), "stop", len(words), routing)
 

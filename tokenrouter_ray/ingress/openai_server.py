@@ -1,9 +1,10 @@
 """The OpenAI side of an ingress, over an ``IngressCore`` (ingress/core.py): admission,
 placement of every model's replica (ingress/placement.py), one task per choice (committed
-tokens -> incremental detokenizer -> output parsers -> text pieces), non-streaming responses
-and SSE streams. ``IngressService`` (ingress/service.py) owns one, the HTTP routes
-(ingress/http_app.py) call it, and the Serve ingress (``deployments/ingress.py``) is a shim
-around both; tests drive it over ``LocalRuntime``. No Ray, no HTTP in it.
+tokens -> its ``ChoiceWriter``, openai/choice_update.py -> a ``ChoiceUpdate`` per step on the
+request's queue), non-streaming responses and SSE streams. ``IngressService``
+(ingress/service.py) owns one, the HTTP routes (ingress/http_app.py) call it, and the Serve
+ingress (``deployments/ingress.py``) is a shim around both; tests drive it over
+``LocalRuntime``. No Ray, no HTTP in it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tokenrouter_ray.ingress.backpressure import Backpressure, StreamGate
 from tokenrouter_ray.ingress.core import Completion, IngressCore
 from tokenrouter_ray.ingress.placement import Placement
 from tokenrouter_ray.metrics import INGRESS
-from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
+from tokenrouter_ray.openai.choice_update import ChoiceUpdate, ChoiceWriter
 from tokenrouter_ray.openai.errors import (
     OpenAIError,
     OverloadedError,
@@ -33,10 +34,8 @@ from tokenrouter_ray.openai.errors import (
 from tokenrouter_ray.openai.responses import (
     ChatCompletion,
     ChoiceResult,
-    RoutingInfo,
     build_chat_completion,
     build_completion,
-    finish_reason,
 )
 from tokenrouter_ray.openai.responses import Completion as TextCompletion
 from tokenrouter_ray.openai.sse import (
@@ -46,13 +45,7 @@ from tokenrouter_ray.openai.sse import (
     merge_choice_streams,
     sse_error,
 )
-from tokenrouter_ray.openai.token_reports import (
-    TokenText,
-    chat_logprobs_part,
-    completion_logprobs_part,
-    request_metrics,
-    trace_part,
-)
+from tokenrouter_ray.openai.token_reports import TokenText
 from tokenrouter_ray.openai.validation import PreparedRequest
 
 logger = logging.getLogger(__name__)
@@ -89,8 +82,10 @@ class IngressServer:
       model (``entries()``) and, with ``replicas_of``, of every other model, by prefix
       affinity bounded by load, counted before the await so concurrent submits spread;
       ``replace`` re-places a re-created choice after a replica loss;
-    - the per-choice loop: committed tokens -> incremental detokenizer -> text pieces; a
-      stop string aborts the choice everywhere; a failed choice is its OpenAI error.
+    - the per-choice loop: committed tokens -> the choice's ``ChoiceWriter`` (detokenizer,
+      output parsers, token reports) -> ``ChoiceUpdate`` s to the stream's queue, behind its
+      backpressure gate; a stop string aborts the choice everywhere; a failed choice is its
+      OpenAI error.
 
     ``respond`` answers a prepared request: the response object, or ``StreamedChoices``.
     ``ingress/http_app.py`` puts HTTP routes around it; tests drive it over
@@ -203,12 +198,12 @@ class IngressServer:
         stream = stream_cls(
             name, prepared.sampling.n, include_usage=prepared.sampling.include_usage
         )
-        pieces: asyncio.Queue = asyncio.Queue()
+        updates: asyncio.Queue[ChoiceUpdate] = asyncio.Queue()
         gate = StreamGate(len(submitted), self.backpressure)
         self._gates.add(gate)
         # Started now: the body may never be iterated if the client leaves first.
-        tasks = self.start_choices(submitted, prepared, pieces, chat, gate)
-        body = self._sse(stream, tasks, pieces, prompt_len, gate)
+        tasks = self.start_choices(submitted, prepared, updates, chat, gate)
+        body = self._sse(stream, tasks, updates, prompt_len, gate)
         return StreamedChoices(tasks, body, lambda: self._cut_when_stalled(gate, tasks))
 
     @property
@@ -292,48 +287,29 @@ class IngressServer:
         rid: str,
         entry: str,
         prepared: PreparedRequest,
-        pieces: asyncio.Queue | None,
+        updates: asyncio.Queue[ChoiceUpdate] | None,
         chat: bool = False,
         gate: StreamGate | None = None,
     ) -> ChoiceResult:
-        """One choice to its end: text pieces to ``pieces`` (streaming), the result back.
-
-        A request that asked for logprobs or a routing trace gets them per token: in a
-        streamed chunk for the tokens whose text it carries (``detok.settled()``), the
-        rest in the finish chunk; non-streaming, for the whole output. Both stop at the
-        ``completion_tokens`` (a token past a stop string is never reported).
+        """One choice to its end: a `ChoiceUpdate` per step with text to ``updates``
+        (streaming; openai/choice_update.py makes them, with the logprobs or routing trace
+        of the tokens they settle when asked), the `ChoiceResult` back.
 
         Streaming with a ``gate``: once the choice is ``max_buffered_tokens`` ahead of its
         client it reads no more committed tokens until the client takes some (they wait at
         the core; the request keeps its slot)."""
-        detok = prepared.detokenizer(self.tokenizer)  # stop strings and tokens, special tokens
-        reports = prepared.sampling.reports_tokens
-        parser = prepared.chat_parser() if chat else None  # reasoning / tool calls
-        out: list[int] = []  # output token ids received
-        sent = 0  # tokens already reported in a chunk
+        writer = ChoiceWriter(
+            index, prepared, self.tokenizer, self.token_text, self.model_names,
+            chat=chat, streaming=updates is not None,
+        )  # fmt: skip
         try:
             async for tokens in self.core.stream(rid):
-                text = detok.push(tokens)
-                text = parser.push(text) if parser is not None else text
-                if pieces is not None and text:
-                    extra = None
-                    if reports:
-                        out += tokens
-                        settled = detok.settled()
-                        if settled > sent:
-                            log = self.core.commit_log(rid)
-                            extra = self._details(
-                                prepared, chat, out, log.writers, log.infos, sent, settled, detok
-                            )
-                            sent = settled
-                    pieces.put_nowait((index, text, extra))
-                    if gate is not None:
-                        gate.produced(index, len(tokens))
-                        if gate.full(index):
-                            await gate.wait_for_room(index)
-                elif reports:
-                    out += tokens
-                if detok.stopped:
+                update = writer.push(tokens, lambda: self.core.commit_log(rid))
+                if update is not None and updates is not None:
+                    self._put(updates, update, gate)
+                    if gate is not None and gate.full(index):
+                        await gate.wait_for_room(index)
+                if writer.stopped:
                     self.core.abort_nowait(rid, reason="stop")
                     break
         finally:  # no await here: a cancelled task (client gone) must still clean up
@@ -341,68 +317,19 @@ class IngressServer:
         assert done is not None  # only this finally or the task's done callback close it
         if done.error is not None:
             raise choice_error(done)
-        tail = detok.finish()
-        tail = parser.end(tail) if parser is not None else tail
-        n = detok.num_tokens
-        details = None
-        if reports:  # the tokens no chunk reported yet (all of them when not streaming)
-            details = self._details(prepared, chat, out, done.writers, done.infos, sent, n, detok)
-            if tail and pieces is not None:
-                pieces.put_nowait((index, tail, details))
-                if gate is not None:
-                    gate.produced(index, 0)
-                details = None
-        elif tail and pieces is not None:
-            pieces.put_nowait((index, tail, None))
-            if gate is not None:
-                gate.produced(index, 0)
-        reason = finish_reason(done.finish_reason, stopped_by_string=detok.stopped)
-        reason = parser.finish_reason(reason) if parser is not None else reason
-        models = self.model_names(done.writers)
-        metrics = request_metrics(
-            n, done.writers, models, done.ttft_s, done.mean_itl_s, done.e2e_s,
-            done.handoffs, done.summary,
-        )  # fmt: skip
-        return ChoiceResult(
-            index,
-            detok.text,
-            reason,
-            n,
-            RoutingInfo.of(metrics, done.handoffs),
-            metrics,
-            details,
-            parser.message if parser is not None else None,
-            parser.reasoning_tokens(detok.text, detok.token_ends, n)
-            if parser is not None
-            else None,
-        )
+        last = writer.end(done.writers, done.infos)
+        if last is not None and updates is not None:
+            self._put(updates, last, gate)
+        return writer.result(done)
 
-    def _details(
-        self,
-        prepared: PreparedRequest,
-        chat: bool,
-        token_ids: Sequence[int],
-        writers: Sequence[str | None],
-        infos: Sequence[Any],
-        start: int,
-        end: int,
-        detok: IncrementalDetokenizer,
-    ) -> dict[str, Any]:
-        """``routing_trace`` and/or ``logprobs`` of output tokens ``[start, end)``."""
-        sampling, text = prepared.sampling, self.token_text
-        details: dict[str, Any] = {}
-        if sampling.logprobs is not None:
-            details["logprobs"] = (
-                chat_logprobs_part(token_ids, infos, start, end, text)
-                if chat
-                else completion_logprobs_part(token_ids, infos, start, end, text, detok.token_ends)
-            )
-        if sampling.routing_trace:
-            models = self.model_names(writers)
-            details["routing_trace"] = trace_part(
-                token_ids, writers, infos, start, end, text, models
-            )
-        return details
+    @staticmethod
+    def _put(
+        updates: asyncio.Queue[ChoiceUpdate], update: ChoiceUpdate, gate: StreamGate | None
+    ) -> None:
+        """An update to the stream, counted by its gate."""
+        updates.put_nowait(update)
+        if gate is not None:
+            gate.produced(update.index, update.num_tokens)
 
     def model_names(self, writers: Sequence[str | None] = ()) -> list[str]:
         """The deployment's models, entry first: as given, else from the core's model
@@ -417,7 +344,7 @@ class IngressServer:
         self,
         submitted: list[tuple[str, str]],
         prepared: PreparedRequest,
-        pieces: asyncio.Queue | None,
+        updates: asyncio.Queue[ChoiceUpdate] | None,
         chat: bool = False,
         gate: StreamGate | None = None,
     ) -> list[asyncio.Task]:
@@ -425,7 +352,7 @@ class IngressServer:
         cancelled before it first ran never enters ``choice``'s ``finally``."""
         tasks = []
         for i, (rid, entry) in enumerate(submitted):
-            task = asyncio.ensure_future(self.choice(i, rid, entry, prepared, pieces, chat, gate))
+            task = asyncio.ensure_future(self.choice(i, rid, entry, prepared, updates, chat, gate))
             task.add_done_callback(
                 lambda _, rid=rid, entry=entry: self._choice_ended(rid, entry, gate)
             )
@@ -449,11 +376,11 @@ class IngressServer:
         self,
         stream: ChatStream | CompletionStream,
         tasks: list[asyncio.Future],
-        pieces: asyncio.Queue,
+        updates: asyncio.Queue[ChoiceUpdate],
         prompt_len: int,
         gate: StreamGate | None = None,
     ) -> AsyncIterator[bytes]:
-        frames = merge_choice_streams(stream, tasks, pieces, prompt_len, gate)
+        frames = merge_choice_streams(stream, tasks, updates, prompt_len, gate)
         try:
             async with contextlib.aclosing(frames):  # a disconnect aborts the choices now
                 async for frame in frames:

@@ -2,10 +2,11 @@
 
 A request body enters through `parse_request` and leaves `prepare_completion` /
 `prepare_chat` as prompt token ids plus `SamplingOptions`; committed token ids come back
-through one `IncrementalDetokenizer` per choice, and leave as a `Completion` /
-`ChatCompletion` body or as SSE bytes from a `CompletionStream` / `ChatStream`. Every failure
-is an `OpenAIError`, rendered by `error_response` as OpenAI's error envelope. Nothing here
-imports Ray or FastAPI.
+through one `ChoiceWriter` per choice (its `IncrementalDetokenizer`, output parsers and token
+reports: a `ChoiceUpdate` per step, a `ChoiceResult` at the end), and leave as a
+`Completion` / `ChatCompletion` body or as SSE bytes from a `CompletionStream` / `ChatStream`.
+Every failure is an `OpenAIError`, rendered by `error_response` as OpenAI's error envelope.
+Nothing here imports Ray or FastAPI.
 """
 
 from __future__ import annotations

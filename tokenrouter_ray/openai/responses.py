@@ -8,15 +8,16 @@ reason, its token count, and the routing stats the runtime reports) and calls
 reachable there through ``model_extra``, as are each choice's ``metrics`` (always) and
 ``routing_trace`` (when asked; absent otherwise). A chat message parsed for reasoning or
 tools carries ``reasoning_content`` (vLLM's field; absent when there was no thinking) and
-``tool_calls`` (absent when none; ``content`` is null when only calls came). ``logprobs``
-(when asked) has OpenAI's shapes (`token_reports.py`).
+``tool_calls`` (absent when none; ``content`` is null when only calls came; each a
+`MessageToolCall`). ``logprobs`` (when asked) has OpenAI's shapes: a choice's reports come
+typed (`token_reports.TokenDetails`) and become its JSON objects here.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenrouter_ray.openai.chat_output import ParsedMessage
 from tokenrouter_ray.openai.errors import InternalServerError
-from tokenrouter_ray.openai.token_reports import RequestMetrics
+from tokenrouter_ray.openai.token_reports import RequestMetrics, TokenDetails
+from tokenrouter_ray.openai.tool_parser import ToolCall
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -167,7 +169,7 @@ class ChoiceResult:
     metrics: RequestMetrics | None = None
     # non-streaming: the whole output's ``routing_trace`` / ``logprobs`` when asked;
     # streaming: those of the tokens no earlier chunk reported (the finish chunk's)
-    details: Mapping[str, Any] | None = None
+    details: TokenDetails | None = None
     # chat, when the output was parsed: its reasoning / content / tool calls (None: all
     # of ``text`` is content)
     message: ParsedMessage | None = None
@@ -202,6 +204,27 @@ class Completion(BaseModel):
     routing: RoutingInfo | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = _OUT
+
+    name: str
+    arguments: str = Field(description="A JSON object as text, as the model wrote it.")
+
+
+class MessageToolCall(BaseModel):
+    """One tool call in a message, OpenAI's shape."""
+
+    model_config = _OUT
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    @classmethod
+    def of(cls, call: ToolCall) -> MessageToolCall:
+        return cls(id=call.id, function=CalledFunction(name=call.name, arguments=call.arguments))
+
+
 class AssistantMessage(BaseModel):
     model_config = _OUT
 
@@ -209,7 +232,7 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: None = None
     reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
-    tool_calls: list[dict[str, Any]] | None = Field(None, exclude_if=lambda v: v is None)
+    tool_calls: list[MessageToolCall] | None = Field(None, exclude_if=lambda v: v is None)
 
     @classmethod
     def of(cls, choice: ChoiceResult) -> AssistantMessage:
@@ -217,7 +240,7 @@ class AssistantMessage(BaseModel):
         parts = choice.message
         if parts is None:
             return cls(content=choice.text)
-        calls = [c.to_dict() for c in parts.tool_calls] or None
+        calls = [MessageToolCall.of(c) for c in parts.tool_calls] or None
         return cls(
             content=None if calls and not parts.content else parts.content,
             reasoning_content=parts.reasoning or None,
@@ -259,7 +282,7 @@ def _choice_fields(choice: ChoiceResult) -> dict[str, Any]:
         finish_reason=choice.finish_reason,
         routing=choice.routing,
         metrics=choice.metrics,
-        **(choice.details or {}),
+        **(choice.details.to_fields() if choice.details is not None else {}),
     )
 
 

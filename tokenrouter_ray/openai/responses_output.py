@@ -224,12 +224,8 @@ def build_response(head: ResponseObject, completion: ChatCompletion) -> Response
     if message.content is not None:
         output.append(text_item("message", new_id("msg"), message.content, "completed"))
     for call in message.tool_calls or ():
-        function = call["function"]
-        output.append(
-            function_call_item(
-                new_id("fc"), call["id"], function["name"], function["arguments"], "completed"
-            )
-        )
+        name, arguments = call.function.name, call.function.arguments
+        output.append(function_call_item(new_id("fc"), call.id, name, arguments, "completed"))
     usage = ResponseUsage.of(completion.usage)
     return finished(head, output, choice.finish_reason, usage, completion.routing, choice.metrics)
 

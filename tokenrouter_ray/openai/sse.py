@@ -1,7 +1,9 @@
 """Server-sent events: framing, and the chunk sequence of one streaming request.
 
-Text pieces from the detokenizers enter a `ChatStream` / `CompletionStream` (one per
-request, all ``n`` choices); ready-to-send SSE bytes leave. The order is OpenAI's:
+Each choice's `ChoiceUpdate` s (openai/choice_update.py: a step's text or parsed chat
+delta, with its token reports) and its `ChoiceResult` enter a `ChatStream` /
+`CompletionStream` (one per request, all ``n`` choices; `merge_choice_streams` interleaves
+them); ready-to-send SSE bytes leave. The order is OpenAI's:
 
 - chat: one role chunk per choice (``delta: {"role": "assistant", "content": ""}``), then
   content chunks (a parsed answer's deltas carry ``reasoning_content``, ``content`` and
@@ -16,8 +18,8 @@ Extension: each finish chunk carries a top-level ``routing`` with that choice's 
 in its choice, that choice's ``metrics``; the usage chunk, when sent, carries ``routing``
 summed over choices. A request that asked for ``logprobs`` or a ``routing_trace`` gets, in
 each chunk's choice, those of the tokens whose text the chunk carries (the finish chunk:
-the rest). Chunks are built as dicts and encoded with `json.dumps` (no pydantic on the
-per-token path).
+the rest). Chunks are built as dicts (the typed reports' ``to_dict``) and encoded with
+`json.dumps` (no pydantic on the per-token path).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from tokenrouter_ray.openai.chat_output import ChatDelta
+from tokenrouter_ray.openai.choice_update import ChoiceUpdate
 from tokenrouter_ray.openai.errors import as_openai_error
 from tokenrouter_ray.openai.responses import (
     ChoiceResult,
@@ -41,6 +44,7 @@ from tokenrouter_ray.openai.responses import (
     chat_completion_id,
     completion_id,
 )
+from tokenrouter_ray.openai.token_reports import RequestMetrics, TokenDetails
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -88,14 +92,18 @@ class _Stream:
         index: int,
         content: Any,
         finish: FinishReason | None = None,
-        extra: Mapping[str, Any] | None = None,
+        details: TokenDetails | None = None,
+        metrics: RequestMetrics | None = None,
     ) -> dict[str, Any]:
-        """One choice of a chunk: its new output under ``content_key``, ``extra`` fields
-        (e.g. ``logprobs``, ``routing_trace``) over the defaults."""
+        """One choice of a chunk: its new output under ``content_key``; its tokens'
+        ``logprobs`` / ``routing_trace`` (``details``) over the defaults, then the choice's
+        ``metrics`` (finish chunks)."""
         choice = {"index": index, self.content_key: content, "logprobs": None,
                   "finish_reason": finish}  # fmt: skip
-        if extra:
-            choice.update(extra)
+        if details is not None:
+            choice.update(details.to_fields())
+        if metrics is not None:
+            choice["metrics"] = metrics.model_dump()
         return choice
 
     def _chunk(
@@ -113,6 +121,32 @@ class _Stream:
         if routing is not None:
             chunk["routing"] = routing.model_dump()
         return chunk
+
+    def update(self, update: ChoiceUpdate) -> bytes:
+        """The content chunk of one choice's update (``b""`` when empty)."""
+        return self.delta(update.index, update.delta, update.details)
+
+    def finish_choice(self, choice: ChoiceResult) -> bytes:
+        """The finish chunk of a finished choice: its reason, routing and metrics, and the
+        reports of the tokens no update carried."""
+        return self.finish(
+            choice.index, choice.finish_reason, choice.routing,
+            details=choice.details, metrics=choice.metrics,
+        )  # fmt: skip
+
+    def delta(self, index: int, text: Any, details: TokenDetails | None = None) -> bytes:
+        raise NotImplementedError
+
+    def finish(
+        self,
+        index: int,
+        reason: FinishReason,
+        routing: RoutingInfo | None = None,
+        text: Any = "",
+        details: TokenDetails | None = None,
+        metrics: RequestMetrics | None = None,
+    ) -> bytes:
+        raise NotImplementedError
 
     def end(self, usage: Usage, routing: RoutingInfo | None = None) -> bytes:
         """The usage chunk (only with ``include_usage``), then ``[DONE]``. ``usage``: the
@@ -141,15 +175,15 @@ class ChatStream(_Stream):
         )
 
     def delta(
-        self, index: int, text: str | ChatDelta, extra: Mapping[str, Any] | None = None
+        self, index: int, text: str | ChatDelta, details: TokenDetails | None = None
     ) -> bytes:
-        """A content chunk for choice ``index`` (``extra``: more fields of its choice, e.g.
-        ``logprobs``); ``text`` is the content, or a parsed `ChatDelta` (its
+        """A content chunk for choice ``index`` (``details``: its tokens' ``logprobs`` /
+        ``routing_trace``); ``text`` is the content, or a parsed `ChatDelta` (its
         ``reasoning_content`` / ``content`` / ``tool_calls``); ``b""`` when empty."""
         if not text:
             return b""
         delta = text.to_dict() if isinstance(text, ChatDelta) else {"content": text}
-        return sse_event(self._chunk([self._choice(index, delta, None, extra)]))
+        return sse_event(self._chunk([self._choice(index, delta, None, details)]))
 
     def finish(
         self,
@@ -157,12 +191,14 @@ class ChatStream(_Stream):
         reason: FinishReason,
         routing: RoutingInfo | None = None,
         text: str | ChatDelta = "",
-        extra: Mapping[str, Any] | None = None,
+        details: TokenDetails | None = None,
+        metrics: RequestMetrics | None = None,
     ) -> bytes:
-        """The last chunk of choice ``index``: ``finish_reason`` and its routing; its delta
-        is empty, or carries ``text`` (e.g. the detokenizer's `finish` output)."""
+        """The last chunk of choice ``index``: ``finish_reason``, its routing and metrics;
+        its delta is empty, or carries ``text`` (e.g. the detokenizer's `finish` output)."""
         delta = text.to_dict() if isinstance(text, ChatDelta) else {"content": text} if text else {}
-        return sse_event(self._chunk([self._choice(index, delta, reason, extra)], routing))
+        choice = self._choice(index, delta, reason, details, metrics)
+        return sse_event(self._chunk([choice], routing))
 
 
 class CompletionStream(_Stream):
@@ -178,12 +214,12 @@ class CompletionStream(_Stream):
         """Nothing: completions streams have no role chunk (here for symmetry)."""
         return b""
 
-    def delta(self, index: int, text: str, extra: Mapping[str, Any] | None = None) -> bytes:
-        """A text chunk for choice ``index`` (``extra``: more fields of its choice);
-        ``b""`` for empty text."""
+    def delta(self, index: int, text: str, details: TokenDetails | None = None) -> bytes:
+        """A text chunk for choice ``index`` (``details``: its tokens' ``logprobs`` /
+        ``routing_trace``); ``b""`` for empty text."""
         if not text:
             return b""
-        return sse_event(self._chunk([self._choice(index, text, None, extra)]))
+        return sse_event(self._chunk([self._choice(index, text, None, details)]))
 
     def finish(
         self,
@@ -191,11 +227,13 @@ class CompletionStream(_Stream):
         reason: FinishReason,
         routing: RoutingInfo | None = None,
         text: str = "",
-        extra: Mapping[str, Any] | None = None,
+        details: TokenDetails | None = None,
+        metrics: RequestMetrics | None = None,
     ) -> bytes:
-        """The last chunk of choice ``index``: ``finish_reason``, its routing, and ``text``
-        (default ``""``; e.g. the detokenizer's `finish` output)."""
-        return sse_event(self._chunk([self._choice(index, text, reason, extra)], routing))
+        """The last chunk of choice ``index``: ``finish_reason``, its routing and metrics,
+        and ``text`` (default ``""``; e.g. the detokenizer's `finish` output)."""
+        choice = self._choice(index, text, reason, details, metrics)
+        return sse_event(self._chunk([choice], routing))
 
 
 class WriterHooks(Protocol):
@@ -218,52 +256,48 @@ class _NoHooks:
 async def merge_choice_streams(
     stream: ChatStream | CompletionStream,
     tasks: Sequence[asyncio.Future[ChoiceResult]],
-    pieces: asyncio.Queue,
+    updates: asyncio.Queue[ChoiceUpdate],
     prompt_len: int,
     hooks: WriterHooks | None = None,
 ) -> AsyncIterator[bytes]:
-    """The SSE frames of one request whose ``n`` choices run as ``tasks``: text pieces
-    ``(index, text, extra)`` from ``pieces`` as they come (``extra``: more fields of that
-    choice, or None), each choice's finish chunk as its task
-    ends (after its last pieces), then usage and ``[DONE]``. A choice that fails ends the
+    """The SSE frames of one request whose ``n`` choices run as ``tasks``: each
+    `ChoiceUpdate` from ``updates`` as it comes, each choice's finish chunk as its task
+    ends (after its last updates), then usage and ``[DONE]``. A choice that fails ends the
     stream with its OpenAI error event and ``[DONE]`` (the other choices are cancelled),
     never a cut connection. Closing the generator early (a client disconnect) cancels
     every choice's task. ``hooks`` hear of every frame handed to the server and of the
-    pieces it carried (backpressure: a frame is taken by the client when the generator is
-    resumed after yielding it)."""
+    choices whose update it carried (backpressure: a frame is taken by the client when the
+    generator is resumed after yielding it)."""
     hooks = hooks or _NoHooks()
     try:
         hooks.sending()
         yield stream.start()
         hooks.sent()
         pending = set(tasks)
-        while pending or not pieces.empty():
-            getter = asyncio.ensure_future(pieces.get())
+        while pending or not updates.empty():
+            getter = asyncio.ensure_future(updates.get())
             done, _ = await asyncio.wait({getter, *pending}, return_when=asyncio.FIRST_COMPLETED)
             if getter in done:
-                piece = getter.result()
+                update = getter.result()
                 hooks.sending()
-                yield stream.delta(*piece)
-                hooks.sent((piece[0],))
+                yield stream.update(update)
+                hooks.sent((update.index,))
             else:
                 getter.cancel()
             for task in done - {getter}:
                 pending.discard(task)
-                while not pieces.empty():
-                    piece = pieces.get_nowait()
+                while not updates.empty():
+                    update = updates.get_nowait()
                     hooks.sending()
-                    yield stream.delta(*piece)
-                    hooks.sent((piece[0],))
+                    yield stream.update(update)
+                    hooks.sent((update.index,))
                 try:
                     choice = task.result()
                 except Exception as exc:
                     yield sse_error(exc) + SSE_DONE
                     return
-                extra = dict(choice.details or {})
-                if choice.metrics is not None:
-                    extra["metrics"] = choice.metrics.model_dump()
                 hooks.sending()
-                yield stream.finish(choice.index, choice.finish_reason, choice.routing, extra=extra)
+                yield stream.finish_choice(choice)
                 hooks.sent()
         results = [t.result() for t in tasks]
         hooks.sending()

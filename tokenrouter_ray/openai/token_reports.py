@@ -4,14 +4,17 @@ per-request ``metrics`` object every choice carries.
 
 Input: the choice's output token ids and, per token, the model that wrote it and the
 `TokenInfo` its COMMIT carried (`protocol.CommitLog` keeps both at the ingress). Output:
-plain dicts (built once per chunk or response; no pydantic on the per-token path). A range
-``[start, end)`` of output tokens becomes one part: the whole output for a response, the
-tokens a chunk settles when streaming (their concatenation over chunks is the response's).
+typed parts (`RoutingTrace`, `ChatLogprobs`, `CompletionLogprobs`), paired per range of
+tokens as one `TokenDetails`; each turns into its JSON object with ``to_dict()`` where a
+chunk or a response is encoded (no pydantic on the per-token path). A range ``[start,
+end)`` of output tokens becomes one part: the whole output for a response, the tokens a
+chunk settles when streaming (their concatenation over chunks is the response's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +42,114 @@ def _at(items: Sequence[Any], i: int) -> Any:
     return items[i] if i < len(items) else None
 
 
+@dataclass(frozen=True, slots=True)
+class TracedToken:
+    """One output token of a ``routing_trace``: its id and text, the model that wrote it
+    and the router's score (None: not scored)."""
+
+    id: int
+    text: str
+    model: str | None
+    score: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "text": self.text, "model": self.model, "score": self.score}
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedToken:
+    """A proposal the policy dropped at output position ``index``, and who replaced it."""
+
+    index: int
+    id: int
+    text: str
+    model: str
+    score: float | None
+    replaced_by: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "id": self.id, "text": self.text, "model": self.model,
+                "score": self.score, "replaced_by": self.replaced_by}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingTrace:
+    """The ``routing_trace`` of a range of output tokens (drop indices absolute)."""
+
+    models: list[str]
+    tokens: list[TracedToken]
+    dropped: list[DroppedToken]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "models": self.models,
+            "tokens": [t.to_dict() for t in self.tokens],
+            "dropped": [d.to_dict() for d in self.dropped],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Chat's entry for one token: its text, logprob and UTF-8 bytes; a sampled token's
+    entry has its ``top_logprobs`` (None: this is one of them)."""
+
+    token: str
+    logprob: float | None
+    bytes: list[int]
+    top_logprobs: list[TokenLogprob] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"token": self.token, "logprob": self.logprob,
+                                 "bytes": self.bytes}  # fmt: skip
+        if self.top_logprobs is not None:
+            entry["top_logprobs"] = [t.to_dict() for t in self.top_logprobs]
+        return entry
+
+
+@dataclass(frozen=True, slots=True)
+class ChatLogprobs:
+    """Chat's ``choice.logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    content: list[TokenLogprob]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"content": [t.to_dict() for t in self.content]}
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionLogprobs:
+    """Completions' ``choice.logprobs``: per token its text, logprob, the most likely
+    tokens' text -> logprob, and where its text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDetails:
+    """What a range of output tokens reports, each part only when the request asked for
+    it (None: not asked): ``logprobs`` in the endpoint's shape and the ``routing_trace``."""
+
+    logprobs: ChatLogprobs | CompletionLogprobs | None = None
+    routing_trace: RoutingTrace | None = None
+
+    def to_fields(self) -> dict[str, Any]:
+        """The choice fields they set: ``logprobs`` and/or ``routing_trace``, as JSON
+        objects (a part not asked for is left out)."""
+        fields: dict[str, Any] = {}
+        if self.logprobs is not None:
+            fields["logprobs"] = self.logprobs.to_dict()
+        if self.routing_trace is not None:
+            fields["routing_trace"] = self.routing_trace.to_dict()
+        return fields
+
+
 def trace_part(
     token_ids: Sequence[int],
     writers: Sequence[str | None],
@@ -47,37 +158,26 @@ def trace_part(
     end: int,
     text: Callable[[int], str],
     models: Sequence[str],
-) -> dict[str, Any]:
+) -> RoutingTrace:
     """The ``routing_trace`` of output tokens ``[start, end)`` (drop indices absolute)."""
-    tokens: list[dict[str, Any]] = []
-    dropped: list[dict[str, Any]] = []
+    tokens: list[TracedToken] = []
+    dropped: list[DroppedToken] = []
     for i in range(start, end):
         token, writer, info = token_ids[i], _at(writers, i), _at(infos, i)
-        tokens.append(
-            {
-                "id": token,
-                "text": text(token),
-                "model": writer,
-                "score": None if info is None else info.score,
-            }
-        )
+        tokens.append(TracedToken(token, text(token), writer, None if info is None else info.score))
         for d in () if info is None else info.dropped:
-            dropped.append(
-                {
-                    "index": i,
-                    "id": d.token,
-                    "text": text(d.token),
-                    "model": d.model,
-                    "score": d.score,
-                    "replaced_by": writer,
-                }
-            )
-    return {"models": list(models), "tokens": tokens, "dropped": dropped}
+            dropped.append(DroppedToken(i, d.token, text(d.token), d.model, d.score, writer))
+    return RoutingTrace(list(models), tokens, dropped)
 
 
-def _entry(token: int, logprob: float | None, text: Callable[[int], str]) -> dict[str, Any]:
+def _entry(
+    token: int,
+    logprob: float | None,
+    text: Callable[[int], str],
+    top: list[TokenLogprob] | None = None,
+) -> TokenLogprob:
     piece = text(token)
-    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+    return TokenLogprob(piece, logprob, list(piece.encode("utf-8")), top)
 
 
 def chat_logprobs_part(
@@ -86,21 +186,20 @@ def chat_logprobs_part(
     start: int,
     end: int,
     text: Callable[[int], str],
-) -> dict[str, Any]:
-    """Chat's ``choice.logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+) -> ChatLogprobs:
+    """Chat's ``choice.logprobs`` of output tokens ``[start, end)``."""
     content = []
     for i in range(start, end):
         info = _at(infos, i)
-        entry = _entry(token_ids[i], None if info is None else info.logprob, text)
-        entry["top_logprobs"] = (
+        top = (
             []
             if info is None
             else [
                 _entry(t, lp, text) for t, lp in zip(info.top_ids, info.top_logprobs, strict=True)
             ]
         )
-        content.append(entry)
-    return {"content": content}
+        content.append(_entry(token_ids[i], None if info is None else info.logprob, text, top))
+    return ChatLogprobs(content)
 
 
 def completion_logprobs_part(
@@ -110,12 +209,15 @@ def completion_logprobs_part(
     end: int,
     text: Callable[[int], str],
     token_ends: Sequence[int],
-) -> dict[str, Any]:
-    """Completions' ``choice.logprobs``: ``{tokens, token_logprobs, top_logprobs,
-    text_offset}``; ``top_logprobs[i]`` maps the k most likely tokens' text to their
-    logprob, plus the sampled token's when it is not among them (OpenAI's rule);
-    ``text_offset[i]`` is where token i's text starts in the choice's text."""
-    tokens, values, tops, offsets = [], [], [], []
+) -> CompletionLogprobs:
+    """Completions' ``choice.logprobs`` of output tokens ``[start, end)``;
+    ``top_logprobs[i]`` maps the k most likely tokens' text to their logprob, plus the
+    sampled token's when it is not among them (OpenAI's rule); ``text_offset[i]`` is where
+    token i's text starts in the choice's text."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
     for i in range(start, end):
         token, info = token_ids[i], _at(infos, i)
         tokens.append(text(token))
@@ -131,8 +233,7 @@ def completion_logprobs_part(
             offsets.append(0)
         else:
             offsets.append(token_ends[min(i, len(token_ends)) - 1])
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
-            "text_offset": offsets}  # fmt: skip
+    return CompletionLogprobs(tokens, values, tops, offsets)
 
 
 class RequestMetrics(BaseModel):

@@ -40,15 +40,7 @@ class ToolCall:
     index: int
     id: str
     name: str
-    arguments: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """OpenAI's shape in a message."""
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
+    arguments: str  # a message carries it as ``responses.MessageToolCall``
 
 
 def tool_format_for(tokenizer: Any) -> str | None:
