@@ -111,14 +111,13 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 
 def bind_app(cfg: AppConfig) -> Application:
     cfg = plan_shared_devices(cfg)  # co-located models: budgets from one joint plan
-    data = cfg.model_dump(mode="json")
     directory = EndpointDirectory.bind()
-    tuner = Tuner.bind(data) if cfg.tuner.enabled else None
+    tuner = Tuner.bind(cfg) if cfg.tuner.enabled else None
     models = {
-        name: ModelServer.options(**model_options(name, spec)).bind(name, data, directory, tuner)
+        name: ModelServer.options(**model_options(name, spec)).bind(name, cfg, directory, tuner)
         for name, spec in cfg.models.items()
     }
-    return Ingress.options(**ingress_options(cfg)).bind(data, directory, models, tuner)
+    return Ingress.options(**ingress_options(cfg)).bind(cfg, directory, models, tuner)
 
 
 def ingress_options(cfg: AppConfig) -> dict[str, Any]:

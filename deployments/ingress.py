@@ -39,12 +39,11 @@ from tokenrouter_ray.ingress.service import IngressService
 class Ingress:
     async def __init__(
         self,
-        app_config: dict,
+        cfg: AppConfig,
         directory: DeploymentHandle,
         models: dict[str, DeploymentHandle],
         tuner: DeploymentHandle | None = None,
     ) -> None:
-        cfg = AppConfig.model_validate(app_config)
         entry = cfg.model_names[0]
         tokenizer = await asyncio.to_thread(spec_tokenizer, cfg.models[entry])
         infos = [await models[name].info.remote() for name in cfg.model_names]

@@ -90,11 +90,10 @@ class ModelServer:
     async def __init__(
         self,
         model: str,
-        app_config: dict,
+        cfg: AppConfig,
         directory: DeploymentHandle,
         tuner: DeploymentHandle | None = None,
     ) -> None:
-        cfg = AppConfig.model_validate(app_config)
         self.model = model
         self.spec = cfg.models[model]
         index = cfg.model_names.index(model)

@@ -33,8 +33,7 @@ logger = logging.getLogger("ray.serve")
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 class Tuner:
-    async def __init__(self, app_config: dict) -> None:
-        cfg = AppConfig.model_validate(app_config)
+    async def __init__(self, cfg: AppConfig) -> None:
         initial = {
             m: ThresholdTable.of(cfg.scheduler_for(m).batch_thresholds) for m in cfg.model_names
         }

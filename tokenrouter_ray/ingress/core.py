@@ -58,7 +58,7 @@ from tokenrouter_ray.protocol import (
     TokenInfo,
     by_destination,
 )
-from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel
+from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel, endpoint_model
 
 logger = logging.getLogger(__name__)
 
@@ -503,7 +503,7 @@ class IngressCore:
         if live.done:
             return
         if msg.kind == MsgKind.COMMIT:
-            model = msg.src.split("/", 1)[0]
+            model = endpoint_model(msg.src)
             try:
                 fresh = live.log.add(msg.anchor, msg.tokens, model, msg.token_info or None)
             except ProtocolError as exc:

@@ -47,6 +47,7 @@ from tokenrouter_ray.openai.sse import (
 )
 from tokenrouter_ray.openai.token_reports import TokenText
 from tokenrouter_ray.openai.validation import PreparedRequest
+from tokenrouter_ray.transport.base import endpoint_model
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +338,7 @@ class IngressServer:
         if self.models:
             return self.models
         endpoints = getattr(self.core, "all_endpoints", None)
-        names = [e.split("/", 1)[0] for e in endpoints()] if endpoints is not None else []
+        names = [endpoint_model(e) for e in endpoints()] if endpoints is not None else []
         return list(dict.fromkeys(names or [w for w in writers if w is not None]))
 
     def start_choices(

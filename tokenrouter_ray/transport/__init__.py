@@ -15,6 +15,7 @@ from tokenrouter_ray.transport.base import (
     PeerChannel,
     PeerUnreachableError,
     UnknownPeerError,
+    endpoint_model,
     endpoint_name,
 )
 from tokenrouter_ray.transport.inproc import InProcChannel, InProcHub
@@ -32,5 +33,6 @@ __all__ = [
     "UnknownPeerError",
     "ZmqChannel",
     "ZmqConfig",
+    "endpoint_model",
     "endpoint_name",
 ]

@@ -45,8 +45,14 @@ class PeerUnreachableError(ConnectionError):
 
 
 def endpoint_name(model: str, replica: str) -> str:
-    """The name a replica's channel is registered and addressed under."""
+    """The name a replica's channel is registered and addressed under (``model/replica``;
+    ``endpoint_model`` reads the model back: the one place names are built and split)."""
     return f"{model}/{replica}"
+
+
+def endpoint_model(name: str) -> str:
+    """The model of an endpoint name (``endpoint_name``'s first part)."""
+    return name.split("/", 1)[0]
 
 
 @dataclass(frozen=True)
