@@ -80,6 +80,15 @@ class ModelSpec(_Strict):
     prefix_caching: bool = Field(
         True, description="Automatic prefix caching (EngineConfig.prefix_caching); false: off."
     )
+    prefill_at_admission: int | None = Field(
+        None,
+        ge=1,
+        description="Prefill a new request's prompt on this model at admission, beside the "
+        "entry model's prefill, when the prompt has at least this many tokens: the request's "
+        "first handoff here then finds the prompt's KV in the prefix cache, so its time to "
+        "first token is the longer prefill, not the sum. Costs that prefill for requests "
+        "that never come here. None: off. Ignored on the entry model; needs prefix_caching.",
+    )
     memory_budget_gb: float = Field(
         2.0, gt=0, description="Weights + KV budget per replica (per rank with tensor_parallel)."
     )
@@ -93,6 +102,12 @@ class ModelSpec(_Strict):
         "on one GPU): their weights + KV are planned together within shared_devices[group] "
         "GiB, and each gets its share of it as its memory budget (memory_budget_gb ignored).",
     )
+
+    @model_validator(mode="after")
+    def _prefill_needs_the_cache(self) -> ModelSpec:
+        if self.prefill_at_admission is not None and not self.prefix_caching:
+            raise ValueError("prefill_at_admission needs prefix_caching (the KV waits there)")
+        return self
 
     @model_validator(mode="after")
     def _heads_split(self) -> ModelSpec:
@@ -164,6 +179,15 @@ class ZmqSpec(_Strict):
         gt=0,
         description="Largest frame accepted (ZeroMQ drops bigger ones); must hold the "
         "largest legitimate frame (max_num_seqs whole sequences: the config check).",
+    )
+    reject_rate: float = Field(
+        1000.0,
+        gt=0,
+        description="Rejected frames (bad MAC, malformed, replayed) a replica examines per "
+        "second, with a burst of a quarter second's worth; past it the receiver waits before "
+        "reading the next frame, so a stranger's flood costs at most this many MAC checks a "
+        "second, and ZeroMQ's fair queueing keeps serving the honest connections between "
+        "them (each waits at most 1/reject_rate per junk frame ahead of it).",
     )
     curve: bool = Field(
         False,

@@ -41,9 +41,12 @@ class LocalRuntime:
         channel_type: type[InProcChannel] = InProcChannel,
         metrics: Metrics | None = None,
         transit_s: float = 0.0,
+        prefill_at: dict[str, int] | None = None,
     ) -> None:
         """``transit_s``: each frame between the models and the ingress arrives this long
-        after it was sent (``InProcHub``: a simulated network; 0 by default)."""
+        after it was sent (``InProcHub``: a simulated network; 0 by default).
+        ``prefill_at``: model -> prompt length from which prompts are prefilled there at
+        admission too (``ModelSpec.prefill_at_admission``; ``IngressCore``)."""
         self.models = [name for name, _ in engines]
         if policy.models != self.models:
             raise ValueError(f"policy routes {policy.models}, runtime has {self.models}")
@@ -60,6 +63,7 @@ class LocalRuntime:
         self.placement = Placement(self.replicas.__getitem__, self._block_sizes())
         self.place_at_ingress = False  # True: every model's replica named in the NEW
         self.transit_s = transit_s
+        self.prefill_at = prefill_at
 
     def _block_sizes(self) -> dict[str, int]:
         return {
@@ -94,7 +98,11 @@ class LocalRuntime:
         await channel.start()
         endpoints = [s.endpoint for s in self.subservers]
         self.ingress = IngressCore(
-            channel, lambda: endpoints[0], lambda: endpoints, metrics=self.metrics
+            channel,
+            lambda: endpoints[0],
+            lambda: endpoints,
+            metrics=self.metrics,
+            prefill_at=self.prefill_at,
         )
         await self.ingress.start()
 

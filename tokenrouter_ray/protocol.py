@@ -88,6 +88,8 @@ class MsgKind(IntEnum):
     FINISHED = 3  # the request ended (EOS, stop, max_tokens): free its state
     ABORT = 4  # the client went away: free its state
     ACTIVE = 5  # from an ingress to every model replica: its `active_requests` (no request)
+    PREFILL = 6  # from an ingress at admission: compute the KV of `tokens` (the prompt) and
+    # keep it in the prefix cache for the request's first handoff here; no state, no answer
 
     @property
     def is_terminal(self) -> bool:

@@ -266,3 +266,39 @@ def test_model_spec_turns_caching_off() -> None:
     cfg = AppConfig(models=models, policy={"name": "never"})
     assert engine_config(cfg, "small").prefix_caching is True  # on by default
     assert engine_config(cfg, "large").prefix_caching is False
+
+
+@pytest.mark.parametrize("chunk", [64, 6])  # 6: the prefill itself is chunked over steps
+def test_a_prefill_only_request_leaves_its_blocks_cached_and_samples_nothing(
+    tiny_llama_dir, reference_model, chunk
+) -> None:
+    """``Engine.prefill`` (a prompt prefilled where a handoff will take it, issue 38): it
+    samples no token, ends once computed, and the request that then arrives with the prompt
+    first (plus tokens it has not seen) computes only what is past the cached blocks; its
+    greedy output equals generate's."""
+    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=chunk)
+    (prompt,) = shared_prompts(1, system=17, seed=9)
+    assert engine.prefill("p", prompt) is not None
+    rows = 0
+    while engine.has_unfinished:
+        result = engine.execute(now=float("inf"))
+        if result is not None:
+            rows += len(result.request_ids)
+            assert engine.commit(result) == []
+    assert rows == 0 and "p" not in engine.requests
+    kv = engine.kv
+    full = (len(prompt) - 1) // BS * BS
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks  # freed, and kept cached
+    assert engine.prefill("again", prompt) is None  # all of it is cached: nothing to do
+    context = [*prompt, 3, 5, 7]  # a handoff's first visit: the prompt and what followed
+    produced: dict[str, list[int]] = {}
+    engine.add_request("h", context, SamplingParams(max_tokens=8))
+    drain(engine, produced)
+    assert kv.prefix_cache_hits == full
+    assert produced["h"] == greedy_reference(reference_model(tiny_llama_dir), context, 8)
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+def test_prefill_does_nothing_without_prefix_caching(tiny_llama_dir) -> None:
+    engine = make_engine(tiny_llama_dir, prefix_caching=False)
+    assert engine.prefill("p", list(range(1, 30))) is None and not engine.has_unfinished

@@ -39,9 +39,9 @@ def prompts(n: int = 8) -> list[list[int]]:
     return [[rng.randrange(128) for _ in range(rng.randint(1, 30))] for _ in range(n)]
 
 
-def run_local(policy, engines, channel_type=InProcChannel, n: int = 8):
+def run_local(policy, engines, channel_type=InProcChannel, n: int = 8, prefill_at=None):
     async def go():
-        async with LocalRuntime(engines, policy, channel_type) as runtime:
+        async with LocalRuntime(engines, policy, channel_type, prefill_at=prefill_at) as runtime:
             spec = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED)
             results = await asyncio.wait_for(runtime.complete_all(prompts(n), spec), 120)
             await runtime.wait_idle()
@@ -97,6 +97,32 @@ def test_handoffs_send_only_the_unseen_suffix(chain_dirs) -> None:
                 assert h.num_tokens < h.end  # a suffix, not the context
             held[h.src] = held[h.dst] = h.end
     assert revisits > 50
+
+
+@pytest.mark.parametrize("name", ["never", "always", "bernoulli", "entropy"])
+def test_prompts_prefilled_at_admission_change_no_token(
+    name, chain_dirs, chain_reference_models
+) -> None:
+    """``prefill_at`` (``models.large.prefill_at_admission``, issue 38): every prompt is
+    also prefilled on the large model at admission. Outputs equal the reference, nothing
+    leaks, and the large model's first visits found the prompts' blocks in its cache (with
+    ``never`` it is the cost alone: prompts prefilled and never used)."""
+    options, names = CASES[name]
+    policy = build_policy(name, options, names)
+    engines = chain_engines(chain_dirs, names)
+    results, _ = run_local(policy, engines, prefill_at={"large": 1})
+    models = [(n, chain_reference_models[n]) for n in names]
+    for prompt, got in zip(prompts(), results, strict=True):
+        want = reference_generate(
+            models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
+        )
+        assert (got.error, got.token_ids, got.counts) == (None, want.token_ids, want.counts)
+    large = dict(engines)["large"].kv
+    cacheable = sum((len(p) - 1) // 4 * 4 for p in prompts())  # full blocks, block size 4
+    if name == "never":
+        assert large.prefix_cache_hits == 0
+    else:
+        assert large.prefix_cache_hits >= cacheable
 
 
 class DuplicatingChannel(InProcChannel):

@@ -54,6 +54,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._uncommitted: StepResult | None = None
         self._in_flight: PendingStep | None = None
+        self._prefilling = False  # some prefill-only request is here (``prefill``)
         self._draft: Draft | None = None  # the next step, drafted while this one runs
         self.deferred_until: float | None = None  # set when the launch threshold held a step
         limit = runner.max_positions or self.kv.capacity_tokens
@@ -113,6 +114,28 @@ class Engine:
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
+        return request
+
+    def prefill(
+        self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams | None = None
+    ) -> Request | None:
+        """Compute the KV of ``token_ids`` and end: no token is sampled, and the full blocks
+        stay in the prefix cache, where a request that later arrives with these tokens first
+        (a handoff's first visit) finds them (issue 38: a prompt prefilled on the model it
+        will be handed to, beside the entry model's prefill). ``sampling`` only lends its
+        ``cache_salt`` (the blocks are shared with requests of the same salt). None, and
+        nothing queued, without prefix caching or when every full block is cached already."""
+        if not self.kv.enable_caching:
+            return None
+        request = self.add_request(request_id, token_ids, sampling)
+        request.prefill_only = True
+        self._prefilling = True
+        prefix = self.kv.cached_prefix(request)
+        full = (len(request.token_ids) - 1) // self.config.block_size  # what can be cached
+        cached = prefix.num_tokens if prefix is not None else 0
+        if cached >= full * self.config.block_size:
+            self.abort(request_id)  # nothing to add to the cache
+            return None
         return request
 
     def pause(self, request_id: str) -> None:
@@ -309,8 +332,19 @@ class Engine:
             elif rid in pause:
                 self.scheduler.pause(request)
             outputs.append(RequestOutput(rid, new, status is not None, request.finish_reason))
+        if self._prefilling:
+            self._end_prefills()
         result.timings.commit = time.perf_counter() - t0
         return outputs
+
+    def _end_prefills(self) -> None:
+        """Prefill-only requests whose every token is computed end, their full blocks
+        registered in the prefix cache first."""
+        for request in [r for r in self.requests.values() if r.prefill_only]:
+            if request.num_uncomputed_tokens == 0 and request.status == RequestStatus.RUNNING:
+                self.kv.cache_computed(request)
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+        self._prefilling = any(r.prefill_only for r in self.requests.values())
 
     def discard_uncommitted(self) -> None:
         """Forget a step that failed between launch() and commit() (its KV is recomputed)."""

@@ -207,6 +207,9 @@ class Request:
     # prompt tokens its first computation here found in the prefix cache (-1: not yet)
     num_cached_tokens: int = -1
     seed: int = -1  # resolved seed: the given one, or drawn once at admission
+    # only its KV is wanted (``Engine.prefill``): no token is sampled, and once every token
+    # is computed it ends, its full blocks left in the prefix cache for a later request
+    prefill_only: bool = False
     # sampling.has_processors, read once: the runner checks it per row per step
     uses_processors: bool = field(init=False, default=False)
 

@@ -81,8 +81,10 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the request's last token, so a token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        """Whether this chunk reaches the request's last token, so a token is sampled (never
+        for a prefill-only request)."""
+        r = self.request
+        return self.start + self.num_tokens == r.num_tokens and not r.prefill_only
 
 
 @dataclass

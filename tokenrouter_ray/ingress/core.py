@@ -128,8 +128,12 @@ class IngressCore:
         all_endpoints: Callable[[], list[str]],
         metrics: Metrics | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        prefill_at: Mapping[str, int] | None = None,
     ) -> None:
+        """``prefill_at``: model -> the prompt length from which a new request's prompt is
+        also prefilled on that model at admission (``ModelSpec.prefill_at_admission``)."""
         self.channel = channel
+        self.prefill_at = dict(prefill_at or {})
         self.metrics = metrics if metrics is not None else Metrics()
         self.entry_endpoint = entry_endpoint
         self.all_endpoints = all_endpoints
@@ -257,6 +261,8 @@ class IngressCore:
             dst = entry or self.entry_endpoint()
             live.holders = _holders(dst, endpoints)
             await self.channel.send(dst, [self._new_msg(live, dst, endpoints)])
+            if self.prefill_at:
+                await self._send_prefills(live, dst, endpoints)
         except BaseException:
             live.timer.cancel()  # set just above
             self.live.pop(rid, None)
@@ -266,6 +272,38 @@ class IngressCore:
             self._broadcast_abort(rid)
             raise
         self._active_changed()
+
+    async def _send_prefills(
+        self, live: _Live, entry: str, endpoints: Mapping[str, str] | None
+    ) -> None:
+        """PREFILL the prompt on each model configured for it (``prefill_at``), at the
+        replica the request will use there, beside the entry model's prefill: the first
+        handoff there then finds the prompt's KV in that replica's prefix cache, so its
+        time to first token is the longer prefill, not the sum. Best effort: a PREFILL that
+        cannot be sent changes nothing but that (the handoff prefills as usual)."""
+        n = len(live.prompt)
+        entry_model = endpoint_model(entry)
+        for model, at in self.prefill_at.items():
+            if model == entry_model or n < at:
+                continue
+            dst = (endpoints or {}).get(model) or next(
+                (e for e in self.all_endpoints() if endpoint_model(e) == model), None
+            )
+            if dst is None:
+                continue
+            msg = PeerReq(
+                rid=live.wire_rid,
+                src=self.channel.name,
+                dst=dst,
+                kind=MsgKind.PREFILL,
+                handoff_seq=0,
+                tokens=live.prompt,
+                sampling=live.sampling,
+            )
+            try:
+                await self.channel.send(dst, [msg])
+            except Exception as exc:
+                logger.info("ingress: no prefill of %s on %s: %s", live.rid, dst, exc)
 
     def _new_msg(self, live: _Live, dst: str, endpoints: Mapping[str, str] | None) -> PeerReq:
         route = RouteState(

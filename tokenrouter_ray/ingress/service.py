@@ -129,7 +129,14 @@ class IngressService:
         self.tuner_status_of = tuner_status
         self.model_status = dict(model_status or {})
         if core is None:
-            core = IngressCore(channel, self._entry, peers.all, self.metrics, self.timeout_s)
+            prefill_at = {
+                name: spec.prefill_at_admission
+                for name, spec in cfg.models.items()
+                if spec.prefill_at_admission is not None
+            }
+            core = IngressCore(
+                channel, self._entry, peers.all, self.metrics, self.timeout_s, prefill_at
+            )
         self.core = core
         self.recovery = Recovery(self.core, peers.missing, self._replace, timeout_s=self.timeout_s)
         names = cfg.model_names

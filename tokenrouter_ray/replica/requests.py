@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SWEEP_PERIOD_S = 1.0
+PREFILL_SUFFIX = "~prefill"  # the engine's id of a request's admission prefill (its own)
 EXPIRY_GRACE_S = 10.0  # past a request's deadline, before a model frees it on its own
 
 
@@ -92,6 +93,9 @@ class Requests:
         profile = self.profile
         profile.applied += 1
         profile.applied_after_s += max(0, time.time_ns() - msg.sent_at) / 1e9
+        if msg.kind == MsgKind.PREFILL:  # no request state: outside the ledger
+            self._prefill(msg)
+            return
         if not self.ledger.accept(msg):
             return
         try:
@@ -150,6 +154,18 @@ class Requests:
             raise ValueError(f"extend at {msg.anchor} but this replica holds no state")
         if not self.engine.holds(rid):  # the extend reached the context limit
             self.finish(tracked, "length", out)
+
+    def _prefill(self, msg: PeerReq) -> None:
+        """A prompt to prefill for a request's first handoff here (``Engine.prefill``): its
+        KV waits in the prefix cache. Best effort: one that cannot run (the prompt too long,
+        the request already here) is only counted; the handoff then prefills as usual."""
+        if self.engine.holds(msg.rid):
+            return
+        try:
+            self.engine.prefill(msg.rid + PREFILL_SUFFIX, msg.tokens, msg.sampling)
+        except ValueError as exc:
+            logger.info("%s: no prefill for %s: %s", self.name, msg.rid, exc)
+            self.metrics.error(self.name, "prefill_refused")
 
     # ------------------------------------------------------------------ global N
     def update_active(self) -> None:
