@@ -74,6 +74,7 @@ def make_channel(
             recv_hwm=z.recv_hwm,
             key=key,
             max_frame_bytes=z.max_frame_bytes,
+            reject_rate=z.reject_rate,
             curve=curve,
         ),
         on_reject=on_reject,

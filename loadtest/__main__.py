@@ -51,6 +51,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "multiturn": ("loadtest.multiturn", "multi-turn chats, prefix caching on vs off"),
     "prefix-cost": ("loadtest.prefix_cost", "prefix caching on vs off: nothing shared, long input"),
+    "flood": ("loadtest.flood", "a junk flood at a model's peer socket: the served demo's cost"),
+    "prefill-admission": (
+        "loadtest.prefill_admission",
+        "TTFT by prompt length and first-token owner, prefill_at_admission off vs on (demo)",
+    ),
     "structured": (
         "loadtest.structured",
         "a grammar's cost on the demo pair (= --preset structured)",

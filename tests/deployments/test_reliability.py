@@ -7,7 +7,6 @@ docs/reliability.md."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import random
@@ -21,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from loadtest.flood import decoy_flood, junk_flood
 from tests.deployments.conftest import local_outputs, tiny_overrides
 
 TWO = ["small", "large"]
@@ -467,71 +467,6 @@ def test_killed_replica_requests_are_recreated_and_the_app_serves_on(
 
 
 # ------------------------------------------------------------------ issue 26: strangers
-FLOOD_FRAMES_PER_S = 5000
-
-
-def junk_flood(address: str, stop: threading.Event, sent: list[int]) -> None:
-    """Junk frames (the frame magic, random MACs: each costs the receiver an HMAC) pushed
-    at ``address`` until ``stop``; what cannot be queued is dropped (a stranger's sender)."""
-    import zmq
-
-    from tokenrouter_ray.transport.auth import MAGIC
-
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    n, t0 = 0, time.monotonic()
-    try:
-        while not stop.is_set():
-            frame = MAGIC + os.urandom(56) + os.urandom(200)
-            try:
-                sock.send(frame, flags=zmq.NOBLOCK)
-                n += 1
-            except zmq.Again:
-                time.sleep(0.001)
-            if n % 100 == 0 and n / FLOOD_FRAMES_PER_S > time.monotonic() - t0:
-                time.sleep(0.01)
-    finally:
-        sock.close(linger=0)
-        sent.append(n)
-
-
-@contextlib.contextmanager
-def decoy_flood() -> Iterator[None]:
-    """The junk flood at a PULL socket of this process, drained by a thread."""
-    import tempfile
-
-    import zmq
-
-    with tempfile.TemporaryDirectory() as tmp:
-        address = f"ipc://{tmp}/decoy.sock"
-        pull = zmq.Context.instance().socket(zmq.PULL)
-        pull.setsockopt(zmq.LINGER, 0)
-        pull.setsockopt(zmq.RCVTIMEO, 100)
-        pull.bind(address)
-        stop, sent = threading.Event(), []
-
-        def drain() -> None:
-            while not stop.is_set():
-                with contextlib.suppress(zmq.Again):
-                    pull.recv()
-
-        threads = [
-            threading.Thread(target=drain, daemon=True),
-            threading.Thread(target=junk_flood, args=(address, stop, sent), daemon=True),
-        ]
-        for t in threads:
-            t.start()
-        try:
-            time.sleep(0.5)
-            yield
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(30)
-            pull.close(linger=0)
-
-
 def timed_greedy(api: openai.OpenAI, batch: list[list[int]], max_tokens: int) -> tuple:
     def run(prompt: list[int]) -> list[int]:
         out = api.completions.create(

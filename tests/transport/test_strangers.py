@@ -17,7 +17,7 @@ from tokenrouter_ray.protocol import encode_batch
 from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
 from tokenrouter_ray.transport.auth import MAGIC, FrameSigner, derive_key
 from tokenrouter_ray.transport.curve import CurveKeys
-from tokenrouter_ray.transport.zmq_channel import YIELD_EVERY
+from tokenrouter_ray.transport.zmq_channel import YIELD_EVERY, RejectPacer
 
 KEY = derive_key(os.urandom(32))
 
@@ -162,3 +162,43 @@ async def test_only_bad_mac_frames_mean_a_key_mismatch_until_one_verifies() -> N
         await good.send("large/0", [handoff(0)])
         await receiving
         assert large.key_mismatch_s() == 0.0
+
+
+def test_the_reject_pacer_lets_a_burst_through_then_paces_to_its_rate() -> None:
+    now = [0.0]
+    pacer = RejectPacer(100.0, clock=lambda: now[0])  # a burst of 25
+    assert [pacer.wait_s() for _ in range(25)] == [0.0] * 25
+    waits = [pacer.wait_s() for _ in range(3)]
+    assert waits == pytest.approx([0.01, 0.02, 0.03]) and pacer.paced == 3
+    now[0] += 10.0  # a quiet spell refills the burst, never more
+    assert [pacer.wait_s() for _ in range(25)] == [0.0] * 25
+    assert pacer.wait_s() > 0
+
+
+@pytest.mark.asyncio
+async def test_honest_frames_pass_a_flood_that_is_examined_at_the_paced_rate() -> None:
+    """A stranger queues 3,000 junk frames; an honest peer's 20 frames still arrive while
+    most of the junk waits (ZeroMQ fair-queues the two connections, the receiver paces
+    what it rejects), and the junk examined stays within the pacer's budget."""
+    rate, n = 200.0, 3000
+    directory = InMemoryDirectory()
+    config = ZmqConfig(key=KEY, reject_rate=rate)
+    async with (
+        ZmqChannel("large", "0", directory, config) as large,
+        ZmqChannel("small", "0", directory, ZmqConfig(key=KEY)) as small,
+    ):
+        sock = rogue(large.address)
+        for i in range(n):
+            await sock.send(junk(i))
+        await asyncio.sleep(0.2)
+        t0 = asyncio.get_running_loop().time()
+        receiving = asyncio.ensure_future(recv_n(large, 20, timeout_s=60))
+        for seq in range(20):
+            await small.send("large/0", [handoff(seq)])
+        got = await receiving
+        elapsed = asyncio.get_running_loop().time() - t0
+        sock.close()
+    assert [m.handoff_seq for b in got for m in b] == list(range(20))
+    examined = sum(large.rejected.values())
+    assert examined < n / 2  # the honest frames did not wait for the flood to drain
+    assert examined <= rate / 4 + rate * elapsed + 2  # the budget, whatever the machine

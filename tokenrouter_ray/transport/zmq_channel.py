@@ -22,6 +22,11 @@ Strangers on the network (docs/reliability.md, "junk flood"):
   flood of queued junk (pyzmq completes each receive at once) cannot starve decode,
   heartbeats or health checks;
 - each connection queues at most ``recv_hwm`` frames of at most ``max_frame_bytes``;
+- rejected frames are examined at most ``reject_rate`` a second (``RejectPacer``): past
+  that budget the receiver sleeps before its next read, so a flood costs the replica a
+  bounded number of MAC checks (and interpreter time beside the step thread) a second
+  whatever its rate, and ZeroMQ's fair queueing across connections keeps delivering the
+  honest peers' frames in between;
 - tcp binds this node's own address by default (``bind_host=None``), never 0.0.0.0 unless
   asked, and a ``port_range`` gives the fixed ports a NetworkPolicy can name;
 - with ``curve`` set (``transport.curve``: a CURVE key pair derived from the peer key, the
@@ -96,7 +101,28 @@ class ZmqConfig:
     recv_hwm: int = 1024  # frames queued per incoming connection
     key: bytes | None = None  # HMAC key (`auth.derive_key`); None: frames are not signed
     max_frame_bytes: int = 16 << 20  # larger frames are dropped by ZeroMQ
+    reject_rate: float = 1000.0  # rejected frames examined per second (``RejectPacer``)
     curve: CurveKeys | None = None  # CURVE handshake with the app's own key pair only
+
+
+class RejectPacer:
+    """A token bucket over rejected frames: ``rate`` a second, a burst of ``rate / 4``.
+    ``wait_s`` after each rejected frame: how long the receiver waits before reading the
+    next one (0 within the budget). The clock is injected (tests drive it)."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, max(1.0, rate / 4), clock
+        self.tokens, self.at = self.burst, clock()
+        self.paced = 0  # rejected frames that made the receiver wait
+
+    def wait_s(self) -> float:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate) - 1.0
+        self.at = now
+        if self.tokens >= 0:
+            return 0.0
+        self.paced += 1
+        return -self.tokens / self.rate
 
 
 class ZmqChannel(PeerChannel):
@@ -116,6 +142,7 @@ class ZmqChannel(PeerChannel):
         self._signer = FrameSigner(key) if key is not None else None
         self._verifier = FrameVerifier(key, self.name) if key is not None else None
         self.rejected: collections.Counter[str] = collections.Counter()
+        self._pacer = RejectPacer(self.config.reject_rate)
         self.on_reject = on_reject
         self._pull: zmq.asyncio.Socket | None = None
         self._pushes: dict[str, zmq.asyncio.Socket] = {}
@@ -238,6 +265,9 @@ class ZmqChannel(PeerChannel):
                 frame, reason = self._verifier.open(frame)
                 if reason is not None:
                     self._reject(reason)
+                    wait_s = self._pacer.wait_s()
+                    if wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
+                        await asyncio.sleep(wait_s)
                     continue
             batch = decode_frame(frame, self.name)
             if batch is not None:
