@@ -33,14 +33,17 @@ def test_info_and_status_of_a_running_sub_server() -> None:
         loop = ClosedLoop(paper_r2r(), 4, (1, [1, 1, 2]), time_scale=0.05)
         async with loop:
             await loop.measure(0.3)
-            return [
-                (
-                    await replica_info(server, "node-1"),
-                    await replica_status(server),
-                    server.engine.batch_thresholds,
-                )
-                for server in loop.servers
-            ]
+            for server in loop.servers:  # through the call queue, as the deployment asks
+                assert isinstance(await replica_info(server, "node-1"), ReplicaInfo)
+                assert isinstance(await replica_status(server), ReplicaStatus)
+
+            def now(server) -> tuple[ReplicaInfo, ReplicaStatus, ThresholdTable]:  # type: ignore[no-untyped-def]
+                sim = SimDevice.of(server.engine.device_stats)
+                info, status = ReplicaInfo.of(server, "node-1"), ReplicaStatus.of(server, sim)
+                return info, status, server.engine.batch_thresholds
+
+            # all three at one point between two steps, on the step thread
+            return [await server.call(lambda s=server: now(s)) for server in loop.servers]
 
     for info, status, table in asyncio.run(run()):
         assert isinstance(info.batch_thresholds, ThresholdTable)
