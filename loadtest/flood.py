@@ -13,8 +13,10 @@ The probe: four greedy chat completions of 48 tokens at once, through the offici
   (its address from ``/v1/tokenrouter/stats``) at ``--rate`` frames a second.
 
 Printed: both times, their ratio against the target (flooded / undisturbed <= 1.5), the
-frames sent and what the large model rejected, whether the outputs were equal, and the
-``/health`` codes seen during the flood.
+frames sent and what the large model rejected, the large replica's CPU seconds per probe
+both ways (from /proc: what the junk costs it), whether the outputs were equal, and the
+``/health`` codes seen during the flood. ``--overrides transport.zmq.reject_rate=1e9``
+turns the receiver's pacing off, for the comparison.
 """
 
 from __future__ import annotations
@@ -125,6 +127,20 @@ def large_status(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/tokenrouter/stats", timeout=30).json()["models"]["large"]
 
 
+def cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far (user + system, from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_probes(url: str, pid: int, runs: int) -> tuple[list[tuple[list[str], float]], float]:
+    """``runs`` probes, and the large replica's CPU seconds per probe over them."""
+    c0 = cpu_s(pid)
+    out = [probe(url) for _ in range(runs)]
+    return out, (cpu_s(pid) - c0) / runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=5000.0, help="junk frames a second")
@@ -136,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     with ray_serve_deploy(args.http_port)(DEMO + args.overrides, "flood") as url:
         wait_ready(url)
         probe(url)  # warm-up
+        status = large_status(url)
+        pid, address = status["pid"], status["address"]
         with decoy_flood(args.rate):
-            calm = [probe(url) for _ in range(args.runs)]
-        address = large_status(url)["address"]
+            calm, calm_cpu = timed_probes(url, pid, args.runs)
         before = large_status(url)["peer_rejected"]
         stop, sent, health = threading.Event(), [], []
         root = url.removesuffix("/v1")
@@ -158,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             t.start()
         try:
             time.sleep(1.0)  # the flood is on before the probe starts
-            flooded = [probe(url) for _ in range(args.runs)]
+            flooded, flooded_cpu = timed_probes(url, pid, args.runs)
         finally:
             stop.set()
             for t in threads:
@@ -170,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = flooded_s / calm_s
     print(f"undisturbed (decoy flood) {calm_s:.2f} s, flooded {flooded_s:.2f} s")
     print(f"junk frames sent {sent[0] if sent else 0}, rejected by the large model {rejected}")
+    print(f"large replica CPU per probe: undisturbed {calm_cpu:.2f} s, flooded {flooded_cpu:.2f} s")
     print(f"outputs equal: {same}; /health during the flood: {sorted(set(health))}")
     verdict = "PASS" if ratio <= TARGET else "MISS"
     print(f"target: flooded / undisturbed <= {TARGET}: {ratio:.2f} {verdict}")

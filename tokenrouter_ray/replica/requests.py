@@ -188,11 +188,9 @@ class Requests:
                 self.finish(tracked, "error", out, error="its ingress is gone")
 
     def sweep_expired(self, out: list[PeerReq]) -> None:
-        """When due: end requests held past their deadline plus ``EXPIRY_GRACE_S`` (their
-        ingress normally aborts them at the deadline; this frees state whose ingress is
-        gone), and those of silent ingresses."""
-        if time.monotonic() < self.next_sweep:
-            return
+        """End requests held past their deadline plus ``EXPIRY_GRACE_S`` (their ingress
+        normally aborts them at the deadline; this frees state whose ingress is gone), and
+        those of silent ingresses; the step thread calls it when ``next_sweep`` is due."""
         self.next_sweep = time.monotonic() + SWEEP_PERIOD_S
         self._forget_silent_ingresses(out)
         cutoff = time.time() - EXPIRY_GRACE_S

@@ -387,13 +387,15 @@ class Replica:
         when it is due. Returns the messages that produced."""
         out: list[PeerReq] = []
         with self.profile.phase("receive"):
-            calls, requests = self.mailbox.calls, self.requests
+            calls, requests, inbox = self.mailbox.calls, self.requests, self.mailbox.inbox
             while calls:
                 calls.popleft()(out)
-            requests.apply_held(out)
-            if self.mailbox.inbox:
-                requests.apply_inbox(self.mailbox.inbox, out)
-            requests.sweep_expired(out)
+            if requests.held:
+                requests.apply_held(out)
+            if inbox:
+                requests.apply_inbox(inbox, out)
+            if time.monotonic() >= requests.next_sweep:
+                requests.sweep_expired(out)
         return out
 
     def launch(self) -> PendingStep | None:
@@ -501,7 +503,8 @@ class Replica:
 
     # ------------------------------------------------------------------ helpers
     def post(self, out: list[PeerReq]) -> None:
-        self.mailbox.post(out)
+        if out:
+            self.mailbox.post(out)
 
     def critical_path_ended(self, collected: float) -> None:
         """The next step is launched (or none is): the host's share of the step period."""
@@ -566,13 +569,14 @@ class Replica:
         error): its request ends with an error once its token is committed."""
         leaving: dict[str, tuple[int, Send]] = {}
         failed: dict[str, str] = {}
+        tracked = self.requests.tracked
         for rid, position, dst in zip(
             result.request_ids, result.positions, destinations, strict=True
         ):
             if dst == self.index:
                 continue
             try:
-                view = RequestView(rid, self.index, position, self.tracked[rid].policy_state)
+                view = RequestView(rid, self.index, position, tracked[rid].policy_state)
                 leaving[rid] = (dst, self.policy.send(view, dst))
             except Exception as exc:
                 failed[rid] = f"routing to {self.models[dst]} failed: {exc!r}"
@@ -609,9 +613,10 @@ class Replica:
         rows = {rid: i for i, rid in enumerate(result.request_ids)}
         reports: list[PeerReq] = []
         committed = 0
+        held = self.requests.tracked
         for o in decided.outputs:
             rid = o.request_id
-            tracked = self.tracked.get(rid)
+            tracked = held.get(rid)
             if tracked is None:  # aborted or finished since the commit: nothing to report
                 continue
             try:
