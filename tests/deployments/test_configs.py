@@ -66,6 +66,16 @@ def test_ingress_resources_pin_its_replicas() -> None:
     assert cfg.ingress.direct_host is None  # the node's own address, resolved in the replica
 
 
+def test_the_embedded_default_serves_the_api_on_the_ingress_own_port() -> None:
+    """conf/local.yaml: the URL users call (8000) is the ingress replica's own port, where a
+    client that stops reading is seen (docs/reliability.md, "Slow readers"); Serve's proxy
+    serves the same API elsewhere."""
+    data = yaml.safe_load((CONF_DIR / "local.yaml").read_text())
+    args = AppArgs.model_validate(data["applications"][0]["args"])
+    assert "ingress.direct_port=8000" in args.overrides
+    assert data["http_options"] == {"host": "127.0.0.1", "port": 8010}
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -18,7 +18,8 @@ import pytest
 from tokenrouter_ray.config import CONF_DIR
 
 pytestmark = pytest.mark.demo
-BASE = "http://127.0.0.1:8000"
+BASE = "http://127.0.0.1:8000"  # the API users call: the ingress's own port
+PROXY = "http://127.0.0.1:8010"  # Serve's proxy, the same API
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Pope
 def test_models_endpoint(served) -> None:
     models = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none").models.list()
     assert [m.id for m in models.data] == ["tokenrouter"]
+    # 8000 is the ingress's own port (conf/local.yaml); Serve's proxy serves the same app
+    proxied = openai.OpenAI(base_url=f"{PROXY}/v1", api_key="none").models.list()
+    assert [m.id for m in proxied.data] == ["tokenrouter"]
     tuner = httpx.get(f"{BASE}/v1/tokenrouter/tuner", timeout=30).json()  # on by default
     assert sorted(tuner["thresholds"]) == ["large", "small"] and tuner["spec"]["enabled"]
 
