@@ -275,3 +275,20 @@ def test_the_tuner_answers_typed_and_its_json_is_written_once() -> None:
     assert json.loads(json.dumps(auto.status()))["thresholds"] == {
         m: list(t) for m, t in auto.thresholds.items()
     }
+
+
+def test_the_status_shows_a_decision_with_its_routing_only_once_recorded() -> None:
+    """``run_tuner`` solves in a worker thread and records on the event loop; a status read
+    between the two (the served test once caught one on a clean clone) shows the last
+    recorded decision, never a solved one without the routing it was solved from."""
+    spec = TunerSpec(concurrencies=[2, 4, 8], fixed={"small": 1}, min_moves=20, max_step=8)
+    auto = TunerCore(MODELS, spec)
+    for model, snap in window(0.35).items():
+        auto.report(model, "r0", snap)
+    profile = auto.collect()
+    decision = auto.solve(profile)  # solved, not yet recorded
+    assert decision.solved and auto.snapshot().last.route_prob is None
+    assert not auto.snapshot().last.solved
+    auto.record(decision, profile)
+    last = auto.snapshot().last
+    assert last.solved and last.route_prob[("small", "large")] == pytest.approx(1 / 3, abs=0.01)

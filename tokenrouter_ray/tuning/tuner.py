@@ -102,6 +102,9 @@ class TunerCore:
         self.decisions = 0
         self.replica_changes = 0  # times the reporting replica counts changed
         self.profile: RoutingProfile | None = None
+        # the last recorded decision with the routing it was decided from: what ``status``
+        # shows (``solver.last`` moves in the solving thread before ``record`` runs)
+        self._recorded: TunerDecision = self.solver.last
         self._last_solve = clock()
 
     @property
@@ -165,6 +168,7 @@ class TunerCore:
         self.decisions += 1
         if profile is not None:
             self.profile = profile
+        self._recorded = decision.with_routes(route_probs(self.profile))
         if decision.changed:
             self.history.append(decision.with_routes(route_probs(profile)))
 
@@ -179,7 +183,7 @@ class TunerCore:
         the Tuner deployment answers over Ray)."""
         return TunerStatus(
             thresholds=dict(self.solver.thresholds),
-            last=self.solver.last.with_routes(route_probs(self.profile)),
+            last=self._recorded,
             history=list(self.history),
             decisions=self.decisions,
             replicas={m: sorted(r) for m, r in self.reports.items()},
