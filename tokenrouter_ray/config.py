@@ -237,6 +237,32 @@ class RequestLimitSpec(_Strict):
     )
 
 
+class ResponseStoreSpec(_Strict):
+    """The Responses API's stored responses (``store``, ``previous_response_id``, ``GET``):
+    kept in memory by the ingress replica that made them, least recently used evicted
+    first (docs/api.md, "Stored responses")."""
+
+    max_responses: int = Field(
+        2048,
+        ge=1,
+        description="Most responses one ingress replica keeps; past it the least recently "
+        "used (created, read or continued) is evicted. Responses still generating in the "
+        "background are never evicted.",
+    )
+    max_mib: float = Field(
+        128.0,
+        gt=0,
+        description="Most MiB of stored responses (their JSON: the response object and the "
+        "input items it was made from, a continued conversation's included) one ingress "
+        "replica keeps; past it the least recently used are evicted. A request whose input "
+        "alone is larger is a 400 unless it sets store: false.",
+    )
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.max_mib * 2**20)
+
+
 class IngressSpec(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(
@@ -315,6 +341,10 @@ class IngressSpec(_Strict):
         "can absorb before the ingress sees it.",
     )
     limits: RequestLimitSpec = Field(default_factory=RequestLimitSpec)
+    responses: ResponseStoreSpec = Field(
+        default_factory=ResponseStoreSpec,
+        description="Stored responses of the Responses API (per ingress replica).",
+    )
 
 
 class TunerSpec(_Strict):

@@ -125,16 +125,20 @@ def ingress_service(tokenizer: Any, **ingress: Any) -> IngressService:
     )
 
 
-def ingress_app(tokenizer: Any) -> tuple[Any, IngressService]:
-    """``(app, service)``: the ingress's FastAPI app over a Ray-less service."""
-    service = ingress_service(tokenizer)
+def ingress_app(tokenizer: Any, **ingress: Any) -> tuple[Any, IngressService]:
+    """``(app, service)``: the ingress's FastAPI app over a Ray-less service (``ingress``:
+    config overrides)."""
+    service = ingress_service(tokenizer, **ingress)
     return build_app(service), service
 
 
-def run_served_flow(dirs: dict[str, str], policy: tuple[str, dict], body: Any) -> Any:
+def run_served_flow(
+    dirs: dict[str, str], policy: tuple[str, dict], body: Any, **ingress: Any
+) -> Any:
     """``await body(client, runtime, http)`` against this app over a real ``LocalRuntime``
     of the tiny small + large models with ``policy`` (the official ``openai`` client over
-    ASGI, no Ray); checks nothing is left anywhere afterwards."""
+    ASGI, no Ray; ``ingress``: config overrides); checks nothing is left anywhere
+    afterwards (no request at the ingress or on a model, every KV block free)."""
     import asyncio
 
     import httpx
@@ -149,7 +153,7 @@ def run_served_flow(dirs: dict[str, str], policy: tuple[str, dict], body: Any) -
 
     models = ["small", "large"]
     tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
-    app, ingress = ingress_app(tokenizer)
+    app, ingress = ingress_app(tokenizer, **ingress)
     ingress.limits = RequestLimits(max_model_len=256, vocab_size=128)
 
     async def go() -> Any:
@@ -165,6 +169,8 @@ def run_served_flow(dirs: dict[str, str], policy: tuple[str, dict], body: Any) -
                 result = await body(client, rt, http)
             await rt.wait_idle()
             assert rt.ingress.num_active == 0
+            assert all(s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
+                       for s in rt.subservers)  # fmt: skip
             return result
 
     try:

@@ -216,8 +216,10 @@ async def error_of(http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[int, 
 
 BAD = [
     # (what, body changes, status, param, code)
-    ("previous_response_id", {"previous_response_id": "resp_1"}, 400, "previous_response_id",
-     "unsupported_value"),
+    ("previous_response_id of another kind", {"previous_response_id": "msg_1"}, 400,
+     "previous_response_id", "invalid_value"),
+    ("previous_response_id unknown", {"previous_response_id": "resp_1"}, 404,
+     "previous_response_id", "previous_response_not_found"),
     ("input a number", {"input": 5}, 400, "input", "invalid_type"),
     ("input missing", {"input": None}, 400, "input", "invalid_type"),
     ("wrong model", {"model": "gpt-9"}, 404, "model", "model_not_found"),
@@ -239,7 +241,10 @@ BAD = [
     ("budget past the context", {"max_output_tokens": 1000}, 400, "max_output_tokens",
      "context_length_exceeded"),
     ("budget zero", {"max_output_tokens": 0}, 400, "max_output_tokens", "invalid_value"),
-    ("background", {"background": True}, 400, "background", "unsupported_value"),
+    ("background not stored", {"background": True, "store": False}, 400, "background",
+     "invalid_value"),
+    ("background streamed", {"background": True, "stream": True}, 400, "stream",
+     "unsupported_value"),
     ("truncation auto", {"truncation": "auto"}, 400, "truncation", "unsupported_value"),
     ("reasoning effort", {"reasoning": {"effort": "high"}}, 400, "reasoning.effort",
      "unsupported_value"),
@@ -265,7 +270,7 @@ def test_bad_requests_are_openai_errors_naming_the_field(
             assert (got, error["param"], error["code"]) == (status, param, code), (what, error)
             assert error["type"] == "invalid_request_error" and error["message"]
             assert "messages" not in error["message"] and "max_completion" not in error["message"]
-        # nothing is stored: retrieving or deleting a response is a 404 error object
+        # an unknown response: retrieving or deleting it is a 404 error object
         for method in ("GET", "DELETE"):
             r = await http.request(method, "/v1/responses/resp_1")
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
@@ -273,7 +278,7 @@ def test_bad_requests_are_openai_errors_naming_the_field(
             await client.responses.retrieve("resp_1")
         # the official client raises the same error objects
         with pytest.raises(openai.BadRequestError) as raised:
-            await client.responses.create(model=SERVED, input=PROMPT, previous_response_id="r")
+            await client.responses.create(model=SERVED, input=PROMPT, previous_response_id="r1")
         assert raised.value.body["param"] == "previous_response_id"
         # and the server still answers
         ok = await client.responses.create(model=SERVED, input=PROMPT, max_output_tokens=3)
@@ -287,9 +292,9 @@ def test_ignored_and_unknown_fields(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What the Agents SDK and other clients send is accepted: ``store`` (either way; the
-    response says it is not stored), ``metadata`` (echoed), ``include`` of encrypted
-    reasoning; an unknown field is dropped with one warning, as on chat."""
+    """What the Agents SDK and other clients send is accepted: ``store`` (either way, echoed;
+    tests/openai/test_responses_store.py stores), ``metadata`` (echoed), ``include`` of
+    encrypted reasoning; an unknown field is dropped with one warning, as on chat."""
     monkeypatch.setattr(schemas, "_warned_unknown", set())
 
     async def body(client: openai.AsyncOpenAI, _: httpx.AsyncClient) -> None:
@@ -302,7 +307,7 @@ def test_ignored_and_unknown_fields(
             )  # fmt: skip
             assert got.usage.output_tokens == 3
             assert got.metadata == {"k": "v"} and got.user == "u"
-            assert extra(got, "store") is False and got.parallel_tool_calls is False
+            assert extra(got, "store") is store and got.parallel_tool_calls is False
             assert got.text.format.type == "text" and got.tools == []
 
     with caplog.at_level(logging.WARNING):

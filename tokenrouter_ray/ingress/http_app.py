@@ -9,7 +9,9 @@ answered by the service's ``IngressServer``: a JSON response, or an SSE stream w
 are cancelled however the response ends and which is cut once its client stops reading
 (ingress/backpressure.py). Every error is the OpenAI envelope. ``POST /v1/responses`` (the
 Responses API) is served as the chat request it maps to, its answer translated
-(openai/responses_input.py, responses_output.py).
+(openai/responses_input.py, responses_output.py); its stored responses and the routes on
+them (``GET``, ``DELETE``, ``cancel``, ``input_items``) are the service's ``ResponsesApi``
+(ingress/responses_api.py).
 
 Middlewares: optional API keys (``TOKENROUTER_API_KEYS``; every route but ``/health``, 401
 envelope) and ``X-Request-Id`` (accepted or made, the prefix of the request's rids on every
@@ -45,13 +47,7 @@ from tokenrouter_ray.openai.errors import (
     from_json_error,
 )
 from tokenrouter_ray.openai.request_id import RequestIdMiddleware, request_id_of, rid_prefix
-from tokenrouter_ray.openai.responses_input import ResponsesRequest, prepare_responses
-from tokenrouter_ray.openai.responses_output import (
-    ResponseStream,
-    build_response,
-    response_events,
-    response_head,
-)
+from tokenrouter_ray.openai.responses_input import ResponsesRequest
 from tokenrouter_ray.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenrouter_ray.openai.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from tokenrouter_ray.openai.validation import (
@@ -247,23 +243,28 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
     async def tuner_status() -> Any:
         return await service.tuner_status()
 
-    async def answer(
-        request: Request, schema: type, prepare: Any, chat: bool
-    ) -> tuple[Any, PreparedRequest, Any]:
-        """Admission, body, parsing and tokenizing (off the loop), then the server's answer:
-        ``(parsed request, prepared request, response object or StreamedChoices)``."""
+    async def admit(
+        request: Request,
+        schema: type,
+        prepare: Any,
+        resolve: Callable[[Any], None] | None = None,
+    ) -> tuple[Any, Any, float | None]:
+        """Admission, body, parsing, ``resolve`` (on the loop) and tokenizing (off it):
+        ``(parsed request, prepared request, timeout)``. The caller submits it at once:
+        out of the queue's block, nothing may suspend before the core counts the request."""
         async with service.admission.admit(service.has_room):  # before any reading: cheap 429
             service.server.check_admission()
             body = await read_body(request, service.max_body_bytes)
             data, parsed = await parse_off_loop(schema, body, service.limits)
             check_model(parsed.model, [served])
+            if resolve is not None:
+                resolve(parsed)
             prepared = await asyncio.to_thread(
                 prepare, parsed, service.tokenizer, service.limits, service.generation_defaults
             )
             prepared = _with_request_id(prepared, request)
             timeout_s = timeout_of(data)
-        # Out of the queue's block: nothing suspends before the core counts the request.
-        return parsed, prepared, await service.server.respond(prepared, chat, timeout_s)
+        return parsed, prepared, timeout_s
 
     def stream_response(result: StreamedChoices, body: AsyncIterator[bytes]) -> Response:
         """``body`` (the choices' SSE, or a translation of it) as the HTTP response."""
@@ -272,7 +273,8 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
         )
 
     async def complete_request(request: Request, schema: type, prepare: Any, chat: bool) -> Any:
-        _, _, result = await answer(request, schema, prepare, chat)
+        _, prepared, timeout_s = await admit(request, schema, prepare)
+        result = await service.server.respond(prepared, chat, timeout_s)
         if isinstance(result, StreamedChoices):
             return stream_response(result, result.body)
         return JSONResponse(result.model_dump(mode="json"))
@@ -285,23 +287,38 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await complete_request(request, ChatCompletionRequest, prepare_chat, chat=True)
 
+    api = service.responses  # the Responses API's stored responses (ingress/responses_api.py)
+
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        """The Responses API, served as the chat request it maps to (openai/responses_*.py)."""
-        parsed, prepared, result = await answer(
-            request, ResponsesRequest, prepare_responses, chat=True
+        """The Responses API, served as the chat request it maps to (openai/responses_*.py);
+        stored unless ``store`` is false."""
+        parsed, prepared, timeout_s = await admit(
+            request, ResponsesRequest, api.prepare, resolve=api.resolve
         )
-        head = response_head(parsed, prepared.sampling, served)
+        result = await api.create(parsed, prepared, timeout_s)
         if isinstance(result, StreamedChoices):
-            return stream_response(result, response_events(ResponseStream(head), result.body))
-        return JSONResponse(build_response(head, result).model_dump(mode="json"))
+            return stream_response(result, result.body)
+        return JSONResponse(result.model_dump(mode="json"))
 
-    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"])
-    async def stored_response(response_id: str) -> Response:
-        """Retrieve, cancel, delete, input items: there is nothing stored to act on."""
-        raise NotFoundError(
-            f"No response '{response_id}': this server does not store responses.",
-            param="response_id",
-        )
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        return JSONResponse(api.retrieve(response_id, request.query_params))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return JSONResponse(await api.delete(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return JSONResponse(await api.cancel(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request) -> Response:
+        return JSONResponse(api.input_items(response_id, request.query_params))
+
+    @app.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"])
+    async def no_such_route(rest: str) -> Response:
+        raise NotFoundError(f"No route '/v1/responses/{rest[:80]}' on this server.")
 
     return app

@@ -183,18 +183,11 @@ class IngressServer:
     async def respond(
         self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
     ) -> ChatCompletion | TextCompletion | StreamedChoices:
+        if not prepared.sampling.stream:
+            return await self.collect(prepared, await self.start(prepared, chat, timeout_s), chat)
         submitted = await self.submit(prepared, timeout_s)
         prompt_len = len(prepared.prompt_token_ids)
         name = self.served_model_name
-        if not prepared.sampling.stream:
-            tasks = self.start_choices(submitted, prepared, None, chat)
-            try:
-                choices = await asyncio.gather(*tasks)
-            finally:
-                for task in tasks:
-                    task.cancel()
-            build = build_chat_completion if chat else build_completion
-            return build(name, prompt_len, choices)
         stream_cls = ChatStream if chat else CompletionStream
         stream = stream_cls(
             name, prepared.sampling.n, include_usage=prepared.sampling.include_usage
@@ -206,6 +199,27 @@ class IngressServer:
         tasks = self.start_choices(submitted, prepared, updates, chat, gate)
         body = self._sse(stream, tasks, updates, prompt_len, gate)
         return StreamedChoices(tasks, body, lambda: self._cut_when_stalled(gate, tasks))
+
+    async def start(
+        self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
+    ) -> list[asyncio.Task]:
+        """A non-streamed request submitted, its choices started (one task each); `collect`
+        waits for them. Cancelling a task aborts its choice on every model."""
+        submitted = await self.submit(prepared, timeout_s)
+        return self.start_choices(submitted, prepared, None, chat)
+
+    async def collect(
+        self, prepared: PreparedRequest, tasks: list[asyncio.Task], chat: bool
+    ) -> ChatCompletion | TextCompletion:
+        """The response of choices `start` started; however it ends (cancelled too), every
+        choice is ended with it."""
+        try:
+            choices = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        build = build_chat_completion if chat else build_completion
+        return build(self.served_model_name, len(prepared.prompt_token_ids), choices)
 
     @property
     def buffered_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """``IngressService``: everything an OpenAI ingress replica does that is not Ray Serve's.
 
-It owns the request core (``IngressCore``), the OpenAI server (``IngressServer``), admission
+It owns the request core (``IngressCore``), the OpenAI server (``IngressServer``), the
+Responses API's stored responses (``ResponsesApi`` over a ``ResponseStore``), admission
 (``AdmissionQueue`` and ``AdmissionCap``, with the loop that follows the tuner's SLO cap),
 recovery (``Recovery``), the request limits, the tokenizer and generation defaults, health
 (``health`` for ``/health``, ``check_health`` for the platform's probe) and the statistics
@@ -34,6 +35,8 @@ from tokenrouter_ray.ingress.backpressure import Backpressure
 from tokenrouter_ray.ingress.core import IngressCore
 from tokenrouter_ray.ingress.openai_server import IngressServer
 from tokenrouter_ray.ingress.recovery import AdmissionCap, Recovery
+from tokenrouter_ray.ingress.response_store import ResponseStore
+from tokenrouter_ray.ingress.responses_api import ResponsesApi
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.openai.errors import NotFoundError
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
@@ -153,6 +156,13 @@ class IngressService:
             block_sizes={name: spec.block_size for name, spec in cfg.models.items()},
             backpressure=Backpressure(ing.stream_buffer_tokens, ing.client_stall_s),
         )
+        # the Responses API's stored responses: this replica's own (docs/api.md)
+        self.responses = ResponsesApi(
+            lambda: self.server,
+            ResponseStore(ing.responses.max_responses, ing.responses.max_bytes),
+            cfg.served_model_name,
+            ingress_replicas=ing.num_replicas,
+        )
         self._slo: asyncio.Task | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -172,6 +182,7 @@ class IngressService:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._slo
         await self.recovery.stop()
+        await self.responses.stop()
         await self.admission.close()
         await self.core.stop()
         await self.peers.stop()
@@ -237,6 +248,7 @@ class IngressService:
             "stream_buffered_tokens": self.server.buffered_tokens,  # not yet taken by clients
             "client_stalls": self.server.client_stalls,  # streams cut: client stopped reading
             "orphans_aborted": self.core.orphans_aborted,  # copies told to stop (issue 26)
+            "stored_responses": self.responses.store.stats(),  # the Responses API's store
             "models": models,
         }
 

@@ -29,11 +29,20 @@ The mapping (chat fields on the right):
   stream's last event carries the usage).
 - `PASSTHROUGH`: chat's extensions (``seed``, ``routing``, ``top_k``, ``ignore_eos``, ...),
   copied verbatim, so chat's schema checks them and its errors name them as sent.
+- ``previous_response_id``: the ingress (ingress/responses_api.py) finds the stored
+  response and sets the request's `ResponsesRequest.context` (that response's input items,
+  then its output items); they come before ``input``, and an error in them names
+  ``previous_response_id``. ``instructions`` are the request's own (OpenAI's rule: a previous
+  response's are not carried over).
+
+`stored_items` gives the request's input as the items a stored response keeps (OpenAI's
+item shapes, each with an id), which ``GET /v1/responses/{id}/input_items`` lists.
 """
 
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -41,6 +50,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -78,6 +88,12 @@ PASSTHROUGH = frozenset(
 )  # fmt: skip
 TEXT_PARTS = ("input_text", "output_text")
 INCLUDE_ACCEPTED = ("reasoning.encrypted_content",)  # accepted; nothing is encrypted
+RESPONSE_ID_PREFIX = "resp_"
+
+
+def new_id(prefix: str) -> str:
+    """``resp``, ``msg``, ``rs``, ``fc``: OpenAI's id prefixes."""
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _text(value: Any) -> Any:
@@ -249,17 +265,16 @@ class ResponsesStreamOptions(_Lenient):
 
 class ResponsesRequest(_Lenient):
     """``POST /v1/responses``: OpenAI's fields, plus chat's extensions (`PASSTHROUGH`, kept
-    in ``model_extra``). A response is not stored, so nothing can refer to an earlier one."""
+    in ``model_extra``). `context`: the items of the response ``previous_response_id``
+    names, set by the ingress from its store (none until then)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     KNOWN_EXTRA: ClassVar[frozenset[str]] = PASSTHROUGH
     # field -> value(s) it may take although the feature is not implemented (besides null
     # and false)
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "previous_response_id": (),
         "conversation": (),
         "prompt": (),
-        "background": (),
         "truncation": ("disabled",),
         "top_logprobs": (0,),
         "routing_trace": (),
@@ -287,27 +302,34 @@ class ResponsesRequest(_Lenient):
     include: list[str] | None = Field(None, description="Only reasoning.encrypted_content.")
     max_tool_calls: int | None = Field(None, ge=1, description="Accepted (built-in tools only).")
     user: str | None = Field(None, description="Accepted and ignored.")
-    store: bool | None = Field(None, description="Accepted and ignored (nothing is stored).")
+    store: bool | None = Field(
+        None, description="false: not stored (no GET, no previous_response_id); default true."
+    )
     metadata: dict[str, str] | None = Field(None, description="Accepted; echoed back.")
     service_tier: str | None = Field(None, description="Accepted and ignored.")
     safety_identifier: str | None = Field(None, description="Accepted and ignored.")
     prompt_cache_key: str | None = Field(None, description="Accepted and ignored.")
     prompt_cache_retention: str | None = Field(None, description="Accepted and ignored.")
-    previous_response_id: str | None = Field(None, description="Only null (none stored).")
+    previous_response_id: str | None = Field(
+        None, description="A stored response this one continues (its input and output first)."
+    )
     conversation: str | dict[str, Any] | None = Field(None, description="Only null.")
     prompt: dict[str, Any] | None = Field(None, description="Only null (no stored prompts).")
-    background: bool | None = Field(None, description="Only false.")
+    background: bool | None = Field(
+        None, description="Answer at once (in_progress); poll GET, cancel. Needs store."
+    )
     truncation: str | None = Field(None, description='Only "disabled" (too long: a 400).')
     top_logprobs: int | None = Field(None, description="Only 0 or null.")
     routing_trace: bool | None = Field(None, description="Only false (chat serves it).")
+    _context: list[dict[str, Any]] = PrivateAttr(default_factory=list)
 
     @field_validator(*NEUTRAL)
     @classmethod
     def _neutral_only(cls, value: Any, info: ValidationInfo) -> Any:
         name = info.field_name or "?"
         if value is not None and value is not False and value not in cls.NEUTRAL[name]:
-            stored = name in ("previous_response_id", "conversation", "prompt", "background")
-            why = "responses are not stored here" if stored else "not implemented"
+            stored = name in ("conversation", "prompt")
+            why = "no conversations or prompts are stored here" if stored else "not implemented"
             raise _unsupported(
                 f"'{name}' is not supported by this server ({why}); leave it unset or null"
             )
@@ -328,6 +350,21 @@ class ResponsesRequest(_Lenient):
     def extensions(self) -> dict[str, Any]:
         """The `PASSTHROUGH` fields sent, as sent."""
         return {k: v for k, v in (self.model_extra or {}).items() if k in PASSTHROUGH}
+
+    @property
+    def context(self) -> list[dict[str, Any]]:
+        """The items before ``input``: the ``previous_response_id`` response's input items
+        and output items, in order (stored items: never changed)."""
+        return self._context
+
+    def continue_from(self, items: list[dict[str, Any]]) -> None:
+        """Set `context` (the ingress, from the stored response)."""
+        self._context = items
+
+    @property
+    def stored(self) -> bool:
+        """``store`` as OpenAI defaults it (true unless false)."""
+        return self.store is not False
 
 
 def chat_body(request: ResponsesRequest) -> tuple[dict[str, Any], list[str]]:
@@ -353,19 +390,25 @@ def chat_body(request: ResponsesRequest) -> tuple[dict[str, Any], list[str]]:
     return body, origins
 
 
+def _sources(request: ResponsesRequest) -> list[tuple[dict[str, Any], tuple[str | int, ...]]]:
+    """Every input item with where it came from (an error's ``param``): `context` first
+    (``previous_response_id``), then ``input`` (``input``, a string, or ``input[i]``)."""
+    out: list[tuple[dict[str, Any], tuple[str | int, ...]]]
+    out = [(raw, ("previous_response_id",)) for raw in request.context]
+    if isinstance(request.input, str):
+        return [*out, ({"role": "user", "content": request.input}, ("input",))]
+    return [*out, *((raw, ("input", i)) for i, raw in enumerate(request.input))]
+
+
 def _messages(request: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
     messages: list[dict[str, Any]] = []
     origins: list[str] = []
     if request.instructions is not None:
         messages.append({"role": "system", "content": request.instructions})
         origins.append("instructions")
-    if isinstance(request.input, str):
-        messages.append({"role": "user", "content": request.input})
-        origins.append("input")
-        return messages, origins
     reasoning: str | None = None  # for the next assistant message
-    for i, raw in enumerate(request.input):
-        item = _item(raw, i)
+    for raw, loc in _sources(request):
+        item = _item(raw, loc)
         if isinstance(item, ReasoningItem):
             reasoning = item.text or None
             continue
@@ -386,27 +429,75 @@ def _messages(request: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str
             message["reasoning_content"] = reasoning
         reasoning = None
         messages.append(message)
-        origins.append(f"input[{i}]")
+        origins.append(_param(loc))
     return messages, origins
 
 
-def _item(raw: dict[str, Any], index: int) -> BaseModel:
-    """Input item ``index`` as its model; errors name ``input[index]...``."""
+def _param(loc: tuple[str | int, ...]) -> str:
+    """``("input", 2)`` -> ``input[2]``."""
+    return "".join(f"[{part}]" if isinstance(part, int) else part for part in loc)
+
+
+def _item(raw: dict[str, Any], loc: tuple[str | int, ...]) -> BaseModel:
+    """The input item at ``loc`` (``("input", i)``) as its model; errors name ``loc...``."""
     kind = raw.get("type", "message")
     model = ITEMS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise InvalidRequestError(
             f"Input items of type {kind!r} are not supported by this server; only message, "
-            "function_call, function_call_output and reasoning items are (nothing is stored, "
-            "so item_reference cannot be resolved).",
-            param=f"input[{index}].type",
+            "function_call, function_call_output and reasoning items are (item_reference is "
+            "not resolved: continue a stored response with previous_response_id instead).",
+            param=f"{_param(loc)}.type",
             code="unsupported_value",
         )
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        errors = [{**e, "loc": ("input", index, *e["loc"])} for e in exc.errors()]
+        errors = [{**e, "loc": (*loc, *e["loc"])} for e in exc.errors()]
         raise from_validation_error(errors) from None
+
+
+ITEM_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+def stored_items(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """``request.input`` (not its `context`) as a stored response keeps it: each item in
+    OpenAI's shape with an id (the client's, else a new one), a message's content as
+    ``input_text`` parts (``output_text`` for the assistant's). Sent back as input, the
+    items render the same prompt (the items were checked by `chat_body` already)."""
+    sources = _sources(request)[len(request.context) :]
+    return [_stored(raw, _item(raw, loc)) for raw, loc in sources]
+
+
+def _stored(raw: dict[str, Any], item: BaseModel) -> dict[str, Any]:
+    kind = raw.get("type", "message")
+    out: dict[str, Any] = {
+        "type": kind,
+        "id": getattr(item, "id", None) or new_id(ITEM_ID_PREFIXES[kind]),
+    }
+    if isinstance(item, InputMessage):
+        part = "output_text" if item.role == "assistant" else "input_text"
+        parts = raw["content"] if isinstance(raw["content"], list) else [{"text": raw["content"]}]
+        out.update(role=item.role, content=[_part(p.get("type", part), p["text"]) for p in parts])
+    elif isinstance(item, ReasoningItem):
+        out.update(item.model_dump(include={"summary", "content"}, exclude_none=True))
+    elif isinstance(item, FunctionCallItem):
+        out.update(call_id=item.call_id, name=item.name, arguments=item.arguments)
+    else:
+        assert isinstance(item, FunctionCallOutputItem)
+        out.update(call_id=item.call_id, output=item.output)
+    out["status"] = getattr(item, "status", None) or "completed"
+    return out
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    """A text content part (an ``output_text`` one with OpenAI's empty annotations)."""
+    return {"type": kind, "text": text, **({"annotations": []} if kind == "output_text" else {})}
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

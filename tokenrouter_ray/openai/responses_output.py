@@ -29,7 +29,9 @@ same with ``response.reasoning_text.delta`` / ``.done``; a call:
 last ``response.completed`` (``response.incomplete`` at ``max_output_tokens``) with the
 whole response and its usage. A failure after the headers is an ``error`` event then
 ``response.failed``, never a cut connection. Events are dicts encoded with `json.dumps`
-(no pydantic on the per-token path).
+(no pydantic on the per-token path). The stream hands its last response (completed,
+incomplete or failed) to ``keep`` before writing it, so a stored response is the one the
+client saw (ingress/responses_api.py stores it; ``keep`` may say it was not stored).
 """
 
 from __future__ import annotations
@@ -38,27 +40,21 @@ import contextlib
 import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenrouter_ray.openai.errors import InternalServerError, as_openai_error
 from tokenrouter_ray.openai.responses import ChatCompletion, RoutingInfo, Usage
-from tokenrouter_ray.openai.responses_input import ResponsesRequest
+from tokenrouter_ray.openai.responses_input import ResponsesRequest, new_id
 from tokenrouter_ray.openai.token_reports import RequestMetrics
 from tokenrouter_ray.openai.validation import SamplingOptions
 
 logger = logging.getLogger(__name__)
 
-Status = Literal["in_progress", "completed", "incomplete", "failed"]
+Status = Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
 _OUT = ConfigDict(extra="forbid")
-
-
-def new_id(prefix: str) -> str:
-    """``resp``, ``msg``, ``rs``, ``fc``: OpenAI's id prefixes."""
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 class ResponseUsage(BaseModel):
@@ -111,9 +107,9 @@ class ResponseObject(BaseModel):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None, "summary": None})
     truncation: Literal["disabled"] = "disabled"
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     background: bool = False
-    store: bool = False  # whatever was asked: responses are not stored
+    store: bool = True  # false: not stored (asked, or too large for the store)
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
     routing: RoutingInfo | None = None
@@ -142,6 +138,9 @@ def response_head(
         reasoning={"effort": None, "summary": summary},
         metadata=request.metadata or {},
         user=request.user,
+        previous_response_id=request.previous_response_id,
+        background=request.background is True,
+        store=request.stored,
     )
 
 
@@ -213,6 +212,20 @@ def finished(
     )
 
 
+def failed(
+    head: ResponseObject, message: str, output: list[dict[str, Any]] | None = None
+) -> ResponseObject:
+    """``head`` ended by an error after it started (``status: "failed"``), with the
+    output so far."""
+    error = {"code": "server_error", "message": message}
+    return head.model_copy(update={"status": "failed", "error": error, "output": output or []})
+
+
+def cancelled(head: ResponseObject) -> ResponseObject:
+    """``head`` cancelled before it ended (a background response: no output kept)."""
+    return head.model_copy(update={"status": "cancelled"})
+
+
 def build_response(head: ResponseObject, completion: ChatCompletion) -> ResponseObject:
     """The non-streamed response: ``completion``'s one choice as output items."""
     (choice,) = completion.choices
@@ -238,10 +251,17 @@ class ResponseStream:
     """The Responses events of one streamed request, from its chat chunks (decoded dicts of
     ``chat.completion.chunk``, one choice; the module docstring has the sequence). An
     item stays open while deltas of its kind come; another kind closes it and opens the
-    next. ``done``: the last event (completed, incomplete or failed) was written."""
+    next. ``done``: the last event (completed, incomplete or failed) was written. ``keep``:
+    called with the last response before its event is written; what it returns is
+    written (the response, or it with ``store`` false when it could not be stored)."""
 
-    def __init__(self, head: ResponseObject) -> None:
+    def __init__(
+        self,
+        head: ResponseObject,
+        keep: Callable[[ResponseObject], ResponseObject] | None = None,
+    ) -> None:
         self.head = head
+        self.keep = keep
         self.items: list[dict[str, Any]] = []  # the last one is open until closed
         self.open = False
         self.text = ""  # the open item's text (a call: its arguments) so far
@@ -368,6 +388,8 @@ class ResponseStream:
             self.metrics,
         )
         self.done = True
+        if self.keep is not None:
+            response = self.keep(response)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
         return self.event(kind, response=response.model_dump(mode="json"))
 
@@ -385,15 +407,11 @@ class ResponseStream:
             else:
                 item["arguments"] = self.text
             self.open = False
-        failed = self.head.model_copy(
-            update={
-                "status": "failed",
-                "error": {"code": "server_error", "message": message},
-                "output": self.items,
-            }
-        )
+        response = failed(self.head, message, self.items)
         self.done = True
-        return out + self.event("response.failed", response=failed.model_dump(mode="json"))
+        if self.keep is not None:
+            response = self.keep(response)
+        return out + self.event("response.failed", response=response.model_dump(mode="json"))
 
 
 def chat_chunks(frame: bytes) -> Iterator[dict[str, Any]]:
