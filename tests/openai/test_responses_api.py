@@ -9,7 +9,8 @@ streamed and not, and the ``responses.stream`` helper) against the real FastAPI 
   field, leaving nothing behind;
 - over a scripted core with Qwen3's chat template (tests/openai/qwen3_tiny.py): thinking
   becomes a ``reasoning`` item, a tool call a ``function_call`` item, and sending the output
-  items back with the call's output renders the prompt chat renders for that history.
+  items back with the call's output (or only the output, with ``previous_response_id``)
+  renders the prompt chat renders for that history.
 """
 
 from __future__ import annotations
@@ -376,6 +377,14 @@ def test_reasoning_and_tool_calls_round_trip() -> None:
         assert [i.type for i in second.output] == ["reasoning", "message"]
         assert second.output[0].content[0].text == f"\n{THINK_2}\n"
         assert second.output_text == "It is 18 °C in Paris."
+        # the same turn by previous_response_id: the stored question, reasoning and call
+        # come first, and render the same prompt
+        chained = await client.responses.create(
+            model=SERVED, previous_response_id=first.id, tools=[FUNCTION],
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": RESULT}],
+        )  # fmt: skip
+        assert core.sent[-1][1] == responses_prompt
+        assert chained.output_text == second.output_text
         # the same history through chat renders the same prompt
         chat_history = [
             {"role": "user", "content": question},
