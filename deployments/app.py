@@ -4,7 +4,9 @@
 with Hydra from ``conf/`` plus ``args.overrides``, validates it (known policy and options,
 sane thresholds, shared tokenizer when the models are local), and binds the endpoint
 directory, one deployment per model (named after the model), the threshold tuner when
-``tuner.enabled``, and the OpenAI ingress. Models that share a device (``device_group``)
+``tuner.enabled``, and the OpenAI ingress. A model (or the ingress) with ``autoscaling``
+gets Serve's ``autoscaling_config`` with this project's policy (``deployments/autoscaling.py``,
+docs/scaling.md) instead of a fixed ``num_replicas``. Models that share a device (``device_group``)
 get their memory budgets from one joint plan of that device (``plan_shared_devices``)
 before they are bound; a group that cannot fit is a ``ConfigError``.
 Any config problem is raised as one ``ConfigError`` with a message to act on.
@@ -19,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve import Application
 
+from deployments.autoscaling import INGRESS_POLICY, MODEL_POLICY
 from deployments.directory import EndpointDirectory
 from deployments.ingress import Ingress
 from deployments.model_server import ModelServer, spec_tokenizer
@@ -26,6 +29,7 @@ from deployments.tp_workers import worker_bundles
 from deployments.tuner import Tuner
 from tokenrouter_ray.config import (
     AppConfig,
+    AutoscalingSpec,
     ConfigError,
     ModelSpec,
     compose_config,
@@ -34,6 +38,8 @@ from tokenrouter_ray.config import (
 from tokenrouter_ray.demo import register_resolver
 from tokenrouter_ray.protocol import check_shared_tokenizer
 from tokenrouter_ray.routing.policy import build_policy, policy_class
+
+DRAIN_MARGIN_S = 10.0  # Serve's graceful shutdown: the drain's timeout plus this
 
 
 class AppArgs(BaseModel):
@@ -77,13 +83,36 @@ def validate_app(cfg: AppConfig) -> None:
         check_shared_tokenizer({n: spec_tokenizer(cfg.models[n]) for n in local})
 
 
+def autoscaling_config(spec: AutoscalingSpec, policy: str) -> dict[str, Any]:
+    """Serve's ``autoscaling_config`` for ``spec`` with this project's ``policy``
+    (``deployments/autoscaling.py``; it gets the utilisation target, Serve the rest)."""
+    return {
+        "min_replicas": spec.min_replicas,
+        "max_replicas": spec.max_replicas,
+        "initial_replicas": spec.start_replicas,
+        "upscale_delay_s": spec.upscale_delay_s,
+        "downscale_delay_s": spec.downscale_delay_s,
+        "metrics_interval_s": spec.metrics_interval_s,
+        "look_back_period_s": spec.look_back_period_s,
+        "policy": {
+            "policy_function": policy,
+            "policy_kwargs": {"target_utilisation": spec.target_utilisation},
+        },
+    }
+
+
 def model_options(name: str, spec: ModelSpec) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": spec.num_cpus, "resources": dict(spec.resources)}
     options: dict[str, Any] = {
         "name": name,
-        "num_replicas": spec.num_replicas,
         "max_ongoing_requests": 1000,
+        # a replica being stopped moves its requests first (ModelServer.__del__)
+        "graceful_shutdown_timeout_s": spec.drain_timeout_s + DRAIN_MARGIN_S,
     }
+    if spec.autoscaling is not None:
+        options["autoscaling_config"] = autoscaling_config(spec.autoscaling, MODEL_POLICY)
+    else:
+        options["num_replicas"] = spec.num_replicas
     if spec.tensor_parallel > 1:  # one bundle per rank, one node (deployments/tp_workers.py)
         options["placement_group_bundles"] = worker_bundles(
             spec.tensor_parallel, spec.num_cpus, spec.num_gpus, spec.resources
@@ -126,11 +155,17 @@ def ingress_options(cfg: AppConfig) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": cfg.ingress.num_cpus}
     if cfg.ingress.resources:
         actor["resources"] = dict(cfg.ingress.resources)
-    return {
-        "num_replicas": cfg.ingress.num_replicas,
+    options: dict[str, Any] = {
         "max_queued_requests": cfg.ingress.max_queued_requests,  # issue 26
         "ray_actor_options": actor,
     }
+    if cfg.ingress.autoscaling is not None:
+        options["autoscaling_config"] = autoscaling_config(cfg.ingress.autoscaling, INGRESS_POLICY)
+        # a replica scaled down lets its requests end (Ingress.__del__)
+        options["graceful_shutdown_timeout_s"] = cfg.ingress.request_timeout_s + DRAIN_MARGIN_S
+    else:
+        options["num_replicas"] = cfg.ingress.num_replicas
+    return options
 
 
 __all__ = ["AppArgs", "bind_app", "build_app", "ingress_options", "serve"]

@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.autoscaling import ACTIVE, UTILISATION
 from deployments.directory import ServeDirectory
 from deployments.model_server import spec_tokenizer
 from deployments.peers import PeerBook, make_channel, peer_key
@@ -90,6 +91,14 @@ class Ingress:
     def _on_lost(self, lost: set[str]) -> None:
         self.service.on_lost(lost)
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler reads of this replica with ``ingress.autoscaling``
+        (``deployments/autoscaling.py``): its active requests, and them against the most it
+        admits (``max_active_requests``). Requests through the direct port count too, which
+        Serve's own signal (ongoing requests through its proxy) would miss."""
+        active = self.service.core.num_active
+        return {ACTIVE: float(active), UTILISATION: active / max(1, self.service.cap.limit)}
+
     async def check_health(self) -> None:
         """Serve's health check (a failure restarts this replica): the service's, and the
         direct port's server when there is one."""
@@ -98,6 +107,14 @@ class Ingress:
             raise RuntimeError("the direct HTTP server stopped")
 
     async def __del__(self) -> None:
+        """Serve stops this replica (scale-down, an update, the app deleted). Serve has let
+        the requests through its proxy finish; those on the direct port may still run: with
+        ingress autoscaling they get until ``request_timeout_s`` to end."""
+        service = getattr(self, "service", None)
+        if service is not None and service.cfg.ingress.autoscaling is not None:
+            deadline = asyncio.get_running_loop().time() + service.timeout_s
+            while service.core.num_active and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
         if getattr(self, "direct", None) is not None:
             await self.direct.stop()
         if hasattr(self, "service"):

@@ -2,12 +2,15 @@
 policy + peer channel, and the thread that steps them). Requests reach it as PeerReqs over
 the channel, not as handle calls; the handle serves only ``info`` and ``status``
 (``ReplicaInfo`` / ``ReplicaStatus``, typed: ``replica/status.py``), health checks and
-``inject_fault`` (chaos tests).
-With the tuner enabled, each replica reports its statistics window to the tuner every period
-and adopts the thresholds it answers. Serve's ``check_health`` fails (and Serve restarts the
-replica) when the replica's receive or send task or its step thread stopped, the channel
-closed, the endpoint heartbeat stopped, a step ran past ``max_step_s`` (a wedged device) or
-``max_failed_steps`` steps in a row failed (a sticky device error)."""
+``inject_fault`` (chaos tests). With the tuner enabled, each replica reports its statistics
+window to the tuner every period and adopts the thresholds it answers (and, with
+autoscaling, the replica count the tuner's plan gives the model, which
+``record_autoscaling_stats`` hands to Serve's autoscaler beside this replica's own load). A
+replica being stopped (scale-down, rolling update) first moves its requests to the model's
+other replicas (``_leave``: drain, docs/scaling.md). Serve's ``check_health`` fails (and
+Serve restarts the replica) when the replica's receive or send task or its step thread
+stopped, the channel closed, the endpoint heartbeat stopped, a step ran past ``max_step_s``
+(a wedged device) or ``max_failed_steps`` steps in a row failed (a sticky device error)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from msgspec.structs import asdict
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.autoscaling import PLANNED, UTILISATION
 from deployments.directory import ServeDirectory
 from deployments.peers import PeerBook, make_channel, peer_key
 from deployments.ray_metrics import ray_metrics
@@ -97,6 +101,7 @@ class ModelServer:
         self.model = model
         self.spec = cfg.models[model]
         index = cfg.model_names.index(model)
+        self._left = False  # drained and leaving: no more heartbeats
         # tensor parallel (issue 15): ranks 1..k-1 are actors in this replica's placement group
         launcher = RayWorkerLauncher() if cfg.models[model].tensor_parallel > 1 else None
         self.engine = await asyncio.to_thread(build_engine, cfg, model, launcher)
@@ -115,7 +120,8 @@ class ModelServer:
             cfg.model_names,
             own=self.channel.endpoint,
             on_lost=self._on_lost,
-            alive=lambda: not hasattr(self, "server") or self.server.alive,
+            # heartbeat while serving, and while draining (peers still reach it then)
+            alive=lambda: not hasattr(self, "server") or (self.server.alive and not self._left),
         )
         await self.peers.start(wait_for_all=False)
         self.server = Replica(
@@ -130,6 +136,9 @@ class ModelServer:
         self.server.stats.window_s = cfg.tuner.window_s
         await self.server.start()
         self.replica = replica
+        self.max_rows = cfg.scheduler_for(model).max_num_seqs
+        self.planned: int | None = None  # replicas the tuner's plan gives this model
+        self._stepped = (0, 0)  # (rows, steps) at the last autoscaling report
         self._tuning = (
             asyncio.create_task(self._follow_tuner(tuner, cfg.tuner.period_s), name="tuner")
             if tuner is not None
@@ -144,11 +153,24 @@ class ModelServer:
             try:
                 snapshot = await asyncio.wait_for(self.server.window(), timeout=period_s)
                 report = tuner.report.remote(self.model, self.replica, snapshot)
-                table = await asyncio.wait_for(report, timeout=max(10.0, 2 * period_s))
+                answer = await asyncio.wait_for(report, timeout=max(10.0, 2 * period_s))
             except Exception as exc:  # the tuner restarting must not stop serving
                 logger.warning("%s: tuner report failed: %s", self.model, exc)
+                self.planned = None
                 continue
-            self.server.set_batch_thresholds(table)
+            self.server.set_batch_thresholds(answer.thresholds)
+            self.planned = answer.replicas
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler reads of this replica (``deployments/autoscaling.py``,
+        every ``metrics_interval_s``): the replica count the tuner's plan gives this model
+        (0: no fresh plan), and this replica's load, its mean rows per step since the last
+        call against ``max_num_seqs`` (0 when it did not step)."""
+        rows, steps = self.server.rows_stepped, self.server.steps_recorded
+        d_rows, d_steps = rows - self._stepped[0], steps - self._stepped[1]
+        self._stepped = (rows, steps)
+        load = d_rows / d_steps / self.max_rows if d_steps else 0.0
+        return {PLANNED: float(self.planned or 0), UTILISATION: min(load, 1.0)}
 
     def _on_lost(self, lost: set[str]) -> None:
         for name in lost:  # its replica died: close the socket, re-resolve if it returns
@@ -209,7 +231,31 @@ class ModelServer:
         (``status().pid``)."""
         await self.server.call(lambda: self.engine.inject_fault(kind, count, seconds))
 
+    async def _leave(self) -> None:
+        """Before stopping (Serve scales this replica down, or replaces it): when another
+        replica of this model is up, drain (``Replica.drain``: every ingress stops placing
+        requests here and moves the ones that may be here to another replica, from their
+        committed sequence; this waits until none is left, at most ``drain_timeout_s``),
+        then stop the heartbeat and leave the directory. The endpoint stays registered
+        while it drains: a peer may still hand it a request the ingress has not moved yet
+        (the ingress's ABORT follows), and that must not fail as unreachable. Without
+        another replica (the app is being deleted, or this is the last one) there is
+        nowhere to move them: no wait."""
+        others = [e for e in self.peers.by_model.get(self.model, []) if e != self.channel.name]
+        if not others or not self.server.alive:
+            return
+        left = await self.server.drain(self.spec.drain_timeout_s)
+        self._left = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.directory.unregister(self.channel.name), timeout=2.0)
+        logger.info("%s: left after draining (%d requests still here)", self.model, left)
+
     async def __del__(self) -> None:
+        if hasattr(self, "server"):
+            try:
+                await self._leave()
+            except Exception:  # stopping must go on
+                logger.exception("%s: draining failed", self.model)
         if self._tuning is not None:
             self._tuning.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -130,6 +130,7 @@ class PeerBook:
         self.alive = alive  # heartbeat only while this is true (a broken replica lapses)
         self.lease_s = ENDPOINT_TTL_S
         self.by_model: dict[str, list[str]] = {m: [] for m in models}
+        self.excluded: set[str] = set()  # leaving replicas (DRAIN): never listed again
         self.last_refresh = time.monotonic()
         self._task: asyncio.Task | None = None
 
@@ -156,11 +157,14 @@ class PeerBook:
         endpoints = await self.directory.endpoints()
         by_model: dict[str, list[str]] = {m: [] for m in self.models}
         for e in endpoints:
-            if e.model in by_model:
+            if e.model in by_model and e.name not in self.excluded:
                 by_model[e.model].append(e.name)
-        lost = set(self.all()) - {n for names in by_model.values() for n in names}
+        listed = {e.name for e in endpoints}
+        gone = self.excluded - listed  # left replicas whose lease has ended: lost now
+        lost = (set(self.all()) | gone) - {n for names in by_model.values() for n in names}
         if lost and await self._directory_is_new():
             return  # it restarted: endpoints come back with their next heartbeat
+        self.excluded &= listed
         self.by_model = by_model
         self.last_refresh = time.monotonic()
         if lost and self.on_lost is not None:
@@ -193,6 +197,14 @@ class PeerBook:
     @property
     def refreshing(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    def exclude(self, endpoint: str) -> None:
+        """A replica that is leaving (it sent DRAIN): out of ``by_model`` now and at every
+        refresh while its lease lasts; reported to ``on_lost`` once the lease ends."""
+        self.excluded.add(endpoint)
+        for names in self.by_model.values():
+            if endpoint in names:
+                names.remove(endpoint)
 
     def missing(self) -> list[str]:
         return [m for m, names in self.by_model.items() if not names]

@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "tokenrouter_ray.simulation.commands",
     "tokenrouter_ray.traceview.commands",
     "tokenrouter_ray.tuning.commands",
+    "tokenrouter_ray.tuning.plan_command",
     "tokenrouter_ray.tuning.step_times",
 )
 

@@ -48,6 +48,65 @@ class SimSpec(_Strict):
     time_scale: float = Field(1.0, gt=0, description="Every step time is multiplied by this.")
 
 
+class AutoscalingSpec(_Strict):
+    """Replica autoscaling of one deployment through Ray Serve's autoscaler (docs/scaling.md).
+
+    It becomes the deployment's Serve ``autoscaling_config`` with this project's policy
+    (``deployments/autoscaling.py``): a model deployment follows the replica plan the tuner
+    solves for all models together from the live routing, step times and offered load
+    (``tuning/capacity.py``), and its own load signal (the rows its replicas run against
+    the rows they can run) when no plan is fresh; the ingress follows its active requests
+    against ``ingress.max_active_requests``. Serve applies the bounds and the delays."""
+
+    min_replicas: int = Field(
+        1,
+        ge=1,
+        description="Fewest replicas. At least 1: a request may be handed to any model at any "
+        "token, so a model with no replica would stall every request (no scale to zero).",
+    )
+    max_replicas: int = Field(ge=1, description="Most replicas.")
+    initial_replicas: int | None = Field(
+        None, ge=1, description="Replicas at deploy time (default: min_replicas)."
+    )
+    target_utilisation: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="Load a replica is planned at: a model replica's mean rows per step "
+        "against its max_num_seqs (the ingress: active requests against "
+        "max_active_requests). Lower: more headroom, more replicas.",
+    )
+    upscale_delay_s: float = Field(
+        5.0, ge=0, description="A higher replica count must be wanted this long before it is set."
+    )
+    downscale_delay_s: float = Field(
+        30.0, ge=0, description="A lower replica count must be wanted this long before it is set."
+    )
+    metrics_interval_s: float = Field(
+        1.0, gt=0, description="How often each replica sends Serve its load signal."
+    )
+    look_back_period_s: float = Field(
+        5.0, gt=0, description="Serve averages each replica's load signal over this window."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})"
+            )
+        start = self.initial_replicas
+        if start is not None and not self.min_replicas <= start <= self.max_replicas:
+            raise ValueError(
+                f"initial_replicas ({start}) is outside [{self.min_replicas}, {self.max_replicas}]"
+            )
+        return self
+
+    @property
+    def start_replicas(self) -> int:
+        return self.initial_replicas if self.initial_replicas is not None else self.min_replicas
+
+
 class ModelSpec(_Strict):
     path: str = Field(description="HF causal-LM directory or hub id (`sim` with `sim` set).")
     sim: SimSpec | None = Field(
@@ -72,7 +131,24 @@ class ModelSpec(_Strict):
         description="Ranks one replica spans (one GPU each with num_gpus > 0; CPU processes "
         "otherwise), all on one node; must divide the model's attention and KV heads.",
     )
-    num_replicas: int = Field(1, ge=1, description="Data-parallel replicas.")
+    num_replicas: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel replicas, fixed (leave at 1 with autoscaling, whose bounds "
+        "set the count).",
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        None,
+        description="Let Serve's autoscaler set this model's replica count between bounds "
+        "(instead of num_replicas), jointly with the other models (docs/scaling.md).",
+    )
+    drain_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="A replica being stopped (scale-down, rolling update) moves its requests "
+        "to another replica of the model and waits at most this long for them to leave "
+        "before it exits (Serve's graceful shutdown gets this plus a margin).",
+    )
     resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources: pins the model to nodes."
     )
@@ -102,6 +178,24 @@ class ModelSpec(_Strict):
         "on one GPU): their weights + KV are planned together within shared_devices[group] "
         "GiB, and each gets its share of it as its memory budget (memory_budget_gb ignored).",
     )
+
+    @model_validator(mode="after")
+    def _replicas_fixed_or_scaled(self) -> ModelSpec:
+        if self.autoscaling is not None and self.num_replicas != 1:
+            raise ValueError(
+                f"num_replicas={self.num_replicas} with autoscaling: set num_replicas or "
+                "autoscaling, not both (autoscaling's bounds set the count)"
+            )
+        return self
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas this model can have (what deadlock-freedom must hold for)."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+
+    @property
+    def start_replicas(self) -> int:
+        return self.autoscaling.start_replicas if self.autoscaling else self.num_replicas
 
     @model_validator(mode="after")
     def _prefill_needs_the_cache(self) -> ModelSpec:
@@ -264,7 +358,14 @@ class ResponseStoreSpec(_Strict):
 
 
 class IngressSpec(_Strict):
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(
+        1, ge=1, description="Ingress replicas (fixed; leave at 1 with autoscaling)."
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        None,
+        description="Let Serve's autoscaler set the ingress replicas between bounds (instead "
+        "of num_replicas), from their active requests against max_active_requests.",
+    )
     num_cpus: float = Field(
         0, ge=0, description="CPUs reserved per ingress replica (I/O bound: 0 by default)."
     )
@@ -346,6 +447,19 @@ class IngressSpec(_Strict):
         description="Stored responses of the Responses API (per ingress replica).",
     )
 
+    @model_validator(mode="after")
+    def _replicas_fixed_or_scaled(self) -> IngressSpec:
+        if self.autoscaling is not None and self.num_replicas != 1:
+            raise ValueError(
+                f"ingress.num_replicas={self.num_replicas} with ingress.autoscaling: set "
+                "num_replicas or autoscaling, not both (autoscaling's bounds set the count)"
+            )
+        return self
+
+    @property
+    def start_replicas(self) -> int:
+        return self.autoscaling.start_replicas if self.autoscaling else self.num_replicas
+
 
 class TunerSpec(_Strict):
     """The ``tuner`` section of an app config (Hydra group ``conf/tuner/``)."""
@@ -368,6 +482,13 @@ class TunerSpec(_Strict):
     )
     profile: str | None = Field(
         None, description="Step-time profile (JSON/YAML, `tokenrouter-ray profile`) to start from."
+    )
+    target_tpot_ms: float | None = Field(
+        None,
+        gt=0,
+        description="Replica plan (models with autoscaling): the mean time per output token "
+        "the planned replica counts must keep at the offered load (null: each model's "
+        "target_utilisation only).",
     )
 
     @field_validator("concurrencies")
@@ -425,10 +546,12 @@ class AppConfig(_Strict):
 
     def _check_deadlock_free(self) -> None:
         """sum_i R_i (B_i(N) - 1) < N for every active count N (DESIGN.md §4,
-        ``thresholds.check_tables``): every one of the R_i = num_replicas replicas of model i
-        applies B_i(N) to the requests placed on it."""
+        ``thresholds.check_tables``): every one of the R_i replicas of model i applies B_i(N)
+        to the requests placed on it; R_i is num_replicas, or autoscaling's max_replicas
+        (the configured tables must hold at any count the autoscaler may set; the live
+        tuner re-solves for the count there is)."""
         tables = {n: ThresholdTable.of(self.scheduler_for(n).batch_thresholds) for n in self.models}
-        check_tables(tables, {name: spec.num_replicas for name, spec in self.models.items()})
+        check_tables(tables, {name: spec.max_replicas for name, spec in self.models.items()})
 
     def _check_frame_limit(self) -> None:
         """The ZeroMQ frame limit must hold every model's largest legitimate frame."""
@@ -467,6 +590,11 @@ class AppConfig(_Strict):
             specs = [self.models[m] for m in members]
             if any(s.tensor_parallel > 1 for s in specs):
                 raise ValueError(f"device_group {group!r}: tensor_parallel models cannot share")
+            if any(s.autoscaling is not None for s in specs):
+                raise ValueError(
+                    f"device_group {group!r}: models {members} share devices, so their replica "
+                    "counts cannot vary apart; drop their autoscaling"
+                )
             if len({s.num_replicas for s in specs}) > 1:
                 raise ValueError(
                     f"device_group {group!r}: models {members} need the same num_replicas "

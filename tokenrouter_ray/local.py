@@ -26,7 +26,7 @@ from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.replica.messages import HandoffRecord
 from tokenrouter_ray.replica.step import Replica
 from tokenrouter_ray.routing.policy import Policy
-from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_name
+from tokenrouter_ray.transport.base import InMemoryDirectory, endpoint_model, endpoint_name
 from tokenrouter_ray.transport.inproc import InProcChannel, InProcHub
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ class LocalRuntime:
         self.place_at_ingress = False  # True: every model's replica named in the NEW
         self.transit_s = transit_s
         self.prefill_at = prefill_at
+        self._moving: set[asyncio.Task] = set()  # requests being moved off a drained replica
 
     def _block_sizes(self) -> dict[str, int]:
         return {
@@ -104,7 +105,36 @@ class LocalRuntime:
             metrics=self.metrics,
             prefill_at=self.prefill_at,
         )
+        self.ingress.on_drain = self.on_drain
         await self.ingress.start()
+
+    def on_drain(self, endpoint: str) -> None:
+        """A replica is leaving (``Replica.drain`` sent DRAIN): production's rule
+        (``IngressService.on_drain``): no longer placed, and its requests moved to the
+        model's other replicas (``IngressCore.move_off``)."""
+        model = endpoint_model(endpoint)
+        if endpoint in self.replicas.get(model, []):
+            self.replicas[model].remove(endpoint)
+        self.placement.forget(endpoint)
+        replace = None
+        if self.place_at_ingress:  # the requests name their replicas: choose them anew
+            others = self.models[1:]
+
+            def replace(rid: str) -> dict[str, str]:
+                return self.placement.replace(rid, others)
+
+        task = asyncio.get_running_loop().create_task(self.ingress.move_off(endpoint, replace))
+        self._moving.add(task)
+        task.add_done_callback(self._moving.discard)
+
+    async def drain(self, endpoint: str, timeout_s: float = 30.0) -> int:
+        """Stop one replica the way Serve's scale-down does (``ModelServer._leave``): drain
+        it (its requests move to the model's other replicas), then stop its loops. Returns
+        how many requests were still on it when it stopped (0: nothing lost)."""
+        server = next(s for s in self.subservers if s.endpoint == endpoint)
+        left = await server.drain(timeout_s)
+        await server.stop()
+        return left
 
     async def stop(self) -> None:
         """Every sub-server's loops first (nothing sends after this), then the ingress, then

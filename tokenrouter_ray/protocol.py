@@ -63,6 +63,8 @@ the receiver fills next) and their totals in `FinishSummary`.
 Issue 28: `SamplingSpec.presence_penalty`, `.frequency_penalty`, `.repetition_penalty`,
 `.min_p`, `.logit_bias`, `.min_tokens` (defaults: off; an older peer ignores them, so a
 deployment must not mix versions while requests use them).
+Issue 40: `MsgKind.DRAIN` (a new kind, about no request: a peer without it rejects the
+frame, and the leaving replica's requests then recover when its lease ends, as before).
 Issue 36: `SamplingSpec.route_thresholds` (a request's own routing threshold; default:
 the policy's). It rides in the sampling, not in `RouteState`: it never changes, and the
 sampling already reaches every model a request visits (and a re-created NEW).
@@ -90,6 +92,8 @@ class MsgKind(IntEnum):
     ACTIVE = 5  # from an ingress to every model replica: its `active_requests` (no request)
     PREFILL = 6  # from an ingress at admission: compute the KV of `tokens` (the prompt) and
     # keep it in the prefix cache for the request's first handoff here; no state, no answer
+    DRAIN = 7  # from a model replica that is leaving (scale-down) to an ingress: stop placing
+    # requests on `src`, re-create the ones that may be there elsewhere (no request)
 
     @property
     def is_terminal(self) -> bool:

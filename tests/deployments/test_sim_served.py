@@ -9,14 +9,7 @@ import openai
 
 from loadtest.host_path import main as host_main
 from loadtest.host_path import run_served, sim_overrides
-from tokenrouter_ray.simulation.served import FILLER, sim_tokenizer
-
-
-def expected_text(prompt_tokens: int, n: int) -> str:
-    """What the simulated models write: the filler's tokens, by position."""
-    tok = sim_tokenizer()
-    filler = tok.encode(FILLER, add_special_tokens=False)
-    return tok.decode([filler[(prompt_tokens + i) % len(filler)] for i in range(n)])
+from tokenrouter_ray.simulation.served import sim_answer as expected_text
 
 
 def test_sim_app_answers_the_openai_client_and_reports_its_host_path(serve_app) -> None:

@@ -152,6 +152,9 @@ class IngressCore:
         self._recent: dict[str, float] = {}  # of those, the recent ones -> when superseded
         self._endpoints_seen: set[str] = set()  # model endpoints at the last refresh
         self.orphans_aborted = 0  # orphan copies told to stop (stats)
+        # a model replica that is leaving (MsgKind.DRAIN): its endpoint; the owner stops
+        # placing requests there and moves them (``IngressService.on_drain``: ``move_off``)
+        self.on_drain: Callable[[str], None] | None = None
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._receive_loop(), name="ingress-recv")
@@ -376,7 +379,11 @@ class IngressCore:
         self.metrics.error(INGRESS, kind)
         self.abort_nowait(rid, reason="error")
 
-    def _broadcast_abort(self, wire_rid: str) -> asyncio.Task:
+    def _broadcast_abort(self, wire_rid: str, also: str | None = None) -> asyncio.Task:
+        """ABORT ``wire_rid`` at every model endpoint (and ``also``)."""
+        targets = self.all_endpoints()
+        if also is not None and also not in targets:
+            targets = [*targets, also]
         msgs = [
             PeerReq(
                 rid=wire_rid,
@@ -385,7 +392,7 @@ class IngressCore:
                 kind=MsgKind.ABORT,
                 handoff_seq=0,
             )
-            for dst in self.all_endpoints()
+            for dst in targets
         ]
         return self._spawn(self._send_each(msgs))
 
@@ -471,18 +478,21 @@ class IngressCore:
         entry: str | None = None,
         reason: str = "a model replica was lost",
         lost: set[str] | None = None,
+        leaving: str | None = None,
     ) -> int:
         """Re-create unfinished requests from their committed sequence (see the module
         docstring): those that may be on an endpoint in ``lost`` (every one when None, or
         when a request was not told its replicas); ``endpoints(rid)`` (model -> endpoint)
-        are the replicas it must use now. Returns how many were re-created."""
+        are the replicas it must use now. ``leaving``: an endpoint that is still up but
+        no longer among the model endpoints (a draining replica): it gets the ABORTs too,
+        which free the old copies' KV there. Returns how many were re-created."""
         news: list[PeerReq] = []
         for live in list(self.live.values()):
             if live.done:
                 continue
             if lost is not None and live.holders is not None and not live.holders & lost:
                 continue
-            self._broadcast_abort(live.wire_rid)
+            self._broadcast_abort(live.wire_rid, leaving)
             self._wire.pop(live.wire_rid, None)
             _remember(self._superseded, live.wire_rid)
             self._recent[live.wire_rid] = time.monotonic()
@@ -496,7 +506,7 @@ class IngressCore:
             news.append(self._new_msg(live, dst, assigned))
         for dst, msgs in by_destination(news).items():
             logger.warning("ingress: re-creating %d requests on %s: %s", len(msgs), dst, reason)
-            self.metrics.error(INGRESS, "recreated")
+            self.metrics.error(INGRESS, "moved" if leaving is not None else "recreated")
             try:
                 await self.channel.send(dst, msgs)
             except Exception as exc:
@@ -507,6 +517,17 @@ class IngressCore:
                             live.rid, f"{reason}; re-creating it failed: {exc}", "unavailable"
                         )
         return len(news)
+
+    async def move_off(
+        self, endpoint: str, endpoints: Callable[[str], Mapping[str, str]] | None = None
+    ) -> int:
+        """A model replica is leaving (it sent DRAIN): re-create every request that may be
+        on it elsewhere, as ``recreate`` does for a lost one, and ABORT the old copies there
+        too. The caller has stopped placing requests on ``endpoint`` (its endpoints no
+        longer list it), so ``endpoints`` and the entry choose other replicas."""
+        return await self.recreate(
+            endpoints, reason=f"replica {endpoint} is leaving", lost={endpoint}, leaving=endpoint
+        )
 
     # ------------------------------------------------------------------ receive
     async def _receive_loop(self) -> None:
@@ -533,6 +554,10 @@ class IngressCore:
                         self.fail(live.rid, f"bad {msg.kind.name} message: {exc}")
 
     def _on_message(self, msg: PeerReq) -> None:
+        if msg.kind == MsgKind.DRAIN:
+            if self.on_drain is not None:
+                self.on_drain(msg.src)
+            return
         live = self._wire.get(msg.rid)
         if live is None:
             if msg.kind == MsgKind.COMMIT:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -45,6 +46,8 @@ from tokenrouter_ray.transport.base import PeerChannel
 
 STATUS_TIMEOUT_S = 5.0  # one model's status in /v1/tokenrouter/stats
 
+logger = logging.getLogger(__name__)
+
 
 class ModelLimits(Protocol):
     """What the service reads of a model's ``info()`` (replica/status.py ``ReplicaInfo``)."""
@@ -64,6 +67,8 @@ class PeerView(Protocol):
     def missing(self) -> list[str]: ...  # models without a live endpoint
 
     def all(self) -> list[str]: ...  # every model endpoint, in model order
+
+    def exclude(self, endpoint: str) -> None: ...  # a leaving replica: out of by_model now
 
     async def start(self, wait_for_all: bool = True) -> None: ...
 
@@ -164,6 +169,10 @@ class IngressService:
             ingress_replicas=ing.num_replicas,
         )
         self._slo: asyncio.Task | None = None
+        self.core.on_drain = self.on_drain
+        self.drained: set[str] = set()  # model endpoints that left on purpose (DRAIN)
+        self.moves: list[dict[str, Any]] = []  # what each DRAIN moved (stats)
+        self._moving: set[asyncio.Task] = set()
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -245,6 +254,7 @@ class IngressService:
             "cpu_s": time.process_time(),  # this ingress process's CPU time
             "endpoints": self.peers.by_model,
             "recoveries": self.recovery.log[-20:],
+            "moved_off": self.moves[-20:],  # requests moved off replicas that drained
             "stream_buffered_tokens": self.server.buffered_tokens,  # not yet taken by clients
             "client_stalls": self.server.client_stalls,  # streams cut: client stopped reading
             "orphans_aborted": self.core.orphans_aborted,  # copies told to stop (issue 26)
@@ -261,11 +271,44 @@ class IngressService:
     def on_lost(self, lost: set[str]) -> None:
         """Model endpoints whose lease ran out: their replicas died. Their channels and
         prefix memories are dropped, and their unfinished requests re-created once each
-        model has a replica again (``ingress/recovery.py``)."""
+        model has a replica again (``ingress/recovery.py``). A replica that drained first
+        has nothing left here: only its channel is dropped."""
         for name in lost:
             self.channel.forget_peer(name)
             self.server.forget_replica(name)
-        self.recovery.lost(lost)
+        dead = lost - self.drained
+        self.drained -= lost
+        if dead:
+            self.recovery.lost(dead)
+
+    def on_drain(self, endpoint: str) -> None:
+        """A model replica is leaving on purpose (Serve scales it down or replaces it; it
+        sent DRAIN): placement stops choosing it at once, and every request that may be on
+        it is re-created on another replica of its model from its committed sequence
+        (``IngressCore.move_off``; its copy there is ABORTed, which frees its KV). No 503
+        meanwhile: the model still has replicas. Once its lease ends, ``on_lost`` only
+        drops its channel."""
+        if endpoint in self.drained:
+            return
+        self.drained.add(endpoint)
+        self.peers.exclude(endpoint)
+        self.server.forget_replica(endpoint)
+        started = time.monotonic()
+
+        async def move() -> None:
+            try:
+                n = await self.core.move_off(endpoint, self._replace)
+            except Exception:
+                logger.exception("ingress: moving the requests off %s failed", endpoint)
+                n = -1
+            self.moves.append(
+                {"left": endpoint, "moved": n, "took_s": round(time.monotonic() - started, 3)}
+            )
+            del self.moves[:-20]
+
+        task = asyncio.get_running_loop().create_task(move(), name=f"move-off-{endpoint}")
+        self._moving.add(task)
+        task.add_done_callback(self._moving.discard)
 
     def _replace(self, rid: str) -> dict[str, str]:
         """A re-created request's replica of each non-entry model, by the placement rule:

@@ -28,6 +28,10 @@ class ActiveCount:
         """Some ingress has spoken (before that, N is unknown and launches are not held)."""
         return bool(self._counts)
 
+    def ingresses(self) -> list[str]:
+        """The ingress endpoints heard from (and not yet dropped as silent)."""
+        return list(self._counts)
+
     def update(self, ingress: str, n: int, now: float | None = None) -> None:
         self._counts[ingress] = (n, time.monotonic() if now is None else now)
         self.total = sum(c for c, _ in self._counts.values())

@@ -31,6 +31,7 @@ from tokenrouter_ray.routing.policy import Policy, RequestView
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import Engine
+    from tokenrouter_ray.tuning.window import WindowStats
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class Requests:
         self.held: deque[PeerReq] = deque()
         self.unqueued: dict[str, float] = {}  # rid -> NEW's sent_at (s), until first computed
         self.next_sweep = 0.0  # monotonic time of the next expired-request sweep
+        self.stats: WindowStats | None = None  # the tuner's window: offered load is counted
 
     # ------------------------------------------------------------------- applying
     def apply_held(self, out: list[PeerReq]) -> None:
@@ -127,6 +129,9 @@ class Requests:
             )
             self.tracked[rid] = tracked
             self.unqueued[rid] = msg.sent_at / 1e9
+            fresh = len(msg.tokens) == route.prompt_len and not route.counts
+            if fresh and self.stats is not None:  # a new request, not a re-created one
+                self.stats.record_arrival(route.prompt_len)
             return
         if msg.kind != MsgKind.HANDOFF:
             return
@@ -207,6 +212,8 @@ class Requests:
         self.tracked.pop(rid, None)
         self.ledger.finish(rid)
         self.engine.abort(rid)
+        if error is None and self.stats is not None:
+            self.stats.record_finish(sum(tracked.counts.values()))
         out += self.messages.finished(tracked, reason, error)
 
     def fail_request(self, rid: str, error: str, out: list[PeerReq]) -> None:

@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -143,6 +143,7 @@ class Replica:
             self.name, index, channel.name, engine, policy, self.messages, self.metrics,
             self.profile,
         )  # fmt: skip
+        self.requests.stats = self.stats  # arrivals and finishes: the offered load
         self._wake = threading.Event()
         self.mailbox = Mailbox(
             self.name, channel, self.metrics, self.profile, self._wake.set,
@@ -152,6 +153,9 @@ class Replica:
         self._embed = engine.embed_tokens if policy.needs_embeddings else None
         self.running: PendingStep | None = None  # the step on the device
         self.num_steps = 0
+        self.rows_stepped = 0  # rows of every step recorded (the autoscaler's load signal)
+        self.steps_recorded = 0
+        self.draining = False  # leaving: its requests are being moved elsewhere
         self._launch_error: BaseException | None = None  # a failed launch, reported after
         self._launched_at: float | None = None  # when the running step was launched
         self._deferred_since: float | None = None  # when the launch threshold began holding
@@ -282,6 +286,41 @@ class Replica:
     async def window(self) -> WindowSnapshot:
         """The tuner's statistics window, now."""
         return await self.call(self.stats.snapshot)
+
+    @property
+    def holds_requests(self) -> bool:
+        """A request is here (tracked, or in the engine: a prefill-only one included)."""
+        return bool(self.tracked) or self.engine.has_unfinished
+
+    async def drain(self, timeout_s: float, ingresses: Iterable[str] = ()) -> int:
+        """Leave without losing a request (scale-down, a rolling update): tell every ingress
+        that may have a request here (those heard from, those of the requests held, and
+        ``ingresses``) to move its requests off this replica (``MsgKind.DRAIN``): each
+        re-creates them on another replica from its committed sequence and ABORTs them
+        here, which frees their KV. Waits until none is left, at most ``timeout_s``.
+        Returns how many were still here then."""
+        self.draining = True
+
+        def holders() -> set[str]:
+            return {t.ingress for t in self.tracked.values()} | set(self.active.ingresses())
+
+        told = set(await self.call(holders, read_only=True)) | set(ingresses)
+        msgs = [
+            PeerReq(rid="", src=self.endpoint, dst=dst, kind=MsgKind.DRAIN, handoff_seq=0)
+            for dst in sorted(told)
+        ]
+        for msg in msgs:
+            try:
+                await self.channel.send(msg.dst, [msg])
+            except Exception as exc:  # that ingress is gone: its requests went with it
+                logger.warning("%s: DRAIN to %s failed: %s", self.name, msg.dst, exc)
+        deadline = time.monotonic() + timeout_s
+        while self.holds_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        left = len(self.tracked)
+        if left:
+            logger.warning("%s: drained with %d requests still here", self.name, left)
+        return left
 
     # ----------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -586,6 +625,8 @@ class Replica:
         """The step and every row's move into the threshold tuner's statistics window."""
         now = time.monotonic()
         active = self.engine.active_requests
+        self.rows_stepped += result.batch_size
+        self.steps_recorded += 1
         self.stats.record_step(
             result.batch_size, result.timings.total, now, active, result.num_scheduled_tokens
         )

@@ -409,8 +409,12 @@ class ReplicatedRuntime(LocalRuntime):
         channel = self.channel_type("ingress", "0", directory, hub)
         await channel.start()
         endpoints = [s.endpoint for s in self.subservers]
-        entry = itertools.cycle([s.endpoint for s in self.subservers if s.name == self.models[0]])
-        self.ingress = IngressCore(
-            channel, lambda: next(entry), lambda: endpoints, metrics=self.metrics
-        )
+        turn = itertools.count()
+        entries = self.replicas[self.models[0]]  # drained ones leave it (``on_drain``)
+
+        def entry() -> str:  # round robin over the entry model's replicas
+            return entries[next(turn) % len(entries)]
+
+        self.ingress = IngressCore(channel, entry, lambda: endpoints, metrics=self.metrics)
+        self.ingress.on_drain = self.on_drain
         await self.ingress.start()

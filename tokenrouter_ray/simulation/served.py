@@ -86,6 +86,15 @@ def model_profile(spec: SimSpec, name: str, index: int) -> ModelProfile:
     raise ValueError(f"sim profile {spec.profile!r} has {len(models)} models, not {name!r}")
 
 
+def sim_answer(prompt_tokens: int, n: int) -> str:
+    """What a simulated app answers (greedy or not): ``n`` filler tokens by position after a
+    prompt of ``prompt_tokens`` (what an undisturbed run writes, whatever models and replicas
+    wrote it)."""
+    tok = sim_tokenizer()
+    filler = tok.encode(FILLER, add_special_tokens=False)
+    return tok.decode([filler[(prompt_tokens + i) % len(filler)] for i in range(n)])
+
+
 @cache
 def sim_tokenizer() -> Any:
     """A byte-level tokenizer built in memory (256 byte tokens and three specials), with a

@@ -4,7 +4,8 @@
 per model, whether it changed and why, the predicted tokens per second of the threshold
 sets it compared (per active-request count N), the SLO admission cap, and, once the tuner
 recorded it, the routing probabilities it decided from (``route_prob``, keyed by the model
-pair). ``TunerStatus`` is ``TunerCore.snapshot()``: the thresholds in use, the last decision
+pair) and, with autoscaling, the replica plan (``ScalingPlan``, ``tuning/scaling.py``).
+``TunerStatus`` is ``TunerCore.snapshot()``: the thresholds in use, the last decision
 and the recent changes, the reporting replicas and the statistics the decisions came from.
 Both are msgspec structs: the Tuner deployment returns them to its callers (the ingress, the
 replicas) typed; ``to_json`` writes the body of ``GET /v1/tokenrouter/tuner`` (model pairs
@@ -26,6 +27,31 @@ from tokenrouter_ray.thresholds import ThresholdTable, json_hook
 Pair = tuple[str, str]  # (source model, destination model)
 
 
+class ScalingPlan(msgspec.Struct):
+    """One planning outcome: replicas per model, and what it was planned from."""
+
+    replicas: dict[str, int]
+    feasible: bool
+    reason: str
+    arrival_rate: float  # requests per second offered
+    output_tokens: float  # mean committed tokens per request
+    tpot_ms: float | None  # predicted mean time per output token (None: unstable)
+    utilisation: dict[str, float]  # predicted rows per step against max_num_seqs
+    at: float = msgspec.field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "replicas": dict(self.replicas),
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "arrival_rate": round(self.arrival_rate, 3),
+            "output_tokens": round(self.output_tokens, 2),
+            "tpot_ms": None if self.tpot_ms is None else round(self.tpot_ms, 3),
+            "utilisation": {m: round(u, 3) for m, u in self.utilisation.items()},
+            "at": self.at,
+        }
+
+
 class TunerDecision(msgspec.Struct):
     """One decision of the threshold solver (see module docstring)."""
 
@@ -37,6 +63,7 @@ class TunerDecision(msgspec.Struct):
     solved: bool = False  # the Markov model was solved for this decision
     at: float = msgspec.field(default_factory=time.time)
     route_prob: dict[Pair, float] | None = None  # the profile it was decided from, if any
+    plan: ScalingPlan | None = None  # replicas per model (models with autoscaling)
 
     def with_routes(self, route_prob: Mapping[Pair, float] | None) -> TunerDecision:
         """The same decision, carrying the routing probabilities it was decided from."""
@@ -57,7 +84,17 @@ class TunerDecision(msgspec.Struct):
         }
         if self.route_prob is not None:
             out["route_prob"] = {f"{a}->{b}": round(p, 4) for (a, b), p in self.route_prob.items()}
+        if self.plan is not None:
+            out["plan"] = self.plan.to_json()
         return out
+
+
+class TunerAnswer(msgspec.Struct):
+    """What the tuner answers a replica's report: the thresholds its model runs with, and
+    with autoscaling the replica count the plan gives its model (None: no fresh plan)."""
+
+    thresholds: ThresholdTable
+    replicas: int | None = None
 
 
 class TunerStatus(msgspec.Struct):
@@ -72,6 +109,7 @@ class TunerStatus(msgspec.Struct):
     active_requests: dict[int, int]  # N -> steps run under it, all fresh windows together
     step_ms: dict[str, dict[int, float]]  # model -> batch size -> mean step time (ms)
     spec: dict[str, Any]  # the tuner's config section
+    plan: ScalingPlan | None = None  # the replica plan in force (models with autoscaling)
 
     def to_json(self) -> dict[str, Any]:
         """The body of ``GET /v1/tokenrouter/tuner``."""
@@ -88,6 +126,7 @@ class TunerStatus(msgspec.Struct):
                 for m, v in self.step_ms.items()
             },
             "spec": _plain(self.spec),
+            "plan": None if self.plan is None else self.plan.to_json(),
         }
 
 

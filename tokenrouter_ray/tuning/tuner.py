@@ -34,22 +34,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+from msgspec.structs import replace
 
 from tokenrouter_ray.config import TunerSpec  # the app config's tuner section
 from tokenrouter_ray.thresholds import ThresholdTable
-from tokenrouter_ray.tuning.decision import Pair, TunerDecision, TunerStatus
+from tokenrouter_ray.tuning.decision import Pair, ScalingPlan, TunerDecision, TunerStatus
 from tokenrouter_ray.tuning.profile import (
     ModelProfile,
     RoutingProfile,
     models_from_mapping,
     read_profile_file,
 )
+from tokenrouter_ray.tuning.scaling import ReplicaPlanner
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 from tokenrouter_ray.tuning.window import WindowSnapshot
 
@@ -74,8 +77,10 @@ class TunerCore:
         initial: Mapping[str, ThresholdTable | Sequence[int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         replicas: Mapping[str, int] | None = None,
+        planner: ReplicaPlanner | None = None,
     ) -> None:
         self.models = list(models)
+        self.planner = planner  # models with autoscaling: the replica plan
         self.spec = spec
         self.clock = clock
         self.solver = ThresholdSolver(
@@ -106,6 +111,9 @@ class TunerCore:
         # shows (``solver.last`` moves in the solving thread before ``record`` runs)
         self._recorded: TunerDecision = self.solver.last
         self._last_solve = clock()
+        self.windows: dict[str, WindowSnapshot] = {}  # each model's fresh reports, merged
+        self.plan: ScalingPlan | None = None  # the last plan, and the clock when it came
+        self._planned_at = -math.inf
 
     @property
     def thresholds(self) -> dict[str, ThresholdTable]:
@@ -139,6 +147,7 @@ class TunerCore:
                 counts[model] = len(replicas)
             self.step_ms[model].update(window.step_means_ms())
             merged[model] = [window]
+            self.windows[model] = window
         if self.solver.set_replicas(counts):
             self.replica_changes += 1
         top = max(self.spec.concurrencies)
@@ -156,16 +165,32 @@ class TunerCore:
         return decision
 
     def solve(self, profile: RoutingProfile | None) -> TunerDecision:
-        """The solver's decision. Touches neither reports nor history, so it may run in a
-        worker thread while ``report`` and ``status`` keep answering on the event loop."""
+        """The solver's decision, with the replica plan when there is a planner. Touches
+        neither reports nor history, so it may run in a worker thread while ``report`` and
+        ``status`` keep answering on the event loop."""
         force = self.clock() - self._last_solve >= self.spec.resolve_every_s
-        return self.solver.decide(profile, force=force)
+        decision = self.solver.decide(profile, force=force)
+        if self.planner is not None:
+            plan = self.planner.plan(profile, dict(self.windows))
+            if plan is not None:
+                decision = replace(decision, plan=plan)
+        return decision
+
+    def planned(self, model: str) -> int | None:
+        """The replica count the last plan gives ``model``; None without a plan or when it
+        is older than three periods (the statistics stopped: let the replicas' own load
+        signal decide)."""
+        if self.plan is None or self.clock() - self._planned_at > 3 * self.spec.period_s:
+            return None
+        return self.plan.replicas.get(model)
 
     def record(self, decision: TunerDecision, profile: RoutingProfile | None) -> None:
         """Book-keeping of one period (on the event loop, next to ``status``)."""
         if decision.solved:
             self._last_solve = self.clock()
         self.decisions += 1
+        if decision.plan is not None:
+            self.plan, self._planned_at = decision.plan, self.clock()
         if profile is not None:
             self.profile = profile
         self._recorded = decision.with_routes(route_probs(self.profile))
@@ -191,6 +216,7 @@ class TunerCore:
             active_requests=self._active_histogram(),
             step_ms={m: dict(sorted(v.items())) for m, v in self.step_ms.items()},
             spec=self.spec.model_dump(),
+            plan=self.plan,
         )
 
     def status(self) -> dict[str, Any]:

@@ -36,14 +36,21 @@ class Tally(msgspec.Struct, array_like=True):
 
 class WindowSnapshot(msgspec.Struct):
     """A window's counts: moves (requests, committed tokens) per model pair, steps (steps,
-    seconds) per batch size, and (steps, batch rows) per active-request count N."""
+    seconds) per batch size, and (steps, batch rows) per active-request count N; the offered
+    load: requests that arrived here new (requests, prompt tokens) and requests that
+    finished here (requests, output tokens); ``span_s``, the seconds the counts cover."""
 
     moves: dict[Pair, Tally] = msgspec.field(default_factory=dict)
     steps: dict[int, Tally] = msgspec.field(default_factory=dict)
     active: dict[int, Tally] = msgspec.field(default_factory=dict)
+    arrivals: Tally = msgspec.field(default_factory=Tally)
+    finished: Tally = msgspec.field(default_factory=Tally)
+    span_s: float = 0.0
 
     @classmethod
     def merge(cls, snapshots: Iterable[WindowSnapshot]) -> WindowSnapshot:
+        """The counts added up; the span is the longest (replicas report the same window;
+        a replica's buckets lie inside its own window)."""
         merged = cls()
         for snap in snapshots:
             for mine, theirs in (
@@ -53,7 +60,15 @@ class WindowSnapshot(msgspec.Struct):
             ):
                 for key, tally in theirs.items():
                     mine.setdefault(key, Tally()).add(tally.count, tally.total)
+            merged.arrivals.add(snap.arrivals.count, snap.arrivals.total)
+            merged.finished.add(snap.finished.count, snap.finished.total)
+            merged.span_s = max(merged.span_s, snap.span_s)
         return merged
+
+    def rows_per_step(self) -> float:
+        """Mean rows per step (decode steps: those in ``steps``); 0 without a step."""
+        count = sum(t.count for t in self.steps.values())
+        return sum(b * t.count for b, t in self.steps.items()) / count if count else 0.0
 
     def step_means_ms(self) -> dict[int, float]:
         """Mean step time (ms) per batch size."""
@@ -120,8 +135,19 @@ class WindowStats:
         if active is not None:  # N -> (steps, batch rows) run under it
             bucket.active.setdefault(active, Tally()).add(1, batch_size)
 
+    def record_arrival(self, prompt_tokens: int, now: float | None = None) -> None:
+        """A request that entered the system here (a NEW, not a re-created one)."""
+        self._bucket(now).arrivals.add(1, prompt_tokens)
+
+    def record_finish(self, output_tokens: int, now: float | None = None) -> None:
+        """A request that finished here (EOS, a stop, max_tokens) with its output length."""
+        self._bucket(now).finished.add(1, output_tokens)
+
     def snapshot(self, now: float | None = None) -> WindowSnapshot:
         now = time.monotonic() if now is None else now
         while self._buckets and self._buckets[0][0] + self.BUCKET_S <= now - self.window_s:
             self._buckets.popleft()
-        return WindowSnapshot.merge(counts for _, counts in self._buckets)
+        merged = WindowSnapshot.merge(counts for _, counts in self._buckets)
+        if self._buckets:  # from the oldest bucket's start, at most the window
+            merged.span_s = min(self.window_s, now - self._buckets[0][0])
+        return merged
