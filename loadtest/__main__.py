@@ -65,6 +65,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "markov-validate": ("loadtest.markov_validate", "the Markov model vs the simulated runtime"),
     "markov-open-loop": ("loadtest.markov_open_loop", "open loop at the tuned thresholds"),
     "markov-replicas": ("loadtest.markov_replicas", "the model with R_large = 2 replicas"),
+    "plan-check": ("loadtest.plan_check", "the replica plan's TPOT vs the simulated runtime"),
     "autoscale": (
         "loadtest.autoscale",
         "autoscaling on the served simulation: an open-loop ramp up and back down",
