@@ -78,3 +78,28 @@ async def test_a_broken_replica_stops_heartbeating() -> None:
     await asyncio.sleep(0.5)
     await book.stop()
     assert await directory.get("large/b") is None
+
+
+@pytest.mark.asyncio
+async def test_an_excluded_endpoint_stays_out_while_listed_and_is_lost_once_gone() -> None:
+    """A replica that drains (issue 40): the ingress's peer book excludes it at once, a
+    refresh does not list it again while its lease lasts, and it is reported lost only when
+    it has left the directory."""
+    directory = InMemoryDirectory()
+    one, two = Endpoint("large", "1", "ipc:///tmp/1"), Endpoint("large", "2", "ipc:///tmp/2")
+    for endpoint in (Endpoint("small", "s", "ipc:///tmp/s"), one, two):
+        await directory.register(endpoint)
+    lost: list[set[str]] = []
+    book = PeerBook(directory, ["small", "large"], on_lost=lost.append)
+    await book.refresh()
+    assert book.by_model["large"] == ["large/1", "large/2"]
+    book.exclude("large/2")
+    assert book.by_model["large"] == ["large/1"]
+    await book.refresh()  # still registered: still out, not lost
+    assert book.by_model["large"] == ["large/1"] and lost == []
+    await directory.unregister("large/2")  # it left
+    await book.refresh()
+    assert lost == [{"large/2"}] and book.excluded == set()
+    await directory.register(two)  # a new replica under that name is a replica again
+    await book.refresh()
+    assert book.by_model["large"] == ["large/1", "large/2"]
