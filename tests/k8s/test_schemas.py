@@ -77,6 +77,10 @@ def _worker(obj: dict[str, Any]) -> dict[str, Any]:
     return _cluster(obj)["workerGroupSpecs"][0]
 
 
+def _autoscaler(obj: dict[str, Any], **options: Any) -> None:
+    _cluster(obj).update(enableInTreeAutoscaling=True, autoscalerOptions=options)
+
+
 RAYSERVICE_MISTAKES: dict[str, Callable[[dict[str, Any]], None]] = {
     "misspelled-field": lambda o: _cluster(o).update(workerGroupSpec=[]),
     "non-string-param": lambda o: _worker(o)["rayStartParams"].update({"num-gpus": 1}),
@@ -87,6 +91,12 @@ RAYSERVICE_MISTAKES: dict[str, Callable[[dict[str, Any]], None]] = {
     ].update(memory={"Gi": 32}),
     "missing-cluster": lambda o: o["spec"].pop("rayClusterConfig"),
     "bad-template-metadata": lambda o: _worker(o)["template"]["metadata"].update(uid="x"),
+    # autoscalerOptions (the chart sets it with autoscaling; docs/scaling.md)
+    "bad-upscaling-mode": lambda o: _autoscaler(o, upscalingMode="Fast"),
+    "bad-idle-timeout": lambda o: _autoscaler(o, idleTimeoutSeconds="1m"),
+    "unknown-autoscaler-field": lambda o: _autoscaler(o, idleTimeout=60),
+    "bad-autoscaler-mount": lambda o: _autoscaler(o, volumeMounts=[{"name": "writable-0"}]),
+    "bad-autoscaler-security": lambda o: _autoscaler(o, securityContext={"privileged": "yes"}),
 }
 PODMONITOR_MISTAKES: dict[str, Callable[[dict[str, Any]], None]] = {
     "bad-interval": lambda o: o["spec"]["podMetricsEndpoints"][0].update(interval="15 seconds"),

@@ -99,6 +99,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - transport.zmq.curve=true
 {{- end }}
 {{- end }}
+{{- $scaled := include "tokenrouter-ray.scaledModels" . | fromYaml }}
+{{- range $model := .Values.models }}
+{{- with get $scaled $model.name }}
+{{- include "tokenrouter-ray.autoscalingOverrides" (dict "key" (printf "models.%s" $model.name) "bounds" .) }}
+{{- end }}
+{{- end }}
+{{- with (.Values.autoscaling | default dict).ingress }}
+{{- include "tokenrouter-ray.autoscalingOverrides" (dict "key" "ingress" "bounds" .) }}
+{{- end }}
 {{- with .Values.directPort }}
 {{- if .enabled }}
 - ingress.num_replicas={{ mul .worker.replicas .replicasPerPod }}
@@ -113,6 +122,74 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- range .Values.serve.extraOverrides }}
 - {{ . | toJson }}
 {{- end }}
+{{- end }}
+
+{{/*
+The models that autoscale (autoscaling.models), as YAML: name -> bounds, each with minReplicas
+filled in (the app's default, 1) and initialReplicas (null: minReplicas); {} when none.
+*/}}
+{{- define "tokenrouter-ray.scaledModels" -}}
+{{- $scaled := dict }}
+{{- range $name, $bounds := (.Values.autoscaling | default dict).models | default dict }}
+{{- if $bounds }}
+{{- $min := $bounds.minReplicas | default 1 | int }}
+{{- $initial := $bounds.initialReplicas | default $min | int }}
+{{- $_ := set $scaled $name (merge (dict "minReplicas" $min "initialReplicas" $initial) $bounds) }}
+{{- end }}
+{{- end }}
+{{- toYaml $scaled }}
+{{- end }}
+
+{{/*
+The Hydra overrides of one deployment's autoscaling, from a dict: `key` (models.<name> or
+ingress) and `bounds` (the values' keys, camelCase). minReplicas and maxReplicas always; the
+others only when given, so the app's defaults (config.py, AutoscalingSpec) apply otherwise.
+*/}}
+{{- define "tokenrouter-ray.autoscalingOverrides" -}}
+{{- $bounds := .bounds }}
+{{- $key := .key }}
+- {{ $key }}.autoscaling.min_replicas={{ $bounds.minReplicas | default 1 | int }}
+- {{ $key }}.autoscaling.max_replicas={{ int $bounds.maxReplicas }}
+{{- range list (list "initialReplicas" "initial_replicas") (list "targetUtilisation" "target_utilisation") (list "upscaleDelayS" "upscale_delay_s") (list "downscaleDelayS" "downscale_delay_s") (list "metricsIntervalS" "metrics_interval_s") (list "lookBackPeriodS" "look_back_period_s") }}
+{{- if and (hasKey $bounds (index . 0)) (not (kindIs "invalid" (get $bounds (index . 0)))) }}
+- {{ $key }}.autoscaling.{{ index . 1 }}={{ get $bounds (index . 0) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Refuses autoscaling bounds the app would refuse at deploy time, naming the values' key, from a
+dict: `what` (the values' path) and `bounds`.
+*/}}
+{{- define "tokenrouter-ray.checkBounds" -}}
+{{- $min := .bounds.minReplicas | default 1 | int }}
+{{- $max := int .bounds.maxReplicas }}
+{{- if lt $max $min }}
+{{- fail (printf "%s: maxReplicas %d is below minReplicas %d" .what $max $min) }}
+{{- end }}
+{{- $initial := .bounds.initialReplicas | default $min | int }}
+{{- if or (lt $initial $min) (gt $initial $max) }}
+{{- fail (printf "%s: initialReplicas %d is outside [minReplicas %d, maxReplicas %d]" .what $initial $min $max) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The RayService's autoscalerOptions (autoscaling.ray): the autoscaler sidecar KubeRay adds to the
+head pod runs the head's image, with the chart's pull policy, container security context and
+writable emptyDirs (its root filesystem is read-only too), and no secret in its environment.
+*/}}
+{{- define "tokenrouter-ray.autoscalerOptions" -}}
+{{- $ray := (.Values.autoscaling | default dict).ray | default dict }}
+{{- $options := dict "imagePullPolicy" .Values.image.pullPolicy "securityContext" .Values.containerSecurityContext }}
+{{- with include "tokenrouter-ray.writableMounts" . | trim }}
+{{- $_ := set $options "volumeMounts" (. | fromYamlArray) }}
+{{- end }}
+{{- range list "upscalingMode" "idleTimeoutSeconds" "version" "resources" }}
+{{- if and (hasKey $ray .) (not (kindIs "invalid" (get $ray .))) }}
+{{- $_ := set $options . (get $ray .) }}
+{{- end }}
+{{- end }}
+{{- toYaml $options }}
 {{- end }}
 
 {{/* The Ray Serve config (serveConfigV2): the same document as conf/r2r_cross_node.yaml. */}}
