@@ -109,6 +109,7 @@ def guarded_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch, steps: int) -
     for _ in range(steps):
         with no_host_sync(monkeypatch) as guard:
             pending = engine.launch()
+            engine.draft()  # what the step loop does before collect: the next step's draft
         found += guard.found
         if pending is None:
             break
@@ -123,6 +124,7 @@ def test_launch_reads_nothing_back(model_dir: str, monkeypatch, kind: str, stati
     engine.add_request(kind, prompt(), KINDS[kind])
     found = guarded_steps(engine, monkeypatch, 3)  # a prefill, then decodes
     assert not found, "\n".join(found)
+    assert (engine.runner.static_steps > 0) == static  # the decodes took the asked path
 
 
 def test_a_mixed_batch_reads_nothing_back(model_dir: str, monkeypatch) -> None:
