@@ -49,6 +49,7 @@ def engine_config(cfg: AppConfig, name: str) -> EngineConfig:
         prefix_caching=spec.prefix_caching,
         memory_budget_bytes=int(spec.memory_budget_gb * 2**30),
         max_model_len=spec.max_model_len,
+        sdpa_backend=spec.sdpa_backend,
         tensor_parallel=spec.tensor_parallel,  # issue 15
         scheduler=cfg.scheduler_for(name),
     )

@@ -1,11 +1,12 @@
 """The sampler's step time at batch 64, before and after batching (issue 25).
 
 "Before" is the one-row recipe the engine used until the batched sampler: per sampled row,
-temperature, top-k, a full-vocabulary sort for top-p, softmax and the seeded draw. "After"
-is ``tokenrouter_ray.engine.sampler.sample``: the filters run once over the batch (top-p
-sorts only the top-k survivors), only the seeded noise stays per row. Both draw the same
-tokens (checked here and in tests/engine/test_sampling_batched.py). Prints one line per
-setting with both medians; speed is reported, never asserted.
+temperature, top-k, a full-vocabulary sort for top-p, softmax and the seeded draw (the
+row's own noise: ``race_noise`` of its one key). "After" is
+``tokenrouter_ray.engine.sampler.sample``: the filters and the noise of every row at once.
+Both draw the same tokens (checked here and in tests/engine/test_sampling_batched.py),
+which is also the check that a row's noise does not depend on its batch. Prints one line
+per setting with both medians; speed is reported, never asserted.
 
     python -m loadtest.sampler_bench [--batch 64] [--vocab 151936] [--device cpu]
 """
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from tokenrouter_ray.engine.request import SamplingParams
-from tokenrouter_ray.engine.sampler import position_seed, sample
+from tokenrouter_ray.engine.sampler import position_seed, race_noise, sample
 
 
 def filter_one_row(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -48,10 +49,9 @@ def sample_per_row(
     for row, p in enumerate(params):
         if p.is_greedy:
             continue
-        probs = filter_one_row(logits[row].float(), p).softmax(-1)
-        gen = torch.Generator(device=logits.device)
-        gen.manual_seed(position_seed(seeds[row], positions[row]))
-        noise = torch.empty_like(probs).exponential_(generator=gen)
+        probs = filter_one_row(logits[row].float(), p).softmax(-1)  # (vocab,)
+        key = torch.tensor([position_seed(seeds[row], positions[row])], device=logits.device)
+        noise = race_noise(key, probs.shape[0])[0]  # (vocab,): this row's stream alone
         tokens[row] = (probs / noise).argmax()
     return tokens
 

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from tokenrouter_ray.engine.config import SDPA_BACKEND_HELP, SdpaBackend
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.thresholds import ThresholdTable, check_tables
@@ -169,6 +170,7 @@ class ModelSpec(_Strict):
         2.0, gt=0, description="Weights + KV budget per replica (per rank with tensor_parallel)."
     )
     max_model_len: int | None = Field(None, ge=2, description="Longest sequence.")
+    sdpa_backend: SdpaBackend = Field("efficient", description=SDPA_BACKEND_HELP)
     scheduler: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the shared scheduler settings."
     )

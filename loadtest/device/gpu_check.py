@@ -241,13 +241,19 @@ def check_capture(tmp: Path, report: dict, background: bool = False) -> bool:
     if busy is not None:
         busy.start()
     try:
-        # the private pool's segments are reserved memory (allocated misses cached blocks)
         mem0 = torch.cuda.memory_reserved() if DEVICE == "cuda" else 0
         before_capture = busy.iterations if busy is not None else 0
         built = runner.capture_static()
         sync()
         during = (busy.iterations - before_capture) if busy is not None else 0
-        pool = (torch.cuda.memory_reserved() - mem0) if DEVICE == "cuda" else 0
+        grown = (torch.cuda.memory_reserved() - mem0) if DEVICE == "cuda" else 0
+        # the graphs' own pool: its segments in the allocator's snapshot (the pool's memory
+        # is reserved, and memory_allocated misses what it caches between replays)
+        pool = (
+            pool_segment_bytes(torch.cuda.memory_snapshot(), runner._graph_pool)
+            if DEVICE == "cuda"
+            else 0
+        )
     finally:
         if busy is not None:
             busy.stop()
@@ -264,6 +270,7 @@ def check_capture(tmp: Path, report: dict, background: bool = False) -> bool:
         "graphs": graphs,
         "capture_seconds": round(runner.capture_seconds, 2),
         "graph_pool_mib": round(pool / 2**20, 1),
+        "reserved_growth_mib": round(grown / 2**20, 1),  # the pool, warm-up and outputs
         "kv_outside_scratch_unchanged": untouched,
     }
     ok = untouched and built > 0 and graphs == built
@@ -284,6 +291,20 @@ def check_capture(tmp: Path, report: dict, background: bool = False) -> bool:
         ok &= eng.runner.static_steps > 0 and len(run.committed) == len(PROMPT_LENGTHS)
     sync()
     return ok
+
+
+def pool_segment_bytes(segments: list[dict[str, Any]], pool: object) -> int:
+    """Bytes of the allocator segments (``torch.cuda.memory_snapshot()``) owned by the
+    memory pool ``pool`` (a ``torch.cuda.graph_pool_handle()``: an (int, int) id); 0 for
+    None."""
+    if pool is None:
+        return 0
+    want = tuple(pool)
+    return sum(
+        int(seg["total_size"])
+        for seg in segments
+        if tuple(seg.get("segment_pool_id") or ()) == want
+    )
 
 
 # Iterations the busy thread must finish while the buckets are captured (CPU dry run, CUDA).
@@ -559,6 +580,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     only = parse_only(args.only)
+    known = [n for n, _ in CHECKS] + ["bench"]
+    unknown = sorted(set(only or ()) - set(known))
+    if unknown:  # a typo would otherwise run nothing and say PASS
+        print(f"--only: no check named {', '.join(unknown)}; known: {', '.join(known)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     global DEVICE
     DEVICE = args.device
     gpu_flagship.DEVICE = args.device

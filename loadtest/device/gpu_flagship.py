@@ -48,7 +48,11 @@ from tokenrouter_ray.engine.outputs import StepResult
 from tokenrouter_ray.engine.random_model import random_causal_lm
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
-from tokenrouter_ray.engine.static_forward import DEFAULT_BATCH_BUCKETS, DEFAULT_QUERY_BUCKETS
+from tokenrouter_ray.engine.static_forward import (
+    DEFAULT_BATCH_BUCKETS,
+    DEFAULT_QUERY_BUCKETS,
+    StaticForward,
+)
 
 DEVICE = "cuda"
 BLOCK_SIZE = 256
@@ -435,14 +439,21 @@ def kernels_per_forward(eng: Engine, batch: int) -> int | str:
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
-        with torch.inference_mode():  # its buffers are inference tensors
-            fwd.load(fwd.padding)  # scratch block only
+        load_padding(fwd)  # outside the profile: its copies are not the forward's kernels
         with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
             fwd._forward()
             torch.cuda.synchronize()
         return sum(e.device_type == DeviceType.CUDA for e in prof.events())
     except Exception as exc:  # the profiler is a nicety here, never a failure
         return f"not counted: {type(exc).__name__}: {exc}"
+
+
+def load_padding(fwd: StaticForward) -> None:
+    """Load a bucket's all-padding batch (scratch block only). Inside inference mode: the
+    buffers were made there (capture, or the first launch), and an in-place write to an
+    inference tensor outside it raises."""
+    with torch.inference_mode():
+        fwd.load(fwd.padding)
 
 
 def _bench_batch(
@@ -512,7 +523,7 @@ def bench_flagship(report: dict, deadline: float, save: Callable[[], None] = lam
     """Decode step times with graphs beside the bandwidth floor, per shape and batch;
     ``save`` rewrites the JSON after each shape."""
     from loadtest.sampler_bench import SETTINGS, sample_per_row
-    from tokenrouter_ray.engine.sampler import sample
+    from tokenrouter_ray.engine.sampler import position_seed, race_noise, sample
 
     s = sizes()
     bw = copy_bandwidth()
@@ -580,4 +591,11 @@ def bench_flagship(report: dict, deadline: float, save: Callable[[], None] = lam
                 sync()
                 timed[key] = round((time.perf_counter() - t0) / 5 * 1e3, 2)
             sampler[label] = {**timed, "same_tokens": same}
+        # the noise stream is integer arithmetic: the GPU's should be the CPU's, up to the
+        # float64 log's rounding (informative, never a failure)
+        keys = torch.tensor([position_seed(a, b) for a, b in zip(seeds, positions, strict=True)])
+        here = race_noise(keys.to(DEVICE), 151936).cpu()
+        sampler["noise_vs_cpu_max_rel_diff"] = float(
+            ((here - race_noise(keys, 151936)).abs() / here).max()
+        )
         out["sampler_batch_64"] = sampler

@@ -96,6 +96,11 @@ def test_the_embedded_default_serves_the_api_on_the_ingress_own_port() -> None:
             ["models=qwen3_r2r", "policy=rstitch", "models.large.tensor_parallel=0"],
             r"models.large.tensor_parallel: Input should be greater than or equal to 1",
         ),
+        (
+            ["models=qwen3_r2r", "policy=rstitch", "models.large.sdpa_backend=fastest"],
+            r"models.large.sdpa_backend: Input should be 'auto', 'efficient', 'flash', 'math' "
+            r"or 'cudnn'",
+        ),
         # thresholds are per replica: 3 large replicas at B=2 hold 3 requests, N=3 deadlocks
         (
             [
@@ -129,6 +134,19 @@ def test_the_embedded_default_serves_the_api_on_the_ingress_own_port() -> None:
 def test_config_errors_are_one_clear_message(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         build_app({"overrides": overrides})
+
+
+def test_the_sdpa_backend_is_chosen_per_model() -> None:
+    """``models.<m>.sdpa_backend`` reaches that model's engine (and its tensor-parallel
+    ranks, which get the same EngineConfig); unset, cuDNN stays off ("efficient")."""
+    from deployments.model_server import engine_config
+    from tokenrouter_ray.engine.attention import SDPA_BACKENDS
+    from tokenrouter_ray.engine.config import SdpaBackend
+
+    cfg = compose_config(["models=qwen3_r2r", "policy=rstitch", "models.large.sdpa_backend=cudnn"])
+    assert engine_config(cfg, "large").sdpa_backend == "cudnn"
+    assert engine_config(cfg, "small").sdpa_backend == "efficient"
+    assert set(SdpaBackend.__args__) == set(SDPA_BACKENDS)  # every name has its kernels
 
 
 def test_deadlock_check_counts_replicas() -> None:

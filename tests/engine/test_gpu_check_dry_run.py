@@ -163,3 +163,47 @@ def test_the_rerun_line_names_what_did_not_finish(
     assert ran == [] and report["rerun"] == "--only exact,nccl_graph"
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == "rerun: python3 -m loadtest.device.gpu_check --only exact,nccl_graph"
+
+
+def test_the_graph_pool_is_measured_from_its_own_segments() -> None:
+    """``graph_pool_mib`` sums the allocator segments the graphs' pool owns, not every
+    reserved byte (nor ``memory_allocated``, which misses the pool's cached blocks)."""
+    segments = [
+        {"total_size": 2 << 20, "segment_pool_id": (0, 0)},  # the default pool
+        {"total_size": 6 << 20, "segment_pool_id": (1, 3)},
+        {"total_size": 4 << 20, "segment_pool_id": [1, 3]},  # a list in some versions
+        {"total_size": 8 << 20, "segment_pool_id": (1, 4)},  # another graph pool
+    ]
+    assert gpu_check.pool_segment_bytes(segments, (1, 3)) == 10 << 20
+    assert gpu_check.pool_segment_bytes(segments, None) == 0
+
+
+def test_the_kernel_count_loads_its_padding_in_inference_mode(tmp_path: Path) -> None:
+    """A bucket's buffers are inference tensors (made under ``launch`` or the capture): an
+    in-place load outside inference mode raises, so the device check's kernel count was
+    always "not counted"; ``load_padding`` loads inside it."""
+    import torch
+
+    from loadtest.device.gpu_flagship import load_padding
+    from tests.engine.conftest import make_engine, save_tiny
+    from tokenrouter_ray.engine.request import SamplingParams
+
+    engine = make_engine(save_tiny(tmp_path / "m", "qwen3"), static_batches=True)
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3))
+    while engine.has_unfinished:
+        engine.commit(engine.execute())
+    fwd = next(iter(engine.runner.static.values()))
+    with pytest.raises(RuntimeError, match=r"[Ii]nference"):
+        fwd.load(fwd.padding)
+    load_padding(fwd)
+    assert torch.equal(fwd.input_ids[0], fwd.padding.input_ids)
+
+
+def test_an_unknown_only_name_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo in ``--only`` must not run nothing and print PASS."""
+    args = ["--device", "cpu", "--out", str(tmp_path / "r.json"), "--only", "exact,nccl"]
+    assert gpu_check.main(args) == 2
+    assert "no check named nccl" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()

@@ -1,17 +1,14 @@
 """Between ``launch`` and ``collect`` nothing reads the device and nothing copies host values
 synchronously, for every kind of row (issue 39).
 
-On CPU every tensor lives on the host, so the guard is defined on what the code asks for:
-while ``Engine.launch`` runs (the runner on its CUDA path, device events stood in for),
-
-- no op reads a tensor's value into Python: ``aten.item`` / ``aten.is_nonzero`` /
-  ``aten._local_scalar_dense`` (``item``, ``bool``, ``int``, ``float``), ``nonzero`` /
-  ``masked_select`` (an output size only the data knows), ``repeat_interleave`` without
-  ``output_size``, and ``Tensor.tolist``;
-- no tensor is built from Python values straight onto a device (``torch.tensor(...,
-  device=...)``, ``torch.as_tensor(..., device=...)``): those go through the one staging
-  helper (``device_step.to_device``: pinned and non-blocking on CUDA), which builds on the
-  host.
+On CPU every tensor lives on the host, so the guard (tests/engine/host_sync_guard.py) is
+defined on what the code asks for while ``Engine.launch`` runs (the runner on its CUDA
+path, device events stood in for): no value read (``item``, ``int``, ``bool``, ``tolist``,
+``cpu``, ``numpy``), no output sized by the data (``nonzero``, boolean masks, ``bincount``,
+``repeat_interleave`` without ``output_size``), no synchronous host-to-device copy (values
+reach the device through ``device_step.to_device`` / ``host_to_device`` only: pinned and
+non-blocking on CUDA), no explicit wait. The self-tests plant each offence in the sampler
+and check the guard reports it.
 
 The same steps also check the timings of that path: ``forward`` once (the device time
 between the events), the host's queuing apart in ``launch``.
@@ -20,32 +17,20 @@ between the events), the host's queuing apart in ``launch``.
 from __future__ import annotations
 
 import time
-import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.engine.conftest import make_engine
+from tests.engine.host_sync_guard import HostSyncGuard, no_host_sync
 from tests.openai.qwen3_tiny import qwen3_tokenizer, save_qwen3
 from tokenrouter_ray.engine import logits_processors, sampler
-from tokenrouter_ray.engine.device_step import EventWatcher
+from tokenrouter_ray.engine.device_step import EventWatcher, to_device
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.outputs import StepTimings
 from tokenrouter_ray.engine.request import GrammarSpec, SamplingParams
-
-aten = torch.ops.aten
-READS = {  # under inference mode the composites arrive undecomposed: item, is_nonzero
-    aten._local_scalar_dense.default,
-    aten.item.default,
-    aten.is_nonzero.default,
-    aten.equal.default,
-    aten.nonzero.default,
-    aten.masked_select.default,
-}
 
 KINDS = {
     "greedy": SamplingParams(max_tokens=4),
@@ -62,66 +47,22 @@ KINDS = {
     "min_tokens": SamplingParams(min_tokens=3, stop_token_ids=(4,), max_tokens=4),
     "grammar": SamplingParams(max_tokens=4, grammar=GrammarSpec("regex", "(yes|no) [0-9]{1,3}")),
     "logprobs": SamplingParams(temperature=0.5, top_p=0.95, logprobs=3, max_tokens=4),
+    "everything": SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        seed=99,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+        repetition_penalty=1.1,
+        logit_bias=((5, 2.0),),
+        min_tokens=2,
+        logprobs=2,
+        max_tokens=4,
+        grammar=GrammarSpec("regex", "(yes|no) [0-9]{1,3}"),
+    ),
 }
-
-
-class HostReads(TorchDispatchMode):
-    """Records every op that would read a device tensor's value on the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: list[str] = []
-
-    def note(self, what: str) -> None:
-        where = "".join(traceback.format_stack(limit=6)[:-2])
-        self.found.append(f"{what}\n{where}")
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in READS:
-            self.note(str(func))
-        if (
-            func.overloadpacket is aten.repeat_interleave
-            and _output_size(func, args, kwargs) is None
-        ):
-            self.note("repeat_interleave without output_size")
-        return func(*args, **kwargs)
-
-
-def _output_size(func, args: tuple, kwargs: dict) -> object:
-    """``output_size`` of a ``repeat_interleave`` call, by name or position."""
-    if func.overloadpacket is not aten.repeat_interleave:
-        return 0
-    if "output_size" in kwargs:
-        return kwargs["output_size"]
-    names = [a.name for a in func._schema.arguments]
-    at = names.index("output_size")
-    return args[at] if len(args) > at else None
-
-
-@contextmanager
-def no_host_sync(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostReads]:
-    mode = HostReads()
-    tensor, as_tensor, tolist = torch.tensor, torch.as_tensor, torch.Tensor.tolist
-
-    def direct(make):
-        def call(*args, **kwargs):
-            if kwargs.get("device") is not None:
-                mode.note(f"{make.__name__}(..., device=...) outside the staging helper")
-            return make(*args, **kwargs)
-
-        return call
-
-    def read(self, *args, **kwargs):
-        mode.note("Tensor.tolist")
-        return tolist(self, *args, **kwargs)
-
-    with monkeypatch.context() as m:
-        m.setattr(torch, "tensor", direct(tensor))
-        m.setattr(torch, "as_tensor", direct(as_tensor))
-        m.setattr(torch.Tensor, "tolist", read)
-        with mode:
-            yield mode
 
 
 class StandInEvent:
@@ -137,7 +78,8 @@ class StandInEvent:
         return True
 
     def synchronize(self) -> None:
-        pass
+        if HostSyncGuard.active is not None:  # the host waiting for the "device"
+            HostSyncGuard.active.note("a device event's synchronize")
 
     def elapsed_time(self, end: StandInEvent) -> float:
         return (end.at - self.at) * 1e3  # ms, as torch.cuda.Event's
@@ -167,6 +109,7 @@ def guarded_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch, steps: int) -
     for _ in range(steps):
         with no_host_sync(monkeypatch) as guard:
             pending = engine.launch()
+            engine.draft()  # what the step loop does before collect: the next step's draft
         found += guard.found
         if pending is None:
             break
@@ -181,6 +124,7 @@ def test_launch_reads_nothing_back(model_dir: str, monkeypatch, kind: str, stati
     engine.add_request(kind, prompt(), KINDS[kind])
     found = guarded_steps(engine, monkeypatch, 3)  # a prefill, then decodes
     assert not found, "\n".join(found)
+    assert (engine.runner.static_steps > 0) == static  # the decodes took the asked path
 
 
 def test_a_mixed_batch_reads_nothing_back(model_dir: str, monkeypatch) -> None:
@@ -192,23 +136,87 @@ def test_a_mixed_batch_reads_nothing_back(model_dir: str, monkeypatch) -> None:
     assert engine.runner.grammars is not None  # the grammar row was masked in those steps
 
 
-def test_the_guard_catches_a_device_read(model_dir: str, monkeypatch) -> None:
-    """The guard is not vacuous: the former top-k branch's ``unlimited.any()`` and a
-    ``torch.tensor(..., device=...)`` are caught."""
+def _staged_buffer(logits: torch.Tensor) -> torch.Tensor:
+    return to_device([0, 0], torch.long, logits.device)  # a device tensor
+
+
+# Offences a launch must not commit: (name, the planted code, what the guard reports).
+OFFENCES: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
+    "int(tensor)": (lambda x: int(x.argmax(-1)[0]), "_local_scalar_dense"),
+    "item": (lambda x: x.max().item(), "item"),
+    "bool(tensor.any())": (lambda x: bool((x > 0).any()), "is_nonzero"),
+    "tolist": (lambda x: x.argmax(-1).tolist(), "Tensor.tolist"),
+    "cpu": (lambda x: x.cpu(), "Tensor.cpu"),
+    "numpy": (lambda x: x.detach().numpy(), "Tensor.numpy"),
+    "nonzero": (lambda x: (x[0] > 0).nonzero(), "nonzero"),
+    "boolean mask": (lambda x: x[x > 0], "boolean mask"),
+    "bincount": (lambda x: torch.bincount(x.argmax(-1)), "bincount"),
+    "tensor(device=)": (
+        lambda x: torch.tensor([1, 2], device=x.device),
+        "tensor(..., device=...) outside the staging helper",
+    ),
+    "sync .to(device)": (
+        lambda x: torch.tensor([1, 2]).to(x.device),
+        "of a host tensor to a device without non_blocking=True",
+    ),
+    "sync copy_": (
+        lambda x: _staged_buffer(x).copy_(torch.tensor([1, 2])),
+        "copy_ from a host tensor without non_blocking=True",
+    ),
+    "synchronize": (lambda x: torch.cuda.synchronize(), "torch.cuda.synchronize"),
+    "host operand": (
+        lambda x: x.index_select(0, torch.zeros(1, dtype=torch.long)),
+        "a host tensor beside a device tensor",
+    ),
+    "sync .to(device) of a factory's tensor": (
+        lambda x: torch.zeros(2, dtype=torch.long).to(x.device),
+        "of a host tensor to a device without non_blocking=True",
+    ),
+}
+ALLOWED: dict[str, Callable[[torch.Tensor], object]] = {  # the same needs, done right
+    "staged": lambda x: to_device([1, 2], torch.long, x.device),
+    "non-blocking .to": lambda x: torch.tensor([1, 2]).to(x.device, non_blocking=True),
+    "non-blocking copy_": lambda x: _staged_buffer(x).copy_(
+        torch.tensor([1, 2]), non_blocking=True
+    ),
+    "device-side argmax": lambda x: x.argmax(-1),
+    "device to device copy_": lambda x: _staged_buffer(x).copy_(x.argmax(-1)[:2]),
+    "sized repeat_interleave": lambda x: torch.repeat_interleave(
+        torch.arange(2, device=x.device), to_device([1, 2], torch.long, x.device), output_size=3
+    ),
+}
+
+
+def _planted(monkeypatch: pytest.MonkeyPatch, code: Callable[[torch.Tensor], object]) -> None:
+    """``code`` runs on the logits inside the sampler, in every launch."""
     filter_rows = sampler.filter_rows
 
-    def reads(logits: torch.Tensor, params) -> torch.Tensor:
-        unlimited = torch.tensor([p.top_k == 0 for p in params], device=logits.device)
-        if not unlimited.any():  # a host read of a device value
-            pass
+    def planted(logits: torch.Tensor, params) -> torch.Tensor:
+        code(logits)
         return filter_rows(logits, params)
 
-    monkeypatch.setattr(sampler, "filter_rows", reads)
+    monkeypatch.setattr(sampler, "filter_rows", planted)
+
+
+@pytest.mark.parametrize("offence", sorted(OFFENCES))
+def test_the_guard_catches(model_dir: str, monkeypatch, offence: str) -> None:
+    """The guard is not vacuous: each planted read, data-sized op, synchronous copy or wait
+    in the launch window is reported, and nothing else is."""
+    code, reported = OFFENCES[offence]
+    _planted(monkeypatch, code)
     engine = overlapped_engine(model_dir)
     engine.add_request("k", prompt(), KINDS["top_k"])
     found = guarded_steps(engine, monkeypatch, 1)
-    assert any("is_nonzero" in f for f in found)
-    assert any("device=..." in f for f in found)
+    assert found and all(reported in f for f in found), "\n".join(found)
+
+
+@pytest.mark.parametrize("way", sorted(ALLOWED))
+def test_the_guard_lets_the_staged_ways_through(model_dir: str, monkeypatch, way: str) -> None:
+    _planted(monkeypatch, ALLOWED[way])
+    engine = overlapped_engine(model_dir)
+    engine.add_request("k", prompt(), KINDS["top_k"])
+    found = guarded_steps(engine, monkeypatch, 1)
+    assert not found, "\n".join(found)
 
 
 def test_the_guard_catches_an_unsized_repeat_interleave(model_dir: str, monkeypatch) -> None:

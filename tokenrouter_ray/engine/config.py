@@ -13,6 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 
+# The SDPA kernel sets a model may allow on CUDA (engine/attention.py SDPA_BACKENDS).
+SdpaBackend = Literal["auto", "efficient", "flash", "math", "cudnn"]
+SDPA_BACKEND_HELP = (
+    "SDPA kernels allowed on CUDA (engine/attention.py SDPA_BACKENDS): efficient (the "
+    "default: flash where it takes the call, else memory-efficient, math last; never cuDNN), "
+    "flash, math, cudnn (cuDNN first: a plan built per new shape, hundreds of ms each), or "
+    "auto (PyTorch's own choice, which prefers cuDNN on an H100/H200 with a recent cuDNN)."
+)
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -49,12 +58,7 @@ class EngineConfig(BaseModel):
     static_batches: bool = Field(
         False, description="Run the bucketed fixed-shape path eagerly off CUDA (for checks)."
     )
-    sdpa_backend: Literal["auto", "efficient", "flash", "math", "cudnn"] = Field(
-        "efficient",
-        description="SDPA kernels allowed on CUDA (engine/attention.py SDPA_BACKENDS): "
-        "efficient (flash where it takes the call, else memory-efficient, math last; never "
-        "cuDNN), flash, math, cudnn (cuDNN first: a plan per new shape), or auto (PyTorch's).",
-    )
+    sdpa_backend: SdpaBackend = Field("efficient", description=SDPA_BACKEND_HELP)
     tensor_parallel: int = Field(
         1, ge=1, description="Ranks the model is split over (tensor_parallel.py); 1: one device."
     )

@@ -289,8 +289,8 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput, timings: StepTimings) -> Callable[[], StepResult]:
         """Prepare the step, queue its forward and sampler, and return the call that reads
         the sampled tokens back and gives the ``StepResult``. On CUDA nothing here waits for
-        the device (greedy and seeded sampling need no host read; top-k/top-p read one
-        count) and the call is a ``DeviceStep``; on CPU the step is computed here."""
+        the device, whatever the rows ask (tests/engine/test_no_host_sync.py), and the call
+        is a ``DeviceStep``; on CPU the step is computed here."""
         for tap in self.taps:
             tap(out)
         shape = self._static_bucket(out)

@@ -1,15 +1,21 @@
 """Next-token sampling: greedy, temperature, min-p, top-k, top-p, with per-request seeds.
 
 A request's random draw at a position depends only on (its seed, that position), never on
-the batch it shares: each sampled row gets its own generator seeded from both, and draws
-by the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which samples exactly from
-``p`` with one vector of noise. Logits enter as (num_rows, vocab) float tensors; token ids
-leave as a (num_rows,) long tensor on the same device.
+the batch it shares: a sampled row draws by the exponential race (``argmax(p / E)``,
+``E ~ Exp(1)``), which samples exactly from ``p`` with one vector of noise, and that noise
+is a counter-based stream (``race_noise``): token ``j``'s draw is splitmix64's ``j + 1``-th
+output from the row's key ``position_seed(seed, position)``, computed for every sampled row
+at once by integer tensor ops. No ``torch.Generator``, no per-row kernel, no state: the
+same (seed, position) gives the same noise alone or in any batch (and the same integer
+stream on any device; only the float64 ``log`` may round differently). Logits
+enter as (num_rows, vocab) float tensors; token ids leave as a (num_rows,) long tensor on
+the same device.
 
-Nothing here reads the device: every per-row value (indices, k, p, min-p) is built on the
-host from the rows' ``SamplingParams`` and staged once (``device_step.to_device``: pinned,
-non-blocking on CUDA), and every branch is decided from those host lists, so on CUDA the
-whole sampler is queued behind the forward without waiting for it. Asked logprobs are
+Nothing here reads the device: every per-row value (indices, k, p, min-p, noise keys) is
+built on the host from the rows' ``SamplingParams`` and staged once
+(``device_step.to_device``: pinned, non-blocking on CUDA), and every branch is decided from
+those host lists, so on CUDA the whole sampler is queued behind the forward without
+waiting for it. Asked logprobs are
 queued the same way (``queue_logprobs``) and read back with the tokens (``LogprobRows``).
 """
 
@@ -25,10 +31,53 @@ from tokenrouter_ray.engine.outputs import TokenLogprobs
 from tokenrouter_ray.engine.request import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over 63 bits
+_MUL1, _MUL2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser
 
 
 def position_seed(seed: int, position: int) -> int:
+    """The key of a row's noise stream at ``position`` (63 bits)."""
     return (seed * _MIX + position * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 torch stores (two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(z: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tensor:
+    """``out = z >>> shift``: a logical shift of int64 bit patterns (torch's ``>>`` is
+    arithmetic: the sign bits shifted in are masked off)."""
+    torch.bitwise_right_shift(z, shift, out=out)
+    return out.bitwise_and_((1 << (64 - shift)) - 1)
+
+
+NOISE_CHUNK_ELEMENTS = 1 << 23  # race_noise's working set per pass: 3 x 64 MiB temporaries
+
+
+def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(rows, vocab) float32 Exp(1) noise, row ``i`` a pure function of ``keys[i]``
+    ((rows,) int64, ``position_seed``): splitmix64 (state ``key + (j + 1) * golden``,
+    its finaliser, wrapping int64 arithmetic), the top 52 bits as ``u`` in (0, 1) (never
+    0 or 1), ``E = -log(u)`` in float64, then float32 (never 0: a dropped token's
+    ``0 / E`` stays 0). Rows go in passes of at most ``NOISE_CHUNK_ELEMENTS`` draws, so
+    the int64 and float64 temporaries stay bounded at any batch size."""
+    rows = keys.shape[0]
+    out = torch.empty(rows, vocab, dtype=torch.float32, device=keys.device)  # (rows, vocab)
+    counter = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)  # (vocab,)
+    counter.mul_(_signed(_MIX))  # (j + 1) * golden, mod 2**64
+    step = max(1, NOISE_CHUNK_ELEMENTS // max(vocab, 1))
+    for first in range(0, rows, step):  # decided on the host: no read of ``keys``
+        part = keys[first : first + step]  # (n,)
+        z = part[:, None] + counter[None, :]  # (n, vocab) int64: the generator's states
+        t = torch.empty_like(z)
+        z.bitwise_xor_(_shift_right(z, 30, t)).mul_(_signed(_MUL1))
+        z.bitwise_xor_(_shift_right(z, 27, t)).mul_(_signed(_MUL2))
+        z.bitwise_xor_(_shift_right(z, 31, t))
+        top = _shift_right(z, 12, t)  # (n, vocab): 52 random bits, < 2**52
+        del z
+        u = top.to(torch.float64).add_(0.5).mul_(2.0**-52)  # exact: (k + 0.5) / 2**52
+        out[first : first + step] = u.log_().neg_()
+    return out
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -110,7 +159,9 @@ def sample(
     positions: Sequence[int],
 ) -> torch.Tensor:
     """One token per row, (num_rows,) long on the logits' device: argmax for greedy rows,
-    the exponential race over the filtered distribution for the others."""
+    the exponential race over the filtered distribution for the others, with each row's
+    noise ``race_noise`` of ``position_seed(seed, position)`` (keys built on the host,
+    staged once)."""
     hot = [row for row, p in enumerate(params) if not p.is_greedy]
     if not hot:
         return logits.argmax(-1)  # (num_rows,)
@@ -118,12 +169,9 @@ def sample(
     index = None if whole else to_device(hot, torch.long, logits.device)  # (hot,)
     chosen = logits if whole else logits.index_select(0, index)
     probs = filter_rows(chosen.float(), [params[r] for r in hot]).softmax(-1)  # (hot, vocab)
-    noise = torch.empty_like(probs)  # (hot, vocab)
-    for j, row in enumerate(hot):  # each row's own (seed, position) stream; no device read
-        gen = torch.Generator(device=logits.device)
-        gen.manual_seed(position_seed(seeds[row], positions[row]))
-        noise[j].exponential_(generator=gen)
-    drawn = (probs / noise).argmax(-1)  # (hot,)
+    keys = [position_seed(seeds[r], positions[r]) for r in hot]  # the host's, staged once
+    noise = race_noise(to_device(keys, torch.long, logits.device), probs.shape[1])
+    drawn = probs.div_(noise).argmax(-1)  # (hot,)
     if whole:
         return drawn
     tokens = logits.argmax(-1)  # greedy rows; the sampled ones overwritten

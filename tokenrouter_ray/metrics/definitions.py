@@ -142,7 +142,8 @@ BATCH_SIZE = _histogram(
 )
 STEP_SECONDS = _histogram(
     "tokenrouter_step_seconds",
-    "Host time of one step (schedule, prepare, forward, sample; commit excluded).",
+    "One step's time, each phase once: schedule, prepare, forward (on a GPU the device time "
+    "of forward and sampler), sample (the read-back), commit.",
     LATENCY_BUCKETS,
     "model",
 )
