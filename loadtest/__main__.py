@@ -65,6 +65,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "markov-validate": ("loadtest.markov_validate", "the Markov model vs the simulated runtime"),
     "markov-open-loop": ("loadtest.markov_open_loop", "open loop at the tuned thresholds"),
     "markov-replicas": ("loadtest.markov_replicas", "the model with R_large = 2 replicas"),
+    "transit": (
+        "loadtest.host_transit",
+        "tuned vs all-ones with time between models: transit-aware thresholds, in process",
+    ),
     "sim-ablation": ("loadtest.sim_ablation", "where deferral pays (= the sim preset's part)"),
     "speculative": ("loadtest.baselines.speculative", "stock speculative decoding (lossless)"),
     "gpu-check": ("loadtest.device.gpu_check", "the prepared device check (docs/gpu_check.md)"),

@@ -339,6 +339,11 @@ class TunerSpec(_Strict):
     profile: str | None = Field(
         None, description="Step-time profile (JSON/YAML, `tokenrouter-ray profile`) to start from."
     )
+    transit: bool = Field(
+        True,
+        description="Price the measured time between models (each handoff's built -> applied "
+        "latency) into the throughput model; false: a handoff takes no time there.",
+    )
 
     @field_validator("concurrencies")
     @classmethod
