@@ -105,6 +105,7 @@ def test_the_served_targets_read_each_figure_against_its_bound() -> None:
             models={"small": {"applied_p50_us": 800.0}, "large": {"applied_p50_us": 1_500.0}},
         ),
         row("paper tuned", 32, 95.0, thresholds=(1, 20)),
+        row("paper tuned", 8, 1.0, same_as="paper eager"),  # all-1 there: not read twice
         row("paper eager", 1, 60.0, ttft_probe_ms_p50=13.0),  # 6 ms prefill: 7 ms over
         row("paper eager direct", 1, 60.0, ttft_probe_ms_p50=10.0),  # 4 ms over
     ]
@@ -118,5 +119,6 @@ def test_the_served_targets_read_each_figure_against_its_bound() -> None:
     assert verdicts["served paper eager N=32 small: message applied p50 <= 1 ms"] is True
     assert verdicts["served paper eager N=32 large: message applied p50 <= 1 ms"] is False
     assert verdicts["served paper N=32: tuned >= all-ones (Serve's proxy)"] is False
+    assert not any(k.startswith("served paper tuned N=8") for k in verdicts)
     ttft = {k: v for k, v in verdicts.items() if "TTFT" in k}
     assert list(ttft.values()) == [True, False]  # 7 <= 8 through the proxy, 4 > 3 direct
