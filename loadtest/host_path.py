@@ -20,18 +20,25 @@ time, the host works meanwhile; ``simulation/backend.py``):
 2. **Served** (``conf/sim_paper.yaml``'s app on a local Ray cluster: HTTP and SSE through
    Serve's proxy, the ingress deployment, ZeroMQ ipc, the ModelServer deployments): closed
    loop of streaming ``openai`` clients; tok/s from the ingress's own count, step periods
-   and host phases from the replicas' status route, the ingress's CPU time per streamed
-   token, and TTFT: the closed loop's (the ``openai`` client's first content chunk) and,
+   and host phases from the replicas' status route, each process's CPU per committed token
+   (the ingress, each model replica and Serve's proxy, from ``/proc`` over the window:
+   ``loadtest/proc_cpu.py``), each replica's median time from a message's building to its
+   application, and TTFT: the closed loop's (the ``openai`` client's first content chunk) and,
    at N = 1, a probe's (one raw HTTP request at a time, to the first content token's
    bytes), which on the ``zero`` profile is the runtime's overhead alone (the simulated
    prefill costs nothing). The ``... direct`` systems are the
    same apps with ``ingress.direct_port`` set and their clients on that port (the ingress
-   replica's own HTTP server, ingress/direct_http.py), beside Serve's proxy.
+   replica's own HTTP server, ingress/direct_http.py), beside Serve's proxy. A ``... tuned``
+   system's table is what the live tuner decides with the transit its ``... eager`` app
+   measured at each level (``loadtest/host_transit.py``); ``h200 ...`` systems run the
+   h200 profile (``--served-systems "h200 eager,h200 eager direct"``).
 
-Targets (PASS / MISS, never a failure): paper >= 93 % of Markov at N = 8 and >= 90 % at N = 32;
-tuned / Eager-Async within 3 points of the model's ratio; zero profile: critical-path host
-time per step <= 0.3 ms + 10 µs per row; step period <= 1.05x the profiled step at batch 32
-(paper, large model); served TTFT overhead <= 5 ms at N = 1.
+Targets (PASS / MISS, never a failure), in process: paper >= 93 % of Markov at N = 8 and
+>= 90 % at N = 32; tuned / Eager-Async within 3 points of the model's ratio; zero profile:
+critical-path host time per step <= 0.3 ms + 10 µs per row; step period <= 1.05x the
+profiled step at batch 32 (paper, large model). Served: issue 38's, ``loadtest/host_targets.py``
+(served / ideal, CPU per token at h200 N = 64, message applied p50 at N = 32, TTFT overhead,
+tuned >= all-ones). With ``--transit-ms``, ``host_transit``'s too.
 """
 
 from __future__ import annotations
