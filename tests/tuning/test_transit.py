@@ -250,3 +250,19 @@ def test_the_simulated_runtime_measures_at_least_its_network_delay() -> None:
     assert profile is not None
     d = profile.transit_matrix()
     assert d[0, 1] >= 3.0 and d[1, 0] >= 3.0 and d[0, 0] == d[1, 1] == 0.0
+
+
+def test_simulate_delays_every_frame_and_prices_the_delay(capsys) -> None:
+    """``simulate --transit-ms``: the runtime's frames are that late (the replicas measure at
+    least it), the prediction is the chain's with it, and a per-pair transit is refused
+    (the simulated network delays every frame alike)."""
+    inline = ["--step-ms", "small=6,large=27.9", "--route-prob",
+              "small:small=0.65,small:large=0.35,large:small=1", "--grain-ms", "0.5"]  # fmt: skip
+    args = ["simulate", *inline, "--concurrency", "2", "--window-s", "0.5", "--warmup-s", "0.2"]
+    assert cli_main([*args, "--transit-ms", "2", "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    timed = paper_r2r().with_grain(0.5).with_transit(2.0)
+    assert entry["predicted"] == pytest.approx(throughput(timed, 2, (1, 1)).throughput, abs=1e-3)
+    assert min(entry["transit_ms_measured"].values()) >= 2.0
+    assert cli_main([*args, "--transit-ms", "small:large=2"]) == 2
+    assert "must be one number" in capsys.readouterr().err

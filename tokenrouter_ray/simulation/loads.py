@@ -68,10 +68,10 @@ class SimMeasurement:
     transit_ms: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def realized_profile(self, profile: RoutingProfile) -> RoutingProfile:
-        """``profile`` with the routing probability this run actually drew."""
+        """``profile`` (its transit too) with the routing probability this run drew."""
         q = self.escalation_rate
         return RoutingProfile(profile.models, ((1 - q, q), (1.0, 0.0)), profile.commit,
-                              profile.grain_ms)  # fmt: skip
+                              profile.grain_ms, profile.transit_ms)  # fmt: skip
 
     def measured_profile(self, profile: RoutingProfile) -> RoutingProfile:
         """``realized_profile`` with the transit this run measured (what the live tuner
