@@ -70,6 +70,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "loadtest.autoscale",
         "autoscaling on the served simulation: an open-loop ramp up and back down",
     ),
+    "transit": (
+        "loadtest.host_transit",
+        "tuned vs all-ones with time between models: transit-aware thresholds, in process",
+    ),
     "sim-ablation": ("loadtest.sim_ablation", "where deferral pays (= the sim preset's part)"),
     "speculative": ("loadtest.baselines.speculative", "stock speculative decoding (lossless)"),
     "gpu-check": ("loadtest.device.gpu_check", "the prepared device check (docs/gpu_check.md)"),

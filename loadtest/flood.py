@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from loadtest.common import QUESTIONS, command, machine, ray_serve_deploy
+from loadtest.proc_cpu import cpu_seconds
 from loadtest.systems import wait_ready
 
 DEMO = ["models=demo_pair", "policy=r2r_demo", "transport=zmq_ipc", "placement=local"]
@@ -129,9 +130,7 @@ def large_status(url: str) -> dict[str, Any]:
 
 def cpu_s(pid: int) -> float:
     """A process's CPU seconds so far (user + system, from /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_seconds(pid) or 0.0
 
 
 def timed_probes(url: str, pid: int, runs: int) -> tuple[list[tuple[list[str], float]], float]:

@@ -20,18 +20,25 @@ time, the host works meanwhile; ``simulation/backend.py``):
 2. **Served** (``conf/sim_paper.yaml``'s app on a local Ray cluster: HTTP and SSE through
    Serve's proxy, the ingress deployment, ZeroMQ ipc, the ModelServer deployments): closed
    loop of streaming ``openai`` clients; tok/s from the ingress's own count, step periods
-   and host phases from the replicas' status route, the ingress's CPU time per streamed
-   token, and TTFT: the closed loop's (the ``openai`` client's first content chunk) and,
+   and host phases from the replicas' status route, each process's CPU per committed token
+   (the ingress, each model replica and Serve's proxy, from ``/proc`` over the window:
+   ``loadtest/proc_cpu.py``), each replica's median time from a message's building to its
+   application, and TTFT: the closed loop's (the ``openai`` client's first content chunk) and,
    at N = 1, a probe's (one raw HTTP request at a time, to the first content token's
    bytes), which on the ``zero`` profile is the runtime's overhead alone (the simulated
    prefill costs nothing). The ``... direct`` systems are the
    same apps with ``ingress.direct_port`` set and their clients on that port (the ingress
-   replica's own HTTP server, ingress/direct_http.py), beside Serve's proxy.
+   replica's own HTTP server, ingress/direct_http.py), beside Serve's proxy. A ``... tuned``
+   system's table is what the live tuner decides with the transit its ``... eager`` app
+   measured at each level (``loadtest/host_transit.py``); ``h200 ...`` systems run the
+   h200 profile (``--served-systems "h200 eager,h200 eager direct"``).
 
-Targets (PASS / MISS, never a failure): paper >= 93 % of Markov at N = 8 and >= 90 % at N = 32;
-tuned / Eager-Async within 3 points of the model's ratio; zero profile: critical-path host
-time per step <= 0.3 ms + 10 µs per row; step period <= 1.05x the profiled step at batch 32
-(paper, large model); served TTFT overhead <= 5 ms at N = 1.
+Targets (PASS / MISS, never a failure), in process: paper >= 93 % of Markov at N = 8 and
+>= 90 % at N = 32; tuned / Eager-Async within 3 points of the model's ratio; zero profile:
+critical-path host time per step <= 0.3 ms + 10 µs per row; step period <= 1.05x the
+profiled step at batch 32 (paper, large model). Served: issue 38's, ``loadtest/host_targets.py``
+(served / ideal, CPU per token at h200 N = 64, message applied p50 at N = 32, TTFT overhead,
+tuned >= all-ones). With ``--transit-ms``, ``host_transit``'s too.
 """
 
 from __future__ import annotations
@@ -48,11 +55,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loadtest.common import command, machine, ray_serve_deploy
+from loadtest.host_targets import served_targets
+from loadtest.host_transit import SOLVE_GRAIN_MS, best_thresholds, run_transit_sweep, tuner_choice
+from loadtest.host_transit import targets as transit_targets
+from loadtest.proc_cpu import PROXY_TITLE, CpuWindow, find_pids, format_cpu, per_token_us
+from tokenrouter_ray.replica.profile import latency_quantile_us
 from tokenrouter_ray.simulation.loads import ClosedLoop
-from tokenrouter_ray.thresholds import is_admissible
+from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
+from tokenrouter_ray.tuning.search import evaluate
 
 Q = 0.35  # p(small -> large), the paper's R2R setting
 
@@ -61,18 +74,6 @@ def zero_profile() -> RoutingProfile:
     p = paper_r2r()
     models = (ModelProfile.constant("small", 0.001), ModelProfile.constant("large", 0.001))
     return RoutingProfile(models, p.route_prob, p.commit, p.grain_ms)
-
-
-def best_thresholds(profile: RoutingProfile, n: int) -> tuple[tuple[int, int], float]:
-    """The Markov model's best (B_small = 1, B_large) at N, and its predicted tok/s."""
-    best = ((1, 1), throughput(profile, n, (1, 1)).throughput)
-    for b in range(2, n + 1):
-        if not is_admissible(n, (1, b)):
-            break
-        value = throughput(profile, n, (1, b)).throughput
-        if value > best[1]:
-            best = ((1, b), value)
-    return best
 
 
 @dataclass
@@ -262,44 +263,6 @@ def _eager_token_rates(profile: RoutingProfile, max_n: int = 24) -> tuple[float,
     return tuple(markov_token_rates(profile, [[1], [1]], max_n))
 
 
-def run_transit_sweep(
-    levels: list[int], transits_ms: list[float], window_s: float, warmup_s: float
-) -> list[dict[str, Any]]:
-    """The paper profile, Eager-Async and the Markov model's best table, in process, with
-    every frame delayed by a simulated network transit: what the time a handoff spends
-    between models does to each (the Markov model counts none)."""
-    paper, rows = paper_r2r(), []
-    for transit in transits_ms:
-        for n in levels:
-            eager_pred = throughput(paper, n, (1, 1)).throughput
-            tuned_b, tuned_pred = best_thresholds(paper, n)
-            got = {}
-            for name, b, pred in (("eager", (1, 1), eager_pred), ("tuned", tuned_b, tuned_pred)):
-                level = asyncio.run(in_process_level(f"paper {name}", paper, n, b, window_s,
-                                                     warmup_s, pred, transit / 1e3))  # fmt: skip
-                got[name] = level.tok_s
-            row = {
-                "transit_ms": transit,
-                "n": n,
-                "eager_tok_s": got["eager"],
-                "eager_of_markov": got["eager"] / eager_pred,
-                "tuned_b": tuned_b,
-                "tuned_tok_s": got["tuned"],
-                "tuned_of_markov": got["tuned"] / tuned_pred,
-                "ratio": got["tuned"] / got["eager"],
-                "model_ratio": tuned_pred / eager_pred,
-            }
-            rows.append(row)
-            print(
-                f"transit {transit:4.1f} ms N={n:3}: eager {row['eager_tok_s']:8.1f} tok/s "
-                f"({row['eager_of_markov']:.1%} of Markov), tuned B={tuned_b} "
-                f"{row['tuned_tok_s']:8.1f} ({row['tuned_of_markov']:.1%}), tuned/eager "
-                f"{row['ratio']:.3f} (model {row['model_ratio']:.3f})",
-                flush=True,
-            )
-    return rows
-
-
 def _print_level(level: Level) -> None:
     ratio = f"{level.ratio:6.1%}" if level.ratio is not None else "   -  "
     pred = f"{level.predicted:8.1f}" if level.predicted else "       -"
@@ -345,14 +308,34 @@ def sim_overrides(profile: str, large_thresholds: list[int] | None = None) -> li
     return out
 
 
-def tuned_table(levels: list[int]) -> list[int]:
-    """One table for the large model holding the model's best B at every N up to the
-    largest served level: served clients reconnect between requests, so the active count
-    moves below the level, and a table tuned at the level alone would run those moments
-    eagerly (a few seconds of solving at N <= 32)."""
+def served_profile(profile: str) -> RoutingProfile:
+    """The routing profile of a served sim profile (``simulation/served.py``): its step
+    times, the paper's R2R routing (the ``bernoulli`` policy at p = 0.35)."""
+    from tokenrouter_ray.simulation.served import profile_models
+
+    paper = paper_r2r()
+    return RoutingProfile(tuple(profile_models(profile)), paper.route_prob, paper.commit,
+                          paper.grain_ms)  # fmt: skip
+
+
+def tuned_table(
+    levels: list[int], profile: str = "paper", transit_ms: dict[int, float] | None = None
+) -> list[int]:
+    """The large model's table up to the largest served level. Without ``transit_ms``: the
+    model's best B at every N (served clients reconnect between requests, so the active
+    count moves below the level, and a table tuned at the level alone would run those
+    moments eagerly; a few seconds of solving at N <= 32). With it (level -> ms a handoff
+    took in the all-ones run there): what the live tuner decides at each level with that
+    transit priced in (``host_transit.tuner_choice``, grain 0.5 ms), filled between levels
+    as the tuner fills (``ThresholdTable.from_tuned``)."""
+    routing = served_profile(profile)
+    if transit_ms and any(n > 1 for n in transit_ms):
+        tuned = {n: tuner_choice(routing.with_grain(SOLVE_GRAIN_MS).with_transit(d), n)[1]
+                 for n, d in transit_ms.items() if n > 1}  # fmt: skip
+        return ThresholdTable.from_tuned(tuned, max(levels)).to_list()
     table = [1] * (max(levels) + 1)
     for n in range(2, len(table)):
-        (_, b), _ = best_thresholds(paper_r2r(), n)
+        (_, b), _ = best_thresholds(routing, n)
         table[n] = b
     return table
 
@@ -379,7 +362,11 @@ def run_served(
     rows: list[dict[str, Any]] = []
     for system in systems:
         profile, direct = system.split()[0], system.endswith(" direct")
-        table = tuned_table(levels) if system.startswith("paper tuned") else None
+        table = None
+        if system.split()[1:2] == ["tuned"]:  # priced with the transit all-ones measured
+            eager = system.replace(" tuned", " eager")
+            seen = {r["n"]: r["handoff_ms"] for r in rows if r["system"] == eager}
+            table = tuned_table(levels, profile, seen)
         name = "host-" + system.replace(" ", "-")
         overrides = sim_overrides(profile, table)
         if direct:
@@ -391,14 +378,19 @@ def run_served(
             if direct:  # the ingress's own port answers once its replica started it
                 asyncio.run(_wait_ready(client_url))
             for n in levels:
-                if table is not None and table[n] == 1:
-                    continue  # the model's best at this N is all-1: the eager app's run
+                if table is not None and table[n] == 1:  # tuned is all-1: the eager run's
+                    eager = system.replace(" tuned", " eager")
+                    same = next((r for r in rows if (r["n"], r["system"]) == (n, eager)), None)
+                    if same is not None:
+                        rows.append({**same, "system": system, "same_as": same["system"]})
+                        print(f"served {system} N={n}: all-1 is the tuned table ({eager}'s run)")
+                    continue
                 row = asyncio.run(_served_level(url, n, window_s, max_tokens, client_url))
                 row.update(profile=profile, system=system, n=n)
-                if profile == "paper":
+                if profile != "zero":
                     b = (1, table[n] if table else 1)
                     row["thresholds"] = b
-                    row["predicted"] = throughput(paper_r2r(), n, b).throughput
+                    row["predicted"] = evaluate(served_profile(profile), n, [b])[0][0].throughput
                 rows.append(row)
                 _print_served(row)
     return rows
@@ -475,7 +467,7 @@ async def _stats(url: str) -> dict[str, Any]:
     import httpx
 
     async with httpx.AsyncClient() as client:
-        return (await client.get(f"{url}/v1/tokenrouter/stats", timeout=10)).json()
+        return (await client.get(f"{url}/v1/tokenrouter/stats", timeout=30)).json()
 
 
 async def _served_level(
@@ -520,7 +512,10 @@ async def _served_level(
     tasks = [asyncio.create_task(one_client()) for _ in range(n)]
     await asyncio.sleep(min(2.0, window_s))  # warm-up
     s0, t0, c0, ttft0 = await _stats(url), time.perf_counter(), chunks[0], len(ttfts)
+    cpu = CpuWindow(app_pids(s0))
+    cpu.start()
     await asyncio.sleep(window_s)
+    used = cpu.stop()
     s1, t1, c1 = await _stats(url), time.perf_counter(), chunks[0]
     stop.set()
     await asyncio.wait(tasks, timeout=60)
@@ -543,6 +538,8 @@ async def _served_level(
             "rows": host.pop("rows", 0.0),
             "host_us": host,
             "message_latency_us": (st.get("host") or {}).get("message_latency_us"),
+            "applied_p50_us": _applied_p50(before.get("host") or {}, st.get("host") or {}),
+            "applied_mean_us": _applied_mean(before.get("host") or {}, st.get("host") or {}),
         }
     window_ttfts = ttfts[ttft0:] or ttfts
     probe = await _ttft_probe(client_url) if n == 1 else None
@@ -558,6 +555,9 @@ async def _served_level(
         )
         / max(1, tokens),
         "ingress_cpu_us_per_token": (s1["cpu_s"] - s0["cpu_s"]) / max(1, tokens) * 1e6,
+        "cpu_us_per_token": per_token_us(used, tokens),  # per process, from /proc
+        # ms a message took from its sender to its application, the mean over both models
+        "handoff_ms": statistics.mean(m["applied_mean_us"] or 0.0 for m in models.values()) / 1e3,
         "ttft_ms_p50": 1e3 * statistics.median(window_ttfts) if window_ttfts else None,
         "ttft_probe_ms_p50": probe,
         "health_rtt_ms_p50": 1e3 * statistics.median(rtts),  # GET /health, same path
@@ -565,12 +565,41 @@ async def _served_level(
     }
 
 
+def app_pids(stats: dict[str, Any]) -> dict[str, int]:
+    """The served app's processes by name: the ingress and each model replica (their own
+    pids, from the stats route) and Serve's proxy (by its process title)."""
+    pids = {"ingress": stats["pid"]} if "pid" in stats else {}
+    pids |= {m: st["pid"] for m, st in stats.get("models", {}).items() if "pid" in st}
+    proxies = find_pids(PROXY_TITLE)
+    if proxies:
+        pids["proxy"] = proxies[0]
+    return pids
+
+
+def _applied_p50(h0: dict[str, Any], h1: dict[str, Any]) -> float | None:
+    """The median µs from a message's building to its application at this replica, over
+    the messages applied between two status reads."""
+    a, b = h0.get("applied_hist") or [], h1.get("applied_hist") or []
+    if not b:
+        return None
+    return latency_quantile_us([y - (a[k] if k < len(a) else 0) for k, y in enumerate(b)], 0.5)
+
+
+def _applied_mean(h0: dict[str, Any], h1: dict[str, Any]) -> float | None:
+    """The mean of the same (the status route's means since start, weighted by counts)."""
+    c0, c1 = sum(h0.get("applied_hist") or []), sum(h1.get("applied_hist") or [])
+    m0 = (h0.get("message_latency_us") or {}).get("applied", 0.0)
+    m1 = (h1.get("message_latency_us") or {}).get("applied", 0.0)
+    return (m1 * c1 - m0 * c0) / (c1 - c0) if c1 > c0 else None
+
+
 def _print_served(row: dict[str, Any]) -> None:
     pred = row.get("predicted")
     ratio = f" ({row['tok_s'] / pred:.1%} of {pred:.1f})" if pred else ""
     steps = ", ".join(
         f"{m}: step {v['step_ms']:.2f} ms, batch {v['mean_batch'] or 0:.1f}, "
-        f"crit {(v['host_us'] or {}).get('critical', 0):.0f} µs"
+        f"crit {(v['host_us'] or {}).get('critical', 0):.0f} µs, message applied p50 "
+        f"{v['applied_p50_us'] or 0:.0f} µs"
         for m, v in row["models"].items()
     )
     probe = row.get("ttft_probe_ms_p50")
@@ -578,7 +607,7 @@ def _print_served(row: dict[str, Any]) -> None:
     print(
         f"served {row['system']:11} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
         f"{row['ttft_ms_p50'] or 0:.1f} ms{alone} (GET /health {row['health_rtt_ms_p50']:.1f} ms)  "
-        f"ingress CPU {row['ingress_cpu_us_per_token']:.0f} µs/token  "
+        f"{format_cpu(row['cpu_us_per_token'])}  "
         f"SSE chunks/token {row['sse_chunks_per_token']:.2f}  frames/token "
         f"{row['frames_per_token']:.2f}  bytes/token {row['bytes_per_token']:.0f}  [{steps}]",
         flush=True,
@@ -623,48 +652,7 @@ def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str
             f"{x.step_ms[1]:.2f} ms vs {x.profiled_ms[1]:.2f} ({ratio:.3f}x)",
         ))  # fmt: skip
 
-    def served_row(system: str, n: int) -> dict[str, Any] | None:
-        return next((r for r in served if r["system"] == system and r["n"] == n), None)
-
-    for n in sorted({r["n"] for r in served}):
-        proxied, direct = served_row("paper eager", n), served_row("paper eager direct", n)
-        if proxied and direct:
-            out.append((
-                f"served paper N={n}: direct port >= Serve's proxy (tok/s)",
-                direct["tok_s"] >= proxied["tok_s"],
-                f"{direct['tok_s']:.1f} vs {proxied['tok_s']:.1f} tok/s",
-            ))  # fmt: skip
-        for via, suffix in (("Serve's proxy", ""), ("the direct port", " direct")):
-            eager = served_row("paper eager" + suffix, n)
-            tuned = served_row("paper tuned" + suffix, n)
-            if eager and tuned:
-                measured = tuned["tok_s"] / eager["tok_s"]
-                model = tuned["predicted"] / eager["predicted"]
-                out.append((
-                    f"served N={n} tuned/eager within 3 points of the model ({via})",
-                    abs(measured - model) <= 0.03,
-                    f"measured {measured:.3f}, model {model:.3f}",
-                ))  # fmt: skip
-        zero = served_row("zero", n)
-        for model_name, m in (zero or {}).get("models", {}).items():  # replicas: either port
-            bound = 300 + 10 * m.get("rows", 0)
-            crit = (m.get("host_us") or {}).get("critical", 0.0)
-            out.append((
-                f"served zero N={n} {model_name}: critical host <= 0.3 ms + 10 µs/row",
-                crit <= bound,
-                f"{crit:.0f} µs vs {bound:.0f}",
-            ))  # fmt: skip
-    for row in served:
-        probe = row.get("ttft_probe_ms_p50")
-        if row["profile"] == "zero" and row["n"] == 1 and probe is not None:
-            via = "the direct port" if row["system"].endswith("direct") else "Serve's proxy"
-            out.append((
-                f"served TTFT overhead <= 5 ms at N=1 (zero profile, {via}; request to the "
-                "first token's bytes, one request at a time)",
-                probe <= 5.0,
-                f"{probe:.1f} ms",
-            ))  # fmt: skip
-    return out
+    return out + served_targets(served)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -688,8 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--transit-ms",
         default="",
-        help="also run paper eager and tuned in process with every frame delayed this long "
-        "(comma list, e.g. 0,1,3): the cost of the time between models",
+        help="also run all-ones and tuned (without and with the transit in the model) in "
+        "process with every frame delayed this long (comma list, e.g. 0,1,3; loadtest/"
+        "host_transit.py)",
     )
     parser.add_argument("--port", type=int, default=18170)
     parser.add_argument("--out", help="write the figures as JSON here")
@@ -712,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         systems = tuple(args.served_systems.split(","))
         served = run_served(served_levels, args.window_s, args.max_tokens, deploy, systems)
     print("\n# targets (PASS / MISS; they never fail the run)")
-    for name, ok, detail in targets(in_process, served):
+    for name, ok, detail in targets(in_process, served) + transit_targets(sweep):
         print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")
     if args.out:
         with open(args.out, "w") as f:

@@ -492,6 +492,11 @@ class TunerSpec(_Strict):
         "the planned replica counts must keep at the offered load (null: each model's "
         "target_utilisation only).",
     )
+    transit: bool = Field(
+        True,
+        description="Price the measured time between models (each handoff's built -> applied "
+        "latency) into the throughput model; false: a handoff takes no time there.",
+    )
 
     @field_validator("concurrencies")
     @classmethod

@@ -53,6 +53,9 @@ def test_host_benchmark_runs_end_to_end_at_a_tiny_size(serve_app, capsys) -> Non
     assert row["tok_s"] > 0 and row["ttft_ms_p50"] is not None and row["ttft_probe_ms_p50"] > 0
     assert set(row["models"]) == {"small", "large"}
     assert row["ingress_cpu_us_per_token"] > 0
+    cpu = row["cpu_us_per_token"]  # per process, from /proc over the window
+    assert {"ingress", "small", "large"} <= set(cpu) and cpu["ingress"] > 0
+    assert all(m["applied_p50_us"] is not None for m in row["models"].values())
 
 
 def test_the_direct_port_serves_the_same_api_and_cuts_clients_that_stop_reading(

@@ -168,3 +168,15 @@ def test_bounds_and_gpus_per_replica_shape_the_plan() -> None:
         plan(CAPPED, load, Targets({"small": 0.7}), ROWS)
     with pytest.raises(ValueError, match="arrival_rate"):
         Load(-1.0, 64)
+
+
+def test_transit_from_the_profile_slows_each_token_as_given_transit_does() -> None:
+    """A profile's per-pair transit (the live tuner measures it) is the time an entry into
+    a model spends between the models: the same prediction as that transit given alone."""
+    base = paper_r2r()
+    slow = RoutingProfile(base.models, base.route_prob, base.commit, base.grain_ms,
+                          transit_ms=((0.0, 2.0), (2.0, 0.0)))  # fmt: skip
+    given = closed_point(base, 8, transit_s=0.002)
+    measured = closed_point(slow, 8)
+    assert measured.throughput == pytest.approx(given.throughput)
+    assert measured.throughput < closed_point(base, 8).throughput

@@ -172,6 +172,7 @@ def test_tuner_follows_a_routing_shift_on_the_simulated_runtime() -> None:
         concurrencies=[n],
         fixed={"small": 1},
         min_moves=50,
+        transit=False,  # the routing shift alone (the time between models: test_transit.py)
     )
     auto = SimulatedStepTimes(MODELS, spec, scale=scale)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -252,6 +253,7 @@ class IngressService:
             "frames_received": self.core.frames_received,
             "bytes_sent": self.channel.bytes_sent,  # NEW, ACTIVE, ABORT frames
             "cpu_s": time.process_time(),  # this ingress process's CPU time
+            "pid": os.getpid(),  # this ingress process (for per-process CPU from /proc)
             "endpoints": self.peers.by_model,
             "recoveries": self.recovery.log[-20:],
             "moved_off": self.moves[-20:],  # requests moved off replicas that drained

@@ -9,9 +9,35 @@ field (the step thread, or the event loop for ``send`` and the receive counts): 
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+
+# upper edges (µs) of the buckets of ``HostProfile.applied_hist``; the last bucket is open
+LATENCY_EDGES_US = (
+    20, 50, 100, 150, 200, 300, 400, 500, 700, 1_000, 1_500, 2_000, 3_000, 5_000, 7_000,
+    10_000, 20_000, 50_000, 100_000, 1_000_000,
+)  # fmt: skip
+
+
+def latency_quantile_us(hist: Sequence[int], q: float) -> float | None:
+    """The ``q`` quantile (µs) of an ``applied_hist`` (or the difference of two), linear
+    within its bucket; None when it counts nothing. The open last bucket reads as its
+    lower edge."""
+    total = sum(hist)
+    if total <= 0:
+        return None
+    rank, seen = q * total, 0
+    for k, count in enumerate(hist):
+        if count > 0 and seen + count >= rank:
+            lo = LATENCY_EDGES_US[k - 1] if k else 0
+            if k == len(LATENCY_EDGES_US):
+                return float(lo)
+            return lo + (LATENCY_EDGES_US[k] - lo) * (rank - seen) / count
+        seen += count
+    return float(LATENCY_EDGES_US[-1])
 
 
 class _Phase:
@@ -61,6 +87,8 @@ class HostProfile:
     received_after_s: float = 0.0
     applied: int = 0
     applied_after_s: float = 0.0
+    # messages applied, by latency bucket (``LATENCY_EDGES_US``): for the median
+    applied_hist: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_EDGES_US) + 1))
     _timers: dict[str, _Phase] = field(default_factory=dict, repr=False, compare=False)
 
     def phase(self, name: str) -> _Phase:
@@ -81,6 +109,12 @@ class HostProfile:
         out["wait"] = self.wait_s / n * 1e6
         out["period"] = self.period_s / max(1, self.periods) * 1e6
         return out
+
+    def note_applied(self, seconds: float) -> None:
+        """One message applied by the step thread, ``seconds`` after its sender built it."""
+        self.applied += 1
+        self.applied_after_s += seconds
+        self.applied_hist[bisect.bisect_left(LATENCY_EDGES_US, seconds * 1e6)] += 1
 
     def message_latency_us(self) -> dict[str, float]:
         """Mean microseconds from a message's building at its sender to its receipt here

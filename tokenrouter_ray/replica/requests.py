@@ -28,6 +28,8 @@ from tokenrouter_ray.replica.messages import Messages
 from tokenrouter_ray.replica.profile import HostProfile
 from tokenrouter_ray.replica.tracking import Tracked
 from tokenrouter_ray.routing.policy import Policy, RequestView
+from tokenrouter_ray.transport.base import endpoint_model
+from tokenrouter_ray.tuning.window import WindowStats
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import Engine
@@ -51,10 +53,12 @@ class Requests:
         messages: Messages,
         metrics: Metrics,
         profile: HostProfile,
+        stats: WindowStats | None = None,
     ) -> None:
         self.name, self.index, self.endpoint = name, index, endpoint
         self.engine, self.policy, self.messages = engine, policy, messages
         self.metrics, self.profile = metrics, profile
+        self.stats = stats  # the tuner's window: each handoff's transit
         self.tracked: dict[str, Tracked] = {}
         self.ledger = RequestLedger()
         self.active = ActiveCount(INGRESS_SILENCE_S)  # global N, from every ingress's count
@@ -93,8 +97,10 @@ class Requests:
     def apply_one(self, msg: PeerReq, out: list[PeerReq]) -> None:
         """One message, unless stale; a failure is contained to its request."""
         profile = self.profile
-        profile.applied += 1
-        profile.applied_after_s += max(0, time.time_ns() - msg.sent_at) / 1e9
+        after_s = max(0, time.time_ns() - msg.sent_at) / 1e9
+        profile.note_applied(after_s)
+        if msg.kind == MsgKind.HANDOFF and self.stats is not None:
+            self.stats.record_transit(endpoint_model(msg.src), self.name, after_s)
         if msg.kind == MsgKind.PREFILL:  # no request state: outside the ledger
             self._prefill(msg)
             return

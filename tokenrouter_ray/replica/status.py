@@ -39,6 +39,8 @@ class HostSteps(msgspec.Struct):
     per_step_us: dict[str, float]
     message_latency_us: dict[str, float]  # built -> received here, -> applied by the loop
     periods: int  # back-to-back steps: what ``per_step_us["period"]`` averages over
+    # messages applied by latency bucket (``replica/profile.py`` ``LATENCY_EDGES_US``)
+    applied_hist: list[int] = []
 
     @classmethod
     def of(cls, profile: HostProfile) -> HostSteps:
@@ -50,6 +52,7 @@ class HostSteps(msgspec.Struct):
             profile.per_step_us(),
             profile.message_latency_us(),
             profile.periods,
+            list(profile.applied_hist),
         )
 
 

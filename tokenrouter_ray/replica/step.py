@@ -141,7 +141,7 @@ class Replica:
         self.stats = WindowStats()  # for the threshold tuner
         self.requests = Requests(
             self.name, index, channel.name, engine, policy, self.messages, self.metrics,
-            self.profile,
+            self.profile, self.stats,
         )  # fmt: skip
         self.requests.stats = self.stats  # arrivals and finishes: the offered load
         self._wake = threading.Event()

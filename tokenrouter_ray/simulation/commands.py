@@ -5,7 +5,10 @@ The statistics come in as ``tune`` takes them (a profile file or inline ``--step
 ``--thresholds-in`` say which B to run at each ``--concurrency`` N (B at N read from a
 threshold list by ``ThresholdTable``'s lookup rule; inadmissible B skipped). Each point runs
 ``loads.measure_closed_loop`` and prints measured tokens/s beside the Markov prediction
-(a table, or JSON with ``--json``).
+(a table, or JSON with ``--json``). ``--transit-ms X`` delays every frame of the simulated
+runtime by X ms (in the profile's time base) and prices X into the prediction; each point
+then also prints the transit the replicas measured (a handoff's building to its
+application) and the prediction at it and at the realized routing (``pred@meas``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import sys
 from itertools import product
 from pathlib import Path
+from typing import Any
 
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
@@ -115,10 +119,25 @@ def _simulation_points(args: argparse.Namespace, profile: RoutingProfile, n: int
     return [b for b in product(*per_model) if is_admissible(n, b)]
 
 
+def _uniform_transit_ms(profile: RoutingProfile) -> float:
+    """The one transit of every move between the two models (the simulated network delays
+    every frame alike), 0 without; a per-pair transit is refused."""
+    values = {v for i, row in enumerate(profile.transit_matrix()) for j, v in enumerate(row)
+              if i != j and profile.route_prob[i][j] > 0}  # fmt: skip
+    if len(values) > 1:
+        raise UserFacingError(
+            "simulate: --transit-ms must be one number (every frame is delayed alike)"
+        )
+    return values.pop() if values else 0.0
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     from tokenrouter_ray.simulation.backend import escalation_probability
     from tokenrouter_ray.simulation.loads import measure_closed_loop
-    from tokenrouter_ray.tuning.markov import throughput
+    from tokenrouter_ray.tuning.search import evaluate
+
+    def throughput(profile: RoutingProfile, n: int, b: tuple[int, ...]) -> Any:
+        return evaluate(profile, n, [b])[0][0]  # exact, or Monte Carlo where it must
 
     if args.thresholds and args.thresholds_in:
         raise UserFacingError("give --thresholds or --thresholds-in, not both")
@@ -133,6 +152,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise UserFacingError(str(exc)) from None
     if not args.window_s > 0 or args.warmup_s < 0 or not args.time_scale > 0:
         raise UserFacingError("--window-s and --time-scale must be > 0, --warmup-s >= 0")
+    transit_s = _uniform_transit_ms(profile) / 1e3 * args.time_scale
     concurrencies = _int_list(args.concurrency, "--concurrency")
     plan = {n: _simulation_points(args, profile, n) for n in concurrencies}
     if not any(plan.values()):
@@ -158,7 +178,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             meas = measure_closed_loop(
                 profile, n, b,
                 window_s=args.window_s, warmup_s=args.warmup_s, time_scale=args.time_scale,
-                seed=args.seed, max_defer_s=args.max_defer_s,
+                seed=args.seed, max_defer_s=args.max_defer_s, transit_s=transit_s,
             )  # fmt: skip
             predicted = throughput(profile, n, b).throughput
             realized = throughput(meas.realized_profile(profile), n, b).throughput
@@ -174,13 +194,23 @@ def run_simulate(args: argparse.Namespace) -> int:
                 "steps": dict(zip(names, meas.steps, strict=True)),
                 "window_s": round(meas.window_s, 3),
             }
+            extra = ""
+            if transit_s:
+                at_measured = throughput(meas.measured_profile(profile), n, b).throughput
+                entry["transit_ms_measured"] = {
+                    f"{a}->{d}": round(v, 3) for (a, d), v in meas.transit_ms.items()
+                }
+                entry["predicted_at_measured"] = round(at_measured, 3)
+                seen = " ".join(f"{a}->{d} {v:.2f}" for (a, d), v in meas.transit_ms.items())
+                extra = f"  transit ms {seen}  pred@meas {at_measured:.1f}"
             results.append(entry)
             if not args.json:
                 diff = 100 * (meas.throughput - predicted) / predicted
                 batches = " ".join(f"{x:.2f}" for x in meas.mean_batch)
                 print(
                     f"  {n:>4}  {label:<18} {predicted:10.1f} {meas.throughput:10.1f} "
-                    f"{diff:+6.1f}%  {meas.escalation_rate:6.3f} {realized:9.1f}  {batches}",
+                    f"{diff:+6.1f}%  {meas.escalation_rate:6.3f} {realized:9.1f}  {batches}"
+                    f"{extra}",
                     flush=True,
                 )
     if args.json:

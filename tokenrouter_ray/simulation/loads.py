@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenrouter_ray.engine.engine import Engine
@@ -41,6 +41,7 @@ from tokenrouter_ray.simulation.backend import (
 )
 from tokenrouter_ray.thresholds import ThresholdTable, check_admissible
 from tokenrouter_ray.tuning.profile import RoutingProfile
+from tokenrouter_ray.tuning.window import WindowSnapshot
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,23 @@ class SimMeasurement:
     finished_requests: int
     escalation_rate: float  # realized p(small->large): escalations / small-model rows
     deferred_timeouts: int = 0  # launches forced by max_defer_s in the window, all engines
+    # (src, dst) -> mean ms (profile time base) from a handoff's building to its application
+    # at the receiver, over the window: the transit the tuner's window records
+    transit_ms: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def realized_profile(self, profile: RoutingProfile) -> RoutingProfile:
-        """``profile`` with the routing probability this run actually drew."""
+        """``profile`` (its transit too) with the routing probability this run drew."""
         q = self.escalation_rate
         return RoutingProfile(profile.models, ((1 - q, q), (1.0, 0.0)), profile.commit,
-                              profile.grain_ms)  # fmt: skip
+                              profile.grain_ms, profile.transit_ms)  # fmt: skip
+
+    def measured_profile(self, profile: RoutingProfile) -> RoutingProfile:
+        """``realized_profile`` with the transit this run measured (what the live tuner
+        solves from)."""
+        names = profile.names
+        matrix = [[0.0 if a == b else self.transit_ms.get((a, b), 0.0) for b in names]
+                  for a in names]  # fmt: skip
+        return self.realized_profile(profile).with_transit(matrix)
 
     @property
     def raw_throughput(self) -> float:
@@ -625,10 +637,12 @@ class ClosedLoop:
                 runner.reset_stats()
         before, fin0 = self.backend.snapshot(), self.finished
         timeouts0 = sum(e.scheduler.deferred_timeouts for e in self.engines)
+        transit0 = await self._transit()
         t0 = time.perf_counter()
         await asyncio.sleep(window_s)
         elapsed = time.perf_counter() - t0
         after, fin = self.backend.snapshot(), self.finished - fin0
+        transit1 = await self._transit()
         stats = [_merged_stats([r.stats for r in group]) for group in self.model_runners]
 
         def delta(key: str, name: Any) -> float:
@@ -656,7 +670,31 @@ class ClosedLoop:
             finished_requests=fin,
             escalation_rate=escalations / small_rows if small_rows else float("nan"),
             deferred_timeouts=sum(e.scheduler.deferred_timeouts for e in self.engines) - timeouts0,
+            transit_ms=_transit_delta(transit0, transit1, self.time_scale),
         )
+
+    async def _transit(self) -> dict[tuple[str, str], tuple[int, float]]:
+        """Every replica's transit tallies now (through its call queue), merged: (handoffs,
+        seconds) per pair. A window outlives any measurement here (60 s): two reads
+        subtract."""
+        windows = [await server.window() for server in self.servers]
+        return {
+            pair: (t.count, t.total) for pair, t in WindowSnapshot.merge(windows).transit.items()
+        }
+
+
+def _transit_delta(
+    before: dict[tuple[str, str], tuple[int, float]],
+    after: dict[tuple[str, str], tuple[int, float]],
+    time_scale: float,
+) -> dict[tuple[str, str], float]:
+    """Mean transit (ms, profile time base) per pair between two tally reads."""
+    out = {}
+    for pair, (count, total) in after.items():
+        count0, total0 = before.get(pair, (0, 0.0))
+        if count > count0:
+            out[pair] = 1e3 * (total - total0) / (count - count0) / time_scale
+    return out
 
 
 async def measure_closed_loop_async(
@@ -672,9 +710,11 @@ async def measure_closed_loop_async(
     sleep_bias_s: float | None = None,
     prompt_len: int = 4,
     replicas: Sequence[int] | None = None,
+    transit_s: float = 0.0,
 ) -> SimMeasurement:
     """Run N requests in a closed loop on the simulated runtime; measure committed tok/s.
-    ``replicas``: data-parallel replicas per model (each applies B on its own)."""
+    ``replicas``: data-parallel replicas per model (each applies B on its own);
+    ``transit_s``: every frame arrives this long after it was sent (wall clock)."""
     q = escalation_probability(profile)
     thresholds = tuple(int(b) for b in thresholds)
     check_admissible(n_requests, thresholds, replicas)
@@ -699,6 +739,7 @@ async def measure_closed_loop_async(
         sleep_bias_s=sleep_bias_s,
         prompt_len=prompt_len,
         replicas=replicas,
+        transit_s=transit_s,
     )
     async with loop:
         await asyncio.sleep(warmup_s)

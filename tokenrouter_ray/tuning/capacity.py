@@ -16,7 +16,8 @@ distribution of ``p`` (visits per step of the routing chain) a request commits
 
 where ``e_i`` is the share of visits to i that arrive from another model (they wait for the
 step in progress there, half a step on average when the replica is busy, and ``x`` in
-transit), ``u_i' = u_i (n - 1) / n`` the busy share seen by an arriving request (the other
+transit: ``transit_s``, else the profile's ``transit_ms`` for the moves into i),
+``u_i' = u_i (n - 1) / n`` the busy share seen by an arriving request (the other
 n - 1 keep it busy: the arrival theorem), and ``b_i`` the mean rows per step of one of the
 ``R_i`` replicas of model i, from its visit rate ``lambda_i = n nu_i / (C R_i)``: under
 eager launch (thresholds of 1) a busy replica steps back to back and runs what arrived
@@ -168,8 +169,14 @@ class MeanValueModel:
         self.profile = profile
         self.replicas = tuple(int(r) for r in replicas)
         self.max_rows = tuple(int(m) for m in max_rows)
-        self.transit_s = float(transit_s)
         self.chain = Chain.of(profile)
+        # seconds an entry into each model spends in transit: ``transit_s``, or the
+        # profile's per-pair transit averaged over the moves that enter the model
+        p, x = profile.route_matrix(), profile.transit_matrix() / 1e3  # (M, M)
+        inflow = self.chain.visits @ (p - np.diag(np.diag(p)))  # (M,)
+        carried = self.chain.visits @ (p * x)  # (M,) diagonal of x is 0
+        mean = np.divide(carried, inflow, out=np.zeros_like(carried), where=inflow > 0)
+        self.transit_s = [float(transit_s) or float(t) for t in mean]
         self.curves = [StepCurve(model) for model in profile.models]
         # the most visits per second one replica of each model can take: full batches
         self.capacity = tuple(
@@ -190,7 +197,7 @@ class MeanValueModel:
             b = self.curves[i].batch(rate, self.max_rows[i])
             tau = self.curves[i].seconds(b)
             u = min(1.0, rate * tau / b)
-            wait = self.chain.entries[i] * (self.transit_s + others * u * tau / 2)
+            wait = self.chain.entries[i] * (self.transit_s[i] + others * u * tau / 2)
             total += nu * (tau + wait)
             rows.append(b)
             busy.append(u)

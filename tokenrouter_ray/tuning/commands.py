@@ -43,6 +43,11 @@ def _add_statistics(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument("--commit", help="tokens committed per move src:dst (missing = 0)")
     source.add_argument("--grain-ms", type=float, help="time grain delta in ms (default 0.1)")
+    source.add_argument(
+        "--transit-ms",
+        help="time a request moving between two models spends in transit: one number for "
+        "every move, or src:dst=ms pairs (missing = 0); replaces the profile's transit_ms",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -148,7 +153,26 @@ def build_profile(args: argparse.Namespace) -> RoutingProfile:
         if not args.grain_ms > 0:
             raise UserFacingError(f"--grain-ms must be positive, got {args.grain_ms}")
         profile = profile.with_grain(args.grain_ms)
+    if getattr(args, "transit_ms", None):
+        profile = _with_transit(profile, args.transit_ms)
     return profile
+
+
+def _with_transit(profile: RoutingProfile, text: str) -> RoutingProfile:
+    """``--transit-ms``: one number (every move between two models) or ``src:dst=ms`` pairs."""
+    try:
+        if ":" not in text:
+            return profile.with_transit(float(text))
+        names = profile.names
+        matrix = [[0.0] * len(names) for _ in names]
+        for key, value in _pairs(text, "--transit-ms").items():
+            src, _, dst = key.partition(":")
+            if src not in names or dst not in names:
+                raise UserFacingError(f"--transit-ms: unknown model in {key!r} (models: {names})")
+            matrix[names.index(src)][names.index(dst)] = float(value)
+        return profile.with_transit(matrix)
+    except ValueError as exc:
+        raise UserFacingError(f"--transit-ms: {exc}") from None
 
 
 def _fixed(args: argparse.Namespace, profile: RoutingProfile) -> dict[str, int]:

@@ -1,16 +1,17 @@
 """What the live tuner decided and what it knows: typed records that cross Ray as they are.
 
-``TunerDecision`` is one period's outcome of ``ThresholdSolver.decide``: a ``ThresholdTable``
-per model, whether it changed and why, the predicted tokens per second of the threshold
-sets it compared (per active-request count N), the SLO admission cap, and, once the tuner
-recorded it, the routing probabilities it decided from (``route_prob``, keyed by the model
-pair) and, with autoscaling, the replica plan (``ScalingPlan``, ``tuning/scaling.py``).
-``TunerStatus`` is ``TunerCore.snapshot()``: the thresholds in use, the last decision
-and the recent changes, the reporting replicas and the statistics the decisions came from.
-Both are msgspec structs: the Tuner deployment returns them to its callers (the ingress, the
-replicas) typed; ``to_json`` writes the body of ``GET /v1/tokenrouter/tuner`` (model pairs
-as ``"a->b"``, N and batch sizes as string keys, thresholds as lists), the only place their
-JSON shape is decided.
+``TunerDecision`` is one period's outcome of ``ThresholdSolver.decide``: a
+``ThresholdTable`` per model, whether it changed and why, the predicted tokens per second of
+the threshold sets it compared (per active-request count N), the SLO admission cap, and,
+once the tuner recorded it, the routing probabilities and the transit between models it
+decided from (``route_prob``, ``transit_ms``, keyed by the model pair) and, with
+autoscaling, the replica plan (``ScalingPlan``, ``tuning/scaling.py``). ``TunerStatus`` is
+``TunerCore.snapshot()``: the thresholds in use, the last decision and the recent changes,
+the reporting replicas and the statistics the decisions came from. Both are msgspec structs:
+the Tuner deployment returns them to its callers (the ingress, the replicas) typed;
+``to_json`` writes the body of ``GET /v1/tokenrouter/tuner`` (model pairs as ``"a->b"``, N
+and batch sizes as string keys, thresholds as lists), the only place their JSON shape is
+decided.
 """
 
 from __future__ import annotations
@@ -64,11 +65,18 @@ class TunerDecision(msgspec.Struct):
     at: float = msgspec.field(default_factory=time.time)
     route_prob: dict[Pair, float] | None = None  # the profile it was decided from, if any
     plan: ScalingPlan | None = None  # replicas per model (models with autoscaling)
+    transit_ms: dict[Pair, float] | None = None  # ... and its time between models
 
-    def with_routes(self, route_prob: Mapping[Pair, float] | None) -> TunerDecision:
-        """The same decision, carrying the routing probabilities it was decided from."""
+    def with_routes(
+        self,
+        route_prob: Mapping[Pair, float] | None,
+        transit_ms: Mapping[Pair, float] | None = None,
+    ) -> TunerDecision:
+        """The same decision, carrying the routing probabilities (and the transit) it was
+        decided from."""
         routes = None if route_prob is None else dict(route_prob)
-        return replace(self, route_prob=routes)
+        transit = None if transit_ms is None else dict(transit_ms)
+        return replace(self, route_prob=routes, transit_ms=transit)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -86,6 +94,8 @@ class TunerDecision(msgspec.Struct):
             out["route_prob"] = {f"{a}->{b}": round(p, 4) for (a, b), p in self.route_prob.items()}
         if self.plan is not None:
             out["plan"] = self.plan.to_json()
+        if self.transit_ms is not None:
+            out["transit_ms"] = {f"{a}->{b}": round(d, 3) for (a, b), d in self.transit_ms.items()}
         return out
 
 

@@ -61,6 +61,7 @@ def chain_inputs(
         max_batch=profile.max_batches(n_requests),
         route_prob=profile.route_matrix(),
         tokens_per_request=profile.tokens_per_step(),
+        transit=profile.transit_grains() if profile.transit_ms is not None else None,
     )
 
 
@@ -72,12 +73,16 @@ def chain_throughput(chain: Chain, grain_ms: float) -> tuple[float, np.ndarray]:
 
 
 def throughput(
-    profile: RoutingProfile, n_requests: int, thresholds: Sequence[int]
+    profile: RoutingProfile,
+    n_requests: int,
+    thresholds: Sequence[int],
+    max_states: int | None = None,
 ) -> ThroughputResult:
-    """Exact predicted throughput for N active requests under thresholds B."""
+    """Exact predicted throughput for N active requests under thresholds B (``ChainTooLarge``
+    past ``max_states`` reachable states)."""
     inputs = chain_inputs(profile, n_requests, thresholds)
     t0 = time.perf_counter()
-    chain = build_chain(inputs)
+    chain = build_chain(inputs, max_states)
     t1 = time.perf_counter()
     value, _ = chain_throughput(chain, profile.grain_ms)
     t2 = time.perf_counter()
@@ -92,11 +97,21 @@ def throughput(
     )
 
 
+def transit_fits(profile: RoutingProfile, n_requests: int) -> bool:
+    """Whether the exact chain can hold the profile's transit at N (one group in flight per
+    pair: no transit longer than its sender's shortest step); always with no transit."""
+    if profile.transit_ms is None:
+        return True
+    ones = (1,) * profile.num_models
+    return chain_inputs(profile, n_requests, ones).transit_fits()
+
+
 def single_request_throughput(profile: RoutingProfile) -> float:
     """Closed form at N = 1: one request walking the routing chain, one step per visit.
 
     With nu the stationary distribution of p (nu p = nu), the request commits
-    ``sum_i nu_i sum_j p_ij c_ij`` tokens per ``sum_i nu_i t_i(1)`` seconds.
+    ``sum_i nu_i sum_j p_ij c_ij`` tokens per ``sum_i nu_i (t_i(1) + sum_j p_ij d_ij)``
+    seconds (``d_ij`` the transit of a move i -> j, in whole grains as the chain has it).
     """
     p = profile.route_matrix()
     m = p.shape[0]
@@ -105,4 +120,5 @@ def single_request_throughput(profile: RoutingProfile) -> float:
     rhs[-1] = 1.0
     nu = np.linalg.lstsq(system, rhs, rcond=None)[0]
     step_s = profile.grains(1)[:, 1] * profile.grain_ms / 1000.0
+    step_s = step_s + (p * profile.transit_grains()).sum(axis=1) * profile.grain_ms / 1000.0
     return float(nu @ profile.tokens_per_step()) / float(nu @ step_s)

@@ -7,6 +7,12 @@ step for all rows. The dynamics are exactly those of ``chain.py`` (same grains, 
 rule, multinomial routing), so the only error is sampling error, reported as a standard
 error from the spread across replicas. Input: a profile, N, a list of threshold vectors and a
 ``MonteCarloConfig``; output: one ``ThroughputResult`` per candidate with ``stderr`` set.
+
+A profile's transit (``transit_ms``: a request moving i -> j waits ``d_ij`` grains before it
+is runnable at j) is a calendar per copy: arrivals due at each of the next ``max d`` grains,
+so any number of groups may be in flight (the exact chain holds one per pair). An event is
+then a batch completion or a landing, whichever comes first; ``warmup_events`` and
+``events`` count both.
 """
 
 from __future__ import annotations
@@ -78,9 +84,10 @@ def monte_carlo(
     tokens = np.zeros(rows)
     grains_elapsed = np.zeros(rows)
     never = np.iinfo(np.int64).max
+    calendar = _Calendar(profile.transit_grains(), rows, (m,))
     for event in range(config.warmup_events + config.events):
         running = batch > 0
-        step = np.where(running, left, never).min(axis=1)  # (C,)
+        step = np.minimum(np.where(running, left, never).min(axis=1), calendar.next_due())  # (C,)
         finishing = running & (left == step[:, None])
         done = np.where(finishing, batch, 0)  # (C, M) requests leaving each model
         if event >= config.warmup_events:
@@ -88,10 +95,15 @@ def monte_carlo(
             grains_elapsed += step
         left[:] = np.where(running & ~finishing, left - step[:, None], 0)
         batch[finishing] = 0
+        waiting += calendar.advance(step)
         for i in range(m):
             moving = np.flatnonzero(done[:, i])
             if moving.size:
-                waiting[moving] += rng.multinomial(done[moving, i], route[i])
+                arrivals = rng.multinomial(done[moving, i], route[i])  # (k, M)
+                for j in calendar.delayed(i):
+                    calendar.add(moving, calendar.transit[i, j], (j,), arrivals[:, j])
+                    arrivals[:, j] = 0
+                waiting[moving] += arrivals
         launch()
 
     return _results(tokens, grains_elapsed, reps, profile, n_requests, candidates, start)
@@ -150,10 +162,12 @@ def monte_carlo_bound(
     tokens = np.zeros(rows)
     grains_elapsed = np.zeros(rows)
     never = np.iinfo(np.int64).max
+    transit = profile.transit_grains()  # (M, M)
+    calendar = _Calendar(transit, rows, (u_count, c_count))
     for event in range(config.warmup_events + config.events):
         size = batch.sum(axis=2)  # (rows, U)
         running = size > 0
-        step = np.where(running, left, never).min(axis=1)  # (rows,)
+        step = np.minimum(np.where(running, left, never).min(axis=1), calendar.next_due())
         finishing = running & (left == step[:, None])
         if event >= config.warmup_events:
             tokens += np.where(finishing, size, 0) @ per_request
@@ -161,16 +175,67 @@ def monte_carlo_bound(
         left[:] = np.where(running & ~finishing, left - step[:, None], 0)
         done = np.where(finishing[:, :, None], batch, 0)  # (rows, U, C)
         batch[finishing] = 0
+        waiting += calendar.advance(step)
         for u in range(u_count):
+            src = unit_model[u]
             for c in range(c_count):
                 moving = np.flatnonzero(done[:, u, c])
                 if moving.size:
-                    arrivals = rng.multinomial(done[moving, u, c], route[unit_model[u]])
-                    for j in np.flatnonzero(route[unit_model[u]]):
-                        waiting[moving, bound[c, j], c] += arrivals[:, j]
+                    arrivals = rng.multinomial(done[moving, u, c], route[src])
+                    for j in np.flatnonzero(route[src]):
+                        if transit[src, j]:
+                            calendar.add(moving, transit[src, j], (bound[c, j], c), arrivals[:, j])
+                        else:
+                            waiting[moving, bound[c, j], c] += arrivals[:, j]
         launch()
 
     return _results(tokens, grains_elapsed, reps, profile, n_requests, candidates, start)
+
+
+class _Calendar:
+    """Requests in transit per copy: ``due[row, t % L, *where]`` arrive ``t`` grains from the
+    start (``L`` = longest transit + 1, so a ring of one slot per grain ahead suffices)."""
+
+    def __init__(self, transit: np.ndarray, rows: int, shape: tuple[int, ...]) -> None:
+        self.transit = transit  # (M, M) grains
+        self.length = int(transit.max()) + 1
+        self.rows = np.arange(rows)
+        self.clock = np.zeros(rows, dtype=np.int64)  # grains since the start, per copy
+        self.due = (
+            np.zeros((rows, self.length, *shape), dtype=np.int64) if self.length > 1 else None
+        )
+
+    def delayed(self, src: int) -> list[int]:
+        """Destinations a request leaving model ``src`` reaches only after a transit."""
+        return [int(j) for j in np.flatnonzero(self.transit[src])]
+
+    def next_due(self) -> np.ndarray:
+        """(rows,) grains until the next landing (int64 max when nothing is in flight)."""
+        never = np.iinfo(np.int64).max
+        if self.due is None:
+            return np.full(self.rows.size, never)
+        ahead = (self.clock[:, None] + np.arange(1, self.length)) % self.length  # (rows, L-1)
+        flat = self.due.reshape(self.rows.size, self.length, -1).sum(axis=2)  # (rows, L)
+        pending = np.take_along_axis(flat, ahead, axis=1) > 0  # (rows, L - 1)
+        return np.where(pending.any(axis=1), pending.argmax(axis=1) + 1, never)
+
+    def advance(self, step: np.ndarray) -> np.ndarray:
+        """Move every copy's clock on by ``step`` grains; returns what landed (rows, *shape)
+        (at most one slot per copy: ``step`` never passes a landing)."""
+        if self.due is None:
+            return 0  # type: ignore[return-value]
+        self.clock += step
+        slot = self.clock % self.length
+        landed = self.due[self.rows, slot].copy()
+        self.due[self.rows, slot] = 0
+        return landed
+
+    def add(
+        self, rows: np.ndarray, grains: int, where: tuple[int, ...], counts: np.ndarray
+    ) -> None:
+        """``counts[k]`` requests of copy ``rows[k]`` land at ``where`` ``grains`` from now."""
+        slot = (self.clock[rows] + int(grains)) % self.length
+        self.due[(rows, slot, *where)] += counts
 
 
 def _results(

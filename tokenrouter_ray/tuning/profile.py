@@ -2,12 +2,16 @@
 
 A ``RoutingProfile`` holds, per model, the step time as a function of batch size, plus the
 routing matrix ``p[i][j]`` (probability that a request finishing a step on model i goes to
-model j next) and the commit matrix ``c[i][j]`` (tokens committed by that move). It enters
-from a JSON/YAML file (``load_profile``), from a plain mapping (``profile_from_mapping``) or is
-built directly; it leaves as numpy arrays (``route_matrix``, ``commit_matrix``, ``grains``).
+model j next), the commit matrix ``c[i][j]`` (tokens committed by that move) and, optionally,
+the transit matrix ``transit_ms[i][j]`` (how long a request moving from i to j spends between
+the two models before it is runnable at j: the handoff's message; 0 on the diagonal, a
+request that stays does not travel). It enters from a JSON/YAML file (``load_profile``), from
+a plain mapping (``profile_from_mapping``) or is built directly; it leaves as numpy arrays
+(``route_matrix``, ``commit_matrix``, ``grains``, ``transit_grains``).
 
 Time discretization: a step of ``t`` ms lasts ``max(1, round(t / grain_ms))`` grains, rounding
-half up. Rounding (not ceil) keeps ``27.9 / 0.1`` at 279 grains despite float error.
+half up. Rounding (not ceil) keeps ``27.9 / 0.1`` at 279 grains despite float error. A
+transit rounds the same way but may round to 0 grains (then it is not modelled).
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ class RoutingProfile:
     route_prob: tuple[tuple[float, ...], ...]  # p[i][j], rows sum to 1
     commit: tuple[tuple[float, ...], ...]  # c[i][j] tokens committed on a move i -> j
     grain_ms: float = 0.1
+    # ms a request moving i -> j (i != j) spends between the models; None: no transit
+    transit_ms: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         m = len(self.models)
@@ -104,6 +110,17 @@ class RoutingProfile:
         p = p / p.sum(axis=1, keepdims=True)
         object.__setattr__(self, "route_prob", tuple(tuple(row) for row in p.tolist()))
         object.__setattr__(self, "commit", tuple(tuple(row) for row in c.tolist()))
+        if self.transit_ms is not None:
+            d = np.asarray(self.transit_ms, dtype=float)
+            if d.shape != (m, m):
+                raise ValueError(f"transit_ms must be a {m}x{m} matrix")
+            if (d < 0).any() or not np.isfinite(d).all():
+                raise ValueError("transit times must be finite and non-negative")
+            if np.diag(d).any():
+                raise ValueError("a request that stays on its model does not travel: "
+                                 "transit_ms must be 0 on the diagonal")  # fmt: skip
+            rows = tuple(tuple(row) for row in d.tolist()) if d.any() else None
+            object.__setattr__(self, "transit_ms", rows)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -138,6 +155,28 @@ class RoutingProfile:
                 out[i, b] = max(1, math.floor(model.step_time_ms(b) / delta + 0.5))
         return out
 
+    def transit_matrix(self) -> np.ndarray:
+        """``out[i, j]``: ms a request moving i -> j spends between the models (M, M)."""
+        if self.transit_ms is None:
+            return np.zeros((self.num_models, self.num_models))
+        return np.asarray(self.transit_ms, dtype=float)
+
+    def transit_grains(self, grain_ms: float | None = None) -> np.ndarray:
+        """Transit in grains, ``out[i, j]`` (M, M), rounded half up like a step; unlike a
+        step it may round to 0 (then the move is instantaneous in the chain)."""
+        delta = self.grain_ms if grain_ms is None else grain_ms
+        return np.floor(self.transit_matrix() / delta + 0.5).astype(np.int64)
+
+    def with_transit(self, transit_ms: float | Sequence[Sequence[float]] | None) -> RoutingProfile:
+        """The same profile with a transit: one number for every move between two models,
+        a matrix per pair, or None (none)."""
+        if transit_ms is not None and not isinstance(transit_ms, Sequence):
+            m = self.num_models
+            value = float(transit_ms)
+            transit_ms = [[0.0 if i == j else value for j in range(m)] for i in range(m)]
+        rows = None if transit_ms is None else tuple(tuple(map(float, r)) for r in transit_ms)
+        return RoutingProfile(self.models, self.route_prob, self.commit, self.grain_ms, rows)
+
     def max_batches(self, n_requests: int) -> np.ndarray:
         caps = [
             n_requests if m.max_batch is None else min(m.max_batch, n_requests) for m in self.models
@@ -145,18 +184,20 @@ class RoutingProfile:
         return np.asarray(caps, dtype=np.int64)  # (M,)
 
     def with_grain(self, grain_ms: float) -> RoutingProfile:
-        return RoutingProfile(self.models, self.route_prob, self.commit, grain_ms)
+        return RoutingProfile(self.models, self.route_prob, self.commit, grain_ms, self.transit_ms)
 
     def permuted(self, order: Sequence[int]) -> RoutingProfile:
         """The same system with models relabelled: new model k is old model ``order[k]``."""
         idx = list(order)
         p = self.route_matrix()[np.ix_(idx, idx)]
         c = self.commit_matrix()[np.ix_(idx, idx)]
+        d = self.transit_matrix()[np.ix_(idx, idx)]
         return RoutingProfile(
             tuple(self.models[i] for i in idx),
             tuple(map(tuple, p.tolist())),
             tuple(map(tuple, c.tolist())),
             self.grain_ms,
+            tuple(map(tuple, d.tolist())),
         )
 
 
@@ -215,13 +256,19 @@ def profile_from_mapping(data: Mapping[str, Any]) -> RoutingProfile:
     """Build a profile from the documented file layout (see docs/tuning.md)."""
     models = models_from_mapping(data)
     names = [m.name for m in models]
+    transit = data.get("transit_ms")
     try:
-        return RoutingProfile(
+        profile = RoutingProfile(
             tuple(models),
             _pair_matrix(data.get("route_prob"), names, "route_prob"),
             _pair_matrix(data.get("commit"), names, "commit"),
             float(data.get("grain_ms", 0.1)),
         )
+        if isinstance(transit, (int, float)) and not isinstance(transit, bool):
+            return profile.with_transit(float(transit))
+        if transit is not None:
+            return profile.with_transit(_pair_matrix(transit, names, "transit_ms"))
+        return profile
     except ValueError as exc:
         raise UserFacingError(str(exc)) from None
 

@@ -11,10 +11,13 @@ those into the per-model lists a scheduler config takes
 Methods: ``exact`` solves the Markov chain for every admissible B; ``monte-carlo`` estimates
 all of them at once with the vectorized simulation of the same chain (``montecarlo.py``);
 ``auto`` takes exact for two models, or for more models up to ``AUTO_EXACT_MAX_N``, and Monte
-Carlo beyond. The exact sweep is exhaustive by default. ``patience=k`` stops a free model's
-sweep after k values in a row below its best so far; T(B) is *not* always single-peaked (at
-N=64 in the paper setting it dips near B=22 before its maximum at B=40, see docs/tuning.md),
-so early stopping is an opt-in speed/accuracy trade.
+Carlo beyond. With a transit between models (``RoutingProfile.transit_ms``) the exact chain
+grows by the requests in flight: ``auto`` takes it while it can hold the transit (none
+longer than its sender's shortest step) and stays under ``TRANSIT_MAX_STATES`` states, and
+Monte Carlo otherwise (``evaluate``). The exact sweep is exhaustive by default.
+``patience=k`` stops a free model's sweep after k values in a row below its best so far;
+T(B) is *not* always single-peaked (at N=64 in the paper setting it dips near B=22 before its
+maximum at B=40, see docs/tuning.md), so early stopping is an opt-in speed/accuracy trade.
 """
 
 from __future__ import annotations
@@ -25,13 +28,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
-from tokenrouter_ray.tuning.markov import ThroughputResult, throughput
+from tokenrouter_ray.tuning.chain import ChainTooLarge
+from tokenrouter_ray.tuning.markov import ThroughputResult, throughput, transit_fits
 from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig, monte_carlo
 from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.replicas import replica_counts
 
 METHODS = ("auto", "exact", "monte-carlo")
 AUTO_EXACT_MAX_N = 8  # with 3+ models, exact chains past this N reach 10^5..10^6 states
+# with a transit, ``auto`` gives up the exact chain past this many states (the paper's
+# profile at grain 0.5 ms and 2 ms transit: 73k states at N = 32, built and solved in 1.3 s;
+# 238k at N = 48 in 10 s; N = 64 did not finish in 15 min)
+TRANSIT_MAX_STATES = 150_000
 
 
 @dataclass(frozen=True)
@@ -104,13 +112,14 @@ def _climb_exact(
     base: list[int],
     free: tuple[int, ...],
     patience: int | None,
+    max_states: int | None = None,
 ) -> list[ThroughputResult]:
     points: list[ThroughputResult] = []
 
     def climb(axis: int, thresholds: list[int]) -> float:
         """Best throughput over free axes ``axis..`` with the earlier ones set."""
         if axis == len(free):
-            point = throughput(profile, n_requests, tuple(thresholds))
+            point = throughput(profile, n_requests, tuple(thresholds), max_states)
             points.append(point)
             return point.throughput
         best, worse_in_a_row = float("-inf"), 0
@@ -144,11 +153,36 @@ def resolve_method(
         raise ValueError("the exact chain has one replica per model; with replicas use monte-carlo")
     if method != "auto":
         return method
-    if replicated:
+    if replicated or not transit_fits(profile, n_requests):
         return "monte-carlo"
     if profile.num_models <= 2 or n_requests <= AUTO_EXACT_MAX_N:
         return "exact"
     return "monte-carlo"
+
+
+def _state_cap(profile: RoutingProfile, method: str) -> int | None:
+    """``auto`` with a transit: the exact chain up to ``TRANSIT_MAX_STATES`` states."""
+    return TRANSIT_MAX_STATES if method == "auto" and profile.transit_ms is not None else None
+
+
+def evaluate(
+    profile: RoutingProfile,
+    n_requests: int,
+    combos: Sequence[Sequence[int]],
+    method: str = "auto",
+    mc_config: MonteCarloConfig | None = None,
+    replicas: Sequence[int] | None = None,
+) -> tuple[list[ThroughputResult], str]:
+    """T(B) of every threshold vector in ``combos`` by ``method`` (see the module docstring),
+    and the method used."""
+    chosen = resolve_method(profile, n_requests, method, replicas)
+    if chosen == "exact":
+        try:
+            cap = _state_cap(profile, method)
+            return [throughput(profile, n_requests, c, cap) for c in combos], chosen
+        except ChainTooLarge:
+            pass
+    return monte_carlo(profile, n_requests, combos, mc_config, replicas), "monte-carlo"
 
 
 def sweep(
@@ -166,9 +200,14 @@ def sweep(
     base, free = _base_and_free(profile, n_requests, fixed, counts)
     chosen = resolve_method(profile, n_requests, method, counts)
     start = time.perf_counter()
+    points = None
     if chosen == "exact":
-        points = _climb_exact(profile, n_requests, base, free, patience)
-    else:
+        try:
+            cap = _state_cap(profile, method)
+            points = _climb_exact(profile, n_requests, base, free, patience, cap)
+        except ChainTooLarge:
+            chosen = "monte-carlo"
+    if points is None:
         cands = candidates(profile, n_requests, fixed, counts)
         points = monte_carlo(profile, n_requests, cands, mc_config, counts)
     return SweepResult(

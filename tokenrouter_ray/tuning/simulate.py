@@ -6,11 +6,14 @@ event, the running batches with the least time left finish, each request picks i
 model from ``p`` on its own, and idle models with enough waiting requests launch. It walks
 one trajectory with Python's ``random`` and reports committed tokens over elapsed time.
 It is slow (pure Python) and meant for small cases and tests; ``montecarlo.py`` holds the
-vectorized estimator used for tuning.
+vectorized estimator used for tuning. A profile's transit (``transit_ms``) holds each
+request moving i -> j in flight for ``d_ij`` grains before it waits at j; any number of
+groups may be in flight at once.
 """
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +40,8 @@ def simulate(
     warmup_events: int = 1_000,
     seed: int = 0,
 ) -> SimulationResult:
-    """Simulate ``warmup_events + events`` batch completions; measure the last ``events``."""
+    """Simulate ``warmup_events + events`` events (batch completions, and landings of requests
+    in transit); measure the last ``events``."""
     check_admissible(n_requests, thresholds)
     rng = random.Random(seed)
     m = profile.num_models
@@ -46,6 +50,9 @@ def simulate(
     route = profile.route_matrix().tolist()
     commit = profile.commit_matrix().tolist()
     destinations = list(range(m))
+    transit = profile.transit_grains().tolist()
+    flights: list[tuple[int, int, int]] = []  # heap of (landing time, dst, request id)
+    clock = 0
 
     queue: list[list[int]] = [[] for _ in range(m)]  # request ids waiting at each model
     batch: list[list[int]] = [[] for _ in range(m)]  # request ids in each running step
@@ -63,7 +70,11 @@ def simulate(
     tokens = 0.0
     elapsed = 0
     for event in range(warmup_events + events):
-        step = min(left[i] for i in range(m) if batch[i])
+        step = min([left[i] for i in range(m) if batch[i]] + [t - clock for t, _, _ in flights[:1]])
+        clock += step
+        while flights and flights[0][0] == clock:
+            _, dst, rid = heapq.heappop(flights)
+            queue[dst].append(rid)
         moving: list[tuple[int, int]] = []
         for i in range(m):
             if not batch[i]:
@@ -76,7 +87,10 @@ def simulate(
             dst = rng.choices(destinations, weights=route[src])[0]
             if event >= warmup_events:
                 tokens += commit[src][dst]
-            queue[dst].append(rid)
+            if transit[src][dst]:
+                heapq.heappush(flights, (clock + transit[src][dst], dst, rid))
+            else:
+                queue[dst].append(rid)
         if event >= warmup_events:
             elapsed += step
         launch()

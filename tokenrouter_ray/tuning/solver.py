@@ -26,12 +26,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
 from tokenrouter_ray.tuning.decision import TunerDecision
-from tokenrouter_ray.tuning.markov import throughput
-from tokenrouter_ray.tuning.montecarlo import monte_carlo
 from tokenrouter_ray.tuning.profile import RoutingProfile
-from tokenrouter_ray.tuning.search import resolve_method
+from tokenrouter_ray.tuning.search import evaluate
 
 
 class ThresholdSolver:
@@ -110,7 +110,12 @@ class ThresholdSolver:
             abs(a.step_time_ms(1) - b.step_time_ms(1)) / a.step_time_ms(1)
             for a, b in zip(old.models, new.models, strict=True)
         ]
-        return moved_p > self.drift or max(steps) > 0.2
+        # the transit: re-solve when it moved by a tenth of the shortest step (or a grain)
+        moved_d = float(np.abs(old.transit_matrix() - new.transit_matrix()).max())
+        shortest = min(m.step_time_ms(1) for m in new.models)
+        return (
+            moved_p > self.drift or max(steps) > 0.2 or moved_d > max(0.1 * shortest, new.grain_ms)
+        )
 
     def decide(self, profile: RoutingProfile | None, force: bool = False) -> TunerDecision:
         if profile is None:
@@ -185,10 +190,7 @@ class ThresholdSolver:
             else:
                 grids.append(range(max(1, cur - reach), min(n, cur + reach) + 1))
         combos = [c for c in itertools.product(*grids) if is_admissible(n, c, counts)]
-        if resolve_method(profile, n, "auto", counts) == "exact":
-            points = [throughput(profile, n, combo) for combo in combos]
-        else:
-            points = monte_carlo(profile, n, combos, model_replicas=counts)
+        points, _ = evaluate(profile, n, combos, "auto", replicas=counts)
         scores = {_label(self.models, p.thresholds): p.throughput for p in points}
         best = max(points, key=lambda p: p.throughput, default=None)
         return (current if best is None else tuple(best.thresholds)), scores

@@ -13,16 +13,18 @@ and only deadlock-free sets. The reporting replicas of each model are counted: t
 are per replica and the deadlock-free sets depend on the counts (``sum_i R_i (B_i - 1) <
 N``), so a count that changes forces a re-solve.
 
-Routing probabilities and commits come from the current window only (they follow the
-traffic); step times are remembered per batch size across windows (they follow the
-hardware), so a threshold that stopped producing small batches does not erase what a small
-batch costs. Batch sizes never observed are filled from a straight line fitted to the
-observed ones (a decode step is a fixed cost plus a per-sequence cost), not held flat: a
-flat extrapolation below the smallest observed batch would make small thresholds look as
-slow as large ones and the tuner could never lower a threshold it had raised. A profile
-file (``tokenrouter-ray profile``) seeds the table before traffic arrives. Each period's
-outcome is a ``TunerDecision``; everything it decided, and why, is ``snapshot()``, a
-``TunerStatus`` (both typed, ``decision.py``), whose ``to_json`` is ``status()``.
+Routing probabilities, commits and the transit between models (each handoff's time from its
+building at the sender to its application at the receiver, recorded by the receiver) come
+from the current window only (they follow the traffic and the load); step times are
+remembered per batch size across windows (they follow the hardware), so a threshold that
+stopped producing small batches does not erase what a small batch costs. Batch sizes never
+observed are filled from a straight line fitted to the observed ones (a decode step is a
+fixed cost plus a per-sequence cost), not held flat: a flat extrapolation below the smallest
+observed batch would make small thresholds look as slow as large ones and the tuner could
+never lower a threshold it had raised. A profile file (``tokenrouter-ray profile``) seeds
+the table before traffic arrives. Each period's outcome is a ``TunerDecision``; everything
+it decided, and why, is ``snapshot()``, a ``TunerStatus`` (both typed, ``decision.py``),
+whose ``to_json`` is ``status()``.
 
 Names: the *tuner* is this whole loop (config section ``tuner``, the ``Tuner`` deployment,
 ``GET /v1/tokenrouter/tuner``); ``ThresholdSolver`` is its decision step; ``tokenrouter-ray
@@ -139,6 +141,7 @@ class TunerCore:
         stale = now - 3 * self.spec.period_s
         merged: dict[str, list[WindowSnapshot]] = {}  # model -> [all replicas' window]
         counts: dict[str, int] = {}
+        transit: dict[Pair, float] = {}
         for model, replicas in self.reports.items():
             for replica in [r for r, (at, _) in replicas.items() if at < stale]:
                 del replicas[replica]
@@ -146,13 +149,15 @@ class TunerCore:
             if replicas:  # the fresh reporters are the live replicas of the model
                 counts[model] = len(replicas)
             self.step_ms[model].update(window.step_means_ms())
+            transit.update(window.transit_ms())  # pairs into this model: recorded here
             merged[model] = [window]
             self.windows[model] = window
         if self.solver.set_replicas(counts):
             self.replica_changes += 1
         top = max(self.spec.concurrencies)
         filled = {m: fill_step_times(self.step_ms[m], top) for m in self.models}
-        return build_profile(merged, self.models, self.spec.grain_ms, self.spec.min_moves, filled)
+        return build_profile(merged, self.models, self.spec.grain_ms, self.spec.min_moves, filled,
+                             transit if self.spec.transit else None)  # fmt: skip
 
     def step(self) -> TunerDecision:
         """One tuning period: collect, maybe re-solve, maybe move the thresholds."""
@@ -193,9 +198,9 @@ class TunerCore:
             self.plan, self._planned_at = decision.plan, self.clock()
         if profile is not None:
             self.profile = profile
-        self._recorded = decision.with_routes(route_probs(self.profile))
+        self._recorded = decision.with_routes(route_probs(self.profile), transits(self.profile))
         if decision.changed:
-            self.history.append(decision.with_routes(route_probs(profile)))
+            self.history.append(decision.with_routes(route_probs(profile), transits(profile)))
 
     def _active_histogram(self) -> dict[int, int]:
         """Steps run under each active-request count N, all replicas' windows together."""
@@ -230,11 +235,14 @@ def build_profile(
     grain_ms: float,
     min_moves: int = 50,
     step_ms: Mapping[str, Mapping[int, float]] | None = None,
+    transit_ms: Mapping[Pair, float] | None = None,
 ) -> RoutingProfile | None:
     """A profile from each model's replica snapshots; None while any model has fewer than
     ``min_moves`` observed moves or no step times yet. ``step_ms`` (model -> batch -> ms)
     replaces the snapshots' step times when given: step times are a property of the
-    hardware, so a caller may remember batch sizes the current window has not seen."""
+    hardware, so a caller may remember batch sizes the current window has not seen.
+    ``transit_ms`` (model pair -> mean ms between the models) becomes the profile's
+    transit; pairs not in it take none."""
     merged = {m: WindowSnapshot.merge(per_model.get(m, ())) for m in models}
     p, c, profiles = [], [], []
     for src in models:
@@ -247,7 +255,12 @@ def build_profile(
         p.append(tuple(n / total for n, _ in counts))
         c.append(tuple(tok / n if n else 0.0 for n, tok in counts))
         profiles.append(ModelProfile(src, tuple(points)))
-    return RoutingProfile(tuple(profiles), tuple(p), tuple(c), grain_ms)
+    profile = RoutingProfile(tuple(profiles), tuple(p), tuple(c), grain_ms)
+    if transit_ms:
+        matrix = [[0.0 if a == b else float(transit_ms.get((a, b), 0.0)) for b in models]
+                  for a in models]  # fmt: skip
+        profile = profile.with_transit(matrix)
+    return profile
 
 
 def fill_step_times(table: Mapping[int, float], top: int) -> dict[int, float]:
@@ -277,6 +290,18 @@ def route_probs(profile: RoutingProfile | None) -> dict[Pair, float] | None:
         for i, a in enumerate(profile.names)
         for j, b in enumerate(profile.names)
         if profile.route_prob[i][j] > 0
+    }
+
+
+def transits(profile: RoutingProfile | None) -> dict[Pair, float] | None:
+    """The nonzero transits (ms) of a profile, by model pair (None without any)."""
+    if profile is None or profile.transit_ms is None:
+        return None
+    return {
+        (a, b): profile.transit_ms[i][j]
+        for i, a in enumerate(profile.names)
+        for j, b in enumerate(profile.names)
+        if profile.transit_ms[i][j] > 0
     }
 
 

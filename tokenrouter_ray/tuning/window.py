@@ -2,12 +2,15 @@
 
 Every sub-server keeps a ``WindowStats``: over a sliding window, every request leaving a step
 on model i is a move i -> j (j = i when it stays) with the tokens it committed, and every
-step adds (batch size, seconds) and the active-request count N it ran under. ``snapshot()``
+step adds (batch size, seconds) and the active-request count N it ran under, and every
+HANDOFF applied here from another model adds its transit (seconds from its building at the
+sender to its application here: what the request spent between the models). ``snapshot()``
 is a ``WindowSnapshot``, a typed struct that crosses Ray as it is (pickled; msgpack would do
-too): ``moves`` keyed by the model pair ``(src, dst)``, ``steps`` by batch size, ``active``
-by N, each a ``Tally`` (how many, and their total). ``WindowSnapshot.merge`` adds several up
-(the replicas of a model, or the buckets of one window) and ``step_means_ms`` reads the mean
-step time per batch size. The tuner (``tuning/tuner.py``) turns merged snapshots into a
+too): ``moves`` and ``transit`` keyed by the model pair ``(src, dst)``, ``steps`` by batch
+size, ``active`` by N, each a ``Tally`` (how many, and their total).
+``WindowSnapshot.merge`` adds several up (the replicas of a model, or the buckets of one
+window), ``step_means_ms`` reads the mean step time per batch size and ``transit_ms`` the
+mean transit per pair. The tuner (``tuning/tuner.py``) turns merged snapshots into a
 ``RoutingProfile``; ``to_json`` is the readable form a status route shows.
 """
 
@@ -36,8 +39,9 @@ class Tally(msgspec.Struct, array_like=True):
 
 class WindowSnapshot(msgspec.Struct):
     """A window's counts: moves (requests, committed tokens) per model pair, steps (steps,
-    seconds) per batch size, and (steps, batch rows) per active-request count N; the offered
-    load: requests that arrived here new (requests, prompt tokens) and requests that
+    seconds) per batch size, (steps, batch rows) per active-request count N, and transit
+    (handoffs, seconds between the models) per model pair, recorded by the receiver; the
+    offered load: requests that arrived here new (requests, prompt tokens) and requests that
     finished here (requests, output tokens); ``span_s``, the seconds the counts cover."""
 
     moves: dict[Pair, Tally] = msgspec.field(default_factory=dict)
@@ -46,6 +50,7 @@ class WindowSnapshot(msgspec.Struct):
     arrivals: Tally = msgspec.field(default_factory=Tally)
     finished: Tally = msgspec.field(default_factory=Tally)
     span_s: float = 0.0
+    transit: dict[Pair, Tally] = msgspec.field(default_factory=dict)
 
     @classmethod
     def merge(cls, snapshots: Iterable[WindowSnapshot]) -> WindowSnapshot:
@@ -57,6 +62,7 @@ class WindowSnapshot(msgspec.Struct):
                 (merged.moves, snap.moves),
                 (merged.steps, snap.steps),
                 (merged.active, snap.active),
+                (merged.transit, snap.transit),
             ):
                 for key, tally in theirs.items():
                     mine.setdefault(key, Tally()).add(tally.count, tally.total)
@@ -74,17 +80,23 @@ class WindowSnapshot(msgspec.Struct):
         """Mean step time (ms) per batch size."""
         return {b: 1e3 * t.total / t.count for b, t in self.steps.items() if t.count}
 
+    def transit_ms(self) -> dict[Pair, float]:
+        """Mean transit (ms) per model pair, for the pairs some handoff was applied on."""
+        return {pair: 1e3 * t.total / t.count for pair, t in self.transit.items() if t.count}
+
     def moves_from(self, src: str, models: Iterable[str]) -> list[Tally]:
         """The moves out of ``src`` to each of ``models``, in order (zero where none)."""
         return [self.moves.get((src, dst), Tally()) for dst in models]
 
     def to_json(self) -> dict[str, Any]:
         """The readable form for status routes: ``{"moves": {"a->b": [n, tokens]}, "steps":
-        {"b": [n, seconds]}, "active": {"N": [steps, rows]}}``."""
+        {"b": [n, seconds]}, "active": {"N": [steps, rows]}, "transit": {"a->b": [n,
+        seconds]}}``."""
         return {
             "moves": {f"{a}->{b}": [t.count, t.total] for (a, b), t in self.moves.items()},
             "steps": {str(b): [t.count, t.total] for b, t in self.steps.items()},
             "active": {str(n): [t.count, t.total] for n, t in self.active.items()},
+            "transit": {f"{a}->{b}": [t.count, t.total] for (a, b), t in self.transit.items()},
         }
 
 
@@ -142,6 +154,16 @@ class WindowStats:
     def record_finish(self, output_tokens: int, now: float | None = None) -> None:
         """A request that finished here (EOS, a stop, max_tokens) with its output length."""
         self._bucket(now).finished.add(1, output_tokens)
+
+    def record_transit(self, src: str, dst: str, seconds: float, now: float | None = None) -> None:
+        """A handoff from model ``src`` applied here (``dst``), ``seconds`` after its sender
+        built it."""
+        transit = self._bucket(now).transit
+        tally = transit.get((src, dst))
+        if tally is None:
+            transit[(src, dst)] = Tally(1, seconds)
+        else:
+            tally.add(1, seconds)
 
     def snapshot(self, now: float | None = None) -> WindowSnapshot:
         now = time.monotonic() if now is None else now

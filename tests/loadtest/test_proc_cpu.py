@@ -1,0 +1,124 @@
+"""The host-path benchmark's reporting pieces (issue 38 item 4): CPU per process from /proc,
+the median of applied-message latencies, and the served targets, on made-up inputs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from loadtest.host_path import _applied_p50, app_pids
+from loadtest.host_targets import served_targets
+from loadtest.proc_cpu import (
+    CpuWindow,
+    app_total_us,
+    cpu_seconds,
+    find_pids,
+    format_cpu,
+    per_token_us,
+)
+from tokenrouter_ray.replica.profile import LATENCY_EDGES_US, HostProfile, latency_quantile_us
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def fake_process(proc: Path, pid: int, utime: int, stime: int, title: str = "python") -> None:
+    """A /proc/<pid> with a stat line (a name with a space and a parenthesis in it, as a
+    process may have) and a cmdline."""
+    d = proc / str(pid)
+    d.mkdir(exist_ok=True)
+    rest = ["S", "1", "1", "1", "0", "-1", "4194304", "10", "0", "0", "0", str(utime), str(stime)]
+    (d / "stat").write_text(f"{pid} (ray::Proxy (x)) {' '.join(rest)} 0 0 20 0 9 0\n")
+    (d / "cmdline").write_bytes(title.replace(" ", "\0").encode() + b"\0")
+
+
+def test_cpu_is_user_plus_system_time_of_a_process(tmp_path: Path) -> None:
+    fake_process(tmp_path, 41, utime=3 * TICK, stime=TICK // 2)
+    assert cpu_seconds(41, str(tmp_path)) == pytest.approx(3.5)
+    assert cpu_seconds(42, str(tmp_path)) is None  # gone
+    assert cpu_seconds(os.getpid()) is not None  # the real /proc reads too
+
+
+def test_a_window_counts_what_each_process_used_in_it(tmp_path: Path) -> None:
+    proc = str(tmp_path)
+    fake_process(tmp_path, 10, TICK, 0)
+    fake_process(tmp_path, 11, 2 * TICK, TICK)
+    window = CpuWindow({"ingress": 10, "small": 11, "gone": 99}, proc)
+    window.start()
+    fake_process(tmp_path, 10, TICK, TICK // 4)  # 0.25 s more
+    fake_process(tmp_path, 11, 3 * TICK, 2 * TICK)  # 2 s more
+    used = window.stop()
+    assert used == {"ingress": pytest.approx(0.25), "small": pytest.approx(2.0)}
+    per_token = per_token_us({**used, "proxy": 0.5}, tokens=10_000)
+    assert per_token == {"ingress": 25.0, "small": 200.0, "proxy": 50.0}
+    assert app_total_us(per_token) == 225.0  # the proxy is not the app's
+    assert format_cpu(per_token) == "CPU ingress 25 / small 200 / proxy 50 µs per token; app 225"
+    assert per_token_us(used, 0) == {}
+
+
+def test_the_proxy_is_found_by_its_process_title(tmp_path: Path) -> None:
+    fake_process(tmp_path, 7, 0, 0, title="ray::ProxyActor")
+    fake_process(tmp_path, 8, 0, 0, title="ray::ServeReplica:app:Ingress")
+    (tmp_path / "self").mkdir()
+    assert find_pids("ray::ProxyActor", str(tmp_path)) == [7]
+    stats = {"pid": 1, "models": {"small": {"pid": 2}, "large": {"error": "timeout"}}}
+    pids = app_pids(stats)
+    assert pids["ingress"] == 1 and pids["small"] == 2 and "large" not in pids
+
+
+def test_the_median_of_applied_messages_comes_from_the_window_difference() -> None:
+    profile = HostProfile()
+    for us in (30, 40, 120, 130, 140, 900, 5_000_000):
+        profile.note_applied(us / 1e6)
+    assert sum(profile.applied_hist) == profile.applied == 7
+    assert profile.applied_hist[-1] == 1  # past the last edge
+    assert latency_quantile_us(profile.applied_hist, 0.5) == pytest.approx(100 + 50 * 1.5 / 3)
+    assert latency_quantile_us([0] * (len(LATENCY_EDGES_US) + 1), 0.5) is None
+    before = {"applied_hist": list(profile.applied_hist)}
+    for _ in range(10):
+        profile.note_applied(0.0025)  # 2.5 ms: the 2,000-3,000 µs bucket
+    after = {"applied_hist": list(profile.applied_hist)}
+    assert _applied_p50(before, after) == pytest.approx(2_500.0)  # only the window's
+
+
+def row(system: str, n: int, tok_s: float, **extra: object) -> dict:
+    profile = system.split()[0]
+    base = {"system": system, "profile": profile, "n": n, "tok_s": tok_s, "models": {}}
+    if profile != "zero":
+        base |= {"predicted": 100.0, "thresholds": (1, 1)}
+    return base | extra
+
+
+def test_the_served_targets_read_each_figure_against_its_bound() -> None:
+    served = [
+        row(
+            "h200 eager",
+            64,
+            92.0,
+            cpu_us_per_token={"ingress": 40.0, "small": 90.0, "large": 30.0, "proxy": 80.0},
+        ),
+        row(
+            "paper eager",
+            32,
+            96.0,
+            models={"small": {"applied_p50_us": 800.0}, "large": {"applied_p50_us": 1_500.0}},
+        ),
+        row("paper tuned", 32, 95.0, thresholds=(1, 20)),
+        row("paper tuned", 8, 1.0, same_as="paper eager"),  # all-1 there: not read twice
+        row("paper eager", 1, 60.0, ttft_probe_ms_p50=13.0),  # 6 ms prefill: 7 ms over
+        row("paper eager direct", 1, 60.0, ttft_probe_ms_p50=10.0),  # 4 ms over
+    ]
+    verdicts = {name: ok for name, ok, _ in served_targets(served)}
+    assert verdicts["served h200 eager N=64: served / ideal >= 0.90"] is True
+    assert verdicts["served h200 eager N=64: app CPU per token <= 150 µs"] is False  # 160
+    assert verdicts["served h200 eager N=64: ingress CPU per token <= 50 µs"] is True
+    assert verdicts["served h200 eager N=64: small CPU per token <= 50 µs"] is False
+    assert "served h200 eager N=64: proxy CPU per token <= 50 µs" not in verdicts
+    assert verdicts["served paper eager N=32: served / ideal >= 0.95"] is True
+    assert verdicts["served paper eager N=32 small: message applied p50 <= 1 ms"] is True
+    assert verdicts["served paper eager N=32 large: message applied p50 <= 1 ms"] is False
+    assert verdicts["served paper N=32: tuned >= all-ones (Serve's proxy)"] is False
+    assert not any(k.startswith("served paper tuned N=8") for k in verdicts)
+    ttft = {k: v for k, v in verdicts.items() if "TTFT" in k}
+    assert list(ttft.values()) == [True, False]  # 7 <= 8 through the proxy, 4 > 3 direct
