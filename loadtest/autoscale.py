@@ -314,6 +314,8 @@ def verdicts(result: RampResult) -> list[tuple[str, bool, str]]:
     hung = [s for s in sent if s.status is None]
     inexact = [s for s in sent if s.status == 200 and not s.exact]
     top, want = result.top_counts(), planned_top(result.ramp, result.tokens)
+    held = [s for s in result.samples if s.t <= result.ramp.hold_end and s.planned]
+    live = held[-1].planned if held else None
     lows = {m: BOUNDS[m][0] for m in MODELS}
     return [
         ("no request failed", not failed, f"{len(failed)} of {len(sent)}"),
@@ -330,9 +332,9 @@ def verdicts(result: RampResult) -> list[tuple[str, bool, str]]:
             ", ".join(f"{m} {result.at_end(m)}" for m in MODELS),
         ),
         (
-            "replicas at the top as planned for the peak",
-            top == want,
-            f"running {top}, planned {want}",
+            "replicas at the top within one of the plan for the peak, each model",
+            bool(top) and all(abs(top.get(m, 0) - want[m]) <= 1 for m in MODELS),
+            f"running {top}, planned {want} (offline), {live} (the tuner's, live)",
         ),
     ]
 
