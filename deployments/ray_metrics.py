@@ -150,15 +150,18 @@ class RayBackend:
                 target=self._flush_loop, name="metrics-flush", daemon=True
             )
             self._flusher.start()
-            atexit.register(self.flush)
+            atexit.register(self._flush_quietly)  # before Ray's own exit handler (LIFO)
 
     def _flush_loop(self) -> None:
         while True:
             time.sleep(self.flush_s)
-            try:
-                self.flush()
-            except Exception:  # a metrics hiccup must not end the flushing
-                logger.exception("metrics flush failed")
+            self._flush_quietly()
+
+    def _flush_quietly(self) -> None:
+        try:
+            self.flush()
+        except Exception:  # a metrics hiccup must not end the flushing (or the exit)
+            logger.exception("metrics flush failed")
 
 
 @functools.cache
