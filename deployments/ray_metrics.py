@@ -16,7 +16,12 @@ do not know it (the ingress's exception handlers), since a replica belongs to on
 
 from __future__ import annotations
 
+import atexit
 import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ray.serve import metrics as serve_metrics
@@ -24,6 +29,9 @@ from ray.serve import metrics as serve_metrics
 from tokenrouter_ray.metrics import DEFINITIONS, MetricDef, Metrics
 
 Labels = tuple[str, ...]
+FLUSH_S = 1.0  # counters reach Ray at most this late (Ray exports every ~10 s)
+_FLUSHER_LOCK = threading.Lock()
+logger = logging.getLogger(__name__)
 
 
 def ray_instrument_specs() -> list[dict[str, Any]]:
@@ -40,11 +48,56 @@ def ray_instrument_specs() -> list[dict[str, Any]]:
     ]
 
 
-class RayBackend:
-    """``ray.serve.metrics`` instruments (``ray.util.metrics`` plus the replica's Serve tags,
-    at no measurable cost per call)."""
+class CounterSums:
+    """Counter increments summed per (metric, labels) until `drain` takes them; safe to add
+    to from the step thread and the event loop at once."""
 
     def __init__(self) -> None:
+        self._sums: dict[tuple[str, Labels], float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: tuple[str, Labels], value: float) -> None:
+        with self._lock:
+            self._sums[key] = self._sums.get(key, 0.0) + value
+
+    def drain(self) -> dict[tuple[str, Labels], float]:
+        with self._lock:
+            sums, self._sums = self._sums, {}
+        return sums
+
+
+def direct_record(instrument: Any, tags: dict[str, str], public: str) -> Callable[[float], None]:
+    """One labelled series of a Ray instrument as a one-argument call: the tags merged with
+    the instrument's default (Serve) tags and checked once, each value handed straight to the
+    Cython metric. Ray's public call merges, type-checks and validates the tags on every
+    value (about 10 µs a call, measured; 2.7 µs direct). Falls back to the public method
+    ``public`` (``inc``, ``set``, ``observe``) where a Ray version lacks these internals."""
+    bound = getattr(instrument, public)
+    if getattr(instrument, "_discard_metric", False):
+        return lambda value: None
+    cython = getattr(instrument, "_metric", None)
+    try:
+        final = instrument._get_final_tags(tags)
+        instrument._validate_tags(final)
+    except AttributeError:
+        cython = None
+    if cython is None:
+        return lambda value: bound(value, tags=tags)
+    record = cython.record
+    return lambda value: record(value, tags=final)
+
+
+class RayBackend:
+    """``ray.serve.metrics`` instruments (``ray.util.metrics`` plus the replica's Serve tags).
+
+    Ray exports a process's metrics every ~10 s; what the runtime records is far more
+    frequent (a histogram value per committed token at the ingress, a counter per step and
+    handoff in a replica). So the cost per call is kept small: counters are summed here and
+    handed to Ray once per ``flush_s`` by a daemon thread (and on `flush`); gauges and
+    histograms go to Ray's Cython metric directly with tags merged once per label set
+    (`direct_record`)."""
+
+    def __init__(self, flush_s: float = FLUSH_S) -> None:
         self.instruments: dict[str, Any] = {}
         for spec in ray_instrument_specs():
             name, desc, keys = spec["name"], spec["description"], spec["tag_keys"]
@@ -57,20 +110,58 @@ class RayBackend:
                     name, desc, boundaries=spec["boundaries"], tag_keys=keys
                 )
             self.instruments[name] = inst
+        self.flush_s = flush_s
+        self.counts = CounterSums()
+        self._series: dict[tuple[str, Labels], Callable[[float], None]] = {}
+        self._flusher: threading.Thread | None = None
+
+    def _series_of(self, metric: MetricDef, labels: Labels, public: str) -> Callable[[float], None]:
+        key = (metric.name, labels)
+        series = self._series.get(key)
+        if series is None:
+            tags = dict(zip(metric.labels, labels, strict=True))
+            series = direct_record(self.instruments[metric.name], tags, public)
+            self._series[key] = series
+        return series
 
     def inc(self, metric: MetricDef, value: float, labels: Labels) -> None:
         if value > 0:  # Ray refuses non-positive increments
-            self.instruments[metric.name].inc(
-                value, tags=dict(zip(metric.labels, labels, strict=True))
-            )
+            self.counts.add((metric.name, labels), value)
+            if self._flusher is None:
+                self._start_flusher()
 
     def set(self, metric: MetricDef, value: float, labels: Labels) -> None:
-        self.instruments[metric.name].set(value, tags=dict(zip(metric.labels, labels, strict=True)))
+        self._series_of(metric, labels, "set")(value)
 
     def observe(self, metric: MetricDef, value: float, labels: Labels) -> None:
-        self.instruments[metric.name].observe(
-            value, tags=dict(zip(metric.labels, labels, strict=True))
-        )
+        self._series_of(metric, labels, "observe")(value)
+
+    def flush(self) -> None:
+        """Hand the summed counter increments to Ray now."""
+        by_name = {d.name: d for d in DEFINITIONS}
+        for (name, labels), total in self.counts.drain().items():
+            self._series_of(by_name[name], labels, "inc")(total)
+
+    def _start_flusher(self) -> None:
+        with _FLUSHER_LOCK:
+            if self._flusher is not None:
+                return
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="metrics-flush", daemon=True
+            )
+            self._flusher.start()
+            atexit.register(self._flush_quietly)  # before Ray's own exit handler (LIFO)
+
+    def _flush_loop(self) -> None:
+        while True:
+            time.sleep(self.flush_s)
+            self._flush_quietly()
+
+    def _flush_quietly(self) -> None:
+        try:
+            self.flush()
+        except Exception:  # a metrics hiccup must not end the flushing (or the exit)
+            logger.exception("metrics flush failed")
 
 
 @functools.cache

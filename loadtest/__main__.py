@@ -38,6 +38,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("loadtest.harness", "closed-loop levels against an app that is already running"),
     "host": ("loadtest.host_path", "the runtime's host path on simulated models (= --preset host)"),
     "host-ab": ("loadtest.host_ab", "host path before / after, on any checkout"),
+    "host-profile": (
+        "loadtest.host_profile",
+        "where each served process spends its CPU: py-spy by area (needs py-spy)",
+    ),
     "engine": ("loadtest.engine_bench", "engine throughput vs model.generate, demo model"),
     "sampler": ("loadtest.sampler_bench", "the sampler's step time at batch 64"),
     "tp": ("loadtest.tp_bench", "tensor parallel: rank 0's driving cost (and a GPU check)"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections import Counter
 
 import pytest
@@ -14,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments import ray_metrics as ray_layer
-from deployments.ray_metrics import RayBackend, ray_instrument_specs
+from deployments.ray_metrics import CounterSums, RayBackend, direct_record, ray_instrument_specs
 from tests.engine.conftest import make_engine
 from tests.tiny_models import save_chain_model
 from tokenrouter_ray.local import LocalRuntime
@@ -25,6 +26,7 @@ from tokenrouter_ray.metrics import (
     PrometheusBackend,
     exported_names,
 )
+from tokenrouter_ray.metrics import definitions as defs
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
 
@@ -205,6 +207,58 @@ def test_ray_backend_defines_the_same_metrics() -> None:
             "outcome",  # tuner decision outcome: 4 values
             "reason",  # peer frame rejections: malformed, bad_mac, replay, undecodable
         }
+
+
+def test_counter_increments_from_two_threads_are_summed_exactly() -> None:
+    """The step thread and the event loop add to the same counter: no increment is lost."""
+    sums = CounterSums()
+    key = ("c", ("small", ""))
+
+    def add() -> None:
+        for _ in range(20_000):
+            sums.add(key, 1.0)
+
+    threads = [threading.Thread(target=add) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sums.drain() == {key: 40_000.0}
+    assert sums.drain() == {}
+
+
+def test_ray_counters_reach_ray_once_per_flush_as_their_sum() -> None:
+    """A counter's increments are handed to Ray's metric as one sum per flush; a flush with
+    nothing new hands nothing; gauges and histograms are not held back."""
+    backend = RayBackend(flush_s=3600.0)
+    labels = ("small", "large", "r2r", "m")
+    handed: list[float] = []
+    backend._series[(defs.HANDOFFS.name, labels)] = handed.append  # Ray's side of the series
+    for value in (1, 2, 0, 3):
+        backend.inc(defs.HANDOFFS, value, labels)
+    assert handed == []
+    backend.flush()
+    assert handed == [6.0]
+    backend.flush()
+    assert handed == [6.0]
+    observed: list[float] = []
+    backend._series[(defs.TTFT_SECONDS.name, ("m",))] = observed.append
+    backend.observe(defs.TTFT_SECONDS, 0.25, ("m",))
+    assert observed == [0.25]
+
+
+def test_a_series_merges_its_tags_once_and_refuses_a_missing_one() -> None:
+    """`direct_record` checks the tags when the series is made, as Ray's call does on each
+    value: a label missing from the instrument's keys fails there, not silently later."""
+    from ray.util import metrics as ray_util_metrics
+
+    histogram = ray_util_metrics.Histogram(
+        "trr_test_seconds", "test", boundaries=[0.1, 1.0], tag_keys=("model", "zone")
+    )
+    histogram.set_default_tags({"zone": "z1"})
+    direct_record(histogram, {"model": "small"}, "observe")(0.5)  # both tags present
+    with pytest.raises(ValueError, match="model"):
+        direct_record(histogram, {}, "observe")
 
 
 def test_model_name_labels_every_metric(monkeypatch: pytest.MonkeyPatch) -> None:

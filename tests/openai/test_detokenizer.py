@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer
+from tokenrouter_ray.openai.detokenizer import IncrementalDetokenizer, plain_decoder
 
 pytestmark = pytest.mark.demo
 
@@ -233,3 +233,32 @@ def test_settled_tokens_are_those_whose_text_was_emitted(
     detok.finish()
     assert detok.settled() == detok.num_tokens == len(detok.token_ends)
     assert detok.token_ends == sorted(detok.token_ends)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_plain_decoder_is_the_tokenizers_decode(
+    demo_tokenizer: Any, sp_tokenizer: Any, skip: bool
+) -> None:
+    """The direct call into the Rust decoder (taken where transformers adds no clean-up)
+    decodes every id sequence, special tokens included, as ``tokenizer.decode`` does."""
+    rng = random.Random(3)
+    for tokenizer in (demo_tokenizer, sp_tokenizer):
+        decode = plain_decoder(tokenizer, skip)
+        for _ in range(200):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 12))]
+            assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(demo_tokenizer: Any) -> None:
+    """With ``clean_up_tokenization_spaces`` on, transformers rewrites the decoded text
+    (" ," -> ","): the plain decoder must be transformers' decode then, not the Rust one."""
+    ids = demo_tokenizer.encode("a , b .", add_special_tokens=False)
+    raw = demo_tokenizer.decode(ids)
+    demo_tokenizer.clean_up_tokenization_spaces = True
+    try:
+        decode = plain_decoder(demo_tokenizer, True)
+        assert decode(ids) == demo_tokenizer.decode(ids, skip_special_tokens=True)
+        assert decode.func == demo_tokenizer.decode  # transformers' own path
+    finally:
+        demo_tokenizer.clean_up_tokenization_spaces = False
+    assert plain_decoder(demo_tokenizer, True)(ids) == raw

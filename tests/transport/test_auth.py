@@ -52,14 +52,14 @@ async def test_injected_frames_are_rejected_and_honest_traffic_flows(transport: 
     ):
         captured: list[bytes] = []
         await small.send("large/0", [handoff(0)])
-        push = small._pushes["large/0"]
-        real_send = push.send
+        push = small._push_now["large/0"]
 
-        async def sniff(frame: bytes, **kwargs: object) -> None:  # what a wiretap sees
-            captured.append(frame)
-            await real_send(frame, **kwargs)
+        class Wiretap:  # sees each frame the channel sends, then sends it
+            def send(self, frame: bytes, **kwargs: object) -> None:
+                captured.append(frame)
+                push.send(frame, **kwargs)
 
-        push.send = sniff
+        small._push_now["large/0"] = Wiretap()  # type: ignore[assignment]
         await small.send("large/0", [handoff(1)])
         assert [b[0].handoff_seq for b in await recv_n(large, 2)] == [0, 1]
 

@@ -542,9 +542,10 @@ class IngressCore:
                 await asyncio.sleep(0.05)
                 continue
             self.frames_received += 1
+            if batch:  # the frame's latency: its oldest message's
+                self.metrics.peer_message(INGRESS, min(msg.sent_at for msg in batch))
             for msg in batch:
                 try:
-                    self.metrics.peer_message(INGRESS, msg.sent_at)
                     self._on_message(msg)
                 except Exception as exc:
                     logger.exception("ingress: message %s for %s failed", msg.kind.name, msg.rid)

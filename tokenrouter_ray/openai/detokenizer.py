@@ -41,12 +41,25 @@ in full (every consumed token once the output stopped or finished).
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_right
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_WINDOW = 5  # prompt tokens decoded with the first output token (vLLM uses 5 too)
+
+
+def plain_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=...)`` as a one-argument call. For a fast
+    tokenizer whose decode adds nothing to its Rust decoder's (no clean-up of tokenization
+    spaces), that decoder is called directly: transformers' wrapper costs about as much
+    again as the decoding, twice per streamed token (docs/benchmarks.md Round 7)."""
+    backend = getattr(tokenizer, "_tokenizer", None)  # a fast tokenizer's tokenizers.Tokenizer
+    cleans = getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    if backend is None or cleans or not callable(getattr(backend, "decode", None)):
+        return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -67,6 +80,7 @@ class IncrementalDetokenizer:
         output token decodes as a continuation; None decodes the output on its own."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode_ids = plain_decoder(tokenizer, skip_special_tokens)
         self.include_stop = include_stop_str_in_output
         self.stop_token_ids = frozenset(stop_token_ids)
         self.min_tokens = min_tokens
@@ -154,9 +168,7 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
-        return self.tokenizer.decode(
-            self._ids[start:end], skip_special_tokens=self.skip_special_tokens
-        )
+        return self._decode_ids(self._ids[start:end])
 
     def _advance(self, final: bool) -> str:
         """Text the ids after ``_read`` add to the window; ``""`` (offsets kept) while it is

@@ -253,10 +253,19 @@ class _NoHooks:
         pass
 
 
+class _Ended:
+    """In a request's update queue after a choice's last update: its task ended."""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: asyncio.Future[ChoiceResult]) -> None:
+        self.task = task
+
+
 async def merge_choice_streams(
     stream: ChatStream | CompletionStream,
     tasks: Sequence[asyncio.Future[ChoiceResult]],
-    updates: asyncio.Queue[ChoiceUpdate],
+    updates: asyncio.Queue[Any],
     prompt_len: int,
     hooks: WriterHooks | None = None,
 ) -> AsyncIterator[bytes]:
@@ -267,38 +276,47 @@ async def merge_choice_streams(
     never a cut connection. Closing the generator early (a client disconnect) cancels
     every choice's task. ``hooks`` hear of every frame handed to the server and of the
     choices whose update it carried (backpressure: a frame is taken by the client when the
-    generator is resumed after yielding it)."""
+    generator is resumed after yielding it).
+
+    A task's end is queued behind its updates (a done callback), so one ``updates.get()``
+    waits for either; whatever is queued when the writer wakes goes out as one frame (its
+    events in order), one hand-over to the server however many choices and steps it
+    carries."""
     hooks = hooks or _NoHooks()
     try:
         hooks.sending()
         yield stream.start()
         hooks.sent()
-        pending = set(tasks)
-        while pending or not updates.empty():
-            getter = asyncio.ensure_future(updates.get())
-            done, _ = await asyncio.wait({getter, *pending}, return_when=asyncio.FIRST_COMPLETED)
-            if getter in done:
-                update = getter.result()
-                hooks.sending()
-                yield stream.update(update)
-                hooks.sent((update.index,))
-            else:
-                getter.cancel()
-            for task in done - {getter}:
-                pending.discard(task)
-                while not updates.empty():
-                    update = updates.get_nowait()
-                    hooks.sending()
-                    yield stream.update(update)
-                    hooks.sent((update.index,))
+        for task in tasks:
+            task.add_done_callback(lambda t: updates.put_nowait(_Ended(t)))
+        running = len(tasks)
+        while running:
+            queued = [await updates.get()]
+            while not updates.empty():
+                queued.append(updates.get_nowait())
+            frame: list[bytes] = []
+            pieces: list[int] = []
+            for item in queued:
+                if not isinstance(item, _Ended):
+                    frame.append(stream.update(item))
+                    pieces.append(item.index)
+                    continue
+                running -= 1
                 try:
-                    choice = task.result()
+                    choice = item.task.result()
                 except Exception as exc:
+                    if frame:
+                        hooks.sending()
+                        yield b"".join(frame)
+                        hooks.sent(pieces)
                     yield sse_error(exc) + SSE_DONE
                     return
-                hooks.sending()
-                yield stream.finish_choice(choice)
-                hooks.sent()
+                frame.append(stream.finish_choice(choice))
+            hooks.sending()
+            data = b"".join(frame)
+            if data:  # updates with no text (held back) send nothing
+                yield data
+            hooks.sent(pieces)
         results = [t.result() for t in tasks]
         hooks.sending()
         yield stream.end(

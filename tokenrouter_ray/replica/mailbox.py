@@ -164,8 +164,9 @@ class Mailbox:
                 continue
             now = time.time_ns()
             profile = self.profile
+            if batch:  # the frame's latency: its oldest message's
+                self.metrics.peer_message(self.name, min(msg.sent_at for msg in batch))
             for msg in batch:
-                self.metrics.peer_message(self.name, msg.sent_at)
                 if msg.kind != MsgKind.ACTIVE:  # counted as applied messages are
                     profile.received += 1
                     profile.received_after_s += max(0, now - msg.sent_at) / 1e9

@@ -145,7 +145,12 @@ class ZmqChannel(PeerChannel):
         self._pacer = RejectPacer(self.config.reject_rate)
         self.on_reject = on_reject
         self._pull: zmq.asyncio.Socket | None = None
+        # Plain (not asyncio) views of the same sockets: a receive of a queued frame and a
+        # non-blocking send need no Future and no event-loop callback (a sixth of the
+        # ingress's CPU per token went to pyzmq's asyncio layer; docs/benchmarks.md Round 7).
+        self._pull_now: zmq.Socket | None = None
         self._pushes: dict[str, zmq.asyncio.Socket] = {}
+        self._push_now: dict[str, zmq.Socket] = {}
         self._connecting: dict[str, asyncio.Future[zmq.asyncio.Socket]] = {}
         self._pending_recv: asyncio.Future[bytes] | None = None
         self._ipc_dir_owned: str | None = None
@@ -174,7 +179,7 @@ class ZmqChannel(PeerChannel):
         except BaseException:
             pull.close(linger=0)
             raise
-        self._pull = pull
+        self._pull, self._pull_now = pull, zmq.Socket.shadow(pull.underlying)
         return address
 
     def _bind(self, pull: zmq.asyncio.Socket) -> str:
@@ -210,12 +215,15 @@ class ZmqChannel(PeerChannel):
         return _node_ip()
 
     async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> int:
-        push = self._pushes.get(dst.name) or await self._connect(dst)
+        push = self._push_now.get(dst.name)
+        if push is None:
+            await self._connect(dst)
+            push = self._push_now[dst.name]
         frame = encode_batch(msgs)
         if self._signer is not None:
             frame = self._signer.sign(dst.name, frame)
         try:  # never wait: a peer that stopped reading must not stall the sender's loop
-            await push.send(frame, flags=zmq.NOBLOCK, copy=True)
+            push.send(frame, flags=zmq.NOBLOCK, copy=True)
         except zmq.Again:
             raise PeerUnreachableError(
                 f"{dst.name} is not reading: {self.config.send_hwm} frames already queued"
@@ -236,6 +244,7 @@ class ZmqChannel(PeerChannel):
                 self.config.curve.dial(push)
             push.connect(dst.address)
             self._pushes[dst.name] = push
+            self._push_now[dst.name] = zmq.Socket.shadow(push.underlying)
             future.set_result(push)
             return push
         except BaseException as exc:
@@ -247,6 +256,7 @@ class ZmqChannel(PeerChannel):
 
     def forget_peer(self, dst: str) -> None:
         super().forget_peer(dst)
+        self._push_now.pop(dst, None)
         push = self._pushes.pop(dst, None)
         if push is not None:
             push.close(linger=0)
@@ -256,11 +266,13 @@ class ZmqChannel(PeerChannel):
             raise ChannelClosed(f"channel {self.name!r} is closed")
         while True:
             await self._maybe_yield()
-            self._pending_recv = self._pull.recv(copy=True)
-            try:
-                frame = await self._pending_recv
-            finally:
-                self._pending_recv = None
+            frame = self._queued_frame()
+            if frame is None:  # nothing queued: wait on the event loop
+                self._pending_recv = self._pull.recv(copy=True)
+                try:
+                    frame = await self._pending_recv
+                finally:
+                    self._pending_recv = None
             if self._verifier is not None:
                 frame, reason = self._verifier.open(frame)
                 if reason is not None:
@@ -274,6 +286,15 @@ class ZmqChannel(PeerChannel):
                 self._last_good, self._bad_since = time.monotonic(), None
                 return batch
             self._reject("undecodable")
+
+    def _queued_frame(self) -> bytes | None:
+        """A frame already queued on the socket, without a Future; None when none is."""
+        if self._closed or self._pull_now is None:
+            raise ChannelClosed(f"channel {self.name!r} is closed")
+        try:
+            return self._pull_now.recv(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return None
 
     async def _maybe_yield(self) -> None:
         """Let the event loop run every ``YIELD_EVERY`` frames or ``YIELD_S`` seconds: a
@@ -314,6 +335,8 @@ class ZmqChannel(PeerChannel):
         for push in self._pushes.values():
             push.close(linger=0)
         self._pushes.clear()
+        self._push_now.clear()
+        self._pull_now = None
         if self._pull is not None:
             self._pull.close(linger=0)
         if self._ipc_dir_owned is not None:
