@@ -5,6 +5,7 @@ while output waits for it is stalled; a client that keeps taking chunks never is
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -107,6 +108,35 @@ def test_watch_returns_once_the_rule_fires_and_not_before() -> None:
         g.sending()  # and now it stops reading
         await asyncio.wait_for(watcher, 2)
         assert g.stalled_at is not None
+
+    asyncio.run(go())
+
+
+def test_watch_neither_spins_past_a_deadline_nor_wakes_per_frame() -> None:
+    """A writer blocked past the stall time while its choice still has room is not stalled;
+    the watcher then waits (it used to spin on a zero timeout), and frames taken quickly do
+    not wake it each: it reads the clock a few times per quarter stall time."""
+    reads = [0]
+
+    def clock() -> float:
+        reads[0] += 1
+        return time.monotonic()
+
+    async def go() -> None:
+        g = StreamGate(1, Backpressure(100, 0.2), clock=clock)
+        watcher = asyncio.create_task(g.watch())
+        g.produced(0, 1)
+        g.sending()  # blocked from now on, with room left: not stalled
+        await asyncio.sleep(0.6)
+        assert not watcher.done()
+        for _ in range(2000):  # a fast reader: frame after frame
+            g.sent([0])
+            g.produced(0, 1)
+            g.sending()
+        g.sent([0])
+        await asyncio.sleep(0.1)
+        assert not watcher.done() and reads[0] < 2000 + 2000 + 100
+        watcher.cancel()
 
     asyncio.run(go())
 

@@ -90,7 +90,6 @@ class StreamGate:
     def sending(self) -> None:
         """The writer is about to hand a frame to the server (and may block there)."""
         self.waiting_since = self.clock()
-        self._changed.set()
 
     def sent(self, pieces: Iterable[int] = ()) -> None:
         """The server took the frame, which carried a piece of each choice in ``pieces``
@@ -122,10 +121,18 @@ class StreamGate:
         return max(0.0, self.waiting_since + self.limits.client_stall_s - self.clock())
 
     async def watch(self) -> None:
-        """Returns once ``stalled()`` (and records when); runs until cancelled otherwise."""
+        """Returns once ``stalled()`` (and records when); runs until cancelled otherwise.
+
+        It does not wake per frame: it sleeps until the current wait in ``send`` would reach
+        ``client_stall_s``, or a quarter of that while the writer is not waiting (a wait
+        that began meanwhile is then seen at most that late, and still cut on its own
+        deadline), or after the deadline while the rule's other half does not hold (it was
+        spinning there before). A choice filling up or ending wakes it at once."""
+        poll_s = self.limits.client_stall_s / 4
         while not self.stalled():
             self._changed.clear()
             wait = self.check_in_s()
+            timeout = wait if 0 < wait < poll_s else poll_s
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), None if wait == float("inf") else wait)
+                await asyncio.wait_for(self._changed.wait(), timeout)
         self.stalled_at = self.clock()
