@@ -152,9 +152,8 @@ class PeerBook:
                 await self._task
 
     async def refresh(self) -> None:
-        if self.own is not None and (self.alive is None or self.alive()):
-            await self.directory.register(self.own)  # the heartbeat
-        endpoints = await self.directory.endpoints()
+        beat = self.own is not None and (self.alive is None or self.alive())
+        endpoints = await self.directory.heartbeat(self.own if beat else None)
         by_model: dict[str, list[str]] = {m: [] for m in self.models}
         for e in endpoints:
             if e.model in by_model and e.name not in self.excluded:

@@ -151,3 +151,19 @@ async def test_close_is_clean(directory: RayDirectory) -> None:
         await asyncio.sleep(0.1)
     else:
         pytest.fail("inbox actor still alive after close")
+
+
+async def test_a_heartbeat_renews_its_lease_and_lists_everyone_in_one_call(
+    directory: RayDirectory,
+) -> None:
+    """The peer book's refresh: one call to the directory actor registers the caller and
+    returns every endpoint (a refresh without an endpoint only lists)."""
+    from tokenrouter_ray.transport.base import Endpoint
+
+    mine = Endpoint(model="beat", replica="0", address="ipc:///nowhere")
+    listed = await directory.heartbeat(mine)
+    assert mine.name in [e.name for e in listed]
+    assert [e.name for e in listed] == sorted(e.name for e in listed)
+    assert [e.name for e in await directory.heartbeat()] == [e.name for e in listed]
+    await directory.unregister(mine.name)
+    assert mine.name not in [e.name for e in await directory.heartbeat()]

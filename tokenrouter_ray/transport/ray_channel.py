@@ -321,3 +321,6 @@ class RayDirectory(Directory):
 
     async def endpoints(self, model: str | None = None) -> list[Endpoint]:
         return await self._handle.endpoints.remote(model)
+
+    async def heartbeat(self, endpoint: Endpoint | None = None) -> list[Endpoint]:
+        return await self._handle.heartbeat.remote(endpoint)
