@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import random
@@ -307,6 +308,15 @@ def planned_top(ramp: Ramp, tokens: int) -> dict[str, int]:
     return plan(sim_profile(), Load(ramp.peak_rps, tokens), targets(), ROWS).replicas
 
 
+def failure_detail(failed: list[Sent], total: int) -> str:
+    """``"3 of 120 (429: 2, 500: 1); first: <its error body>"``."""
+    if not failed:
+        return f"0 of {total}"
+    by_status = collections.Counter(s.status for s in failed)
+    counts = ", ".join(f"{status}: {n}" for status, n in sorted(by_status.items()))
+    return f"{len(failed)} of {total} ({counts}); first: {failed[0].error}"
+
+
 def verdicts(result: RampResult) -> list[tuple[str, bool, str]]:
     """(target, met, detail) for every target of the ramp."""
     sent = result.sent
@@ -318,7 +328,7 @@ def verdicts(result: RampResult) -> list[tuple[str, bool, str]]:
     live = held[-1].planned if held else None
     lows = {m: BOUNDS[m][0] for m in MODELS}
     return [
-        ("no request failed", not failed, f"{len(failed)} of {len(sent)}"),
+        ("no request failed", not failed, failure_detail(failed, len(sent))),
         ("no request hung", not hung, f"{len(hung)} of {len(sent)}"),
         ("answers equal an undisturbed run's", not inexact, f"{len(inexact)} differ"),
         (
