@@ -30,6 +30,7 @@ from deployments.model_server import spec_tokenizer
 from deployments.peers import PeerBook, make_channel, peer_key
 from deployments.ray_metrics import ray_metrics
 from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.host_gc import tune_gc
 from tokenrouter_ray.ingress.direct_http import DirectHttp
 from tokenrouter_ray.ingress.http_app import build_app
 from tokenrouter_ray.ingress.service import IngressService
@@ -84,6 +85,7 @@ class Ingress:
                 send_buffer_bytes=kib * 1024 if kib else None,
             )
             await self.direct.start()
+        tune_gc(cfg.gc)  # started: what is alive now lives as long as the replica
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_app(self.service, echo_request_id=False)

@@ -31,6 +31,7 @@ from deployments.tp_workers import RayWorkerLauncher
 from tokenrouter_ray.config import AppConfig, ModelSpec
 from tokenrouter_ray.engine.config import EngineConfig
 from tokenrouter_ray.engine.engine import Engine
+from tokenrouter_ray.host_gc import tune_gc
 from tokenrouter_ray.replica.status import ReplicaInfo, ReplicaStatus, replica_info, replica_status
 from tokenrouter_ray.replica.step import Replica
 from tokenrouter_ray.routing.policy import build_policy, policy_class
@@ -145,6 +146,7 @@ class ModelServer:
             if tuner is not None
             else None
         )
+        tune_gc(cfg.gc)  # started: what is alive now lives as long as the replica
 
     async def _follow_tuner(self, tuner: DeploymentHandle, period_s: float) -> None:
         """Report this replica's window; adopt the ``ThresholdTable`` the tuner answers (both

@@ -506,6 +506,23 @@ class TunerSpec(_Strict):
         return sorted(set(value))
 
 
+class GcSpec(_Strict):
+    """Python's garbage collector in each serving process (tokenrouter_ray/host_gc.py):
+    applied once the process has started (models loaded, sockets open)."""
+
+    freeze_after_start: bool = Field(
+        True,
+        description="gc.freeze() once started: the start-up heap (torch, the model, Ray) "
+        "moves to a generation collections skip.",
+    )
+    threshold: tuple[Annotated[int, Field(ge=1)], ...] | None = Field(
+        (20_000, 20, 100),
+        min_length=3,
+        max_length=3,
+        description="gc.set_threshold for (young, middle, old); null keeps Python's (700, 10, 10).",
+    )
+
+
 class AppConfig(_Strict):
     served_model_name: str = Field("tokenrouter", description="The `model` clients ask for.")
     models: dict[str, ModelSpec] = Field(description="Ordered from the entry (smallest) model.")
@@ -514,6 +531,7 @@ class AppConfig(_Strict):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     ingress: IngressSpec = Field(default_factory=IngressSpec)
     tuner: TunerSpec = Field(default_factory=TunerSpec)
+    gc: GcSpec = Field(default_factory=GcSpec)
     shared_devices: dict[str, float] = Field(
         default_factory=dict,
         description="Memory (GiB) of each device that several models share (the models name "

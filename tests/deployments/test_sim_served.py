@@ -39,6 +39,10 @@ def test_sim_app_answers_the_openai_client_and_reports_its_host_path(serve_app) 
         model = stats["models"][name]
         assert model["sim"]["steps"] > 0 and model["host"]["steps"] > 0
         assert model["host"]["per_step_us"]["critical"] > 0
+    # every serving process set its collector once started (config gc: host_gc.py)
+    for gc_now in (stats["gc"], stats["models"]["small"]["gc"], stats["models"]["large"]["gc"]):
+        assert gc_now["threshold"] == [20_000, 20, 100] and gc_now["frozen_objects"] > 10_000
+        assert len(gc_now["collections"]) == 3 and gc_now["longest_pause_s"] >= 0
 
 
 def test_host_benchmark_runs_end_to_end_at_a_tiny_size(serve_app, capsys) -> None:

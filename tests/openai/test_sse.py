@@ -56,6 +56,25 @@ def client_for(body: bytes) -> openai.OpenAI:
 def test_sse_event_framing() -> None:
     assert sse_event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
     assert sse_event(RoutingInfo(handoffs=1)) == b'data: {"tokens_per_model":{},"handoffs":1}\n\n'
+
+
+def test_sse_event_is_strict_json_with_the_same_values() -> None:
+    """Floats keep their value (shortest round-trip form); a non-finite float is ``null``
+    (strict JSON: a client's parser need not accept ``-Infinity``)."""
+    data = {
+        "logprob": -1.2345678901234567e-05,
+        "big": 1e22,
+        "s": "a\u2028\x00😀",
+        "inf": float("-inf"),
+    }
+    event = sse_event(data)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+
+    def strict(token: str) -> None:
+        raise AssertionError(f"non-standard JSON token {token}")
+
+    back = json.loads(event[6:-2], parse_constant=strict)
+    assert back == {**data, "inf": None}
     assert SSE_DONE == b"data: [DONE]\n\n"
 
 

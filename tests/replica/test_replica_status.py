@@ -25,6 +25,7 @@ STATUS_KEYS = [
     "model", "endpoint", "pid", "requests", "tracked", "waiting", "running", "pending",
     "active_requests", "threshold", "deferred_timeouts", "kv_blocks_used", "kv_blocks_total",
     "alive", "address", "peer_rejected", "steps", "host", "bytes_sent", "frames_sent", "sim",
+    "gc",
 ]  # fmt: skip
 
 

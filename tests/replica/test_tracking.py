@@ -43,3 +43,21 @@ def test_a_route_survives_adopt_and_route_state_unchanged() -> None:
     assert route.anchors == {"small": 9, "large": 7}
     sent = tracked.route_state()
     assert sent.counts["small"] == 4 and sent.anchors["small"] == 12 and len(sent.drops) == 2
+
+
+def test_a_sent_route_shares_no_container_with_its_owner() -> None:
+    """The message is encoded on the event loop while the step thread changes its request:
+    every dict and list in a sent route is a copy."""
+    tracked = Tracked.from_route("r1", _route(), SamplingSpec(max_tokens=8), seq=4)
+    sent = tracked.route_state()
+    before = {name: getattr(sent, name) for name in RouteState.__struct_fields__}
+    before = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+              for k, v in before.items()}  # fmt: skip
+    for name in RouteState.__struct_fields__:
+        value = getattr(tracked, name)
+        if isinstance(value, dict):
+            value["x"] = 1
+        elif isinstance(value, list):
+            value.append(Dropped("x", 1, None))
+    tracked.anchors.advance("x", 3)
+    assert {name: getattr(sent, name) for name in RouteState.__struct_fields__} == before

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.host_gc import collector_stats
 from tokenrouter_ray.ingress.admission import AdmissionQueue
 from tokenrouter_ray.ingress.backpressure import Backpressure
 from tokenrouter_ray.ingress.core import IngressCore
@@ -254,6 +255,7 @@ class IngressService:
             "bytes_sent": self.channel.bytes_sent,  # NEW, ACTIVE, ABORT frames
             "cpu_s": time.process_time(),  # this ingress process's CPU time
             "pid": os.getpid(),  # this ingress process (for per-process CPU from /proc)
+            "gc": collector_stats(),  # this process's garbage collector since start-up
             "endpoints": self.peers.by_model,
             "recoveries": self.recovery.log[-20:],
             "moved_off": self.moves[-20:],  # requests moved off replicas that drained

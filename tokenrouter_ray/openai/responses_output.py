@@ -28,10 +28,11 @@ same with ``response.reasoning_text.delta`` / ``.done``; a call:
 ``response.function_call_arguments.delta`` / ``.done``), ``response.output_item.done``;
 last ``response.completed`` (``response.incomplete`` at ``max_output_tokens``) with the
 whole response and its usage. A failure after the headers is an ``error`` event then
-``response.failed``, never a cut connection. Events are dicts encoded with `json.dumps`
-(no pydantic on the per-token path). The stream hands its last response (completed,
-incomplete or failed) to ``keep`` before writing it, so a stored response is the one the
-client saw (ingress/responses_api.py stores it; ``keep`` may say it was not stored).
+``response.failed``, never a cut connection. Events are dicts encoded with msgspec's JSON
+encoder (`openai/sse.py`; no pydantic on the per-token path). The stream hands its last
+response (completed, incomplete or failed) to ``keep`` before writing it, so a stored
+response is the one the client saw (ingress/responses_api.py stores it; ``keep`` may say
+it was not stored).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenrouter_ray.openai.errors import InternalServerError, as_openai_error
 from tokenrouter_ray.openai.responses import ChatCompletion, RoutingInfo, Usage
 from tokenrouter_ray.openai.responses_input import ResponsesRequest, new_id
+from tokenrouter_ray.openai.sse import encode_json
 from tokenrouter_ray.openai.token_reports import RequestMetrics
 from tokenrouter_ray.openai.validation import SamplingOptions
 
@@ -244,7 +246,7 @@ def build_response(head: ResponseObject, completion: ChatCompletion) -> Response
 
 
 def _encode(data: Mapping[str, Any]) -> bytes:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    return encode_json(data)
 
 
 class ResponseStream:

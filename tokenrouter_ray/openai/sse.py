@@ -19,18 +19,21 @@ in its choice, that choice's ``metrics``; the usage chunk, when sent, carries ``
 summed over choices. A request that asked for ``logprobs`` or a ``routing_trace`` gets, in
 each chunk's choice, those of the tokens whose text the chunk carries (the finish chunk:
 the rest). Chunks are built as dicts (the typed reports' ``to_dict``) and encoded with
-`json.dumps` (no pydantic on the per-token path).
+msgspec's JSON encoder (no pydantic on the per-token path; ~0.5 µs a chunk where
+`json.dumps` took ~4.4). It writes the same JSON values: floats in their shortest
+round-trip form (``0.00001`` where `json.dumps` wrote ``1e-05``), and a non-finite float
+as ``null`` (valid JSON, where `json.dumps` wrote ``-Infinity``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+import msgspec
 from pydantic import BaseModel
 
 from tokenrouter_ray.openai.chat_output import ChatDelta
@@ -50,13 +53,13 @@ SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_MEDIA_TYPE = "text/event-stream"
 
+encode_json = msgspec.json.Encoder().encode  # compact; non-ASCII kept as UTF-8
+
 
 def sse_event(obj: BaseModel | Mapping[str, Any]) -> bytes:
     """One event: ``data: {json}\\n\\n`` (compact JSON, non-ASCII kept as UTF-8)."""
     data = obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj
-    return (
-        b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-    )
+    return b"data: " + encode_json(data) + b"\n\n"
 
 
 def sse_error(exc: BaseException) -> bytes:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from tokenrouter_ray.host_gc import collector_stats
 from tokenrouter_ray.thresholds import ThresholdTable, json_hook
 from tokenrouter_ray.tuning.window import WindowSnapshot
 
@@ -143,6 +144,7 @@ class ReplicaStatus(msgspec.Struct):
     bytes_sent: int
     frames_sent: int
     sim: SimDevice | None  # a simulated model's device
+    gc: dict[str, Any] = {}  # the garbage collector since start-up (host_gc.collector_stats)
 
     @classmethod
     def of(cls, server: Replica, sim: SimDevice | None = None) -> ReplicaStatus:
@@ -169,6 +171,7 @@ class ReplicaStatus(msgspec.Struct):
             bytes_sent=channel.bytes_sent,
             frames_sent=channel.frames_sent,
             sim=sim,
+            gc=collector_stats(),
         )
 
     def to_json(self) -> dict[str, Any]:

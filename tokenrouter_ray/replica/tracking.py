@@ -11,22 +11,13 @@ and the running per-model token counts. A NEW from the ingress carries one too (
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tokenrouter_ray.protocol import Anchors, Dropped, FinishSummary, RouteState, SamplingSpec
 
 _ROUTE_FIELDS = RouteState.__struct_fields__  # Tracked has each, under the same name
 _ADOPTED = tuple(f for f in _ROUTE_FIELDS if f not in ("ingress", "prompt_len", "anchors"))
-
-
-def _copied(value: Any) -> Any:
-    """A route field's value, with containers copied (the two sides never share one)."""
-    if isinstance(value, dict):
-        return dict(value)
-    if isinstance(value, list):
-        return list(value)
-    return value
 
 
 @dataclass
@@ -60,8 +51,7 @@ class Tracked:
     def adopt(self, route: RouteState, seq: int) -> None:
         """Take the state the previous owner sent (its copy is authoritative)."""
         self.seq = seq
-        for name in _ADOPTED:
-            setattr(self, name, _copied(getattr(route, name)))
+        _adopt_fields(self, route)
         self.anchors = Anchors(route.anchors)
 
     def owned_by(self, model: str, now: float | None = None) -> None:
@@ -77,9 +67,7 @@ class Tracked:
 
     def route_state(self) -> RouteState:
         """The state that travels with a HANDOFF: every ``RouteState`` field, by name."""
-        values = {name: _copied(getattr(self, name)) for name in _ROUTE_FIELDS}
-        values["anchors"] = self.anchors.as_dict()
-        return RouteState(**values)
+        return _route_state(self)
 
     def summary(self, error: str | None = None, now: float | None = None) -> FinishSummary:
         """The finish report: counts and the metrics, pending intervals still open (models
@@ -98,3 +86,32 @@ class Tracked:
             dropped=self.dropped,
             cached_tokens=self.cached_tokens,
         )
+
+
+def _converters() -> tuple[Any, Any]:
+    """``Tracked`` -> ``RouteState`` and back, field by field under the same names, written
+    out once here from the two classes' fields (a HANDOFF builds one per request: a
+    generated function costs ~0.5 µs where a loop over the names with ``getattr`` took
+    ~3.4). Containers are copied both ways: the message is encoded on the event loop while
+    the step thread goes on changing its request's state."""
+    copies = {
+        f.name: f.default_factory.__name__
+        for f in fields(Tracked)
+        if f.default_factory in (dict, list)
+    }
+
+    def value(obj: str, name: str) -> str:
+        kind = copies.get(name)
+        return f"{kind}({obj}.{name})" if kind else f"{obj}.{name}"
+
+    args = ", ".join(
+        "t.anchors.as_dict()" if name == "anchors" else value("t", name) for name in _ROUTE_FIELDS
+    )
+    assigns = "\n".join(f"    t.{name} = {value('r', name)}" for name in _ADOPTED) or "    pass"
+    source = f"def to_route(t):\n    return RouteState({args})\n\ndef adopt(t, r):\n{assigns}\n"
+    namespace: dict[str, Any] = {"RouteState": RouteState}
+    exec(compile(source, "<tracking converters>", "exec"), namespace)
+    return namespace["to_route"], namespace["adopt"]
+
+
+_route_state, _adopt_fields = _converters()
