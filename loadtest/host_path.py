@@ -354,11 +354,12 @@ DIRECT_PORT = 18190  # "... direct": the clients talk to the ingress's own port 
 def run_served(
     levels: list[int], window_s: float, max_tokens: int, deploy: SimDeploy,
     systems: tuple[str, ...] = SERVED_SYSTEMS, direct_port: int = DIRECT_PORT,
+    client: str = "stream",
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Each system's app deployed with ``deploy(overrides, name)`` (a context manager
     yielding the app's OpenAI base URL), driven at each level. A system named ``... direct``
     also serves on the ingress's direct port (``ingress.direct_port``), and its clients
-    use that port instead of Serve's proxy."""
+    use that port instead of Serve's proxy. ``client``: see ``CLIENTS``."""
     rows: list[dict[str, Any]] = []
     for system in systems:
         profile, direct = system.split()[0], system.endswith(" direct")
@@ -385,8 +386,10 @@ def run_served(
                         rows.append({**same, "system": system, "same_as": same["system"]})
                         print(f"served {system} N={n}: all-1 is the tuned table ({eager}'s run)")
                     continue
-                row = asyncio.run(_served_level(url, n, window_s, max_tokens, client_url))
-                row.update(profile=profile, system=system, n=n)
+                row = asyncio.run(
+                    _served_level(url, n, window_s, max_tokens, client_url, client)
+                )
+                row.update(profile=profile, system=system, n=n, client=client)
                 if profile != "zero":
                     b = (1, table[n] if table else 1)
                     row["thresholds"] = b
@@ -470,11 +473,18 @@ async def _stats(url: str) -> dict[str, Any]:
         return (await client.get(f"{url}/v1/tokenrouter/stats", timeout=30)).json()
 
 
+# The closed loop's clients: "stream", streamed chat completions (an SSE chunk per token
+# through the whole output path); "completions", non-streamed completions (one response
+# per request: the workload issue 38's table was measured on).
+CLIENTS = ("stream", "completions")
+
+
 async def _served_level(
-    url: str, n: int, window_s: float, max_tokens: int, client_url: str | None = None
-) -> dict[str, Any]:
-    """One closed-loop level: ``n`` streaming clients on ``client_url`` (default: ``url``,
-    Serve's proxy), the app's counters read from ``url``."""
+    url: str, n: int, window_s: float, max_tokens: int, client_url: str | None = None,
+    client_kind: str = "stream",
+) -> dict[str, Any]:  # fmt: skip
+    """One closed-loop level: ``n`` clients of ``client_kind`` (``CLIENTS``) on
+    ``client_url`` (default: ``url``, Serve's proxy), the app's counters read from ``url``."""
     import openai
 
     client_url = client_url or url
@@ -483,7 +493,15 @@ async def _served_level(
     ttfts: list[float] = []
     chunks = [0]
 
+    async def one_unstreamed_client() -> None:
+        while not stop.is_set():
+            await client.completions.create(
+                model="tokenrouter", prompt="hello", max_tokens=max_tokens, temperature=0
+            )
+
     async def one_client() -> None:
+        if client_kind == "completions":
+            return await one_unstreamed_client()
         while not stop.is_set():
             t0 = time.perf_counter()
             first = True
@@ -607,7 +625,7 @@ def _print_served(row: dict[str, Any]) -> None:
     print(
         f"served {row['system']:11} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
         f"{row['ttft_ms_p50'] or 0:.1f} ms{alone} (GET /health {row['health_rtt_ms_p50']:.1f} ms)  "
-        f"{format_cpu(row['cpu_us_per_token'])}  "
+        f"{format_cpu(row['cpu_us_per_token'])}  client {row.get('client', 'stream')}  "
         f"SSE chunks/token {row['sse_chunks_per_token']:.2f}  frames/token "
         f"{row['frames_per_token']:.2f}  bytes/token {row['bytes_per_token']:.0f}  [{steps}]",
         flush=True,
@@ -680,6 +698,11 @@ def main(argv: list[str] | None = None) -> int:
         "process with every frame delayed this long (comma list, e.g. 0,1,3; loadtest/"
         "host_transit.py)",
     )
+    parser.add_argument(
+        "--client", choices=CLIENTS, default="stream",
+        help="served clients: streamed chat completions (an SSE chunk per token) or "
+        "non-streamed completions (issue 38's workload)",
+    )  # fmt: skip
     parser.add_argument("--port", type=int, default=18170)
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
@@ -699,7 +722,8 @@ def main(argv: list[str] | None = None) -> int:
         served_levels = [int(x) for x in args.served_levels.split(",")]
         deploy = ray_serve_deploy(args.port)
         systems = tuple(args.served_systems.split(","))
-        served = run_served(served_levels, args.window_s, args.max_tokens, deploy, systems)
+        served = run_served(served_levels, args.window_s, args.max_tokens, deploy, systems,
+                            client=args.client)  # fmt: skip
     print("\n# targets (PASS / MISS; they never fail the run)")
     for name, ok, detail in targets(in_process, served) + transit_targets(sweep):
         print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")

@@ -56,6 +56,8 @@ def served_targets(served: list[dict[str, Any]]) -> list[Target]:
         if "same_as" in r:  # a tuned system whose table is all-1 here: that run's row
             continue
         system, n = r["system"], r["n"]
+        if r.get("client", "stream") != "stream":  # named so the two workloads stay apart
+            system = f"{system} ({r['client']} clients)"
         goal, pred = IDEAL_GOAL.get(n), r.get("predicted")
         if goal is not None and pred:
             ratio = r["tok_s"] / pred
@@ -90,7 +92,7 @@ def served_targets(served: list[dict[str, Any]]) -> list[Target]:
                     )
         probe = r.get("ttft_probe_ms_p50")
         if n == 1 and probe is not None:
-            via, overhead = _via(system), probe - prefill_ms(r["profile"])
+            via, overhead = _via(r["system"]), probe - prefill_ms(r["profile"])
             bound = TTFT_OVERHEAD_MS[via]
             add(
                 f"served {system}: TTFT overhead <= {bound:g} ms ({via}; the first "

@@ -104,7 +104,7 @@ async def test_tcp_binds_the_node_address_and_the_configured_port_range() -> Non
         ZmqChannel("large", "0", directory, config) as a,
         ZmqChannel("large", "1", directory, config) as b,
     ):
-        bound = [c._pull.getsockopt_string(zmq.LAST_ENDPOINT) for c in (a, b)]
+        bound = [c._pull_now.getsockopt_string(zmq.LAST_ENDPOINT) for c in (a, b)]
         assert not any("0.0.0.0" in e or "*" in e for e in bound)
         assert sorted(int(e.rsplit(":", 1)[1]) for e in bound) == [base, base + 1]
         with pytest.raises(OSError, match="every port"):

@@ -2,13 +2,18 @@
 step thread.
 
 It owns the two event-loop tasks, and the three queues that cross to the step thread:
-- the receive task drains the channel into ``inbox`` (NEW / HANDOFF / FINISHED / ABORT / ACTIVE
-  from the ingress and from peers) and wakes the step thread, which applies it between
-  steps (``replica/step.py``); ``deliver`` does the same for messages from anywhere else;
-- ``post`` (from the step thread) hands messages to the send task, which sends them in
-  order, one frame per destination; posts made before the event loop runs again share one
-  wake-up of it. A destination that cannot take its frame is reported back to the step
-  thread (``on_undelivered``, through the call queue): the requests it concerned end there;
+- the receive side drains the channel into ``inbox`` (NEW / HANDOFF / FINISHED / ABORT /
+  ACTIVE from the ingress and from peers) and wakes the step thread, which applies it
+  between steps (``replica/step.py``): the transport's own receiver thread where it has one
+  (ZeroMQ: ``start_receiver``, no event-loop wake per frame), else a receive task on the
+  event loop; ``deliver`` does the same for messages from anywhere else;
+- ``post`` (from the step thread) sends messages, one frame per destination: on the step
+  thread itself when nothing it posted earlier is still waiting for the event loop and the
+  destination is connected and can take the frame (``PeerChannel.send_now``; no wake-up,
+  queue or task per frame), otherwise through the send task, which sends them in order;
+  posts made before the event loop runs again share one wake-up of it. A destination that
+  cannot take its frame is reported back to the step thread (``on_undelivered``, through
+  the call queue): the requests it concerned end there;
 - the call queue (``call``, from the event loop) runs a function on the step thread between
   two steps and hands its result back: the tuner's thresholds, status and info reads. So
   only the step thread ever touches the engine and the per-request state.
@@ -61,6 +66,10 @@ class Mailbox:
         self._outbox: asyncio.Queue[tuple[list[PeerReq], bool]] | None = None
         self._posted: deque[tuple[list[PeerReq], bool]] = deque()  # for the event loop
         self._post_due = False  # the event loop is due to take ``_posted``
+        # posts handed to the event loop, and those it has finished sending: each written by
+        # one thread only. While they differ, the step thread sends nothing itself (order)
+        self._handed = 0
+        self._finished = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
@@ -68,10 +77,9 @@ class Mailbox:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._outbox = asyncio.Queue()
-        self._tasks = [
-            asyncio.create_task(self._receive_loop(), name=f"{self.name}-recv"),
-            asyncio.create_task(self._sender(), name=f"{self.name}-send"),
-        ]
+        self._tasks = [asyncio.create_task(self._sender(), name=f"{self.name}-send")]
+        if not self.channel.start_receiver(self._received, f"{self.name}-recv"):
+            self._tasks.append(asyncio.create_task(self._receive_loop(), name=f"{self.name}-recv"))
 
     async def stop(self) -> None:
         self._closing = True
@@ -83,16 +91,21 @@ class Mailbox:
 
     @property
     def running(self) -> bool:
-        """Both tasks started and none stopped."""
-        return bool(self._tasks) and not any(t.done() for t in self._tasks)
+        """The tasks (and the receiver thread, where there is one) started and none
+        stopped."""
+        started = bool(self._tasks) and not any(t.done() for t in self._tasks)
+        return started and self.channel.receiver_alive is not False
 
     def dead_tasks(self) -> list[str]:
         """Names of stopped tasks, with why (for health-check messages)."""
-        return [
+        dead = [
             f"{t.get_name()}: {'cancelled' if t.cancelled() else t.exception()!r}"
             for t in self._tasks
             if t.done()
         ]
+        if self.channel.receiver_alive is False:
+            dead.append(f"{self.name}-recv: the receiver thread stopped")
+        return dead
 
     @property
     def sending(self) -> bool:
@@ -137,11 +150,29 @@ class Mailbox:
         cannot be sent is reported back (``on_undelivered``)."""
         if not out or self._loop is None or self._outbox is None:
             return
+        if self._handed == self._finished:  # nothing earlier still queued: send from here
+            out = self._send_here(out)
+            if not out:
+                return
+        self._handed += 1
         self._posted.append((out, notify))
         if not self._post_due:
             self._post_due = True
             with contextlib.suppress(RuntimeError):  # the event loop closed: shutting down
                 self._loop.call_soon_threadsafe(self._take_posted)
+
+    def _send_here(self, out: list[PeerReq]) -> list[PeerReq]:
+        """Send what can go from this thread, one frame per destination; what cannot (a
+        destination not connected yet, or full), and every destination after it, is left
+        for the send task, in order."""
+        groups = list(by_destination(out).items())
+        profile = self.profile
+        for k, (dst, msgs) in enumerate(groups):
+            if not self.channel.send_now(dst, msgs):
+                return [msg for _, rest in groups[k:] for msg in rest]
+            profile.frames += 1
+            profile.messages += len(msgs)
+        return []
 
     def _take_posted(self) -> None:
         """On the event loop: move what the step thread posted to the sender's queue."""
@@ -162,15 +193,20 @@ class Mailbox:
                 self.metrics.error(self.name, "recv_failed")
                 await asyncio.sleep(0.05)
                 continue
-            now = time.time_ns()
-            profile = self.profile
-            if batch:  # the frame's latency: its oldest message's
-                self.metrics.peer_message(self.name, min(msg.sent_at for msg in batch))
-            for msg in batch:
-                if msg.kind != MsgKind.ACTIVE:  # counted as applied messages are
-                    profile.received += 1
-                    profile.received_after_s += max(0, now - msg.sent_at) / 1e9
-            self.deliver(batch)
+            self._received(batch)
+
+    def _received(self, batch: list[PeerReq]) -> None:
+        """One received frame (on the event loop, or on the transport's receiver thread):
+        counted, then handed to the step thread."""
+        now = time.time_ns()
+        profile = self.profile
+        if batch:  # the frame's latency: its oldest message's
+            self.metrics.peer_message(self.name, min(msg.sent_at for msg in batch))
+        for msg in batch:
+            if msg.kind != MsgKind.ACTIVE:  # counted as applied messages are
+                profile.received += 1
+                profile.received_after_s += max(0, now - msg.sent_at) / 1e9
+        self.deliver(batch)
 
     async def _sender(self) -> None:
         """Send what the step thread posts, in order (one frame per destination)."""
@@ -185,6 +221,8 @@ class Mailbox:
             except Exception:  # never stop sending over one batch
                 logger.exception("%s: send failed", self.name)
                 self.metrics.error(self.name, "send_failed")
+            finally:
+                self._finished += 1
             self.profile.add("send", time.perf_counter() - t0)
 
     async def _send(self, out: list[PeerReq], notify: bool = True) -> None:

@@ -203,6 +203,24 @@ class PeerChannel(ABC):
         self.frames_sent += 1
         self.bytes_sent += size or 0
 
+    def send_now(self, dst: str, msgs: Sequence[PeerReq]) -> bool:
+        """Send ``msgs`` to ``dst`` as one frame from the calling thread, without the event
+        loop, when that costs no wait: ``dst`` already resolved and connected, and its queue
+        not full. False: nothing was sent (the caller sends through ``send``). Transports
+        without such a path always say False."""
+        return False
+
+    def start_receiver(self, on_batch: Callable[[list[PeerReq]], None], name: str) -> bool:
+        """Receive on a thread of the transport's own, each frame's messages handed to
+        ``on_batch`` there, instead of through ``recv``. False: not supported (use
+        ``recv``)."""
+        return False
+
+    @property
+    def receiver_alive(self) -> bool | None:
+        """Whether the receiver thread runs (None: there is none)."""
+        return None
+
     async def send_grouped(self, msgs: Sequence[PeerReq]) -> None:
         """Send messages leaving in one step: one frame per distinct `msg.dst`."""
         for dst, group in by_destination(msgs).items():

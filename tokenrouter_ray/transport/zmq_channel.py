@@ -48,6 +48,7 @@ import random
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -74,6 +75,7 @@ logger = logging.getLogger(__name__)
 _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, 104 on macOS
 YIELD_EVERY = 64  # frames received back to back before recv yields to the event loop
 YIELD_S = 0.005  # or this long since it last yielded
+RECEIVER_POLL_MS = 100  # a receiver thread looks for a stop this often while nothing comes
 
 
 FRAME_BYTES_PER_TOKEN = 9  # msgpack: an int up to 2**64 (token ids are far below)
@@ -144,15 +146,22 @@ class ZmqChannel(PeerChannel):
         self.rejected: collections.Counter[str] = collections.Counter()
         self._pacer = RejectPacer(self.config.reject_rate)
         self.on_reject = on_reject
-        self._pull: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None  # made at the first ``recv``
         # Plain (not asyncio) views of the same sockets: a receive of a queued frame and a
         # non-blocking send need no Future and no event-loop callback (a sixth of the
         # ingress's CPU per token went to pyzmq's asyncio layer; docs/benchmarks.md Round 7).
         self._pull_now: zmq.Socket | None = None
         self._pushes: dict[str, zmq.asyncio.Socket] = {}
+        # Held around every use of a send socket: ``send_now`` runs on a replica's step
+        # thread, connecting, forgetting and closing on the event loop (a ZeroMQ socket is
+        # safe to move between threads, never to use from two at once).
+        self._push_lock = threading.Lock()
         self._push_now: dict[str, zmq.Socket] = {}
         self._connecting: dict[str, asyncio.Future[zmq.asyncio.Socket]] = {}
         self._pending_recv: asyncio.Future[bytes] | None = None
+        # ``start_receiver``: a thread that owns the PULL socket instead of ``recv``
+        self._receiver: threading.Thread | None = None
+        self._receiver_stop = False
         self._ipc_dir_owned: str | None = None
         self._last_yield = time.monotonic()
         self._burst = 0  # frames received since recv last yielded
@@ -167,7 +176,9 @@ class ZmqChannel(PeerChannel):
         return self._context
 
     async def _open(self) -> str:
-        pull = self.context.socket(zmq.PULL)
+        # A plain socket: an asyncio one watches its descriptor from the event loop, which
+        # a receiver thread (``start_receiver``) must not share. ``recv`` wraps it.
+        pull = zmq.Context.shadow(self.context.underlying).socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
         pull.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
@@ -179,10 +190,10 @@ class ZmqChannel(PeerChannel):
         except BaseException:
             pull.close(linger=0)
             raise
-        self._pull, self._pull_now = pull, zmq.Socket.shadow(pull.underlying)
+        self._pull_now = pull
         return address
 
-    def _bind(self, pull: zmq.asyncio.Socket) -> str:
+    def _bind(self, pull: zmq.Socket) -> str:
         cfg = self.config
         if cfg.transport == "ipc":
             directory = cfg.ipc_dir
@@ -215,20 +226,43 @@ class ZmqChannel(PeerChannel):
         return _node_ip()
 
     async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> int:
-        push = self._push_now.get(dst.name)
-        if push is None:
+        if dst.name not in self._push_now:
             await self._connect(dst)
-            push = self._push_now[dst.name]
         frame = encode_batch(msgs)
-        if self._signer is not None:
-            frame = self._signer.sign(dst.name, frame)
-        try:  # never wait: a peer that stopped reading must not stall the sender's loop
-            push.send(frame, flags=zmq.NOBLOCK, copy=True)
-        except zmq.Again:
-            raise PeerUnreachableError(
-                f"{dst.name} is not reading: {self.config.send_hwm} frames already queued"
-            ) from None
+        with self._push_lock:  # signed in the order sent: the receiver's counter check
+            push = self._push_now.get(dst.name)
+            if push is None:  # forgotten meanwhile
+                raise PeerUnreachableError(f"{dst.name} was forgotten while connecting")
+            if self._signer is not None:
+                frame = self._signer.sign(dst.name, frame)
+            try:  # never wait: a peer that stopped reading must not stall the sender's loop
+                push.send(frame, flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                raise PeerUnreachableError(
+                    f"{dst.name} is not reading: {self.config.send_hwm} frames already queued"
+                ) from None
         return len(frame)
+
+    def send_now(self, dst: str, msgs: Sequence[PeerReq]) -> bool:
+        """The frame sent from the calling thread (a replica's step thread) when ``dst`` is
+        connected and can take it: no event-loop wake, queue or task per frame (ZeroMQ does
+        the I/O on its own thread either way)."""
+        if self._closed or not msgs or dst not in self._push_now:
+            return False
+        frame = encode_batch(msgs)
+        with self._push_lock:
+            push = self._push_now.get(dst)
+            if push is None or self._closed:
+                return False
+            if self._signer is not None:  # signed in the order sent, under the same lock
+                frame = self._signer.sign(dst, frame)
+            try:
+                push.send(frame, flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:  # full: the event loop's path reports it (a counter skipped
+                return False  # is harmless: the receiver wants each above the last)
+            self.frames_sent += 1
+            self.bytes_sent += len(frame)
+        return True
 
     async def _connect(self, dst: Endpoint) -> zmq.asyncio.Socket:
         pending = self._connecting.get(dst.name)
@@ -243,8 +277,9 @@ class ZmqChannel(PeerChannel):
             if self.config.curve is not None:
                 self.config.curve.dial(push)
             push.connect(dst.address)
-            self._pushes[dst.name] = push
-            self._push_now[dst.name] = zmq.Socket.shadow(push.underlying)
+            with self._push_lock:
+                self._pushes[dst.name] = push
+                self._push_now[dst.name] = zmq.Socket.shadow(push.underlying)
             future.set_result(push)
             return push
         except BaseException as exc:
@@ -256,14 +291,19 @@ class ZmqChannel(PeerChannel):
 
     def forget_peer(self, dst: str) -> None:
         super().forget_peer(dst)
-        self._push_now.pop(dst, None)
-        push = self._pushes.pop(dst, None)
-        if push is not None:
-            push.close(linger=0)
+        with self._push_lock:
+            self._push_now.pop(dst, None)
+            push = self._pushes.pop(dst, None)
+            if push is not None:
+                push.close(linger=0)
 
     async def recv(self) -> list[PeerReq]:
-        if self._pull is None or self._closed:
+        if self._pull_now is None or self._closed:
             raise ChannelClosed(f"channel {self.name!r} is closed")
+        if self._receiver is not None:
+            raise RuntimeError(f"channel {self.name!r} receives on its receiver thread")
+        if self._pull is None:
+            self._pull = zmq.asyncio.Socket.from_socket(self._pull_now)
         while True:
             await self._maybe_yield()
             frame = self._queued_frame()
@@ -273,19 +313,71 @@ class ZmqChannel(PeerChannel):
                     frame = await self._pending_recv
                 finally:
                     self._pending_recv = None
-            if self._verifier is not None:
-                frame, reason = self._verifier.open(frame)
-                if reason is not None:
-                    self._reject(reason)
-                    wait_s = self._pacer.wait_s()
-                    if wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
-                        await asyncio.sleep(wait_s)
-                    continue
-            batch = decode_frame(frame, self.name)
+            batch, wait_s = self._accept(frame)
             if batch is not None:
-                self._last_good, self._bad_since = time.monotonic(), None
                 return batch
-            self._reject("undecodable")
+            if wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
+                await asyncio.sleep(wait_s)
+
+    def _accept(self, frame: bytes) -> tuple[list[PeerReq] | None, float]:
+        """A received frame's messages once its MAC and encoding check out; else None and
+        how long the receiver should pause (the reject pacer's budget)."""
+        if self._verifier is not None:
+            frame, reason = self._verifier.open(frame)  # type: ignore[assignment]
+            if reason is not None:
+                self._reject(reason)
+                return None, self._pacer.wait_s()
+        batch = decode_frame(frame, self.name)
+        if batch is not None:
+            self._last_good, self._bad_since = time.monotonic(), None
+            return batch, 0.0
+        self._reject("undecodable")
+        return None, 0.0
+
+    # -------------------------------------------------------------- receiver thread
+    def start_receiver(self, on_batch: Callable[[list[PeerReq]], None], name: str) -> bool:
+        """Receive on a thread of its own from now on: each frame's messages go to
+        ``on_batch`` (on that thread). The thread waits inside ZeroMQ without the
+        interpreter lock, and a frame costs no event-loop wake, Future or callback (a
+        replica's step thread takes what it delivers). False: ``recv`` is in use already,
+        or the channel is not open."""
+        if self._pull_now is None or self._closed or self._pull is not None:
+            return False
+        if self._receiver is None:
+            self._receiver = threading.Thread(
+                target=self._receive_thread, args=(self._pull_now, on_batch), name=name,
+                daemon=True,
+            )  # fmt: skip
+            self._receiver.start()
+        return True
+
+    @property
+    def receiver_alive(self) -> bool | None:
+        """Whether the receiver thread runs (None: there is none)."""
+        return None if self._receiver is None else self._receiver.is_alive()
+
+    def _receive_thread(self, pull: zmq.Socket, on_batch: Callable[[list[PeerReq]], None]) -> None:
+        while not (self._receiver_stop or self._closed):
+            try:
+                if not pull.poll(RECEIVER_POLL_MS):  # waits without the interpreter lock
+                    continue
+                frame = pull.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:
+                if self._receiver_stop or self._closed:
+                    return
+                logger.exception("%s: receive failed", self.name)
+                time.sleep(0.05)
+                continue
+            batch, wait_s = self._accept(frame)
+            if batch is not None:
+                try:
+                    on_batch(batch)
+                except Exception:  # one bad delivery must not stop receiving
+                    logger.exception("%s: delivering a frame failed", self.name)
+            elif wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
+                time.sleep(wait_s)
 
     def _queued_frame(self) -> bytes | None:
         """A frame already queued on the socket, without a Future; None when none is."""
@@ -328,22 +420,29 @@ class ZmqChannel(PeerChannel):
         return now - self._bad_since
 
     async def _shut(self) -> None:
+        receiver = self._receiver
+        if receiver is not None:  # it owns the PULL socket until it has stopped
+            self._receiver_stop = True
+            await asyncio.to_thread(receiver.join, 2.0)
         pending = self._pending_recv
         if pending is not None and not pending.done():
             # Resolve the waiting recv ourselves: the socket would only cancel it.
             pending.set_exception(ChannelClosed(f"channel {self.name!r} is closed"))
-        for push in self._pushes.values():
-            push.close(linger=0)
-        self._pushes.clear()
-        self._push_now.clear()
-        self._pull_now = None
-        if self._pull is not None:
+        with self._push_lock:
+            for push in self._pushes.values():
+                push.close(linger=0)
+            self._pushes.clear()
+            self._push_now.clear()
+        pull_now, self._pull_now = self._pull_now, None
+        if self._pull is not None:  # the asyncio view closes the socket and its watch
             self._pull.close(linger=0)
+        elif pull_now is not None and (receiver is None or not receiver.is_alive()):
+            pull_now.close(linger=0)
         if self._ipc_dir_owned is not None:
             shutil.rmtree(self._ipc_dir_owned, ignore_errors=True)
 
 
-def _bind_in_range(pull: zmq.asyncio.Socket, host: str, ports: tuple[int, int]) -> str:
+def _bind_in_range(pull: zmq.Socket, host: str, ports: tuple[int, int]) -> str:
     """Bind the first free port of ``[lo, hi]``, starting at a random one (replicas on one
     node race for ports); the bound endpoint, or ``OSError`` when every port is taken."""
     lo, hi = ports
