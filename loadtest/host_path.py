@@ -386,9 +386,7 @@ def run_served(
                         rows.append({**same, "system": system, "same_as": same["system"]})
                         print(f"served {system} N={n}: all-1 is the tuned table ({eager}'s run)")
                     continue
-                row = asyncio.run(
-                    _served_level(url, n, window_s, max_tokens, client_url, client)
-                )
+                row = asyncio.run(_served_level(url, n, window_s, max_tokens, client_url, client))
                 row.update(profile=profile, system=system, n=n, client=client)
                 if profile != "zero":
                     b = (1, table[n] if table else 1)

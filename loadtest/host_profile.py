@@ -7,12 +7,12 @@ closed loop, the samples summed by area.
     python -m loadtest host-profile --summarize /tmp/host-profile   # re-read saved samples
 
 The app is ``conf/sim_paper.yaml``'s (``loadtest/host_path.py``'s ``sim_overrides``) on a
-local Ray cluster; ``n`` streaming ``openai`` clients keep it busy (the host path's served
-level). py-spy samples every app process (the ingress, each model replica, Serve's proxy)
-at 200 Hz with ``--gil``: only the thread that holds the interpreter is sampled, so a
-sample is Python CPU time (what the issue calls CPU per token, less native work done
-without the GIL: ZeroMQ's I/O threads, the kernel's socket work). The raw stacks go to
-``<out>/<process>.txt``; the summary prints, per process,
+local Ray cluster; ``n`` ``openai`` clients (streaming, or ``--client completions``) keep it
+busy (the host path's served level). py-spy samples every app process (the ingress, each
+model replica, Serve's proxy) at 200 Hz with ``--gil``: only the thread that holds the
+interpreter is sampled, so a sample is Python CPU time (what the issue calls CPU per token,
+less native work done without the GIL: ZeroMQ's I/O threads, the kernel's socket work).
+The raw stacks go to ``<out>/<process>.txt``; the summary prints, per process,
 
 - **areas**: each sample goes to the area of the innermost frame that belongs to one (Ray
   metrics, ZeroMQ's asyncio layer, frame MAC and codec, the detokenizer, the SSE writer,
@@ -188,7 +188,9 @@ def record(args: argparse.Namespace) -> int:
         starter = threading.Thread(target=start_spies)
         starter.start()
         window = args.seconds + args.warmup_s + 2.0
-        row = asyncio.run(host_path._served_level(url, args.n, window, args.max_tokens, client_url))
+        row = asyncio.run(
+            host_path._served_level(url, args.n, window, args.max_tokens, client_url, args.client)
+        )
         starter.join()
         for p in spies:
             p.wait()
@@ -211,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=64, help="closed-loop clients")
     parser.add_argument("--profile", default="h200", help="sim step-time profile: h200, paper")
     parser.add_argument("--proxy", action="store_true", help="clients on Serve's proxy")
+    parser.add_argument(
+        "--client", choices=("stream", "completions"), default="stream",
+        help="streamed chat completions or non-streamed completions (loadtest host's)",
+    )  # fmt: skip
     parser.add_argument("--seconds", type=int, default=15, help="sampled window")
     parser.add_argument("--warmup-s", type=float, default=4.0)
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -49,10 +49,14 @@ class FakeCore:
         self.live[rid] = (prompt, spec)
         self.submitted += 1
 
-    async def stream(self, rid: str) -> AsyncIterator[list[int]]:
+    async def stream(self, rid: str, each_chunk: bool = True) -> AsyncIterator[list[int]]:
         _, spec = self.live[rid]
-        for i in range(spec.max_tokens):
-            yield [self.filler[i % len(self.filler)]]
+        tokens = [self.filler[i % len(self.filler)] for i in range(spec.max_tokens)]
+        if not each_chunk:  # the real core's: everything at the end, as one list
+            yield tokens
+            return
+        for token in tokens:
+            yield [token]
 
     def abort_nowait(self, rid: str, reason: str | None = None) -> None:
         pass

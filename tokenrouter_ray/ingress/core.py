@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,45 @@ class Completion:
     infos: list[TokenInfo | None] = field(default_factory=list)  # if the request asked
 
 
+class TokenChunks:
+    """One request's committed tokens for its reader, in order, then ``None`` (the end): the
+    ``asyncio.Queue`` calls the core and ``stream`` use, with one difference. With
+    ``each_chunk`` False the reader is woken only by the end, not by every chunk: a
+    non-streamed choice without stop strings reads all its tokens at once (its writer's
+    text does not depend on how the tokens are grouped), so a token costs it no task wake."""
+
+    __slots__ = ("_ended", "_items", "_waiter", "each_chunk")
+
+    def __init__(self) -> None:
+        self._items: deque[list[int] | None] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False
+        self.each_chunk = True
+
+    def put_nowait(self, item: list[int] | None) -> None:
+        self._items.append(item)
+        if item is None:
+            self._ended = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and (self.each_chunk or self._ended):
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> list[int] | None:
+        return self._items.popleft()
+
+    async def get(self) -> list[int] | None:
+        while not self._items or not (self.each_chunk or self._ended):
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class _Live:
     def __init__(self, rid: str, prompt: list[int], sampling: SamplingSpec, timeout_s: float):
         self.rid = rid
@@ -101,7 +141,7 @@ class _Live:
         self.final_len: int | None = None
         self.aborted = False
         self.counts: dict[str, int] = {}  # committed tokens per model, as seen here
-        self.updates: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        self.updates = TokenChunks()
         self.submitted_at = time.monotonic()  # for TTFT / ITL / end-to-end metrics
         self.deadline = self.submitted_at + timeout_s
         self.deadline_wall = time.time() + timeout_s  # travels to the models
@@ -328,12 +368,14 @@ class IngressCore:
             active_requests=self.num_active,
         )
 
-    async def stream(self, rid: str) -> AsyncIterator[list[int]]:
+    async def stream(self, rid: str, each_chunk: bool = True) -> AsyncIterator[list[int]]:
         """Newly committed tokens as they become contiguous, until the request completes,
         is aborted, fails, or reaches its deadline (then it fails with ``timeout``). Tokens
-        that arrived together (one frame, or while the reader was busy) come as one list."""
+        that arrived together (one frame, or while the reader was busy) come as one list.
+        ``each_chunk`` False: all of them at the end, as one list (``TokenChunks``)."""
         live = self.live[rid]
         updates = live.updates
+        updates.each_chunk = each_chunk
         while (chunk := await updates.get()) is not None:
             ended = False
             while not updates.empty():  # what else arrived: one piece, one SSE chunk

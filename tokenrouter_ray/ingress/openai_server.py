@@ -317,8 +317,11 @@ class IngressServer:
             index, prepared, self.tokenizer, self.token_text, self.model_names,
             chat=chat, streaming=updates is not None,
         )  # fmt: skip
+        # Read as committed when something is done with each step's tokens: a streamed
+        # update, or a stop string that must end the choice where it appears
+        each_chunk = updates is not None or bool(prepared.sampling.stop)
         try:
-            async for tokens in self.core.stream(rid):
+            async for tokens in self.core.stream(rid, each_chunk):
                 update = writer.push(tokens, lambda: self.core.commit_log(rid))
                 if update is not None and updates is not None:
                     self._put(updates, update, gate)
