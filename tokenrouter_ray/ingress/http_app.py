@@ -277,7 +277,8 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
         result = await service.server.respond(prepared, chat, timeout_s)
         if isinstance(result, StreamedChoices):
             return stream_response(result, result.body)
-        return JSONResponse(result.model_dump(mode="json"))
+        # serialized by pydantic's own (compiled) encoder: no dict, no json.dumps
+        return Response(result.model_dump_json(), media_type="application/json")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
