@@ -5,8 +5,11 @@ on; ipc socket files are private."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import os
 import stat
+import struct
 
 import pytest
 import zmq
@@ -15,10 +18,26 @@ import zmq.asyncio
 from tests.transport import handoff, recv_n
 from tokenrouter_ray.protocol import encode_batch
 from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
-from tokenrouter_ray.transport.auth import FrameSigner, FrameVerifier, derive_key
+from tokenrouter_ray.transport.auth import MAGIC, FrameSigner, FrameVerifier, derive_key
 from tokenrouter_ray.transport.base import Endpoint
 
 KEY = derive_key(os.urandom(32))
+
+
+def test_a_frame_is_laid_out_and_signed_as_the_module_documents() -> None:
+    """The MAC is HMAC-SHA256(key, MAGIC | sender | counter | receiver NUL | payload),
+    computed here from scratch: peers of another build verify the same bytes."""
+    signer = FrameSigner(KEY)
+    for counter, (receiver, payload) in enumerate(
+        [("large/0", b"a"), ("large/0", b"b" * 5000), ("ingress/é", b"")], start=1
+    ):
+        frame = signer.sign(receiver, payload)
+        if receiver == "ingress/é":
+            counter = 1  # one counter per receiver
+        head = MAGIC + signer.sender + struct.pack(">Q", counter)
+        want = hmac.new(KEY, head + receiver.encode() + b"\0" + payload, hashlib.sha256)
+        assert frame == head + want.digest() + payload
+        assert FrameVerifier(KEY, receiver).open(frame) == (payload, None)
 
 
 def test_signed_frames_verify_once_and_only_for_their_receiver() -> None:

@@ -29,6 +29,7 @@ from collections import OrderedDict
 MAGIC = b"TRR1"
 SECRET_ENV = "TOKENROUTER_PEER_SECRET"
 _HEADER = struct.Struct(">4s16sQ32s")  # magic, sender, counter, mac
+_COUNTER = struct.Struct(">Q")
 HEADER_SIZE = _HEADER.size
 
 
@@ -40,11 +41,27 @@ def derive_key(secret: str | bytes) -> bytes:
     return hashlib.sha256(b"tokenrouter-peer-frame-v1\0" + raw).digest()
 
 
-def _mac(key: bytes, sender: bytes, counter: int, receiver: str, payload: bytes) -> bytes:
-    mac = hmac.new(key, MAGIC + sender + struct.pack(">Q", counter), hashlib.sha256)
-    mac.update(receiver.encode() + b"\0")
-    mac.update(payload)
-    return mac.digest()
+class _Mac:
+    """HMAC-SHA256 under one key: the key's inner and outer pads are computed once and each
+    frame's MAC starts from a copy of that state (``hmac.new`` per frame derives them
+    again: ~0.7 µs of a ~1.9 µs MAC on a small frame)."""
+
+    __slots__ = ("_keyed",)
+
+    def __init__(self, key: bytes) -> None:
+        self._keyed = hmac.new(key, digestmod=hashlib.sha256)
+
+    def __call__(self, sender: bytes, counter: int, receiver: bytes, payload: bytes) -> bytes:
+        """The MAC of ``MAGIC | sender | counter | receiver | payload`` (``receiver``: the
+        receiver's name, UTF-8, with its terminating NUL)."""
+        mac = self._keyed.copy()
+        mac.update(MAGIC + sender + _COUNTER.pack(counter) + receiver)
+        mac.update(payload)
+        return mac.digest()
+
+
+def _receiver_bytes(receiver: str) -> bytes:
+    return receiver.encode() + b"\0"
 
 
 class FrameSigner:
@@ -53,12 +70,17 @@ class FrameSigner:
     def __init__(self, key: bytes) -> None:
         self.key = key
         self.sender = os.urandom(16)
+        self._mac = _Mac(key)
         self._counters: dict[str, int] = {}
+        self._names: dict[str, bytes] = {}
 
     def sign(self, receiver: str, payload: bytes) -> bytes:
         counter = self._counters.get(receiver, 0) + 1
         self._counters[receiver] = counter
-        mac = _mac(self.key, self.sender, counter, receiver, payload)
+        name = self._names.get(receiver)
+        if name is None:
+            name = self._names[receiver] = _receiver_bytes(receiver)
+        mac = self._mac(self.sender, counter, name, payload)
         return _HEADER.pack(MAGIC, self.sender, counter, mac) + payload
 
 
@@ -70,6 +92,8 @@ class FrameVerifier:
         self.key = key
         self.receiver = receiver
         self.max_senders = max_senders
+        self._mac = _Mac(key)
+        self._name = _receiver_bytes(receiver)
         self._newest: OrderedDict[bytes, int] = OrderedDict()
 
     def open(self, frame: bytes) -> tuple[bytes | None, str | None]:
@@ -80,7 +104,7 @@ class FrameVerifier:
         if magic != MAGIC:
             return None, "malformed"
         payload = frame[HEADER_SIZE:]
-        want = _mac(self.key, sender, counter, self.receiver, payload)
+        want = self._mac(sender, counter, self._name, payload)
         if not hmac.compare_digest(mac, want):
             return None, "bad_mac"
         if counter <= self._newest.get(sender, 0):
