@@ -51,7 +51,7 @@ import logging
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -630,8 +630,13 @@ class Replica:
         self.stats.record_step(
             result.batch_size, result.timings.total, now, active, result.num_scheduled_tokens
         )
-        for rid, dst in zip(result.request_ids, destinations, strict=True):
-            self.stats.record_move(self.name, self.models[dst], int(rid not in drop), now)
+        rows = Counter(destinations)  # one tally per destination, not per row
+        dropped: Counter[int] = Counter()
+        if drop:
+            ids = result.request_ids
+            dropped.update(dst for rid, dst in zip(ids, destinations, strict=True) if rid in drop)
+        for dst, n in rows.items():
+            self.stats.record_move(self.name, self.models[dst], n - dropped[dst], now, rows=n)
 
     def _report(
         self,

@@ -121,13 +121,17 @@ class WindowStats:
             self._buckets.append((start, WindowSnapshot()))
         return self._buckets[-1][1]
 
-    def record_move(self, src: str, dst: str, committed: int, now: float | None = None) -> None:
+    def record_move(
+        self, src: str, dst: str, committed: int, now: float | None = None, rows: int = 1
+    ) -> None:
+        """``rows`` requests moved from ``src`` to ``dst`` (``dst == src``: stayed), with
+        ``committed`` tokens kept between them (a dropped token is not)."""
         moves = self._bucket(now).moves
         tally = moves.get((src, dst))
         if tally is None:
-            moves[(src, dst)] = Tally(1, committed)
+            moves[(src, dst)] = Tally(rows, committed)
         else:
-            tally.add(1, committed)
+            tally.add(rows, committed)
 
     def record_step(
         self,
