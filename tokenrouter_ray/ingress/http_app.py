@@ -70,8 +70,21 @@ PARSE_INLINE_BYTES = 64 << 10  # bodies above this are parsed off the event loop
 # Bodies above this are templated and tokenized off the event loop. Below it the work
 # (~0.1-0.6 ms for a Qwen3 chat template and tokenizer, measured) is about what a thread hop
 # costs (~0.11 ms of latency and a pool wake-up), and it holds the interpreter lock in a
-# thread too.
+# thread too. A request with any of these fields goes off the loop whatever its size: its
+# grammar is parsed while preparing (the first one imports xgrammar: ~1 s, measured).
 PREPARE_INLINE_BYTES = 1 << 10
+CONSTRAINT_FIELDS = frozenset(
+    {
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "tools",
+        "tool_choice",
+    }
+)
 
 
 def load_json(body: bytes) -> Any:
@@ -121,6 +134,17 @@ async def parse_off_loop(cls: type, body: bytes, limits: RequestLimits) -> tuple
     if len(body) <= PARSE_INLINE_BYTES:  # a thread hop costs more than a small parse
         return _parse(cls, body, limits)
     return await asyncio.to_thread(_parse, cls, body, limits)
+
+
+def _prepare_inline(body: bytes, data: Any, resolve: Callable[[Any], None] | None) -> bool:
+    """Whether a request is templated and tokenized on the event loop: a small body whose
+    size bounds the work (no grammar to parse, no stored turns to add: ``resolve``)."""
+    return (
+        resolve is None
+        and len(body) <= PREPARE_INLINE_BYTES
+        and isinstance(data, dict)
+        and CONSTRAINT_FIELDS.isdisjoint(data)
+    )
 
 
 def timeout_of(data: Any) -> float | None:
@@ -255,7 +279,7 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
         resolve: Callable[[Any], None] | None = None,
     ) -> tuple[Any, Any, float | None]:
         """Admission, body, parsing, ``resolve`` (on the loop) and tokenizing (off it, but
-        for a small body whose work it bounds: a Responses request may add stored turns):
+        for a small plain request: `_prepare_inline`):
         ``(parsed request, prepared request, timeout)``. The caller submits it at once:
         out of the queue's block, nothing may suspend before the core counts the request."""
         async with service.admission.admit(service.has_room):  # before any reading: cheap 429
@@ -266,7 +290,7 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
             if resolve is not None:
                 resolve(parsed)
             args = (parsed, service.tokenizer, service.limits, service.generation_defaults)
-            if resolve is None and len(body) <= PREPARE_INLINE_BYTES:  # bounded by the body
+            if _prepare_inline(body, data, resolve):
                 prepared = prepare(*args)
             else:
                 prepared = await asyncio.to_thread(prepare, *args)
