@@ -1,0 +1,231 @@
+"""The ZeroMQ channel used from threads, as a model replica uses it: frames sent from a
+thread (``send_now``) and from the event loop to the same peer all verify and arrive in each
+sender's order (signing and sending are one step under the channel's send lock, so the MAC
+counters reach the receiver in order); a receiver thread (``start_receiver``) delivers only
+checked frames, keeps going past junk and a failing callback, and ends with the channel."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from tests.transport import handoff
+from tokenrouter_ray.protocol import PeerReq, encode_batch
+from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport.auth import FrameSigner, derive_key
+
+KEY = derive_key(os.urandom(32))
+
+
+class Received:
+    """What a receiver thread delivered, and on which thread."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[PeerReq]] = []
+        self.threads: set[str] = set()
+        self.lock = threading.Lock()
+
+    def __call__(self, batch: list[PeerReq]) -> None:
+        with self.lock:
+            self.batches.append(batch)
+            self.threads.add(threading.current_thread().name)
+
+    def seqs(self) -> list[int]:
+        with self.lock:
+            return [m.handoff_seq for b in self.batches for m in b]
+
+
+async def wait_for(cond, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+@pytest.mark.asyncio
+async def test_a_thread_and_the_loop_sending_to_one_peer_lose_nothing_and_keep_order() -> None:
+    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
+    received = Received()
+    async with (
+        ZmqChannel("large", "0", directory, config) as large,
+        ZmqChannel("small", "0", directory, config) as small,
+    ):
+        assert large.start_receiver(received, "large-receiver")
+        assert not small.send_now("large/0", [handoff(0)])  # not connected yet: the caller's
+        await small.send("large/0", [handoff(0)])  # event-loop path connects
+        n = 400
+        from_thread = list(range(1, n + 1))
+        from_loop = list(range(10_000, 10_000 + n))
+
+        def thread_sends() -> None:
+            for seq in from_thread:
+                while not small.send_now("large/0", [handoff(seq)]):
+                    threading.Event().wait(0.001)  # full for a moment: try again
+
+        sender = threading.Thread(target=thread_sends)
+        sender.start()
+        for seq in from_loop:
+            await small.send("large/0", [handoff(seq)])
+        await asyncio.to_thread(sender.join, 30)
+        await wait_for(lambda: len(received.seqs()) + sum(large.rejected.values()) >= 1 + 2 * n)
+        seqs = received.seqs()
+        rejected = dict(large.rejected)
+    assert rejected == {}  # no counter arrived behind a later one ("replay")
+    assert seqs[0] == 0
+    assert [s for s in seqs if 0 < s < 10_000] == from_thread
+    assert [s for s in seqs if s >= 10_000] == from_loop
+    assert received.threads == {"large-receiver"}
+
+
+@pytest.mark.asyncio
+async def test_a_receiver_thread_delivers_checked_frames_and_ends_with_the_channel() -> None:
+    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
+    received = Received()
+    failed_once = threading.Event()
+
+    def deliver(batch: list[PeerReq]) -> None:
+        if not failed_once.is_set():  # the first delivery raises: receiving goes on
+            failed_once.set()
+            raise RuntimeError("a consumer's bug")
+        received(batch)
+
+    large = ZmqChannel("large", "0", directory, config)
+    await large.start()
+    assert large.receiver_alive is None
+    assert large.start_receiver(deliver, "large-receiver")
+    assert large.receiver_alive
+    rogue = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(large.address)
+    try:
+        async with ZmqChannel("small", "0", directory, config) as small:
+            await small.send("large/0", [handoff(0)])  # delivered to the failing callback
+            await wait_for(failed_once.is_set)
+            forged = FrameSigner(derive_key(b"guessed")).sign("large/0", encode_batch([handoff(9)]))
+            await rogue.send(forged)
+            await rogue.send(b"\x00" * 3)
+            await wait_for(lambda: sum(large.rejected.values()) == 2)
+            await small.send("large/0", [handoff(1), handoff(2)])
+            await wait_for(lambda: received.seqs() == [1, 2])
+    finally:
+        rogue.close()
+        await large.close()
+    assert large.rejected == {"bad_mac": 1, "malformed": 1}
+    assert large.receiver_alive is False  # the channel's close stopped and joined it
+
+
+@pytest.mark.asyncio
+async def test_a_channel_receives_one_way_only() -> None:
+    """``recv`` on the event loop and a receiver thread would race for frames: once one is
+    in use, the other is refused."""
+    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
+    async with ZmqChannel("large", "0", directory, config) as large:
+        receiving = asyncio.ensure_future(large.recv())
+        await asyncio.sleep(0.05)
+        assert not large.start_receiver(lambda batch: None, "large-receiver")
+        receiving.cancel()
+    closed = ZmqChannel("large", "1", directory, config)
+    assert not closed.start_receiver(lambda batch: None, "never")  # not open
+
+
+@pytest.mark.asyncio
+async def test_a_mailbox_posts_in_order_whichever_thread_sends() -> None:
+    """A replica's step thread posts: the first post to a peer not connected yet goes
+    through the event loop (which connects), and every post behind it waits its turn there;
+    once the loop has caught up the step thread sends its own frames. The peer gets every
+    message once, in post order, and no frame is rejected."""
+    from tokenrouter_ray.metrics import Metrics
+    from tokenrouter_ray.replica.mailbox import Mailbox
+    from tokenrouter_ray.replica.profile import HostProfile
+
+    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
+    received = Received()
+    undelivered: list = []
+    async with (
+        ZmqChannel("large", "0", directory, config) as large,
+        ZmqChannel("small", "0", directory, config) as small,
+    ):
+        assert large.start_receiver(received, "large-receiver")
+        mailbox = Mailbox(
+            "small", small, Metrics.noop(), HostProfile(), lambda: None,
+            lambda lost, out: undelivered.append(lost),
+        )  # fmt: skip
+        await mailbox.start()
+        n = 300
+
+        def step_thread() -> None:
+            for seq in range(n):
+                mailbox.post([handoff(seq)])
+                if seq % 50 == 0:
+                    threading.Event().wait(0.01)  # let the loop catch up now and then
+
+        poster = threading.Thread(target=step_thread)
+        poster.start()
+        await asyncio.to_thread(poster.join, 30)
+        await wait_for(lambda: len(received.seqs()) + sum(large.rejected.values()) >= n)
+        await mailbox.stop()
+        seqs, rejected = received.seqs(), dict(large.rejected)
+        by_loop = mailbox._finished  # posts the event loop sent; the step thread sent the rest
+    assert seqs == list(range(n))
+    assert rejected == {}
+    assert undelivered == []
+    assert small.frames_sent == n
+    assert 1 <= by_loop < n
+
+
+@pytest.mark.asyncio
+async def test_a_post_behind_one_the_event_loop_holds_waits_its_turn() -> None:
+    """A frame the step thread could not send (the peer full for a moment) goes through the
+    event loop; every post after it goes there too until the loop has sent it, even though
+    the peer takes frames again: nothing overtakes it."""
+    from tokenrouter_ray.metrics import Metrics
+    from tokenrouter_ray.replica.mailbox import Mailbox
+    from tokenrouter_ray.replica.profile import HostProfile
+
+    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
+    received = Received()
+    async with (
+        ZmqChannel("large", "0", directory, config) as large,
+        ZmqChannel("small", "0", directory, config) as small,
+    ):
+        assert large.start_receiver(received, "large-receiver")
+        await small.send("large/0", [handoff(0)])  # connected
+        mailbox = Mailbox(
+            "small", small, Metrics.noop(), HostProfile(), lambda: None, lambda *a: None
+        )
+        await mailbox.start()
+        send_now, full = small.send_now, threading.Event()
+        full.set()
+
+        def once_full(dst: str, msgs: list[PeerReq]) -> bool:
+            if full.is_set():  # the first frame finds the peer full
+                full.clear()
+                return False
+            return send_now(dst, msgs)
+
+        small.send_now = once_full  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        blocked = threading.Event()
+
+        def hold_the_loop() -> None:  # the event loop busy while the step thread posts
+            blocked.set()
+            threading.Event().wait(0.3)
+
+        def step_thread() -> None:
+            loop.call_soon_threadsafe(hold_the_loop)
+            blocked.wait(5)
+            for seq in range(1, 21):
+                mailbox.post([handoff(seq)])
+
+        poster = threading.Thread(target=step_thread)
+        poster.start()
+        await asyncio.to_thread(poster.join, 30)
+        await wait_for(lambda: len(received.seqs()) >= 21)
+        await mailbox.stop()
+    assert received.seqs() == list(range(21))
