@@ -12,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tests.transport import handoff, recv_n
+from tests.transport import handoff, recv_n, wait_for
 from tokenrouter_ray.protocol import encode_batch
 from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
 from tokenrouter_ray.transport.auth import MAGIC, FrameSigner, derive_key
@@ -36,14 +36,6 @@ def rogue(address: str, curve: CurveKeys | None = None) -> zmq.asyncio.Socket:
         sock.curve_serverkey = curve.public
     sock.connect(address)
     return sock
-
-
-async def wait_for(cond, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout_s / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 @pytest.mark.asyncio

@@ -9,13 +9,17 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Callable
 
 import pytest
 import zmq
 import zmq.asyncio
 
-from tests.transport import handoff
+from tests.transport import handoff, wait_for
+from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import PeerReq, encode_batch
+from tokenrouter_ray.replica.mailbox import Mailbox
+from tokenrouter_ray.replica.profile import HostProfile
 from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
 from tokenrouter_ray.transport.auth import FrameSigner, derive_key
 
@@ -40,12 +44,11 @@ class Received:
             return [m.handoff_seq for b in self.batches for m in b]
 
 
-async def wait_for(cond, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout_s / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+def small_mailbox(
+    channel: ZmqChannel, on_undelivered: Callable[..., None] = lambda *a: None
+) -> Mailbox:
+    """A replica's mailbox over ``channel``, without the replica (no step thread to wake)."""
+    return Mailbox("small", channel, Metrics.noop(), HostProfile(), lambda: None, on_undelivered)
 
 
 @pytest.mark.asyncio
@@ -140,9 +143,6 @@ async def test_a_mailbox_posts_in_order_whichever_thread_sends() -> None:
     through the event loop (which connects), and every post behind it waits its turn there;
     once the loop has caught up the step thread sends its own frames. The peer gets every
     message once, in post order, and no frame is rejected."""
-    from tokenrouter_ray.metrics import Metrics
-    from tokenrouter_ray.replica.mailbox import Mailbox
-    from tokenrouter_ray.replica.profile import HostProfile
 
     directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
     received = Received()
@@ -152,10 +152,7 @@ async def test_a_mailbox_posts_in_order_whichever_thread_sends() -> None:
         ZmqChannel("small", "0", directory, config) as small,
     ):
         assert large.start_receiver(received, "large-receiver")
-        mailbox = Mailbox(
-            "small", small, Metrics.noop(), HostProfile(), lambda: None,
-            lambda lost, out: undelivered.append(lost),
-        )  # fmt: skip
+        mailbox = small_mailbox(small, lambda lost, out: undelivered.append(lost))
         await mailbox.start()
         n = 300
 
@@ -184,9 +181,6 @@ async def test_a_post_behind_one_the_event_loop_holds_waits_its_turn() -> None:
     """A frame the step thread could not send (the peer full for a moment) goes through the
     event loop; every post after it goes there too until the loop has sent it, even though
     the peer takes frames again: nothing overtakes it."""
-    from tokenrouter_ray.metrics import Metrics
-    from tokenrouter_ray.replica.mailbox import Mailbox
-    from tokenrouter_ray.replica.profile import HostProfile
 
     directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
     received = Received()
@@ -196,9 +190,7 @@ async def test_a_post_behind_one_the_event_loop_holds_waits_its_turn() -> None:
     ):
         assert large.start_receiver(received, "large-receiver")
         await small.send("large/0", [handoff(0)])  # connected
-        mailbox = Mailbox(
-            "small", small, Metrics.noop(), HostProfile(), lambda: None, lambda *a: None
-        )
+        mailbox = small_mailbox(small)
         await mailbox.start()
         send_now, full = small.send_now, threading.Event()
         full.set()

@@ -66,7 +66,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0
 ACTIVE_REFRESH_S = 1.0  # a non-zero active count is republished this often
 STOPPED_REMEMBERED = 4096  # wire ids told to stop, and superseded incarnations, remembered
-MODELS_REMEMBERED = 1024  # sender endpoints whose model name is kept (replicas come and go)
 SUPERSEDED_RESEND_S = 60.0  # superseded incarnations are ABORTed everywhere this long
 
 
@@ -188,7 +187,6 @@ class IngressCore:
         self._published: int | None = None  # the count last sent in an ACTIVE
         self.tokens_received = 0  # committed tokens received (for host-path benchmarks)
         self.frames_received = 0
-        self._model_of: dict[str, str] = {}  # sender endpoint -> its model (per COMMIT)
         self._told_to_stop: dict[str, None] = {}  # orphan wire ids aborted (insertion order)
         self._superseded: dict[str, None] = {}  # wire ids replaced by ``recreate``
         self._recent: dict[str, float] = {}  # of those, the recent ones -> when superseded
@@ -611,11 +609,7 @@ class IngressCore:
         if live.done:
             return
         if msg.kind == MsgKind.COMMIT:
-            model = self._model_of.get(msg.src)
-            if model is None:
-                if len(self._model_of) >= MODELS_REMEMBERED:
-                    self._model_of.clear()
-                model = self._model_of[msg.src] = endpoint_model(msg.src)
+            model = endpoint_model(msg.src)
             try:
                 fresh = live.log.add(msg.anchor, msg.tokens, model, msg.token_info or None)
             except ProtocolError as exc:

@@ -631,10 +631,8 @@ class Replica:
             result.batch_size, result.timings.total, now, active, result.num_scheduled_tokens
         )
         rows = Counter(destinations)  # one tally per destination, not per row
-        dropped: Counter[int] = Counter()
-        if drop:
-            ids = result.request_ids
-            dropped.update(dst for rid, dst in zip(ids, destinations, strict=True) if rid in drop)
+        pairs = zip(result.request_ids, destinations, strict=True)
+        dropped = Counter(dst for rid, dst in pairs if rid in drop) if drop else Counter()
         for dst, n in rows.items():
             self.stats.record_move(self.name, self.models[dst], n - dropped[dst], now, rows=n)
 

@@ -72,15 +72,11 @@ class FrameSigner:
         self.sender = os.urandom(16)
         self._mac = _Mac(key)
         self._counters: dict[str, int] = {}
-        self._names: dict[str, bytes] = {}
 
     def sign(self, receiver: str, payload: bytes) -> bytes:
         counter = self._counters.get(receiver, 0) + 1
         self._counters[receiver] = counter
-        name = self._names.get(receiver)
-        if name is None:
-            name = self._names[receiver] = _receiver_bytes(receiver)
-        mac = self._mac(self.sender, counter, name, payload)
+        mac = self._mac(self.sender, counter, _receiver_bytes(receiver), payload)
         return _HEADER.pack(MAGIC, self.sender, counter, mac) + payload
 
 

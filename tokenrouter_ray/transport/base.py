@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -50,6 +51,7 @@ def endpoint_name(model: str, replica: str) -> str:
     return f"{model}/{replica}"
 
 
+@functools.lru_cache(maxsize=1024)  # the ingress asks once per COMMIT; endpoints are few
 def endpoint_model(name: str) -> str:
     """The model of an endpoint name (``endpoint_name``'s first part)."""
     return name.split("/", 1)[0]
