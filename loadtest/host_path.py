@@ -416,20 +416,29 @@ def _window_host(h0: dict[str, Any], h1: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-async def _ttft_probe(url: str, requests: int = 40) -> float:
+# The probe's routing: the served policy as configured (p = 0.35: a third of the first
+# tokens escalate, so the median sits high in the kept ones' spread), and the two paths a
+# first token takes, each on its own (the Bernoulli policy's per-request ``p``): kept by
+# the entry model (p = 0) and escalated to the large model (p = 1).
+PROBE_ROUTING: dict[str, float | None] = {"mixed": None, "kept": 0.0, "escalated": 1.0}
+
+
+async def _ttft_probe(url: str, requests: int = 40, p: float | None = None) -> float:
     """Median time from sending a streaming chat request to reading its first content
     token off the socket, one request at a time on an otherwise idle app (raw HTTP: no
     client-side parsing in the figure; the closed loop's TTFT includes the ``openai``
-    client's own)."""
+    client's own). ``p``: the request's own routing threshold (None: the policy's)."""
     import httpx
 
-    body = {
+    body: dict[str, Any] = {
         "model": "tokenrouter",
         "messages": [{"role": "user", "content": "hello"}],
         "max_tokens": 4,
         "temperature": 0,
         "stream": True,
     }
+    if p is not None:
+        body["routing"] = {"threshold": p}
     times = []
     async with httpx.AsyncClient(timeout=30) as http:
         for i in range(requests + 5):  # the first five warm the connection
@@ -558,7 +567,9 @@ async def _served_level(
             "applied_mean_us": _applied_mean(before.get("host") or {}, st.get("host") or {}),
         }
     window_ttfts = ttfts[ttft0:] or ttfts
-    probe = await _ttft_probe(client_url) if n == 1 else None
+    probe = None
+    if n == 1:  # one request at a time: each first-token path, and the policy's mix
+        probe = {path: await _ttft_probe(client_url, p=p) for path, p in PROBE_ROUTING.items()}
     return {
         "tok_s": tokens / elapsed,
         "sse_chunks_per_token": (c1 - c0) / max(1, tokens),
@@ -575,7 +586,8 @@ async def _served_level(
         # ms a message took from its sender to its application, the mean over both models
         "handoff_ms": statistics.mean(m["applied_mean_us"] or 0.0 for m in models.values()) / 1e3,
         "ttft_ms_p50": 1e3 * statistics.median(window_ttfts) if window_ttfts else None,
-        "ttft_probe_ms_p50": probe,
+        "ttft_probe_ms_p50": probe and probe["mixed"],
+        "ttft_probe_paths_ms_p50": probe,  # mixed / kept / escalated (PROBE_ROUTING)
         "health_rtt_ms_p50": 1e3 * statistics.median(rtts),  # GET /health, same path
         "models": models,
     }
@@ -618,8 +630,11 @@ def _print_served(row: dict[str, Any]) -> None:
         f"{v['applied_p50_us'] or 0:.0f} µs"
         for m, v in row["models"].items()
     )
-    probe = row.get("ttft_probe_ms_p50")
-    alone = f", one at a time {probe:.1f} ms" if probe is not None else ""
+    paths = row.get("ttft_probe_paths_ms_p50")
+    alone = ""
+    if paths:
+        each = " / ".join(f"{paths[k]:.1f}" for k in PROBE_ROUTING)
+        alone = f", one at a time {each} ms ({' / '.join(PROBE_ROUTING)})"
     print(
         f"served {row['system']:11} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
         f"{row['ttft_ms_p50'] or 0:.1f} ms{alone} (GET /health {row['health_rtt_ms_p50']:.1f} ms)  "

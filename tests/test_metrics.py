@@ -294,7 +294,7 @@ def test_ray_agent_keeps_total_once() -> None:
 
 def test_noop_metrics_accept_every_call() -> None:
     m = Metrics.noop()
-    m.handoff("a", "b", 3)
+    m.handoffs("a", "b", [3, 1])
     m.committed("a", 2)
     m.step("a", 4, 0.01, None)
     m.deferred_wait("a", 0.001)

@@ -55,6 +55,8 @@ def test_host_benchmark_runs_end_to_end_at_a_tiny_size(serve_app, capsys) -> Non
     rows = run_served([1], 1.0, 16, serve_app, systems=("zero",))
     (row,) = rows
     assert row["tok_s"] > 0 and row["ttft_ms_p50"] is not None and row["ttft_probe_ms_p50"] > 0
+    paths = row["ttft_probe_paths_ms_p50"]  # each first-token path probed on its own
+    assert set(paths) == {"mixed", "kept", "escalated"} and min(paths.values()) > 0
     assert set(row["models"]) == {"small", "large"}
     assert row["ingress_cpu_us_per_token"] > 0
     cpu = row["cpu_us_per_token"]  # per process, from /proc over the window

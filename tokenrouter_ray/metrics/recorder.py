@@ -58,9 +58,11 @@ class Metrics:
         self.backend.observe(metric, value, (*labels, self.model_name))
 
     # -------------------------------------------------------------- sub-servers
-    def handoff(self, src: str, dst: str, num_tokens: int) -> None:
-        self._inc(m.HANDOFFS, 1, src, dst, self.policy)
-        self._observe(m.HANDOFF_TOKENS, num_tokens, src, dst)
+    def handoffs(self, src: str, dst: str, sizes: Sequence[int]) -> None:
+        """Handoffs from ``src`` to ``dst`` (one step's), the suffix length of each."""
+        self._inc(m.HANDOFFS, len(sizes), src, dst, self.policy)
+        for num_tokens in sizes:
+            self._observe(m.HANDOFF_TOKENS, num_tokens, src, dst)
 
     def committed(self, model: str, num_tokens: int, num_dropped: int = 0) -> None:
         """One step's commit on ``model``: tokens kept, and sampled tokens the policy dropped

@@ -52,6 +52,8 @@ class Messages:
         self.pick_endpoint = pick_endpoint  # (model, request id) -> endpoint, first visit
         self.metrics = metrics
         self.log: deque[HandoffRecord] = deque(maxlen=100_000)
+        # model -> suffix lengths of the handoffs built since `record_handoffs`
+        self._sizes: dict[str, list[int]] = {}
 
     def handoff(self, tracked: Tracked, sequence: Sequence[int], dst: int, extras: dict) -> PeerReq:
         """HANDOFF of ``tracked`` (paused here with its KV) to model ``dst``."""
@@ -65,7 +67,7 @@ class Messages:
         tracked.handoffs += 1
         tracked.seq += 1
         tracked.went_pending(self.name)
-        self.metrics.handoff(self.name, model, len(suffix))
+        self._sizes.setdefault(model, []).append(len(suffix))
         self.log.append(
             HandoffRecord(
                 tracked.rid,
@@ -96,6 +98,14 @@ class Messages:
         tracked.peer_bytes = msg.route.peer_bytes
         tracked.drops = []  # they travel with the route now
         return msg
+
+    def record_handoffs(self) -> None:
+        """The handoffs built since the last call into the metrics: a count per destination
+        (one counter call a step, not one a handoff) and each suffix length."""
+        if self._sizes:
+            sizes, self._sizes = self._sizes, {}
+            for model, lengths in sizes.items():
+                self.metrics.handoffs(self.name, model, lengths)
 
     def to_ingress(
         self,

@@ -51,7 +51,7 @@ import logging
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -473,6 +473,7 @@ class Replica:
         handoffs: list[PeerReq] = []
         decided.committed = self._report(result, routed.scores, decided, handoffs, out)
         self.post(handoffs)
+        self.messages.record_handoffs()
         self._fail_requests(decided.failed, out)
 
     def record(self, result: StepResult, routed: Routed, decided: Decided) -> None:
@@ -630,11 +631,13 @@ class Replica:
         self.stats.record_step(
             result.batch_size, result.timings.total, now, active, result.num_scheduled_tokens
         )
-        rows = Counter(destinations)  # one tally per destination, not per row
+        # one tally per destination, not per row (list.count: a Counter's set-up cost more)
         pairs = zip(result.request_ids, destinations, strict=True)
-        dropped = Counter(dst for rid, dst in pairs if rid in drop) if drop else Counter()
-        for dst, n in rows.items():
-            self.stats.record_move(self.name, self.models[dst], n - dropped[dst], now, rows=n)
+        dropped = [dst for rid, dst in pairs if rid in drop] if drop else []
+        for dst, model in enumerate(self.models):
+            n = destinations.count(dst)
+            if n:
+                self.stats.record_move(self.name, model, n - dropped.count(dst), now, rows=n)
 
     def _report(
         self,
