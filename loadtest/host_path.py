@@ -47,6 +47,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -58,7 +59,16 @@ from loadtest.common import command, machine, ray_serve_deploy
 from loadtest.host_targets import served_targets
 from loadtest.host_transit import SOLVE_GRAIN_MS, best_thresholds, run_transit_sweep, tuner_choice
 from loadtest.host_transit import targets as transit_targets
-from loadtest.proc_cpu import PROXY_TITLE, CpuWindow, find_pids, format_cpu, per_token_us
+from loadtest.proc_cpu import (
+    HAPROXY_MANAGER_TITLE,
+    HAPROXY_PROGRAM,
+    PROXY_TITLE,
+    CpuWindow,
+    find_pids,
+    find_program,
+    format_cpu,
+    per_token_us,
+)
 from tokenrouter_ray.replica.profile import latency_quantile_us
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import ThresholdTable
@@ -340,6 +350,10 @@ def tuned_table(
     return table
 
 
+# Serve's front on the local cluster: its Python proxy (the default), or its HAProxy ingress
+# (``RAY_SERVE_ENABLE_HA_PROXY=1``, read when the cluster starts: ``--front haproxy``).
+FRONTS = {"proxy": {}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}
+
 SERVED_SYSTEMS = (
     "paper eager",
     "paper tuned",
@@ -354,12 +368,13 @@ DIRECT_PORT = 18190  # "... direct": the clients talk to the ingress's own port 
 def run_served(
     levels: list[int], window_s: float, max_tokens: int, deploy: SimDeploy,
     systems: tuple[str, ...] = SERVED_SYSTEMS, direct_port: int = DIRECT_PORT,
-    client: str = "stream",
+    client: str = "stream", front: str = "proxy",
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Each system's app deployed with ``deploy(overrides, name)`` (a context manager
     yielding the app's OpenAI base URL), driven at each level. A system named ``... direct``
     also serves on the ingress's direct port (``ingress.direct_port``), and its clients
-    use that port instead of Serve's proxy. ``client``: see ``CLIENTS``."""
+    use that port instead of Serve's front. ``client``: see ``CLIENTS``. ``front``: what
+    the cluster runs in front of Serve's apps (``FRONTS``; rows carry it)."""
     rows: list[dict[str, Any]] = []
     for system in systems:
         profile, direct = system.split()[0], system.endswith(" direct")
@@ -387,7 +402,7 @@ def run_served(
                         print(f"served {system} N={n}: all-1 is the tuned table ({eager}'s run)")
                     continue
                 row = asyncio.run(_served_level(url, n, window_s, max_tokens, client_url, client))
-                row.update(profile=profile, system=system, n=n, client=client)
+                row.update(profile=profile, system=system, n=n, client=client, front=front)
                 if profile != "zero":
                     b = (1, table[n] if table else 1)
                     row["thresholds"] = b
@@ -595,12 +610,16 @@ async def _served_level(
 
 def app_pids(stats: dict[str, Any]) -> dict[str, int]:
     """The served app's processes by name: the ingress and each model replica (their own
-    pids, from the stats route) and Serve's proxy (by its process title)."""
+    pids, from the stats route) and Serve's front (``proc_cpu.FRONT``: its proxy by its
+    process title; under its HAProxy ingress also HAProxy and the actor managing it)."""
     pids = {"ingress": stats["pid"]} if "pid" in stats else {}
     pids |= {m: st["pid"] for m, st in stats.get("models", {}).items() if "pid" in st}
-    proxies = find_pids(PROXY_TITLE)
-    if proxies:
-        pids["proxy"] = proxies[0]
+    front = {
+        "proxy": find_pids(PROXY_TITLE),
+        "haproxy manager": find_pids(HAPROXY_MANAGER_TITLE),  # Serve's HAProxy ingress
+        "haproxy": find_program(HAPROXY_PROGRAM),
+    }
+    pids |= {name: found[-1] for name, found in front.items() if found}  # the newest
     return pids
 
 
@@ -635,8 +654,10 @@ def _print_served(row: dict[str, Any]) -> None:
     if paths:
         each = " / ".join(f"{paths[k]:.1f}" for k in PROBE_ROUTING)
         alone = f", one at a time {each} ms ({' / '.join(PROBE_ROUTING)})"
+    haproxy = row.get("front") == "haproxy" and not row["system"].endswith("direct")
+    via = " via HAProxy" if haproxy else ""
     print(
-        f"served {row['system']:11} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
+        f"served {row['system']:11}{via} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
         f"{row['ttft_ms_p50'] or 0:.1f} ms{alone} (GET /health {row['health_rtt_ms_p50']:.1f} ms)  "
         f"{format_cpu(row['cpu_us_per_token'])}  client {row.get('client', 'stream')}  "
         f"SSE chunks/token {row['sse_chunks_per_token']:.2f}  frames/token "
@@ -716,6 +737,11 @@ def main(argv: list[str] | None = None) -> int:
         help="served clients: streamed chat completions (an SSE chunk per token) or "
         "non-streamed completions (issue 38's workload)",
     )  # fmt: skip
+    parser.add_argument(
+        "--front", choices=sorted(FRONTS), default="proxy",
+        help="Serve's front for the systems not named 'direct': its Python proxy, or its "
+        "HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1 on the cluster this starts)",
+    )  # fmt: skip
     parser.add_argument("--port", type=int, default=18170)
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
@@ -733,10 +759,11 @@ def main(argv: list[str] | None = None) -> int:
     served: list[dict[str, Any]] = []
     if not args.no_served:
         served_levels = [int(x) for x in args.served_levels.split(",")]
+        os.environ.update(FRONTS[args.front])  # before the cluster starts (on first deploy)
         deploy = ray_serve_deploy(args.port)
         systems = tuple(args.served_systems.split(","))
         served = run_served(served_levels, args.window_s, args.max_tokens, deploy, systems,
-                            client=args.client)  # fmt: skip
+                            client=args.client, front=args.front)  # fmt: skip
     print("\n# targets (PASS / MISS; they never fail the run)")
     for name, ok, detail in targets(in_process, served) + transit_targets(sweep):
         print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")

@@ -27,17 +27,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.proc_cpu import app_total_us
+from loadtest.proc_cpu import FRONT, app_total_us
 
 Target = tuple[str, bool, str]
 IDEAL_GOAL = {8: 0.95, 32: 0.95, 64: 0.90}  # served / ideal, by N
 CPU_APP_US, CPU_PROCESS_US = 150.0, 50.0  # at h200 N = 64
 APPLIED_P50_US = 1000.0  # at N = 32
-TTFT_OVERHEAD_MS = {"Serve's proxy": 8.0, "the direct port": 3.0}
+TTFT_OVERHEAD_MS = {"Serve's proxy": 8.0, "Serve's HAProxy ingress": 8.0, "the direct port": 3.0}
 
 
-def _via(system: str) -> str:
-    return "the direct port" if system.endswith("direct") else "Serve's proxy"
+def _via(system: str, front: str = "proxy") -> str:
+    """The path a system's clients take: the ingress's own port, or Serve's front."""
+    if system.endswith("direct"):
+        return "the direct port"
+    return "Serve's HAProxy ingress" if front == "haproxy" else "Serve's proxy"
 
 
 def device_ms(profile: str, path: str) -> float:
@@ -66,6 +69,8 @@ def served_targets(served: list[dict[str, Any]]) -> list[Target]:
         system, n = r["system"], r["n"]
         if r.get("client", "stream") != "stream":  # named so the two workloads stay apart
             system = f"{system} ({r['client']} clients)"
+        if r.get("front", "proxy") != "proxy" and not r["system"].endswith("direct"):
+            system = f"{system} via {_via(r['system'], r['front'])}"
         goal, pred = IDEAL_GOAL.get(n), r.get("predicted")
         if goal is not None and pred:
             ratio = r["tok_s"] / pred
@@ -83,7 +88,7 @@ def served_targets(served: list[dict[str, Any]]) -> list[Target]:
                 f"{total:.0f} µs",
             )
             for name, us in cpu.items():
-                if name != "proxy":
+                if name not in FRONT:
                     add(
                         f"served {system} N=64: {name} CPU per token <= {CPU_PROCESS_US:.0f} µs",
                         us <= CPU_PROCESS_US,
@@ -142,7 +147,7 @@ def _ttft_targets(system: str, r: dict[str, Any]) -> list[Target]:
     paths = r.get("ttft_probe_paths_ms_p50") or {}
     mixed = paths.get("mixed", r.get("ttft_probe_ms_p50"))
     measured = {k: paths[k] for k in ("kept", "escalated") if k in paths} or {"kept": mixed}
-    via = _via(r["system"])
+    via = _via(r["system"], r.get("front", "proxy"))
     bound = TTFT_OVERHEAD_MS[via]
     out: list[Target] = []
     for path, probe in measured.items():

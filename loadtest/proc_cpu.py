@@ -9,8 +9,11 @@ it; ``format_cpu`` writes the line the host-path benchmark prints beside each le
 
 The processes: the ingress and each model replica say their own pid on the app's stats route
 (``GET /v1/tokenrouter/stats``: ``pid``, ``models.<m>.pid``); Serve's HTTP proxy is found
-by its process title (``ray::ProxyActor``, which Ray sets; ``find_pids``). A process that
-went away mid-window reads as missing, not as zero.
+by its process title (``ray::ProxyActor``, which Ray sets; ``find_pids``); under Serve's
+HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``) also the actor that configures HAProxy
+(``ray::HAProxyManager``) and HAProxy itself (``find_program``). These are Serve's front
+(``FRONT``), reported beside the app but not in its total. A process that went away
+mid-window reads as missing, not as zero.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import os
 from collections.abc import Mapping
 
 PROXY_TITLE = "ray::ProxyActor"
+HAPROXY_MANAGER_TITLE = "ray::HAProxyManager"
+HAPROXY_PROGRAM = "haproxy"
+FRONT = ("proxy", "haproxy manager", "haproxy")  # Serve's processes before the app's
 
 
 def cpu_seconds(pid: int, proc: str = "/proc") -> float | None:
@@ -44,6 +50,22 @@ def find_pids(title: str, proc: str = "/proc") -> list[int]:
         except OSError:
             continue
         if cmdline.startswith(title):
+            out.append(int(entry))
+    return sorted(out)
+
+
+def find_program(name: str, proc: str = "/proc") -> list[int]:
+    """Processes whose program (the command line's first word) is called ``name``."""
+    out = []
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/cmdline", "rb") as f:
+                program = f.read().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:
+            continue
+        if os.path.basename(program) == name:
             out.append(int(entry))
     return sorted(out)
 
@@ -75,8 +97,8 @@ def per_token_us(seconds: Mapping[str, float], tokens: float) -> dict[str, float
 
 def app_total_us(per_token: Mapping[str, float]) -> float:
     """The app's own processes together: the ingress and the model replicas (not Serve's
-    proxy, which the direct port does without)."""
-    return sum(v for name, v in per_token.items() if name != "proxy")
+    front, ``FRONT``, which the direct port does without)."""
+    return sum(v for name, v in per_token.items() if name not in FRONT)
 
 
 def format_cpu(per_token: Mapping[str, float]) -> str:
