@@ -241,6 +241,10 @@ e.g. "{\"tokenrouter_small\": 1}". Takes a dict with the resource's `name` and `
       key: {{ .key | quote }}
 {{- end }}
 {{- end }}
+{{- if eq .Values.serveFront "haproxy" }}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: "1"
+{{- end }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
