@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from loadtest.common import command, machine
+from loadtest.proc_cpu import HAPROXY_PROGRAM
 
 # (area, path fragments of the frames that belong to it): the innermost frame that matches
 # any area decides a sample's area; the order only breaks ties within one frame.
@@ -179,6 +180,8 @@ def record(args: argparse.Namespace) -> int:
         def start_spies() -> None:  # after the level's warm-up
             time.sleep(args.warmup_s)
             for name, pid in pids.items():
+                if name == HAPROXY_PROGRAM:  # Serve's HAProxy ingress: C, no Python stacks
+                    continue
                 out = f"{args.out}/{name}.txt"
                 cmd = [spy, "record", "-p", str(pid), "-d", str(args.seconds), "-r", "200",
                        "-f", "raw", "--gil", "--threads", "-o", out]  # fmt: skip
