@@ -19,7 +19,7 @@ mid-window reads as missing, not as zero.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 PROXY_TITLE = "ray::ProxyActor"
 HAPROXY_MANAGER_TITLE = "ray::HAProxyManager"
@@ -38,36 +38,27 @@ def cpu_seconds(pid: int, proc: str = "/proc") -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def find_pids(title: str, proc: str = "/proc") -> list[int]:
-    """Processes whose command line starts with ``title`` (a Ray worker's title)."""
-    out = []
+def _command_lines(proc: str) -> Iterator[tuple[int, list[str]]]:
+    """``(pid, argv)`` of every process readable under ``proc``."""
     for entry in os.listdir(proc):
         if not entry.isdigit():
             continue
         try:
             with open(f"{proc}/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+                argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if cmdline.startswith(title):
-            out.append(int(entry))
-    return sorted(out)
+        yield int(entry), argv
+
+
+def find_pids(title: str, proc: str = "/proc") -> list[int]:
+    """Processes whose command line starts with ``title`` (a Ray worker's title)."""
+    return sorted(pid for pid, argv in _command_lines(proc) if " ".join(argv).startswith(title))
 
 
 def find_program(name: str, proc: str = "/proc") -> list[int]:
     """Processes whose program (the command line's first word) is called ``name``."""
-    out = []
-    for entry in os.listdir(proc):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"{proc}/{entry}/cmdline", "rb") as f:
-                program = f.read().split(b"\0", 1)[0].decode(errors="replace")
-        except OSError:
-            continue
-        if os.path.basename(program) == name:
-            out.append(int(entry))
-    return sorted(out)
+    return sorted(pid for pid, argv in _command_lines(proc) if os.path.basename(argv[0]) == name)
 
 
 class CpuWindow:
