@@ -12,11 +12,9 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -24,6 +22,7 @@ import pytest
 import yaml
 
 from loadtest.proc_cpu import HAPROXY_PROGRAM, find_program
+from tests.deployments.serve_process import kill_serve_run, start_serve_run
 from tokenrouter_ray.config import CONF_DIR
 from tokenrouter_ray.simulation.served import sim_answer
 
@@ -45,11 +44,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subproces
     (tmp / "app.yaml").write_text(yaml.safe_dump(config))
     own = tempfile.mkdtemp(prefix="trh-")
     env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_ADDRESS": "local",  # a fresh Ray instance: the front is chosen when it starts
-        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",  # read when the fresh Ray instance starts
         # its own files, not another run's /tmp/haproxy-serve (a short directory: HAProxy's
         # admin socket is a Unix socket, whose path must stay under 108 bytes)
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{own}/haproxy.cfg",
@@ -57,34 +52,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subproces
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": own,
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{own}/server-state",
     }
-    log = tmp / "serve.log"
-    serve_bin = Path(sys.executable).with_name("serve")
     before = set(find_program(HAPROXY_PROGRAM))
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(serve_bin), "run", str(tmp / "app.yaml")],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=CONF_DIR.parent,
-            start_new_session=True,
-        )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"serve run behind HAProxy did not come up:\n{log.read_text()[-4000:]}")
-        time.sleep(1)
+    proc = start_serve_run(tmp / "app.yaml", tmp / "serve.log", f"{base}/v1/models", env, 240)
     proc.haproxy = set(find_program(HAPROXY_PROGRAM)) - before  # type: ignore[attr-defined]
     yield proc, base
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    kill_serve_run(proc)
     for pid in proc.haproxy:  # type: ignore[attr-defined]
         if pid in find_program(HAPROXY_PROGRAM):
             os.kill(pid, signal.SIGKILL)

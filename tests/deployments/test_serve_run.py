@@ -3,18 +3,15 @@ answering the official openai client, and shutting down cleanly on SIGTERM."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from tests.deployments.serve_process import kill_serve_run, start_serve_run
 from tokenrouter_ray.config import CONF_DIR
 
 pytestmark = pytest.mark.demo
@@ -25,36 +22,9 @@ PROXY = "http://127.0.0.1:8010"  # Serve's proxy, the same API
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_ADDRESS": "local",
-    }  # a fresh Ray instance, not the test session's cluster
-    serve_bin = Path(sys.executable).with_name("serve")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(serve_bin), "run", str(CONF_DIR / "local.yaml")],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=CONF_DIR.parent,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"{BASE}/v1/models", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"serve run did not come up:\n{log.read_text()[-4000:]}")
-        time.sleep(1)
+    proc = start_serve_run(CONF_DIR / "local.yaml", log, f"{BASE}/v1/models")
     yield proc
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    kill_serve_run(proc)
 
 
 def test_models_endpoint(served) -> None:
