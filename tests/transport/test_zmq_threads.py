@@ -7,9 +7,10 @@ checked frames, keeps going past junk and a failing callback, and ends with the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import zmq
@@ -44,6 +45,20 @@ class Received:
             return [m.handoff_seq for b in self.batches for m in b]
 
 
+@contextlib.asynccontextmanager
+async def small_to_large() -> AsyncIterator[tuple[ZmqChannel, ZmqChannel, Received]]:
+    """Two channels, ``small/0`` and ``large/0``; the large one receives on its own thread
+    into the ``Received`` yielded with them."""
+    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
+    received = Received()
+    async with (
+        ZmqChannel("large", "0", directory, config) as large,
+        ZmqChannel("small", "0", directory, config) as small,
+    ):
+        assert large.start_receiver(received, "large-receiver")
+        yield small, large, received
+
+
 def small_mailbox(
     channel: ZmqChannel, on_undelivered: Callable[..., None] = lambda *a: None
 ) -> Mailbox:
@@ -53,13 +68,7 @@ def small_mailbox(
 
 @pytest.mark.asyncio
 async def test_a_thread_and_the_loop_sending_to_one_peer_lose_nothing_and_keep_order() -> None:
-    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
-    received = Received()
-    async with (
-        ZmqChannel("large", "0", directory, config) as large,
-        ZmqChannel("small", "0", directory, config) as small,
-    ):
-        assert large.start_receiver(received, "large-receiver")
+    async with small_to_large() as (small, large, received):
         assert not small.send_now("large/0", [handoff(0)])  # not connected yet: the caller's
         await small.send("large/0", [handoff(0)])  # event-loop path connects
         n = 400
@@ -144,14 +153,8 @@ async def test_a_mailbox_posts_in_order_whichever_thread_sends() -> None:
     once the loop has caught up the step thread sends its own frames. The peer gets every
     message once, in post order, and no frame is rejected."""
 
-    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
-    received = Received()
     undelivered: list = []
-    async with (
-        ZmqChannel("large", "0", directory, config) as large,
-        ZmqChannel("small", "0", directory, config) as small,
-    ):
-        assert large.start_receiver(received, "large-receiver")
+    async with small_to_large() as (small, large, received):
         mailbox = small_mailbox(small, lambda lost, out: undelivered.append(lost))
         await mailbox.start()
         n = 300
@@ -182,13 +185,7 @@ async def test_a_post_behind_one_the_event_loop_holds_waits_its_turn() -> None:
     event loop; every post after it goes there too until the loop has sent it, even though
     the peer takes frames again: nothing overtakes it."""
 
-    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
-    received = Received()
-    async with (
-        ZmqChannel("large", "0", directory, config) as large,
-        ZmqChannel("small", "0", directory, config) as small,
-    ):
-        assert large.start_receiver(received, "large-receiver")
+    async with small_to_large() as (small, _, received):
         await small.send("large/0", [handoff(0)])  # connected
         mailbox = small_mailbox(small)
         await mailbox.start()
