@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loadtest.common import command, machine, ray_serve_deploy
-from loadtest.host_targets import served_targets
+from loadtest.host_targets import served_targets, via
 from loadtest.host_transit import SOLVE_GRAIN_MS, best_thresholds, run_transit_sweep, tuner_choice
 from loadtest.host_transit import targets as transit_targets
 from loadtest.proc_cpu import (
@@ -654,10 +654,12 @@ def _print_served(row: dict[str, Any]) -> None:
     if paths:
         each = " / ".join(f"{paths[k]:.1f}" for k in PROBE_ROUTING)
         alone = f", one at a time {each} ms ({' / '.join(PROBE_ROUTING)})"
-    haproxy = row.get("front") == "haproxy" and not row["system"].endswith("direct")
-    via = " via HAProxy" if haproxy else ""
+    path = via(row["system"], row.get("front", "proxy"))
+    name = row["system"] + (
+        f" via {path}" if path not in ("Serve's proxy", "the direct port") else ""
+    )
     print(
-        f"served {row['system']:11}{via} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
+        f"served {name:11} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
         f"{row['ttft_ms_p50'] or 0:.1f} ms{alone} (GET /health {row['health_rtt_ms_p50']:.1f} ms)  "
         f"{format_cpu(row['cpu_us_per_token'])}  client {row.get('client', 'stream')}  "
         f"SSE chunks/token {row['sse_chunks_per_token']:.2f}  frames/token "

@@ -36,7 +36,7 @@ APPLIED_P50_US = 1000.0  # at N = 32
 TTFT_OVERHEAD_MS = {"Serve's proxy": 8.0, "Serve's HAProxy ingress": 8.0, "the direct port": 3.0}
 
 
-def _via(system: str, front: str = "proxy") -> str:
+def via(system: str, front: str = "proxy") -> str:
     """The path a system's clients take: the ingress's own port, or Serve's front."""
     if system.endswith("direct"):
         return "the direct port"
@@ -70,7 +70,7 @@ def served_targets(served: list[dict[str, Any]]) -> list[Target]:
         if r.get("client", "stream") != "stream":  # named so the two workloads stay apart
             system = f"{system} ({r['client']} clients)"
         if r.get("front", "proxy") != "proxy" and not r["system"].endswith("direct"):
-            system = f"{system} via {_via(r['system'], r['front'])}"
+            system = f"{system} via {via(r['system'], r['front'])}"
         goal, pred = IDEAL_GOAL.get(n), r.get("predicted")
         if goal is not None and pred:
             ratio = r["tok_s"] / pred
@@ -125,7 +125,7 @@ def served_targets(served: list[dict[str, Any]]) -> list[Target]:
                         tuned["predicted"] / eager["predicted"],
                     )
                     add(
-                        f"served {profile} N={n}: tuned >= all-ones ({_via(suffix)})",
+                        f"served {profile} N={n}: tuned >= all-ones ({via(suffix)})",
                         ratio >= 1.0,
                         f"{ratio:.3f}x (B={tuned['thresholds']}; ideal {model:.3f})",
                     )
@@ -147,8 +147,8 @@ def _ttft_targets(system: str, r: dict[str, Any]) -> list[Target]:
     paths = r.get("ttft_probe_paths_ms_p50") or {}
     mixed = paths.get("mixed", r.get("ttft_probe_ms_p50"))
     measured = {k: paths[k] for k in ("kept", "escalated") if k in paths} or {"kept": mixed}
-    via = _via(r["system"], r.get("front", "proxy"))
-    bound = TTFT_OVERHEAD_MS[via]
+    path_name = via(r["system"], r.get("front", "proxy"))
+    bound = TTFT_OVERHEAD_MS[path_name]
     out: list[Target] = []
     for path, probe in measured.items():
         if probe is None:
@@ -157,7 +157,7 @@ def _ttft_targets(system: str, r: dict[str, Any]) -> list[Target]:
         overhead = probe - device
         beside = f"; the policy's mix {mixed:.1f} ms" if paths and mixed is not None else ""
         out.append((
-            f"served {system}: TTFT overhead, first token {path}, <= {bound:g} ms ({via}; "
+            f"served {system}: TTFT overhead, first token {path}, <= {bound:g} ms ({path_name}; "
             "the first token's bytes minus the simulated device time, one request at a time)",
             overhead <= bound,
             f"{overhead:.1f} ms ({probe:.1f} ms in all, {device:.1f} simulated{beside})",
