@@ -284,22 +284,26 @@ def test_copies_on_a_replica_that_stalled_past_its_lease_are_aborted(chain_dirs)
             want = await rt.complete_all(batch, SPEC)
             await rt.wait_idle()
             small, large = rt.subservers
-            stalled = threading.Event()
+            armed, stalled = threading.Event(), threading.Event()
             real = large.engine.runner.launch
 
             def stalling(out, timings):  # type: ignore[no-untyped-def]
+                if armed.is_set() and out.chunks:  # the first step with rows once armed
+                    armed.clear()
+                    stalled.set()  # mid-step, holding its rows: it stops answering
                 while stalled.is_set():
                     time.sleep(0.01)
                 return real(out, timings)
 
             large.engine.runner.launch = stalling
             tasks = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in batch]
-            while (
-                not large.tracked
-                or sum(len(live.log.tokens) for live in rt.ingress.live.values()) < 20
-            ):
+            while sum(len(live.log.tokens) for live in rt.ingress.live.values()) < 20:
                 await asyncio.sleep(0.002)
-            stalled.set()  # mid-step: the large replica stops answering
+            # Stalled from its own step thread: a stall set from here could land after the
+            # large model had handed its rows back, and then it would hold none.
+            armed.set()
+            while not stalled.is_set():
+                await asyncio.sleep(0.002)
             every = rt.ingress.all_endpoints
             rt.ingress.all_endpoints = lambda: [small.endpoint]  # its lease ran out
             old = set(rt.ingress._wire)
