@@ -67,7 +67,9 @@ from loadtest.proc_cpu import (
     find_pids,
     find_program,
     format_cpu,
+    format_wakes,
     per_token_us,
+    wake_cost_us,
 )
 from tokenrouter_ray.replica.profile import latency_quantile_us
 from tokenrouter_ray.simulation.loads import ClosedLoop
@@ -598,6 +600,7 @@ async def _served_level(
         / max(1, tokens),
         "ingress_cpu_us_per_token": (s1["cpu_s"] - s0["cpu_s"]) / max(1, tokens) * 1e6,
         "cpu_us_per_token": per_token_us(used, tokens),  # per process, from /proc
+        "wakeups_per_token": {name: w / max(1, tokens) for name, w in cpu.wakes.items()},
         # ms a message took from its sender to its application, the mean over both models
         "handoff_ms": statistics.mean(m["applied_mean_us"] or 0.0 for m in models.values()) / 1e3,
         "ttft_ms_p50": 1e3 * statistics.median(window_ttfts) if window_ttfts else None,
@@ -661,7 +664,8 @@ def _print_served(row: dict[str, Any]) -> None:
     print(
         f"served {name:11} N={row['n']:3} {row['tok_s']:9.1f} tok/s{ratio}  TTFT p50 "
         f"{row['ttft_ms_p50'] or 0:.1f} ms{alone} (GET /health {row['health_rtt_ms_p50']:.1f} ms)  "
-        f"{format_cpu(row['cpu_us_per_token'])}  client {row.get('client', 'stream')}  "
+        f"{format_cpu(row['cpu_us_per_token'])}  {format_wakes(row.get('wakeups_per_token', {}))}"
+        f"  client {row.get('client', 'stream')}  "
         f"SSE chunks/token {row['sse_chunks_per_token']:.2f}  frames/token "
         f"{row['frames_per_token']:.2f}  bytes/token {row['bytes_per_token']:.0f}  [{steps}]",
         flush=True,
@@ -748,7 +752,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
-    print(f"# host path: {machine()}\n# {command()}", flush=True)
+    print(
+        f"# host path: {machine()}; a thread's wake-up costs {wake_cost_us():.0f} µs of CPU "
+        f"here, idle\n# {command()}",
+        flush=True,
+    )
     in_process = [] if args.no_in_process else run_in_process(levels, args.window_s, args.warmup_s)
     loads = [] if args.no_in_process else [float(x) for x in args.open_loop_loads.split(",") if x]
     open_loop = [

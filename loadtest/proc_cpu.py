@@ -14,11 +14,24 @@ HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``) also the actor that configures
 (``ray::HAProxyManager``) and HAProxy itself (``find_program``). These are Serve's front
 (``FRONT``), reported beside the app but not in its total. A process that went away
 mid-window reads as missing, not as zero.
+
+Wake-ups: a thread that blocks (a timed wait for the device, a poll for the next frame,
+ZeroMQ's I/O thread waiting for work) and is woken again costs CPU of its own, charged to
+the process: the kernel's switch, the timer, and on a virtual machine the exits behind them.
+``CpuWindow`` also counts each process's wake-ups (``voluntary_ctxt_switches`` summed over
+its threads, ``wakeups``), and ``wake_cost_us`` measures what one costs on this machine (two
+threads handing a ``threading.Event`` back and forth), so the benchmark can say how much of
+a process's CPU per token may be wake-ups rather than work (``format_wakes``). That price
+depends on load: a wake-up that finds its core idle pays for waking the core (on a VM an
+exit to the host and back), one that finds it busy does not; ``wake_cost_us`` on a quiet
+machine gives the first.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator, Mapping
 
 PROXY_TITLE = "ray::ProxyActor"
@@ -61,23 +74,76 @@ def find_program(name: str, proc: str = "/proc") -> list[int]:
     return sorted(pid for pid, argv in _command_lines(proc) if os.path.basename(argv[0]) == name)
 
 
+def wakeups(pid: int, proc: str = "/proc") -> int | None:
+    """Times the threads of a process blocked and were woken again, since each started
+    (``voluntary_ctxt_switches`` of every ``/proc/<pid>/task/<tid>/status``); None if it is
+    gone. Threads that ended before the read are not counted."""
+    try:
+        tids = os.listdir(f"{proc}/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"{proc}/{pid}/task/{tid}/status") as f:
+                total += next(
+                    int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt")
+                )
+        except (OSError, StopIteration, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return total
+
+
+def wake_cost_us(rounds: int = 2000) -> float:
+    """CPU microseconds one block-and-wake costs this machine: two threads hand a
+    ``threading.Event`` back and forth ``rounds`` times (two wake-ups a round), the
+    process's CPU time divided by the wake-ups. Bare metal takes a few µs; a small VM tens.
+    """
+    ping, pong = threading.Event(), threading.Event()
+
+    def other() -> None:
+        for _ in range(rounds):
+            ping.wait()
+            ping.clear()
+            pong.set()
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    started = time.process_time()
+    for _ in range(rounds):
+        ping.set()
+        pong.wait()
+        pong.clear()
+    used = time.process_time() - started
+    thread.join()
+    return used / (2 * rounds) * 1e6
+
+
 class CpuWindow:
-    """CPU seconds of named processes between ``start`` and ``stop``."""
+    """CPU seconds of named processes between ``start`` and ``stop``, and their wake-ups
+    (``wakes`` after ``stop``)."""
 
     def __init__(self, pids: Mapping[str, int], proc: str = "/proc") -> None:
         self.pids, self.proc = dict(pids), proc
         self.before: dict[str, float | None] = {}
+        self.woken: dict[str, int | None] = {}
+        self.wakes: dict[str, int] = {}  # each process's wake-ups in the window
 
     def start(self) -> None:
         self.before = {name: cpu_seconds(pid, self.proc) for name, pid in self.pids.items()}
+        self.woken = {name: wakeups(pid, self.proc) for name, pid in self.pids.items()}
 
     def stop(self) -> dict[str, float]:
         """Seconds each process used since ``start`` (those gone or not found left out)."""
         out = {}
+        self.wakes = {}
         for name, pid in self.pids.items():
             now, then = cpu_seconds(pid, self.proc), self.before.get(name)
             if now is not None and then is not None:
                 out[name] = now - then
+            woken, was = wakeups(pid, self.proc), self.woken.get(name)
+            if woken is not None and was is not None:
+                self.wakes[name] = max(0, woken - was)
         return out
 
 
@@ -90,6 +156,14 @@ def app_total_us(per_token: Mapping[str, float]) -> float:
     """The app's own processes together: the ingress and the model replicas (not Serve's
     front, ``FRONT``, which the direct port does without)."""
     return sum(v for name, v in per_token.items() if name not in FRONT)
+
+
+def format_wakes(per_token: Mapping[str, float]) -> str:
+    """``wake-ups per token ingress 0.10 / small 0.35``: how often each process's threads
+    blocked and were woken again, per committed token."""
+    if not per_token:
+        return "wake-ups per token -"
+    return "wake-ups per token " + " / ".join(f"{name} {v:.2f}" for name, v in per_token.items())
 
 
 def format_cpu(per_token: Mapping[str, float]) -> str:

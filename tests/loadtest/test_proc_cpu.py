@@ -4,6 +4,7 @@ the median of applied-message latencies, and the served targets, on made-up inpu
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,10 @@ from loadtest.proc_cpu import (
     find_pids,
     find_program,
     format_cpu,
+    format_wakes,
     per_token_us,
+    wake_cost_us,
+    wakeups,
 )
 from tokenrouter_ray.replica.profile import LATENCY_EDGES_US, HostProfile, latency_quantile_us
 
@@ -56,6 +60,44 @@ def test_a_window_counts_what_each_process_used_in_it(tmp_path: Path) -> None:
     assert app_total_us(per_token) == 225.0  # the proxy is not the app's
     assert format_cpu(per_token) == "CPU ingress 25 / small 200 / proxy 50 µs per token; app 225"
     assert per_token_us(used, 0) == {}
+
+
+def fake_threads(proc: Path, pid: int, switches: dict[int, int]) -> None:
+    """/proc/<pid>/task/<tid>/status with each thread's voluntary context switches."""
+    for tid, n in switches.items():
+        d = proc / str(pid) / "task" / str(tid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "status").write_text(
+            f"Name:\tray::IDLE\nState:\tS (sleeping)\nvoluntary_ctxt_switches:\t{n}\n"
+            f"nonvoluntary_ctxt_switches:\t{n * 7}\n"
+        )
+
+
+def test_a_window_counts_each_processs_wake_ups_over_all_its_threads(tmp_path: Path) -> None:
+    """Voluntary switches (a thread blocked, then was woken) summed over the threads, the
+    involuntary ones (preemptions) left out; a thread that ended drops out of the sum."""
+    fake_process(tmp_path, 30, 0, 0)
+    fake_threads(tmp_path, 30, {30: 100, 31: 5_000, 32: 40})
+    assert wakeups(30, str(tmp_path)) == 5_140
+    assert wakeups(99, str(tmp_path)) is None
+    window = CpuWindow({"small": 30, "gone": 99}, str(tmp_path))
+    window.start()
+    fake_threads(tmp_path, 30, {30: 110, 31: 5_900, 32: 40})  # 910 more
+    window.stop()
+    assert window.wakes == {"small": 910}
+    assert format_wakes({"ingress": 0.1, "small": 910 / 4_000}) == (
+        "wake-ups per token ingress 0.10 / small 0.23"
+    )
+    assert wakeups(os.getpid()) > 0  # the real /proc reads too
+
+
+def test_a_wake_up_costs_this_machine_some_cpu() -> None:
+    """Two threads handing an event back and forth: a positive price, below the whole
+    round's wall time."""
+    started = time.perf_counter()
+    cost = wake_cost_us(rounds=200)
+    wall_per_wake_us = (time.perf_counter() - started) / 400 * 1e6
+    assert 0 < cost < wall_per_wake_us * 2  # CPU of two threads, each wake counted once
 
 
 def test_the_proxy_is_found_by_its_process_title(tmp_path: Path) -> None:
