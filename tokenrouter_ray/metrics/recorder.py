@@ -61,9 +61,8 @@ class Metrics:
     def handoffs(self, src: str, dst: str, sizes: Sequence[int]) -> None:
         """Handoffs from ``src`` to ``dst`` (one step's), the suffix length of each."""
         self._inc(m.HANDOFFS, len(sizes), src, dst, self.policy)
-        observe, labels = self.backend.observe, (src, dst, self.model_name)
-        for num_tokens in sizes:  # the labels built once for the step's handoffs
-            observe(m.HANDOFF_TOKENS, num_tokens, labels)
+        for num_tokens in sizes:
+            self._observe(m.HANDOFF_TOKENS, num_tokens, src, dst)
 
     def committed(self, model: str, num_tokens: int, num_dropped: int = 0) -> None:
         """One step's commit on ``model``: tokens kept, and sampled tokens the policy dropped

@@ -467,15 +467,14 @@ class Replica:
         of its messages leaves), then its messages, posted in one go: its HANDOFFs first,
         then ``out`` (what the inbox produced before the launch), its COMMITs and FINISHEDs,
         and the ends of requests whose report failed. One post sends a frame per
-        destination back to back: ZeroMQ's I/O thread takes them in one wake-up, where a
-        post of the handoffs alone woke it once more per step (a wake-up costs ~25 µs of
-        CPU on a 2-core VM), and a destination that had handoffs and a FINISHED got two
-        frames."""
+        destination back to back, so ZeroMQ's I/O thread can take them in one wake-up (a
+        post of the handoffs alone could wake it once more a step), and a destination that
+        has handoffs and a FINISHED gets one frame, not two."""
         self._record_step(result, routed.destinations, decided.drop)
         handoffs: list[PeerReq] = []
         decided.committed = self._report(result, routed.scores, decided, handoffs, out)
         self._fail_requests(decided.failed, out)
-        self.post(handoffs + out if handoffs else out)
+        self.post(handoffs + out)
         self.messages.record_handoffs()
 
     def record(self, result: StepResult, routed: Routed, decided: Decided) -> None:
