@@ -412,10 +412,13 @@ class Replica:
 
     def commit(self, result: StepResult, routed: Routed) -> Decided:
         """The policy's decisions for leaving rows, then the engine's commit (append,
-        stop checks, pause leavers): what the next launch must see."""
+        stop checks, pause leavers): what the next launch must see. A row whose ``send``
+        raised is paused too: the report ends its request after the next launch, and a
+        request in that step must not change until it is collected (ended there, it took
+        the whole step down with it)."""
         leaving, failed = self._decide(result, routed.destinations)
         drop = {rid for rid, (_, send) in leaving.items() if send.drop_sampled}
-        outputs = self.engine.commit(result, drop=drop, pause=leaving.keys())
+        outputs = self.engine.commit(result, drop=drop, pause=leaving.keys() | failed.keys())
         return Decided(leaving, failed, drop, outputs)
 
     def apply_inbox(self) -> list[PeerReq]:
@@ -606,8 +609,9 @@ class Replica:
         self, result: StepResult, destinations: list[int]
     ) -> tuple[dict[str, tuple[int, Send]], dict[str, str]]:
         """The policy's ``send`` for every row routed elsewhere: rid -> (destination, Send).
-        A row whose ``send`` raises stays here and is reported in the second map (rid ->
-        error): its request ends with an error once its token is committed."""
+        A row whose ``send`` raises stays here (paused, out of the next step) and is
+        reported in the second map (rid -> error): its request ends with an error once its
+        token is committed."""
         leaving: dict[str, tuple[int, Send]] = {}
         failed: dict[str, str] = {}
         tracked = self.requests.tracked
