@@ -121,29 +121,73 @@ def test_every_model_replica_tracks_the_global_count(monkeypatch: pytest.MonkeyP
     asyncio.run(go())
 
 
-def test_a_burst_of_arrivals_sends_one_active_frame_per_endpoint() -> None:
-    async def go() -> tuple[int, int]:
+def _recording(core: IngressCore) -> list[PeerReq]:
+    """Every message ``core`` sends from now on, in order."""
+    sent: list[PeerReq] = []
+    send = core.channel.send
+
+    async def recording_send(dst: str, msgs: list[PeerReq]) -> None:
+        sent.extend(msgs)
+        await send(dst, msgs)
+
+    core.channel.send = recording_send  # type: ignore[method-assign]
+    return sent
+
+
+def test_a_burst_of_arrivals_sends_at_most_one_active_frame_per_endpoint() -> None:
+    """Eight arrivals at once: each endpoint learns the final 8, by one ACTIVE at most; the
+    entry endpoint, told 8 by the last NEW, gets none."""
+
+    async def go() -> tuple[dict[str, list[int]], str, list[int], int]:
         async with Cluster() as cluster:
             a = cluster.ingresses[0]
-            sent: list[PeerReq] = []
-            send = a.channel.send
-
-            async def recording_send(dst: str, msgs: list[PeerReq]) -> None:
-                sent.extend(msgs)
-                await send(dst, msgs)
-
-            a.channel.send = recording_send
+            sent = _recording(a)
             await asyncio.gather(*(a.submit(f"r{i}", [1, 2], LONG) for i in range(8)))
             await cluster.settled()
-            actives = [m for m in sent if m.kind == MsgKind.ACTIVE]
+            actives: dict[str, list[int]] = {}
+            for m in sent:
+                if m.kind == MsgKind.ACTIVE:
+                    actives.setdefault(m.dst, []).append(m.active_requests)
+            news = [m.active_requests for m in sent if m.kind == MsgKind.NEW]
+            seen = [s.active_requests for s in cluster.servers]
             for i in range(8):
                 a.abort_nowait(f"r{i}")
                 a.release(f"r{i}")
             await cluster.settled()
-            return len(actives), {m.active_requests for m in actives} == {8}
+            assert seen == [8, 8, 8]
+            return actives, cluster.servers[0].endpoint, news, len(cluster.servers)
 
-    count, all_eight = asyncio.run(go())
-    assert count == 3 and all_eight  # one frame per model endpoint, carrying the final 8
+    actives, entry, news, n_servers = asyncio.run(go())
+    assert news[-1] == 8 and entry not in actives  # the NEW carried the count there
+    assert len(actives) == n_servers - 1 and all(v == [8] for v in actives.values())
+
+
+def test_a_completion_and_the_next_arrival_send_no_active_frame() -> None:
+    """A closed loop's completion followed at once by the next arrival leaves the count
+    where it was: no endpoint is told anything; a completion alone reaches every one."""
+
+    async def go() -> tuple[list[PeerReq], list[PeerReq], list[int]]:
+        async with Cluster() as cluster:
+            a = cluster.ingresses[0]
+            await a.submit("r0", [1, 2], LONG)
+            await cluster.settled()
+            sent = _recording(a)
+            a.abort_nowait("r0")  # completed ...
+            a.release("r0")
+            await a.submit("r1", [1, 2], LONG)  # ... and the client's next request
+            await cluster.settled()
+            await asyncio.sleep(0.05)  # past the coalescing window
+            swapped = [m for m in sent if m.kind == MsgKind.ACTIVE]
+            sent.clear()
+            a.abort_nowait("r1")
+            a.release("r1")
+            await cluster.settled()
+            ended = [m for m in sent if m.kind == MsgKind.ACTIVE]
+            return swapped, ended, [s.active_requests for s in cluster.servers]
+
+    swapped, ended, seen = asyncio.run(go())
+    assert swapped == []
+    assert sorted(m.active_requests for m in ended) == [0, 0, 0] and seen == [0, 0, 0]
 
 
 def test_a_silent_ingress_stops_counting(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,9 +16,12 @@ Reliability rules (docs/reliability.md):
 - every request has a deadline: ``stream`` waits no longer than it, then ends the request
   with ``error_kind="timeout"`` and aborts it everywhere;
 - the active count (the global N of the models' launch thresholds) is published to every
-  model endpoint in an ACTIVE frame whenever it changes, coalesced (changes within one
-  event-loop turn send one frame per endpoint), and again every ``ACTIVE_REFRESH_S`` while
-  it is not 0, so a model can tell a live ingress from a dead one;
+  model endpoint in an ACTIVE frame whenever it changes, coalesced: the changes within
+  ``ACTIVE_COALESCE_S`` send one frame per endpoint, and only to the endpoints whose count
+  from here (the last ACTIVE, or the NEW sent there) differs from the count then (in a
+  closed loop a completion and the next arrival cancel out: nothing is sent); and again to
+  every endpoint every ``ACTIVE_REFRESH_S`` while it is not 0, so a model can tell a live
+  ingress from a dead one;
 - ``recreate`` re-submits requests whose models were lost from the committed sequence held
   here, under a new wire id (``<rid>~<k>``): the old incarnation is aborted everywhere, the
   new one is a NEW to the entry model carrying prompt + committed tokens, the original
@@ -65,6 +68,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 ACTIVE_REFRESH_S = 1.0  # a non-zero active count is republished this often
+# changes of the active count within this long go out as one ACTIVE per endpoint, and none
+# where it ends as it began (a frame into a replica costs ~0.2 ms of CPU across its threads)
+ACTIVE_COALESCE_S = 0.005
 STOPPED_REMEMBERED = 4096  # wire ids told to stop, and superseded incarnations, remembered
 SUPERSEDED_RESEND_S = 60.0  # superseded incarnations are ABORTed everywhere this long
 
@@ -183,8 +189,9 @@ class IngressCore:
         self._task: asyncio.Task | None = None
         self._refresh: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self._publish_due = False  # an ACTIVE broadcast is scheduled for this loop turn
+        self._publish_due = False  # an ACTIVE broadcast is scheduled
         self._published: int | None = None  # the count last sent in an ACTIVE
+        self._told: dict[str, int] = {}  # endpoint -> the count last sent there (ACTIVE, NEW)
         self.tokens_received = 0  # committed tokens received (for host-path benchmarks)
         self.frames_received = 0
         self._told_to_stop: dict[str, None] = {}  # orphan wire ids aborted (insertion order)
@@ -225,15 +232,21 @@ class IngressCore:
 
     # ------------------------------------------------------------- active count
     def _active_changed(self) -> None:
-        """The active count changed: metrics now, one ACTIVE broadcast per loop turn."""
+        """The active count changed: metrics now, the ACTIVEs ``ACTIVE_COALESCE_S`` later."""
         self.metrics.ingress_active(self.num_active)
         if not self._publish_due:
             self._publish_due = True
-            asyncio.get_running_loop().call_soon(self._publish_active)
+            asyncio.get_running_loop().call_later(ACTIVE_COALESCE_S, self._publish_changed)
 
-    def _publish_active(self) -> None:
+    def _publish_changed(self) -> None:
         self._publish_due = False
+        self._publish_active(only_changed=True)
+
+    def _publish_active(self, only_changed: bool = False) -> None:
+        """The active count to every model endpoint (``only_changed``: to those told another
+        count last)."""
         n = self._published = self.num_active
+        told = self._told
         msgs = [
             PeerReq(
                 rid="",
@@ -244,8 +257,12 @@ class IngressCore:
                 active_requests=n,
             )
             for dst in self.all_endpoints()
+            if not only_changed or told.get(dst) != n
         ]
-        self._spawn(self._send_each(msgs))
+        for msg in msgs:  # a send that fails is made good by the next refresh
+            told[msg.dst] = n
+        if msgs:
+            self._spawn(self._send_each(msgs))
 
     async def _refresh_loop(self) -> None:
         """Republish a non-zero count: models drop an ingress silent for long (its replica
@@ -255,6 +272,7 @@ class IngressCore:
             if self._published or self.num_active:
                 self._publish_active()
             self._abort_superseded_on_new_endpoints()
+            self._told = {dst: n for dst, n in self._told.items() if dst in self._endpoints_seen}
 
     def _abort_superseded_on_new_endpoints(self) -> None:
         """An endpoint that appeared since the last refresh (a replica back from a stall
@@ -303,7 +321,9 @@ class IngressCore:
         try:
             dst = entry or self.entry_endpoint()
             live.holders = _holders(dst, endpoints)
-            await self.channel.send(dst, [self._new_msg(live, dst, endpoints)])
+            new = self._new_msg(live, dst, endpoints)
+            await self.channel.send(dst, [new])
+            self._told[dst] = new.active_requests  # the NEW told it the count
             if self.prefill_at:
                 await self._send_prefills(live, dst, endpoints)
         except BaseException:
