@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -164,14 +165,24 @@ class ServerProcess:
                 self.proc.wait(10)
 
 
+def dies_with_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` started so that it gets SIGTERM when the thread that starts it ends: a
+    benchmark or a test run killed by a signal no longer leaves its servers running (and
+    holding their ports). util-linux's ``setpriv --pdeathsig`` where it is installed
+    (Linux); elsewhere ``argv`` as it is."""
+    setpriv = shutil.which("setpriv") if sys.platform == "linux" else None
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else list(argv)
+
+
 def launch_server(
     name: str, argv: Sequence[str], port: int, log_dir: str, env: dict[str, str] | None = None
 ) -> ServerProcess:
-    """Start ``argv`` in its own process group (``wait_healthy`` waits for it)."""
+    """Start ``argv`` in its own process group (``wait_healthy`` waits for it); it ends
+    with the thread that starts it (``dies_with_parent``)."""
     log = os.path.join(log_dir, f"{name}.log")
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            list(argv),
+            dies_with_parent(argv),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtest.baselines.api import dies_with_parent
 from tokenrouter_ray.config import CONF_DIR
 
 
@@ -32,7 +33,7 @@ def start_serve_run(
     serve_bin = Path(sys.executable).with_name("serve")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [str(serve_bin), "run", str(config)],
+            dies_with_parent([str(serve_bin), "run", str(config)]),  # not orphaned by a kill
             stdout=out,
             stderr=subprocess.STDOUT,
             env=full_env,
