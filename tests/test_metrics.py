@@ -229,7 +229,7 @@ def test_counter_increments_from_two_threads_are_summed_exactly() -> None:
 
 def test_ray_counters_reach_ray_once_per_flush_as_their_sum() -> None:
     """A counter's increments are handed to Ray's metric as one sum per flush; a flush with
-    nothing new hands nothing; gauges and histograms are not held back."""
+    nothing new hands nothing."""
     backend = RayBackend(flush_s=3600.0)
     labels = ("small", "large", "r2r", "m")
     handed: list[float] = []
@@ -241,10 +241,41 @@ def test_ray_counters_reach_ray_once_per_flush_as_their_sum() -> None:
     assert handed == [6.0]
     backend.flush()
     assert handed == [6.0]
+
+
+def test_ray_histogram_values_reach_ray_at_the_flush_each_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Histogram values are held until the flush and then handed to Ray one by one, none
+    lost or repeated, from two threads at once; past ``HELD_VALUES_MAX`` held a value goes
+    to Ray at once (a stalled flusher cannot grow the queue without bound)."""
+    import deployments.ray_metrics as ray_metrics_module
+
+    backend = RayBackend(flush_s=3600.0)
+    backend._flusher = threading.current_thread()  # no flusher thread: this test flushes
     observed: list[float] = []
     backend._series[(defs.TTFT_SECONDS.name, ("m",))] = observed.append
-    backend.observe(defs.TTFT_SECONDS, 0.25, ("m",))
-    assert observed == [0.25]
+
+    def observe(base: int) -> None:
+        for i in range(10_000):
+            backend.observe(defs.TTFT_SECONDS, base + i, ("m",))
+
+    threads = [threading.Thread(target=observe, args=(k * 10_000,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert observed == []
+    backend.flush()
+    assert sorted(observed) == list(range(20_000))
+    backend.flush()
+    assert len(observed) == 20_000
+    monkeypatch.setattr(ray_metrics_module, "HELD_VALUES_MAX", 2)
+    for value in (1.0, 2.0, 3.0):
+        backend.observe(defs.TTFT_SECONDS, value, ("m",))
+    assert observed[20_000:] == [3.0]  # the third, at once
+    backend.flush()
+    assert observed[20_000:] == [3.0, 1.0, 2.0]
 
 
 def test_a_series_merges_its_tags_once_and_refuses_a_missing_one() -> None:
