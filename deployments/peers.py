@@ -29,7 +29,7 @@ from tokenrouter_ray.transport.zmq_channel import ZmqChannel, ZmqConfig
 
 
 async def peer_key(directory: ServeDirectory) -> bytes:
-    """The HMAC key for peer frames: from ``TOKENROUTER_PEER_SECRET`` (the same on every
+    """The MAC key for peer frames: from ``TOKENROUTER_PEER_SECRET`` (the same on every
     node), else from the app's generated secret held by the endpoint directory."""
     secret = os.environ.get(SECRET_ENV) or await directory.peer_secret()
     return derive_key(secret)

@@ -1,12 +1,11 @@
-"""Peer-channel authentication: HMAC-signed ZeroMQ frames. Forged, replayed, duplicated and
-malformed frames injected over the real socket are dropped and counted; honest traffic goes
-on; ipc socket files are private."""
+"""Peer-channel authentication: MAC-signed ZeroMQ frames (keyed BLAKE2b). Forged, replayed,
+duplicated and malformed frames injected over the real socket are dropped and counted;
+honest traffic goes on; ipc socket files are private."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import os
 import stat
 import struct
@@ -25,8 +24,9 @@ KEY = derive_key(os.urandom(32))
 
 
 def test_a_frame_is_laid_out_and_signed_as_the_module_documents() -> None:
-    """The MAC is HMAC-SHA256(key, MAGIC | sender | counter | receiver NUL | payload),
-    computed here from scratch: peers of another build verify the same bytes."""
+    """The MAC is BLAKE2b-256 keyed with the key over MAGIC | sender | counter | receiver
+    NUL | payload, computed here from scratch: peers of another build verify the same
+    bytes."""
     signer = FrameSigner(KEY)
     for counter, (receiver, payload) in enumerate(
         [("large/0", b"a"), ("large/0", b"b" * 5000), ("ingress/é", b"")], start=1
@@ -35,8 +35,8 @@ def test_a_frame_is_laid_out_and_signed_as_the_module_documents() -> None:
         if receiver == "ingress/é":
             counter = 1  # one counter per receiver
         head = MAGIC + signer.sender + struct.pack(">Q", counter)
-        want = hmac.new(KEY, head + receiver.encode() + b"\0" + payload, hashlib.sha256)
-        assert frame == head + want.digest() + payload
+        want = hashlib.blake2b(head + receiver.encode() + b"\0" + payload, key=KEY, digest_size=32)
+        assert head.startswith(b"TRR2") and frame == head + want.digest() + payload
         assert FrameVerifier(KEY, receiver).open(frame) == (payload, None)
 
 

@@ -23,7 +23,7 @@ KEY = derive_key(os.urandom(32))
 
 
 def junk(i: int) -> bytes:
-    """A frame with the right magic and a random MAC: costs the receiver a full HMAC."""
+    """A frame with the right magic and a random MAC: costs the receiver a full MAC."""
     return MAGIC + os.urandom(16) + i.to_bytes(8, "big") + os.urandom(32) + os.urandom(200)
 
 

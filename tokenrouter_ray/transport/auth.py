@@ -1,7 +1,10 @@
-"""Per-frame authentication for the socket transport: HMAC-SHA256 keyed from a cluster secret.
+"""Per-frame authentication for the socket transport: keyed BLAKE2b from a cluster secret.
 
 A signed frame is ``MAGIC | sender (16 B) | counter (8 B, big endian) | mac (32 B) | payload``
-with ``mac = HMAC-SHA256(key, MAGIC | sender | counter | receiver name | payload)``:
+with ``mac = BLAKE2b-256(key=key; MAGIC | sender | counter | receiver name | payload)``, the
+MAC mode BLAKE2 defines (RFC 7693) where HMAC-SHA256 stood until frame format ``TRR2``: on
+a replica's step thread a frame's HMAC through OpenSSL 3 took ~17 µs, the keyed BLAKE2b
+~10 (CPython's own code: no OpenSSL context copied per frame; docs/benchmarks.md Round 12):
 
 - ``sender`` is random per channel (a restarted replica is a new sender);
 - ``counter`` grows by one per frame for each (sender, receiver) pair; the receiver accepts
@@ -26,7 +29,7 @@ import os
 import struct
 from collections import OrderedDict
 
-MAGIC = b"TRR1"
+MAGIC = b"TRR2"  # TRR1 frames (HMAC-SHA256) are refused as malformed
 SECRET_ENV = "TOKENROUTER_PEER_SECRET"
 _HEADER = struct.Struct(">4s16sQ32s")  # magic, sender, counter, mac
 _COUNTER = struct.Struct(">Q")
@@ -42,14 +45,13 @@ def derive_key(secret: str | bytes) -> bytes:
 
 
 class _Mac:
-    """HMAC-SHA256 under one key: the key's inner and outer pads are computed once and each
-    frame's MAC starts from a copy of that state (``hmac.new`` per frame derives them
-    again: ~0.7 µs of a ~1.9 µs MAC on a small frame)."""
+    """Keyed BLAKE2b-256 under one key: the keyed state is computed once and each frame's
+    MAC starts from a copy of it."""
 
     __slots__ = ("_keyed",)
 
     def __init__(self, key: bytes) -> None:
-        self._keyed = hmac.new(key, digestmod=hashlib.sha256)
+        self._keyed = hashlib.blake2b(key=key, digest_size=32)
 
     def __call__(self, sender: bytes, counter: int, receiver: bytes, payload: bytes) -> bytes:
         """The MAC of ``MAGIC | sender | counter | receiver | payload`` (``receiver``: the

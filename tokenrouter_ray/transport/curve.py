@@ -1,14 +1,14 @@
 """ZeroMQ CURVE for the peer channel: one key pair per app, and a ZAP allowlist of it.
 
 Every replica of an app derives the same Curve25519 key pair from the app's peer key
-(``CurveKeys.from_key``: the HMAC key of ``transport.auth``, itself from the one peer
+(``CurveKeys.from_key``: the MAC key of ``transport.auth``, itself from the one peer
 secret). A replica's PULL socket is a CURVE server with that secret key; its PUSH sockets
 dial with the same pair and expect the same server key. A ZAP handler (pyzmq's
 ``ThreadAuthenticator``, one per ZeroMQ context, in its own thread so no event loop has
 to run for a handshake) admits a client only if its public key is one of the allowlisted
 keys of the socket's ZAP domain, so a stranger without the secret is refused in the
 handshake: it never delivers a frame, and nothing of its traffic reaches the event loop.
-Frames stay HMAC-signed on top (CURVE adds encryption and handshake refusal).
+Frames stay MAC-signed on top (CURVE adds encryption and handshake refusal).
 """
 
 from __future__ import annotations

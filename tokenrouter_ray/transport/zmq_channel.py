@@ -11,7 +11,7 @@ channel from that loop only. Every socket has linger 0, so `close()` never block
 undelivered frames (they are dropped; the protocol tolerates loss at shutdown).
 
 With `ZmqConfig.key` set (the deployments always set it), every frame is signed and checked
-(`transport.auth`: HMAC-SHA256 over sender, counter, receiver and payload); forged,
+(`transport.auth`: keyed BLAKE2b over sender, counter, receiver and payload); forged,
 replayed, duplicated and malformed frames are dropped unread and counted in `rejected`
 (and passed to `on_reject`, which the deployments export as
 ``tokenrouter_peer_rejected_total{reason}``). ipc socket files are mode 0600 in a private
@@ -101,7 +101,7 @@ class ZmqConfig:
     ipc_dir: str | None = None  # ipc: directory for socket files; default: a fresh temp dir
     send_hwm: int = 1024  # frames queued per peer before sends fail fast
     recv_hwm: int = 1024  # frames queued per incoming connection
-    key: bytes | None = None  # HMAC key (`auth.derive_key`); None: frames are not signed
+    key: bytes | None = None  # MAC key (`auth.derive_key`); None: frames are not signed
     max_frame_bytes: int = 16 << 20  # larger frames are dropped by ZeroMQ
     reject_rate: float = 1000.0  # rejected frames examined per second (``RejectPacer``)
     curve: CurveKeys | None = None  # CURVE handshake with the app's own key pair only
