@@ -165,24 +165,26 @@ class ServerProcess:
                 self.proc.wait(10)
 
 
-def dies_with_parent(argv: Sequence[str]) -> list[str]:
-    """``argv`` started so that it gets SIGTERM when the thread that starts it ends: a
-    benchmark or a test run killed by a signal no longer leaves its servers running (and
-    holding their ports). util-linux's ``setpriv --pdeathsig`` where it is installed
-    (Linux); elsewhere ``argv`` as it is."""
+def dies_with_parent(argv: Sequence[str], signal_name: str = "TERM") -> list[str]:
+    """``argv`` started so that it gets ``SIG<signal_name>`` when the thread that starts it
+    ends: a benchmark or a test run killed by a signal no longer leaves its servers running
+    (and holding their ports). util-linux's ``setpriv --pdeathsig`` where it is installed
+    (Linux); elsewhere ``argv`` as it is. (A parent killed within the millisecond before
+    ``setpriv`` has set the signal still leaves its server running.)"""
     setpriv = shutil.which("setpriv") if sys.platform == "linux" else None
-    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else list(argv)
+    return [setpriv, "--pdeathsig", signal_name, "--", *argv] if setpriv else list(argv)
 
 
 def launch_server(
     name: str, argv: Sequence[str], port: int, log_dir: str, env: dict[str, str] | None = None
 ) -> ServerProcess:
-    """Start ``argv`` in its own process group (``wait_healthy`` waits for it); it ends
-    with the thread that starts it (``dies_with_parent``)."""
+    """Start ``argv`` in its own process group (``wait_healthy`` waits for it); it is
+    killed with the thread that starts it (``dies_with_parent``: SIGKILL, which a server
+    can neither catch nor have blocked; its ``stop`` is the graceful way)."""
     log = os.path.join(log_dir, f"{name}.log")
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            dies_with_parent(argv),
+            dies_with_parent(argv, "KILL"),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -25,6 +25,25 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _argv0(pid: int) -> str | None:
+    """The program ``pid`` runs now (its argv[0]), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0", 1)[0].decode()
+    except OSError:
+        return None
+
+
+def _status(pid: int) -> str:
+    """What the kernel says of ``pid`` (why it may still run: its parent, its signals)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            keep = ("State", "PPid", "SigBlk", "SigIgn", "SigCgt", "SigPnd", "ShdPnd")
+            return " ".join(line.strip() for line in f if line.startswith(keep))
+    except OSError:
+        return "gone"
+
+
 @pytest.mark.skipif(dies_with_parent(["x"]) == ["x"], reason="no setpriv on this system")
 def test_a_server_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
     parent_code = (
@@ -42,13 +61,19 @@ def test_a_server_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
     assert parent.stdout is not None
     server = int(parent.stdout.readline())
     try:
-        assert _running(server)
+        # setpriv sets the parent-death signal, then executes the server: a parent killed
+        # before that (within a millisecond of the start) leaves it running, so the kill
+        # waits until the server runs (a clean-clone CI run once killed it sooner)
+        deadline = time.monotonic() + 30
+        while _argv0(server) != sys.executable and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _running(server) and _argv0(server) == sys.executable
         parent.kill()  # SIGKILL: no handler of the parent's can clean up
         parent.wait(10)
         deadline = time.monotonic() + 10
         while _running(server) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _running(server)
+        assert not _running(server), _status(server)
     finally:
         if _running(server):
             os.killpg(server, 9)
