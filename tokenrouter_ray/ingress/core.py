@@ -189,7 +189,7 @@ class IngressCore:
         self._task: asyncio.Task | None = None
         self._refresh: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self._publish_due = False  # an ACTIVE broadcast is scheduled
+        self._publish_timer: asyncio.TimerHandle | None = None  # the ACTIVEs scheduled
         self._published: int | None = None  # the count last sent in an ACTIVE
         self._told: dict[str, int] = {}  # endpoint -> the count last sent there (ACTIVE, NEW)
         self.tokens_received = 0  # committed tokens received (for host-path benchmarks)
@@ -208,6 +208,9 @@ class IngressCore:
         self._refresh = asyncio.create_task(self._refresh_loop(), name="ingress-active")
 
     async def stop(self) -> None:
+        if self._publish_timer is not None:  # no ACTIVE from a stopped core
+            self._publish_timer.cancel()
+            self._publish_timer = None
         tasks = [t for t in (self._task, self._refresh, *self._background) if t is not None]
         for task in tasks:
             task.cancel()
@@ -234,12 +237,13 @@ class IngressCore:
     def _active_changed(self) -> None:
         """The active count changed: metrics now, the ACTIVEs ``ACTIVE_COALESCE_S`` later."""
         self.metrics.ingress_active(self.num_active)
-        if not self._publish_due:
-            self._publish_due = True
-            asyncio.get_running_loop().call_later(ACTIVE_COALESCE_S, self._publish_changed)
+        if self._publish_timer is None:
+            self._publish_timer = asyncio.get_running_loop().call_later(
+                ACTIVE_COALESCE_S, self._publish_changed
+            )
 
     def _publish_changed(self) -> None:
-        self._publish_due = False
+        self._publish_timer = None
         self._publish_active(only_changed=True)
 
     def _publish_active(self, only_changed: bool = False) -> None:
