@@ -75,6 +75,7 @@ def make_channel(
             key=key,
             max_frame_bytes=z.max_frame_bytes,
             reject_rate=z.reject_rate,
+            receive_on_step_thread=z.receive_on_step_thread,
             curve=curve,
         ),
         on_reject=on_reject,

@@ -285,6 +285,13 @@ class ZmqSpec(_Strict):
         "second, and ZeroMQ's fair queueing keeps serving the honest connections between "
         "them (each waits at most 1/reject_rate per junk frame ahead of it).",
     )
+    receive_on_step_thread: bool = Field(
+        True,
+        description="A model replica's step thread reads its PULL socket itself, in its "
+        "waits and between steps (replica/waker.py), with no receiver thread: a frame costs "
+        "one wake-up of the thread that applies it. False: a receiver thread checks each "
+        "frame and hands it over (the rounds before 13).",
+    )
     curve: bool = Field(
         False,
         description="ZeroMQ CURVE: encrypt peer traffic and refuse, in the handshake, any "

@@ -73,11 +73,15 @@ class Mailbox:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        # the step thread reads the channel itself (``replica/waker.py``): no receiver here
+        self.inline = False
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._outbox = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._sender(), name=f"{self.name}-send")]
+        if self.inline:
+            return
         if not self.channel.start_receiver(self._received, f"{self.name}-recv"):
             self._tasks.append(asyncio.create_task(self._receive_loop(), name=f"{self.name}-recv"))
 

@@ -64,6 +64,7 @@ from tokenrouter_ray.replica.messages import HandoffRecord, Messages
 from tokenrouter_ray.replica.profile import HostProfile
 from tokenrouter_ray.replica.requests import Requests
 from tokenrouter_ray.replica.tracking import Tracked
+from tokenrouter_ray.replica.waker import FrameWaker
 from tokenrouter_ray.routing.policy import (
     Policy,
     RequestView,
@@ -143,7 +144,9 @@ class Replica:
             self.profile, self.stats,
         )  # fmt: skip
         self.requests.stats = self.stats  # arrivals and finishes: the offered load
-        self._wake = threading.Event()
+        # the step thread's wake-up: a ``FrameWaker`` where it reads the channel itself
+        self._wake: threading.Event | FrameWaker = threading.Event()
+        self._frames: FrameWaker | None = None
         self.mailbox = Mailbox(
             self.name, channel, self.metrics, self.profile, self._wake.set,
             self.requests.undeliverable,
@@ -210,10 +213,17 @@ class Replica:
 
     # ------------------------------------------------------------------ control
     async def start(self) -> None:
+        source = self.channel.receive_inline()
+        if source is not None:  # the step thread reads the channel in its own waits
+            waker = FrameWaker(source, self.mailbox._received)
+            self._wake = self._frames = waker
+            self.mailbox.wake, self.mailbox.inline = waker.set, True
         await self.mailbox.start()
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:  # process-wide
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-steps", daemon=True)
+        if source is not None:
+            source.inline_thread = self._thread  # the channel's close waits for it
         self._thread.start()
 
     async def stop(self) -> None:
@@ -221,6 +231,8 @@ class Replica:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
+        if self._frames is not None and not self.thread_alive:
+            self._frames.close()
         await self.mailbox.stop()
 
     @property
@@ -323,6 +335,8 @@ class Replica:
 
     # ----------------------------------------------------------------- the thread
     def _run(self) -> None:
+        if self._frames is not None:
+            self._frames.own()
         try:
             while not self._closing:
                 try:
@@ -427,6 +441,8 @@ class Replica:
         when it is due. Returns the messages that produced."""
         out: list[PeerReq] = []
         with self.profile.phase("receive"):
+            if self._frames is not None:  # what arrived while this thread worked
+                self._frames.poll()
             calls, requests, inbox = self.mailbox.calls, self.requests, self.mailbox.inbox
             while calls:
                 calls.popleft()(out)

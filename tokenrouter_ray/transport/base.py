@@ -22,11 +22,12 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 from tokenrouter_ray.protocol import PeerReq, ProtocolError, by_destination, decode_batch
 
@@ -152,6 +153,26 @@ class InMemoryDirectory(Directory):
             del self._endpoints[name], self._seen[name]
 
 
+class InlineSource(Protocol):
+    """A channel read by its owner thread itself (``PeerChannel.receive_inline``)."""
+
+    inline_thread: threading.Thread | None  # the reader (the channel's close waits for it)
+
+    def fileno(self) -> int:
+        """A descriptor that turns readable when a frame arrives at a channel that ``read``
+        left drained (an edge: a ``read`` that was not drained leaves no signal)."""
+        ...
+
+    def paused_s(self) -> float:
+        """How much longer the reader must leave the channel alone (0: not paused)."""
+        ...
+
+    def read(self, on_batch: Callable[[list[PeerReq]], None], limit: int = ...) -> tuple[int, bool]:
+        """Read queued frames without waiting (at most ``limit``), each frame's messages to
+        ``on_batch``: the number read, and whether the channel was left drained."""
+        ...
+
+
 class PeerChannel(ABC):
     """One replica's mailbox and its way to other mailboxes. Used from one event loop.
 
@@ -217,6 +238,12 @@ class PeerChannel(ABC):
         ``on_batch`` there, instead of through ``recv``. False: not supported (use
         ``recv``)."""
         return False
+
+    def receive_inline(self) -> InlineSource | None:
+        """Let the calling thread read the channel itself from now on (``InlineSource``: a
+        replica's step thread, in its waits), instead of ``recv`` or a receiver thread.
+        None: not supported (use ``start_receiver`` or ``recv``)."""
+        return None
 
     @property
     def receiver_alive(self) -> bool | None:

@@ -76,6 +76,8 @@ _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, 104 on macOS
 YIELD_EVERY = 64  # frames received back to back before recv yields to the event loop
 YIELD_S = 0.005  # or this long since it last yielded
 RECEIVER_POLL_MS = 100  # a receiver thread looks for a stop this often while nothing comes
+_GET = zmq.Socket.get  # ``read``'s readiness check, with plain ints
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 FRAME_BYTES_PER_TOKEN = 9  # msgpack: an int up to 2**64 (token ids are far below)
@@ -105,6 +107,9 @@ class ZmqConfig:
     max_frame_bytes: int = 16 << 20  # larger frames are dropped by ZeroMQ
     reject_rate: float = 1000.0  # rejected frames examined per second (``RejectPacer``)
     curve: CurveKeys | None = None  # CURVE handshake with the app's own key pair only
+    # a replica's step thread reads its PULL socket itself (``receive_inline``), with no
+    # receiver thread; False: a receiver thread hands it the frames (``start_receiver``)
+    receive_on_step_thread: bool = True
 
 
 class RejectPacer:
@@ -162,6 +167,10 @@ class ZmqChannel(PeerChannel):
         # ``start_receiver``: a thread that owns the PULL socket instead of ``recv``
         self._receiver: threading.Thread | None = None
         self._receiver_stop = False
+        # ``receive_inline``: the thread that reads the PULL socket itself
+        self.inline_thread: threading.Thread | None = None
+        self._inline = False
+        self._paused_until = 0.0  # the reject pacer's wait, for the inline reader
         self._ipc_dir_owned: str | None = None
         self._last_yield = time.monotonic()
         self._burst = 0  # frames received since recv last yielded
@@ -300,7 +309,7 @@ class ZmqChannel(PeerChannel):
     async def recv(self) -> list[PeerReq]:
         if self._pull_now is None or self._closed:
             raise ChannelClosed(f"channel {self.name!r} is closed")
-        if self._receiver is not None:
+        if self._receiver is not None or self._inline:
             raise RuntimeError(f"channel {self.name!r} receives on its receiver thread")
         if self._pull is None:
             self._pull = zmq.asyncio.Socket.from_socket(self._pull_now)
@@ -341,7 +350,7 @@ class ZmqChannel(PeerChannel):
         interpreter lock, and a frame costs no event-loop wake, Future or callback (a
         replica's step thread takes what it delivers). False: ``recv`` is in use already,
         or the channel is not open."""
-        if self._pull_now is None or self._closed or self._pull is not None:
+        if self._pull_now is None or self._closed or self._pull is not None or self._inline:
             return False
         if self._receiver is None:
             self._receiver = threading.Thread(
@@ -378,6 +387,67 @@ class ZmqChannel(PeerChannel):
                     logger.exception("%s: delivering a frame failed", self.name)
             elif wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
                 time.sleep(wait_s)
+
+    # ----------------------------------------------------- read by the step thread
+    def receive_inline(self) -> ZmqChannel | None:
+        """From now on the caller's own thread reads the PULL socket (``fileno``, ``paused_s``,
+        ``read``): a replica's step thread, in its waits and between steps. No receiver
+        thread: a frame costs no thread wake-up, no hand-off and no contention for the
+        interpreter lock. None: not supported here (the config says no, the channel is not
+        open, or ``recv`` or a receiver thread is in use); use ``start_receiver`` then."""
+        if not self.config.receive_on_step_thread or self._pull_now is None or self._closed:
+            return None
+        if self._pull is not None or self._receiver is not None:
+            return None
+        self._inline = True
+        return self
+
+    def fileno(self) -> int:
+        """The PULL socket's descriptor. ZeroMQ signals edges on it: it turns readable when
+        a frame arrives at a socket that ``read`` left drained, and stays so until the next
+        ``read``; a ``read`` that was not drained leaves no signal for what it left."""
+        assert self._pull_now is not None
+        return self._pull_now.getsockopt(zmq.FD)
+
+    def paused_s(self) -> float:
+        """How much longer the reject pacer keeps the reader off the socket (0: reading)."""
+        if not self._paused_until:
+            return 0.0
+        left = self._paused_until - time.monotonic()
+        if left <= 0:
+            self._paused_until = 0.0
+            return 0.0
+        return left
+
+    def read(
+        self, on_batch: Callable[[list[PeerReq]], None], limit: int = YIELD_EVERY
+    ) -> tuple[int, bool]:
+        """Read at most ``limit`` queued frames without waiting, each accepted frame's
+        messages to ``on_batch``; stops early past the reject pacer's budget. The frames
+        read, and whether the socket was left drained (its descriptor then signals the next
+        frame)."""
+        pull, read = self._pull_now, 0
+        while pull is not None and not self._closed:
+            if read >= limit:
+                return read, False
+            try:  # a plain int option: pyzmq's enum conversions cost more than the call
+                if not _GET(pull, _EVENTS) & _POLLIN:
+                    return read, True
+                frame = pull.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return read, True
+            except zmq.ZMQError:
+                if not self._closed:
+                    logger.exception("%s: receive failed", self.name)
+                return read, True
+            read += 1
+            batch, wait_s = self._accept(frame)
+            if batch is not None:
+                on_batch(batch)
+            elif wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
+                self._paused_until = time.monotonic() + wait_s
+                return read, False
+        return read, True
 
     def _queued_frame(self) -> bytes | None:
         """A frame already queued on the socket, without a Future; None when none is."""
@@ -436,10 +506,14 @@ class ZmqChannel(PeerChannel):
         pull_now, self._pull_now = self._pull_now, None
         if self._pull is not None:  # the asyncio view closes the socket and its watch
             self._pull.close(linger=0)
-        elif pull_now is not None and (receiver is None or not receiver.is_alive()):
-            pull_now.close(linger=0)
+        elif pull_now is not None and not _alive(receiver) and not _alive(self.inline_thread):
+            pull_now.close(linger=0)  # (a thread still reading it keeps it: never two)
         if self._ipc_dir_owned is not None:
             shutil.rmtree(self._ipc_dir_owned, ignore_errors=True)
+
+
+def _alive(thread: threading.Thread | None) -> bool:
+    return thread is not None and thread.is_alive()
 
 
 def _bind_in_range(pull: zmq.Socket, host: str, ports: tuple[int, int]) -> str:

@@ -1,0 +1,273 @@
+"""A model replica's step thread reads its ZeroMQ socket itself (``ZmqChannel.receive_inline``
+and ``replica/waker.py``'s ``FrameWaker``): frames reach the waiting thread with no receiver
+thread, a backlog larger than one read is read to the end although ZeroMQ announces only its
+first frame, the wait keeps ``threading.Event``'s contract (set from another thread, timed
+out), junk is paced without putting the thread to sleep, and replicas over it give the same
+outputs as with a receiver thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from tests.transport import handoff, wait_for
+from tokenrouter_ray.ingress.core import IngressCore
+from tokenrouter_ray.protocol import PeerReq, SamplingSpec
+from tokenrouter_ray.replica import waker as waker_module
+from tokenrouter_ray.replica.step import Replica
+from tokenrouter_ray.replica.waker import READ_LIMIT, FrameWaker
+from tokenrouter_ray.routing.policy import build_policy
+from tokenrouter_ray.simulation.backend import sim_engine
+from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport.auth import derive_key
+from tokenrouter_ray.transport.base import endpoint_name
+
+KEY = derive_key(os.urandom(32))
+
+
+class Waiter:
+    """A thread that owns a ``FrameWaker`` over ``channel`` and waits on it in a loop, as a
+    step thread does; what it was handed, and on which thread."""
+
+    def __init__(self, channel: ZmqChannel, wait_s: float = 5.0) -> None:
+        source = channel.receive_inline()
+        assert source is not None
+        self.seqs: list[int] = []
+        self.threads: set[str] = set()
+        self.waker = FrameWaker(source, self._on_batch)
+        self.wait_s, self.stop = wait_s, False
+        self.thread = threading.Thread(target=self._run, name="steps", daemon=True)
+        source.inline_thread = self.thread
+
+    def _on_batch(self, batch: list[PeerReq]) -> None:
+        self.seqs += [m.handoff_seq for m in batch]
+        self.threads.add(threading.current_thread().name)
+        self.waker.set()
+
+    def _run(self) -> None:
+        self.waker.own()
+        while not self.stop:
+            self.waker.clear()
+            self.waker.wait(self.wait_s)
+
+    def __enter__(self) -> Waiter:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop = True
+        self.waker.set()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+        self.waker.close()
+
+
+@contextlib.asynccontextmanager
+async def pair(**config: object) -> AsyncIterator[tuple[ZmqChannel, ZmqChannel]]:
+    directory, cfg = InMemoryDirectory(), ZmqConfig(key=KEY, **config)  # type: ignore[arg-type]
+    async with (
+        ZmqChannel("large", "0", directory, cfg) as large,
+        ZmqChannel("small", "0", directory, cfg) as small,
+    ):
+        yield small, large
+
+
+@pytest.fixture(params=["select", "poll"])
+def sleeps_in(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a ``FrameWaker`` sleeps: ``select`` (sub-millisecond timeouts), and
+    ``poll`` where a descriptor is past ``select``'s limit (made so here by a limit of 0)."""
+    if request.param == "poll":
+        monkeypatch.setattr(waker_module, "SELECT_LIMIT", 0)
+    return request.param
+
+
+@pytest.mark.asyncio
+async def test_frames_reach_the_waiting_thread_itself_in_order(sleeps_in: str) -> None:
+    async with pair() as (small, large):
+        threads_before = {t.name for t in threading.enumerate()}
+        with Waiter(large) as waiter:
+            for seq in range(200):
+                await small.send("large/0", [handoff(seq)])
+            await wait_for(lambda: len(waiter.seqs) == 200)
+            started = {t.name for t in threading.enumerate()} - threads_before
+        assert waiter.seqs == list(range(200))
+        assert waiter.threads == {"steps"}  # read and handed on by the waiting thread
+        assert started == {"steps"}  # and no receiver thread beside it
+        assert large.receiver_alive is None and large.rejected == {}
+
+
+@pytest.mark.asyncio
+async def test_a_backlog_beyond_one_read_is_read_to_the_end_without_another_signal() -> None:
+    """ZeroMQ signals the descriptor when a frame reaches a drained socket, not per frame: a
+    wait that reads ``READ_LIMIT`` frames and leaves the rest must come back for them by
+    itself. Each ``wait`` below returns at once with the next ``READ_LIMIT`` (one that
+    relied on the descriptor would sleep its full timeout and return False)."""
+    async with pair() as (small, large):
+        total = 3 * READ_LIMIT + 5
+        for seq in range(total):
+            await small.send("large/0", [handoff(seq)])
+        source = large.receive_inline()
+        assert source is not None
+        got: list[int] = []
+        waker = FrameWaker(source, lambda batch: (got.extend(m.handoff_seq for m in batch),
+                                                  waker.set()))  # fmt: skip
+        waker.own()
+        try:
+            deadline = time.monotonic() + 10
+            while len(got) < total and time.monotonic() < deadline:  # all queued first
+                await asyncio.sleep(0.05)
+                if waker.poll():
+                    waker.clear()
+                    break
+            waits: list[tuple[bool, float]] = []
+            while len(got) < total:
+                waker.clear()
+                t0 = time.monotonic()
+                woke = waker.wait(2.0)
+                waits.append((woke, time.monotonic() - t0))
+                assert len(waits) <= 4, waits
+        finally:
+            waker.close()
+        assert got == list(range(total))
+        assert all(woke and took < 0.5 for woke, took in waits), waits
+
+
+@pytest.mark.asyncio
+async def test_the_wait_keeps_the_event_contract(sleeps_in: str) -> None:
+    async with pair() as (_, large):
+        source = large.receive_inline()
+        assert source is not None
+        waker = FrameWaker(source, lambda batch: None)
+        assert (waker._poller is not None) == (sleeps_in == "poll")
+        waker.own()
+        try:
+            t0 = time.monotonic()
+            assert waker.wait(0.003) is False  # a sub-millisecond-precise timeout
+            took = time.monotonic() - t0
+            assert 0.003 <= took < 0.1, took
+            threading.Timer(0.05, waker.set).start()  # from another thread
+            t0 = time.monotonic()
+            assert waker.wait(5.0) is True
+            assert 0.04 <= time.monotonic() - t0 < 2.0
+            assert waker.is_set() and waker.wait(5.0) is True  # stays set until cleared
+            waker.clear()
+            assert not waker.is_set() and waker.wait(0.001) is False
+        finally:
+            waker.close()
+
+
+@pytest.mark.asyncio
+async def test_junk_is_paced_without_putting_the_thread_to_sleep() -> None:
+    """Past the reject budget the reader leaves the socket alone for a while; the thread's
+    own waits still end on time, and an honest frame behind the junk still arrives."""
+    async with pair(reject_rate=20.0) as (small, large):
+        rogue = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(large.address)
+        try:
+            for _ in range(60):
+                await rogue.send(b"\x00" * 8)
+            await asyncio.sleep(0.2)
+            source = large.receive_inline()
+            assert source is not None
+            got: list[int] = []
+            waker = FrameWaker(source, lambda batch: got.extend(m.handoff_seq for m in batch))
+            waker.own()
+            try:
+                longest = 0.0
+                await small.send("large/0", [handoff(7)])
+                deadline = time.monotonic() + 5
+                while not got and time.monotonic() < deadline:
+                    t0 = time.monotonic()
+                    waker.wait(0.01)
+                    longest = max(longest, time.monotonic() - t0)
+                    await asyncio.sleep(0)
+                rejected = sum(large.rejected.values())
+            finally:
+                waker.close()
+        finally:
+            rogue.close()
+        assert got == [7]
+        assert longest < 0.2, longest  # no wait outlived its timeout by a pacer's sleep
+        assert 0 < rejected < 60  # examined at the pacer's rate, not all at once
+
+
+@pytest.mark.asyncio
+async def test_a_channel_is_read_one_way_only() -> None:
+    async with pair() as (_, large):
+        assert large.receive_inline() is not None
+        assert not large.start_receiver(lambda batch: None, "large-receiver")
+        with pytest.raises(RuntimeError):
+            await large.recv()
+    async with pair() as (_, large):
+        assert large.start_receiver(lambda batch: None, "large-receiver")
+        assert large.receive_inline() is None
+    async with pair(receive_on_step_thread=False) as (_, large):
+        assert large.receive_inline() is None  # the config's way back to a receiver thread
+
+
+MODELS = ["small", "large"]
+
+
+async def _outputs(inline: bool) -> tuple[dict[str, list[int]], list[int], set[str]]:
+    """Twelve greedy requests through an ingress and small/0 + large/0 replicas over ZeroMQ
+    (Bernoulli routing: handoffs both ways): the outputs, the frames each replica's step
+    thread read itself, and the names of the threads the replicas started."""
+    directory = InMemoryDirectory()
+    config = ZmqConfig(key=KEY, receive_on_step_thread=inline)
+    policy = build_policy("bernoulli", {"p": 0.3}, MODELS)
+    before = {t.name for t in threading.enumerate()}
+    servers: list[Replica] = []
+    channels: list[ZmqChannel] = []
+    for index, model in enumerate(MODELS):
+        channel = ZmqChannel(model, "0", directory, config)
+        await channel.start()
+        channels.append(channel)
+        server = Replica(
+            MODELS, index, sim_engine(lambda b: 0.001), policy, channel,
+            pick_endpoint=lambda m, rid: endpoint_name(m, "0"),
+        )  # fmt: skip
+        await server.start()
+        servers.append(server)
+    ingress_channel = ZmqChannel("ingress", "0", directory, config)
+    await ingress_channel.start()
+    core = IngressCore(ingress_channel, lambda: "small/0", lambda: ["small/0", "large/0"])
+    await core.start()
+    try:
+        started = {t.name for t in threading.enumerate()} - before
+        sampling = SamplingSpec(temperature=0.0, max_tokens=24, ignore_eos=True)
+        rids = [f"r{k}" for k in range(12)]
+        for k, rid in enumerate(rids):
+            await core.submit(rid, list(range(5 + k)), sampling)
+        outputs = {}
+        for rid in rids:
+            result = await asyncio.wait_for(core.result(rid), 30)
+            outputs[rid] = list(result.token_ids)
+        read = [s._frames.frames if s._frames is not None else 0 for s in servers]
+    finally:
+        await core.stop()
+        for server in servers:
+            await server.stop()
+        for channel in [ingress_channel, *channels]:
+            await channel.close()
+    return outputs, read, started
+
+
+@pytest.mark.asyncio
+async def test_replicas_reading_on_their_step_threads_give_the_receiver_threads_outputs() -> None:
+    inline, read, started = await _outputs(inline=True)
+    threaded, unread, started_threaded = await _outputs(inline=False)
+    assert inline == threaded
+    assert all(len(tokens) == 24 for tokens in inline.values())
+    assert all(n > 0 for n in read), read  # both replicas read their frames themselves
+    assert unread == [0, 0]
+    assert not any(name.endswith("-recv") for name in started), started
+    assert {"small-recv", "large-recv"} <= started_threaded
