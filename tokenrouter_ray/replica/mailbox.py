@@ -4,9 +4,11 @@ step thread.
 It owns the two event-loop tasks, and the three queues that cross to the step thread:
 - the receive side drains the channel into ``inbox`` (NEW / HANDOFF / FINISHED / ABORT /
   ACTIVE from the ingress and from peers) and wakes the step thread, which applies it
-  between steps (``replica/step.py``): the transport's own receiver thread where it has one
-  (ZeroMQ: ``start_receiver``, no event-loop wake per frame), else a receive task on the
-  event loop; ``deliver`` does the same for messages from anywhere else;
+  between steps (``replica/step.py``): over ZeroMQ the step thread reads its socket
+  itself (``inline``: ``replica/waker.py``, ``_received`` runs on the step thread), else
+  the transport's own receiver thread where it has one (``start_receiver``), else a
+  receive task on the event loop; ``deliver`` does the same for messages from anywhere
+  else;
 - ``post`` (from the step thread) sends messages, one frame per destination: on the step
   thread itself when nothing it posted earlier is still waiting for the event loop and the
   destination is connected and can take the frame (``PeerChannel.send_now``; no wake-up,
@@ -200,8 +202,8 @@ class Mailbox:
             self._received(batch)
 
     def _received(self, batch: list[PeerReq]) -> None:
-        """One received frame (on the event loop, or on the transport's receiver thread):
-        counted, then handed to the step thread."""
+        """One received frame (on the step thread, the transport's receiver thread or the
+        event loop): counted, then handed to the step thread."""
         now = time.time_ns()
         profile = self.profile
         if batch:  # the frame's latency: its oldest message's

@@ -231,8 +231,6 @@ class Replica:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
-        if self._frames is not None and not self.thread_alive:
-            self._frames.close()
         await self.mailbox.stop()
 
     @property

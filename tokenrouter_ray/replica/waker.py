@@ -66,9 +66,15 @@ class FrameWaker:
         self._owner = threading.get_ident()
 
     def close(self) -> None:
-        fd, self._fd = self._fd, -1
+        """Close the eventfd now (tests). A replica leaves it to ``__del__``: a thread that
+        still holds the waker (a device watcher finishing late) could ``set`` it after an
+        explicit close, into whatever reused the descriptor's number."""
+        fd, self._fd = getattr(self, "_fd", -1), -1
         if fd >= 0:
             os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
     # ------------------------------------------------------------ threading.Event's
     def is_set(self) -> bool:
