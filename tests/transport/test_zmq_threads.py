@@ -1,8 +1,10 @@
 """The ZeroMQ channel used from threads, as a model replica uses it: frames sent from a
 thread (``send_now``) and from the event loop to the same peer all verify and arrive in each
 sender's order (signing and sending are one step under the channel's send lock, so the MAC
-counters reach the receiver in order); a receiver thread (``start_receiver``) delivers only
-checked frames, keeps going past junk and a failing callback, and ends with the channel."""
+counters reach the receiver in order); a receiver thread (``start_receiver``: a replica's
+way with ``receive_on_step_thread`` off; test_step_thread_receive.py has the default)
+delivers only checked frames, keeps going past junk and a failing callback, and ends with
+the channel."""
 
 from __future__ import annotations
 
