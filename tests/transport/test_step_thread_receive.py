@@ -2,8 +2,8 @@
 and ``replica/waker.py``'s ``FrameWaker``): frames reach the waiting thread with no receiver
 thread, a backlog larger than one read is read to the end although ZeroMQ announces only its
 first frame, the wait keeps ``threading.Event``'s contract (set from another thread, timed
-out), junk is paced without putting the thread to sleep, and replicas over it give the same
-outputs as with a receiver thread."""
+out; a GPU step's watcher ends it), junk is paced without putting the thread to sleep, and
+replicas over it give the same outputs as with a receiver thread."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import zmq
 import zmq.asyncio
 
 from tests.transport import handoff, wait_for
+from tokenrouter_ray.engine import device_step
+from tokenrouter_ray.engine.device_step import DeviceStep, EventWatcher
 from tokenrouter_ray.ingress.core import IngressCore
 from tokenrouter_ray.protocol import PeerReq, SamplingSpec
 from tokenrouter_ray.replica import waker as waker_module
@@ -160,6 +162,52 @@ async def test_the_wait_keeps_the_event_contract(sleeps_in: str) -> None:
             assert waker.is_set() and waker.wait(5.0) is True  # stays set until cleared
             waker.clear()
             assert not waker.is_set() and waker.wait(0.001) is False
+        finally:
+            waker.close()
+
+
+class DeviceWork:
+    """A device event done ``seconds`` after it was made (the GPU runner's ``done``)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.at - time.monotonic()))
+
+
+@pytest.mark.asyncio
+async def test_a_gpu_step_wait_ends_on_the_watcher_or_on_a_frame(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA runner's ``wait_done(wake)`` over a ``FrameWaker``: the event watcher's
+    ``set`` (another thread: the eventfd) ends the wait when the device is done, long before
+    the runner's own bounded poll (made 5 s here) would notice; a frame arriving first ends
+    it early, read and handed on."""
+    monkeypatch.setattr(device_step, "WAKE_POLL_S", 5.0)
+    async with pair() as (small, large):
+        source = large.receive_inline()
+        assert source is not None
+        got: list[int] = []
+        waker = FrameWaker(source, lambda batch: (got.extend(m.handoff_seq for m in batch),
+                                                  waker.set()))  # fmt: skip
+        watcher = EventWatcher()
+        try:
+            step = DeviceStep(DeviceWork(0.02), lambda: None, watcher)  # type: ignore[arg-type]
+            t0 = time.monotonic()
+            done = await asyncio.to_thread(lambda: (waker.own(), step.wait_done(waker))[1])
+            assert done and 0.015 <= time.monotonic() - t0 < 2.0, time.monotonic() - t0
+
+            waker.clear()
+            step = DeviceStep(DeviceWork(3.0), lambda: None, watcher)  # type: ignore[arg-type]
+            asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(
+                small.send("large/0", [handoff(4)])))  # fmt: skip
+            t0 = time.monotonic()
+            done = await asyncio.to_thread(lambda: (waker.own(), step.wait_done(waker))[1])
+            assert not done and got == [4] and time.monotonic() - t0 < 2.0
         finally:
             waker.close()
 
