@@ -5,7 +5,7 @@ It owns the two event-loop tasks, and the three queues that cross to the step th
 - the receive side drains the channel into ``inbox`` (NEW / HANDOFF / FINISHED / ABORT /
   ACTIVE from the ingress and from peers) and wakes the step thread, which applies it
   between steps (``replica/step.py``): over ZeroMQ the step thread reads its socket
-  itself (``inline``: ``replica/waker.py``, ``_received`` runs on the step thread), else
+  itself (``replica/waker.py``: ``_received`` runs on the step thread), else
   the transport's own receiver thread where it has one (``start_receiver``), else a
   receive task on the event loop; ``deliver`` does the same for messages from anywhere
   else;
@@ -75,14 +75,14 @@ class Mailbox:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
-        # the step thread reads the channel itself (``replica/waker.py``): no receiver here
-        self.inline = False
 
-    async def start(self) -> None:
+    async def start(self, receive: bool = True) -> None:
+        """The send task, and the receive side (``receive``: False where the step thread
+        reads the channel itself, ``replica/waker.py``)."""
         self._loop = asyncio.get_running_loop()
         self._outbox = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._sender(), name=f"{self.name}-send")]
-        if self.inline:
+        if not receive:
             return
         if not self.channel.start_receiver(self._received, f"{self.name}-recv"):
             self._tasks.append(asyncio.create_task(self._receive_loop(), name=f"{self.name}-recv"))

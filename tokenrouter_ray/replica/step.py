@@ -217,8 +217,8 @@ class Replica:
         if source is not None:  # the step thread reads the channel in its own waits
             waker = FrameWaker(source, self.mailbox._received)
             self._wake = self._frames = waker
-            self.mailbox.wake, self.mailbox.inline = waker.set, True
-        await self.mailbox.start()
+            self.mailbox.wake = waker.set
+        await self.mailbox.start(receive=source is None)
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:  # process-wide
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-steps", daemon=True)

@@ -7,8 +7,8 @@ interpreter lock beside the step thread, and a hand-off that wakes the step thre
 (docs/benchmarks.md Round 13). ``FrameWaker`` is a ``threading.Event`` for those callers
 whose ``wait`` also watches the channel (``transport.base.InlineSource``): it sleeps in one
 ``select`` on an eventfd (``set`` from other threads: the event loop's calls, a device
-watcher) and the channel's descriptor, and reads whatever frames are queued before it
-sleeps and when it wakes, handing their messages to ``on_batch`` on this thread. So a frame
+watcher) and the channel's descriptor, and reads the frames that arrived when it wakes,
+handing their messages to ``on_batch`` on this thread. So a frame
 that arrives while the step thread waits costs one wake-up of the thread that applies it,
 and one that arrives while it works is read between steps (``poll``).
 

@@ -76,6 +76,7 @@ _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, 104 on macOS
 YIELD_EVERY = 64  # frames received back to back before recv yields to the event loop
 YIELD_S = 0.005  # or this long since it last yielded
 RECEIVER_POLL_MS = 100  # a receiver thread looks for a stop this often while nothing comes
+RECEIVE_RETRY_S = 0.05  # after a failed receive, the socket is left alone this long
 _GET = zmq.Socket.get  # ``read``'s readiness check, with plain ints
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -366,27 +367,22 @@ class ZmqChannel(PeerChannel):
         return None if self._receiver is None else self._receiver.is_alive()
 
     def _receive_thread(self, pull: zmq.Socket, on_batch: Callable[[list[PeerReq]], None]) -> None:
+        more = False  # frames left by the last read, which no poll announces
         while not (self._receiver_stop or self._closed):
-            try:
-                if not pull.poll(RECEIVER_POLL_MS):  # waits without the interpreter lock
-                    continue
-                frame = pull.recv(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+            paused = self.paused_s()
+            if paused:  # past the reject budget: a flood pays in time, not in our CPU
+                time.sleep(min(paused, RECEIVER_POLL_MS / 1e3))
                 continue
+            try:
+                if not more and not pull.poll(RECEIVER_POLL_MS):  # without the interpreter lock
+                    continue
             except zmq.ZMQError:
                 if self._receiver_stop or self._closed:
                     return
                 logger.exception("%s: receive failed", self.name)
-                time.sleep(0.05)
+                time.sleep(RECEIVE_RETRY_S)
                 continue
-            batch, wait_s = self._accept(frame)
-            if batch is not None:
-                try:
-                    on_batch(batch)
-                except Exception:  # one bad delivery must not stop receiving
-                    logger.exception("%s: delivering a frame failed", self.name)
-            elif wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
-                time.sleep(wait_s)
+            more = not self.read(on_batch)[1]
 
     # ----------------------------------------------------- read by the step thread
     def receive_inline(self) -> ZmqChannel | None:
@@ -423,9 +419,10 @@ class ZmqChannel(PeerChannel):
         self, on_batch: Callable[[list[PeerReq]], None], limit: int = YIELD_EVERY
     ) -> tuple[int, bool]:
         """Read at most ``limit`` queued frames without waiting, each accepted frame's
-        messages to ``on_batch``; stops early past the reject pacer's budget. The frames
-        read, and whether the socket was left drained (its descriptor then signals the next
-        frame)."""
+        messages to ``on_batch`` (one that raises is logged: reading goes on); stops early
+        past the reject pacer's budget, or after a failed receive (``paused_s`` then says
+        for how long to leave the socket alone). The frames read, and whether the socket was
+        left drained (its descriptor then signals the next frame)."""
         pull, read = self._pull_now, 0
         while pull is not None and not self._closed:
             if read >= limit:
@@ -437,13 +434,18 @@ class ZmqChannel(PeerChannel):
             except zmq.Again:
                 return read, True
             except zmq.ZMQError:
-                if not self._closed:
-                    logger.exception("%s: receive failed", self.name)
-                return read, True
+                if self._closed:
+                    return read, True
+                logger.exception("%s: receive failed", self.name)
+                self._paused_until = time.monotonic() + RECEIVE_RETRY_S
+                return read, False
             read += 1
             batch, wait_s = self._accept(frame)
             if batch is not None:
-                on_batch(batch)
+                try:
+                    on_batch(batch)
+                except Exception:  # one bad delivery must not stop receiving
+                    logger.exception("%s: delivering a frame failed", self.name)
             elif wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
                 self._paused_until = time.monotonic() + wait_s
                 return read, False
