@@ -17,6 +17,7 @@ do not know it (the ingress's exception handlers), since a replica belongs to on
 from __future__ import annotations
 
 import atexit
+import bisect
 import functools
 import logging
 import threading
@@ -89,6 +90,52 @@ def direct_record(instrument: Any, tags: dict[str, str], public: str) -> Callabl
     return lambda value: record(value, tags=final)
 
 
+class HistogramSeries:
+    """One labelled histogram series, aggregated in this process: exact bucket counts
+    (Prometheus's ``le``: a value goes into the first bucket whose bound is >= it), sum and
+    count. Only the flusher adds to it (`add`) and exports it (`export`), so it needs no
+    lock. ``export`` sets the three gauges Prometheus reads a histogram from, cumulative
+    as a Prometheus histogram's series are."""
+
+    __slots__ = ("bounds", "count", "counts", "labels", "metric", "setters", "sum")
+
+    def __init__(self, metric: MetricDef, labels: Labels) -> None:
+        self.metric, self.labels = metric, labels
+        self.bounds = tuple(float(b) for b in metric.buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+        self.count = 0
+        self.setters: tuple[list[Callable[[float], None]], Callable, Callable] | None = None
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def export(self, gauges: tuple[Any, Any, Any]) -> None:
+        """Set the series' ``_bucket`` (one per ``le``, cumulative), ``_sum`` and ``_count``
+        gauges to what it holds now (all of them, every time: Ray's agent drops a gauge
+        not set again within two export intervals)."""
+        if self.setters is None:  # made once, here on the flusher: ~10 µs a gauge series
+            buckets, total, count = gauges
+            tags = dict(zip(self.metric.labels, self.labels, strict=True))
+            self.setters = (
+                [
+                    direct_record(buckets, {**tags, "le": le}, "set")
+                    for le in (*(f"{b}" for b in self.bounds), "+Inf")
+                ],
+                direct_record(total, tags, "set"),
+                direct_record(count, tags, "set"),
+            )
+        bucket_setters, set_sum, set_count = self.setters
+        running = 0
+        for setter, n in zip(bucket_setters, self.counts, strict=True):
+            running += n
+            setter(running)
+        set_sum(self.sum)
+        set_count(self.count)
+
+
 class RayBackend:
     """``ray.serve.metrics`` instruments (``ray.util.metrics`` plus the replica's Serve tags).
 
@@ -96,13 +143,26 @@ class RayBackend:
     frequent (a histogram value per committed token at the ingress, a counter per step and
     handoff in a replica). So the cost per call is kept small, and off the threads that
     record: counters are summed here, histogram values are queued (a deque append, ~0.1 µs),
-    and a daemon thread hands both to Ray once per ``flush_s`` (and on `flush`). A Ray
-    histogram record with Serve's tags costs ~5 µs in that one pass and ~8 µs where a
-    replica's step thread made it, about ten times a step (measured, docs/benchmarks.md
-    Round 12). Gauges go to Ray directly (last value wins; they are set far less often).
-    Every series merges its tags once (`direct_record`)."""
+    and a daemon thread hands both to Ray once per ``flush_s`` (and on `flush`). Gauges go
+    to Ray directly (last value wins; they are set far less often). Every series merges its
+    tags once (`direct_record`).
+
+    **Histograms are aggregated here, not in Ray.** A Ray histogram takes one value a call
+    and converts its tags on each (~3 µs with Serve's five; no call takes a count), and at
+    the ingress there is a value per token: handing each value to Ray was ~11 % of the
+    app's CPU per token at N = 64 (docs/benchmarks.md, Round 14). So the flusher adds the
+    held values to a `HistogramSeries` (exact bucket counts, sum and count) and sets, per
+    series, the gauges a Prometheus histogram is read from: ``<name>_bucket`` with ``le``
+    (cumulative, ``le`` written as Ray's exporter writes it, ``+Inf`` last), ``<name>_sum``
+    and ``<name>_count``. The scrape shows the same series names and label sets as a Ray
+    histogram did (``ray_<name>_bucket`` ...), so ``histogram_quantile`` and ``rate`` read
+    them as before; the values are exact (Ray's own pre-aggregated path approximates the sum
+    by bucket midpoints). What differs is the ``# TYPE`` line (gauge) and the cadence: one
+    set per bucket per flush, whatever the rate of values. A restarted process starts its
+    series at zero, which ``rate`` takes as a counter reset, as before."""
 
     def __init__(self, flush_s: float = FLUSH_S) -> None:
+        # name -> a Ray instrument; a histogram's: its (_bucket, _sum, _count) gauges
         self.instruments: dict[str, Any] = {}
         for spec in ray_instrument_specs():
             name, desc, keys = spec["name"], spec["description"], spec["tag_keys"]
@@ -111,16 +171,20 @@ class RayBackend:
             elif spec["kind"] == "gauge":
                 inst = serve_metrics.Gauge(name, desc, tag_keys=keys)
             else:
-                inst = serve_metrics.Histogram(
-                    name, desc, boundaries=spec["boundaries"], tag_keys=keys
+                inst = (
+                    serve_metrics.Gauge(f"{name}_bucket", desc, tag_keys=(*keys, "le")),
+                    serve_metrics.Gauge(f"{name}_sum", desc, tag_keys=keys),
+                    serve_metrics.Gauge(f"{name}_count", desc, tag_keys=keys),
                 )
             self.instruments[name] = inst
         self.flush_s = flush_s
         self.counts = CounterSums()
-        # (series, value) of every histogram observation not yet handed to Ray; appended from
+        # (series, value) of every histogram observation not yet aggregated; appended from
         # any thread, drained by the flusher (deque's append and popleft are atomic)
-        self.held: deque[tuple[Callable[[float], None], float]] = deque()
+        self.held: deque[tuple[HistogramSeries, float]] = deque()
         self._series: dict[tuple[str, Labels], Callable[[float], None]] = {}
+        self._histograms: dict[tuple[str, Labels], HistogramSeries] = {}
+        self._fold = threading.Lock()  # the flusher's pass, or a writer past HELD_VALUES_MAX
         self._flusher: threading.Thread | None = None
 
     def _series_of(self, metric: MetricDef, labels: Labels, public: str) -> Callable[[float], None]:
@@ -129,7 +193,15 @@ class RayBackend:
         if series is None:
             tags = dict(zip(metric.labels, labels, strict=True))
             series = direct_record(self.instruments[metric.name], tags, public)
-            self._series[key] = series
+            series = self._series.setdefault(key, series)  # two threads: one series
+        return series
+
+    def histogram(self, metric: MetricDef, labels: Labels) -> HistogramSeries:
+        """The aggregate of one labelled histogram series (made on first use)."""
+        key = (metric.name, labels)
+        series = self._histograms.get(key)
+        if series is None:  # setdefault: two threads at once still share one aggregate
+            series = self._histograms.setdefault(key, HistogramSeries(metric, labels))
         return series
 
     def inc(self, metric: MetricDef, value: float, labels: Labels) -> None:
@@ -142,23 +214,28 @@ class RayBackend:
         self._series_of(metric, labels, "set")(value)
 
     def observe(self, metric: MetricDef, value: float, labels: Labels) -> None:
-        series = self._series_of(metric, labels, "observe")
+        series = self.histogram(metric, labels)
         if len(self.held) >= HELD_VALUES_MAX:  # the flusher is behind: no unbounded queue
-            series(value)
+            with self._fold:
+                series.add(value)
             return
         self.held.append((series, value))
         if self._flusher is None:
             self._start_flusher()
 
     def flush(self) -> None:
-        """Hand the summed counter increments and the held histogram values to Ray now."""
+        """Hand the summed counter increments to Ray, add the held histogram values to their
+        series and set every series' gauges, now."""
         by_name = {d.name: d for d in DEFINITIONS}
         for (name, labels), total in self.counts.drain().items():
             self._series_of(by_name[name], labels, "inc")(total)
         held = self.held
-        for _ in range(len(held)):  # what is there now; later values wait for the next flush
-            series, value = held.popleft()
-            series(value)
+        with self._fold:
+            for _ in range(len(held)):  # what is there now; later values wait for the next
+                series, value = held.popleft()
+                series.add(value)
+            for series in list(self._histograms.values()):
+                series.export(self.instruments[series.metric.name])
 
     def _start_flusher(self) -> None:
         with _FLUSHER_LOCK:

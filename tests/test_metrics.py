@@ -188,10 +188,16 @@ def test_ray_backend_defines_the_same_metrics() -> None:
     specs = ray_instrument_specs()
     assert [s["name"] for s in specs] == [d.name for d in DEFINITIONS]
     for spec, d in zip(specs, DEFINITIONS, strict=True):
-        info = backend.instruments[d.name].info
-        assert info["name"] == d.name and tuple(info["tag_keys"]) == d.labels
-        if d.kind == "histogram":
-            assert info["boundaries"] == list(d.buckets) == spec["boundaries"]
+        if d.kind == "histogram":  # the gauges Prometheus reads a histogram from
+            assert spec["boundaries"] == list(d.buckets)
+            buckets, total, count = (g.info for g in backend.instruments[d.name])
+            assert buckets["name"] == f"{d.name}_bucket"
+            assert tuple(buckets["tag_keys"]) == (*d.labels, "le")
+            assert (total["name"], count["name"]) == (f"{d.name}_sum", f"{d.name}_count")
+            assert tuple(total["tag_keys"]) == tuple(count["tag_keys"]) == d.labels
+        else:
+            info = backend.instruments[d.name].info
+            assert info["name"] == d.name and tuple(info["tag_keys"]) == d.labels
         # prometheus-client names a counter family without `_total`
         family = d.name.removesuffix("_total") if d.kind == "counter" else d.name
         assert prom_types[family] == d.kind
@@ -243,39 +249,80 @@ def test_ray_counters_reach_ray_once_per_flush_as_their_sum() -> None:
     assert handed == [6.0]
 
 
-def test_ray_histogram_values_reach_ray_at_the_flush_each_once(
+class FakeGauge:
+    """Ray's side of a gauge: every ``set`` kept in order as (tags, value)."""
+
+    def __init__(self) -> None:
+        self.sets: list[tuple[dict[str, str], float]] = []
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        self.sets.append((dict(tags), value))
+
+    def last(self) -> dict[tuple[tuple[str, str], ...], float]:
+        return {tuple(sorted(tags.items())): value for tags, value in self.sets}
+
+
+def fake_histogram_gauges(backend: RayBackend, metric: defs.MetricDef) -> tuple[FakeGauge, ...]:
+    gauges = (FakeGauge(), FakeGauge(), FakeGauge())
+    backend.instruments[metric.name] = gauges
+    return gauges
+
+
+def test_ray_histograms_export_what_prometheus_client_would(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Histogram values are held until the flush and then handed to Ray one by one, none
-    lost or repeated, from two threads at once; past ``HELD_VALUES_MAX`` held a value goes
-    to Ray at once (a stalled flusher cannot grow the queue without bound)."""
+    """Values observed from two threads at once reach the flush's aggregate each once, and
+    the flush sets ``_bucket`` (per ``le``), ``_sum`` and ``_count`` to what a
+    prometheus-client histogram with the same buckets shows for the same values (values on
+    a bucket bound included: ``le`` is inclusive). Past ``HELD_VALUES_MAX`` held, a value
+    goes into its series at once (a stalled flusher cannot grow the queue)."""
     import deployments.ray_metrics as ray_metrics_module
 
+    metric, labels = defs.TTFT_SECONDS, ("m",)
     backend = RayBackend(flush_s=3600.0)
     backend._flusher = threading.current_thread()  # no flusher thread: this test flushes
-    observed: list[float] = []
-    backend._series[(defs.TTFT_SECONDS.name, ("m",))] = observed.append
+    buckets, total, count = fake_histogram_gauges(backend, metric)
+    bounds = list(metric.buckets)
+    rng = random.Random(3)
+    values = [rng.choice(bounds) if i % 5 == 0 else rng.uniform(0, 80) for i in range(20_000)]
+    reg = CollectorRegistry()
+    reference = Metrics(PrometheusBackend(reg))
 
-    def observe(base: int) -> None:
-        for i in range(10_000):
-            backend.observe(defs.TTFT_SECONDS, base + i, ("m",))
+    def observe(part: list[float]) -> None:
+        for v in part:
+            backend.observe(metric, v, labels)
 
-    threads = [threading.Thread(target=observe, args=(k * 10_000,)) for k in range(2)]
+    threads = [threading.Thread(target=observe, args=(values[k::2],)) for k in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert observed == []
+    for v in values:
+        reference.first_token(v)
+    assert buckets.sets == total.sets == count.sets == []  # nothing before the flush
     backend.flush()
-    assert sorted(observed) == list(range(20_000))
+
+    def expect(suffix: str, **extra: str) -> float:
+        return reg.get_sample_value(f"{metric.name}{suffix}", {"model_name": "", **extra})
+
+    got = buckets.last()
+    assert len(got) == len(bounds) + 1
+    for le in [*(str(b) for b in bounds), "+Inf"]:
+        key = tuple(sorted({"model_name": "m", "le": le}.items()))
+        want = expect("_bucket", le="+Inf" if le == "+Inf" else str(float(le)))
+        assert got[key] == want, le
+    assert count.sets == [({"model_name": "m"}, 20_000)] and expect("_count") == 20_000
+    assert total.sets[-1][1] == pytest.approx(expect("_sum"), rel=1e-12)
+    # a second flush sets the same values again (Ray's agent drops a gauge not set again)
     backend.flush()
-    assert len(observed) == 20_000
+    assert count.sets[-1][1] == 20_000 and buckets.last() == got
     monkeypatch.setattr(ray_metrics_module, "HELD_VALUES_MAX", 2)
-    for value in (1.0, 2.0, 3.0):
-        backend.observe(defs.TTFT_SECONDS, value, ("m",))
-    assert observed[20_000:] == [3.0]  # the third, at once
+    for v in (1.0, 2.0, 3.0):
+        backend.observe(metric, v, labels)
+    series = backend.histogram(metric, labels)
+    assert series.count == 20_001  # the third, at once
     backend.flush()
-    assert observed[20_000:] == [3.0, 1.0, 2.0]
+    assert series.count == 20_003 and count.sets[-1][1] == 20_003
 
 
 def test_a_series_merges_its_tags_once_and_refuses_a_missing_one() -> None:

@@ -32,6 +32,7 @@ import yaml
 from tokenrouter_ray.config import compose_config
 from tokenrouter_ray.dashboards import render
 from tokenrouter_ray.engine.memory_plan import footprint_from_checkpoint
+from tokenrouter_ray.metrics.definitions import E2E_SECONDS
 
 REPO = Path(__file__).resolve().parents[2]
 APP = "metrics_live"
@@ -268,6 +269,22 @@ def test_every_dashboard_query_returns_data(
         assert prometheus.eventually(rejected, lambda v: v == 1) == 1
         preempted = f'sum(ray_tokenrouter_num_preemptions_total{{{app}, model="small"}})'
         assert prometheus.eventually(preempted, lambda v: v > 0) > 0
+        # histograms (aggregated in the process, set as gauges): one observation per request,
+        # the `le` buckets cumulative and written as Ray's histograms wrote them
+        e2e = "ray_tokenrouter_e2e_request_latency_seconds"
+        n = len(TOPICS)
+        assert prometheus.eventually(f"sum({e2e}_count{{{app}}})", lambda v: v == n) == n
+        assert (
+            prometheus.eventually(f'sum({e2e}_bucket{{{app}, le="+Inf"}})', lambda v: v == n) == n
+        )
+        les = {
+            s["metric"]["le"]: float(s["value"][1])
+            for s in prometheus.query(f"sum by (le) ({e2e}_bucket{{{app}}})")
+        }
+        assert set(les) == {*(str(b) for b in E2E_SECONDS.buckets), "+Inf"}
+        ordered = [les[str(b)] for b in E2E_SECONDS.buckets] + [les["+Inf"]]
+        assert ordered == sorted(ordered)
+        assert prometheus.eventually(f"sum({e2e}_sum{{{app}}})", lambda v: v > 0) > 0
         # Serve's tags come with ray.serve.metrics; model_name with every metric
         (sample,) = prometheus.query(
             f'ray_tokenrouter_batch_size_count{{model_name="{SERVED}", model="small"}}'
