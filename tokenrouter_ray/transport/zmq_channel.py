@@ -6,9 +6,12 @@ OS pick a free one). The bound address is registered in the directory. Data leav
 one PUSH socket per destination, connected on first use and cached: each `send` is one
 single-part message holding `encode_batch(msgs)`. ZeroMQ keeps per-connection FIFO order.
 
-Sockets are `zmq.asyncio` sockets owned by the event loop that called `start()`: use the
-channel from that loop only. Every socket has linger 0, so `close()` never blocks on
-undelivered frames (they are dropped; the protocol tolerates loss at shutdown).
+The PUSH sockets are `zmq.asyncio` sockets owned by the event loop that called `start()`:
+use the channel from that loop only. The PULL socket is a plain one, read with non-blocking
+receives by one reader: `recv` on that loop (which watches its descriptor), a receiver
+thread (`start_receiver`), or a replica's step thread (`receive_inline`). Every socket has
+linger 0, so `close()` never blocks on undelivered frames (they are dropped; the protocol
+tolerates loss at shutdown).
 
 With `ZmqConfig.key` set (the deployments always set it), every frame is signed and checked
 (`transport.auth`: keyed BLAKE2b over sender, counter, receiver and payload); forged,
@@ -152,7 +155,10 @@ class ZmqChannel(PeerChannel):
         self.rejected: collections.Counter[str] = collections.Counter()
         self._pacer = RejectPacer(self.config.reject_rate)
         self.on_reject = on_reject
-        self._pull: zmq.asyncio.Socket | None = None  # made at the first ``recv``
+        # ``recv``: the event loop that watches the PULL socket's descriptor, and the one
+        # ``recv`` waiting for it to signal (set at the first ``recv``)
+        self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None
+        self._waiter: asyncio.Future[None] | None = None
         # Plain (not asyncio) views of the same sockets: a receive of a queued frame and a
         # non-blocking send need no Future and no event-loop callback (a sixth of the
         # ingress's CPU per token went to pyzmq's asyncio layer; docs/benchmarks.md Round 7).
@@ -164,7 +170,6 @@ class ZmqChannel(PeerChannel):
         self._push_lock = threading.Lock()
         self._push_now: dict[str, zmq.Socket] = {}
         self._connecting: dict[str, asyncio.Future[zmq.asyncio.Socket]] = {}
-        self._pending_recv: asyncio.Future[bytes] | None = None
         # ``start_receiver``: a thread that owns the PULL socket instead of ``recv``
         self._receiver: threading.Thread | None = None
         self._receiver_stop = False
@@ -308,26 +313,62 @@ class ZmqChannel(PeerChannel):
                 push.close(linger=0)
 
     async def recv(self) -> list[PeerReq]:
+        """The next accepted frame's messages, read on the event loop. A queued frame is
+        read without waiting; with none, one Future waits for the socket's descriptor to
+        signal (``_on_signal``), not pyzmq's asyncio socket, which made a Future, a poll
+        registration and callbacks per frame: about a fifth of the ingress's CPU
+        (docs/benchmarks.md, Round 14). One ``recv`` at a time."""
         if self._pull_now is None or self._closed:
             raise ChannelClosed(f"channel {self.name!r} is closed")
         if self._receiver is not None or self._inline:
             raise RuntimeError(f"channel {self.name!r} receives on its receiver thread")
-        if self._pull is None:
-            self._pull = zmq.asyncio.Socket.from_socket(self._pull_now)
+        if self._waiter is not None:
+            raise RuntimeError(f"channel {self.name!r}: one recv at a time")
+        if self._watch is None:
+            loop, fd = asyncio.get_running_loop(), self.fileno()
+            loop.add_reader(fd, self._on_signal)
+            self._watch = (loop, fd)
         while True:
             await self._maybe_yield()
             frame = self._queued_frame()
-            if frame is None:  # nothing queued: wait on the event loop
-                self._pending_recv = self._pull.recv(copy=True)
-                try:
-                    frame = await self._pending_recv
-                finally:
-                    self._pending_recv = None
+            if frame is None:  # nothing queued: wait for the descriptor's signal
+                await self._signalled()
+                continue
             batch, wait_s = self._accept(frame)
             if batch is not None:
                 return batch
             if wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
                 await asyncio.sleep(wait_s)
+
+    async def _signalled(self) -> None:
+        """Until the PULL socket's descriptor signals (at once if a frame is queued: ZeroMQ
+        signals a change, not a level, and a frame that came while the loop looked
+        elsewhere left no signal for this wait)."""
+        pull = self._pull_now
+        if pull is None or self._closed:
+            raise ChannelClosed(f"channel {self.name!r} is closed")
+        if _GET(pull, _EVENTS) & _POLLIN:
+            return
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _on_signal(self) -> None:
+        """The event loop's reader callback: the descriptor turned readable. Reading the
+        socket's events takes the signal (the descriptor stays readable until then, and the
+        loop would call again at once); the waiting ``recv``, if any, then reads."""
+        pull = self._pull_now
+        if pull is None or self._closed:
+            return
+        try:
+            _GET(pull, _EVENTS)
+        except zmq.ZMQError:
+            logger.exception("%s: reading the socket's events failed", self.name)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _accept(self, frame: bytes) -> tuple[list[PeerReq] | None, float]:
         """A received frame's messages once its MAC and encoding check out; else None and
@@ -351,7 +392,7 @@ class ZmqChannel(PeerChannel):
         interpreter lock, and a frame costs no event-loop wake, Future or callback (a
         replica's step thread takes what it delivers). False: ``recv`` is in use already,
         or the channel is not open."""
-        if self._pull_now is None or self._closed or self._pull is not None or self._inline:
+        if self._pull_now is None or self._closed or self._watch is not None or self._inline:
             return False
         if self._receiver is None:
             self._receiver = threading.Thread(
@@ -393,7 +434,7 @@ class ZmqChannel(PeerChannel):
         open, or ``recv`` or a receiver thread is in use); use ``start_receiver`` then."""
         if not self.config.receive_on_step_thread or self._pull_now is None or self._closed:
             return None
-        if self._pull is not None or self._receiver is not None:
+        if self._watch is not None or self._receiver is not None:
             return None
         self._inline = True
         return self
@@ -496,19 +537,21 @@ class ZmqChannel(PeerChannel):
         if receiver is not None:  # it owns the PULL socket until it has stopped
             self._receiver_stop = True
             await asyncio.to_thread(receiver.join, 2.0)
-        pending = self._pending_recv
-        if pending is not None and not pending.done():
-            # Resolve the waiting recv ourselves: the socket would only cancel it.
-            pending.set_exception(ChannelClosed(f"channel {self.name!r} is closed"))
+        watch, self._watch = self._watch, None
+        if watch is not None:  # before the socket closes: its descriptor goes with it
+            loop, fd = watch
+            if not loop.is_closed():
+                loop.remove_reader(fd)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():  # the waiting recv raises ChannelClosed
+            waiter.set_exception(ChannelClosed(f"channel {self.name!r} is closed"))
         with self._push_lock:
             for push in self._pushes.values():
                 push.close(linger=0)
             self._pushes.clear()
             self._push_now.clear()
         pull_now, self._pull_now = self._pull_now, None
-        if self._pull is not None:  # the asyncio view closes the socket and its watch
-            self._pull.close(linger=0)
-        elif pull_now is not None and not _alive(receiver) and not _alive(self.inline_thread):
+        if pull_now is not None and not _alive(receiver) and not _alive(self.inline_thread):
             pull_now.close(linger=0)  # (a thread still reading it keeps it: never two)
         if self._ipc_dir_owned is not None:
             shutil.rmtree(self._ipc_dir_owned, ignore_errors=True)
