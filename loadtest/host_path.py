@@ -63,7 +63,9 @@ from loadtest.proc_cpu import (
     HAPROXY_MANAGER_TITLE,
     HAPROXY_PROGRAM,
     PROXY_TITLE,
+    SUPPORT,
     CpuWindow,
+    find_deployment_pids,
     find_pids,
     find_program,
     format_cpu,
@@ -611,16 +613,23 @@ async def _served_level(
     }
 
 
-def app_pids(stats: dict[str, Any]) -> dict[str, int]:
+def app_pids(stats: dict[str, Any], proc: str = "/proc") -> dict[str, int]:
     """The served app's processes by name: the ingress and each model replica (their own
-    pids, from the stats route) and Serve's front (``proc_cpu.FRONT``: its proxy by its
-    process title; under its HAProxy ingress also HAProxy and the actor managing it)."""
+    pids, from the stats route), the app's other deployments (the endpoint directory and
+    a live tuner, by their replicas' process titles: ``proc_cpu.SUPPORT``) and Serve's
+    front (``proc_cpu.FRONT``: its proxy by its process title; under its HAProxy ingress
+    also HAProxy and the actor managing it). The benchmark serves one app at a time: where
+    a title matches several processes, the newest is taken."""
     pids = {"ingress": stats["pid"]} if "pid" in stats else {}
     pids |= {m: st["pid"] for m, st in stats.get("models", {}).items() if "pid" in st}
+    for name, deployment in SUPPORT.items():
+        found = find_deployment_pids(deployment, proc)
+        if found:
+            pids[name] = found[-1]
     front = {
-        "proxy": find_pids(PROXY_TITLE),
-        "haproxy manager": find_pids(HAPROXY_MANAGER_TITLE),  # Serve's HAProxy ingress
-        "haproxy": find_program(HAPROXY_PROGRAM),
+        "proxy": find_pids(PROXY_TITLE, proc),
+        "haproxy manager": find_pids(HAPROXY_MANAGER_TITLE, proc),  # Serve's HAProxy ingress
+        "haproxy": find_program(HAPROXY_PROGRAM, proc),
     }
     pids |= {name: found[-1] for name, found in front.items() if found}  # the newest
     return pids

@@ -196,3 +196,18 @@ def test_the_served_targets_read_each_figure_against_its_bound() -> None:
     assert [k.startswith(via) for k in ttft] == [False] * 4 + [True] * 2
     assert verdicts[f"{via} N=64: app CPU per token <= 150 µs"] is True  # 133: HAProxy is not
     assert f"{via} N=64: haproxy CPU per token <= 50 µs" not in verdicts
+
+
+def test_the_apps_other_deployments_count_in_its_total(tmp_path: Path) -> None:
+    """The endpoint directory (and a live tuner) are the app's processes: found by their
+    replicas' titles (padded as Ray pads them), in the app's total, beside the ingress and
+    the models; another deployment's title does not match."""
+    fake_process(tmp_path, 30, 0, 0, title="ray::ServeReplica:app:EndpointDirectory   ")
+    fake_process(tmp_path, 31, 0, 0, title="ray::ServeReplica:app:Tuner")
+    fake_process(tmp_path, 32, 0, 0, title="ray::ServeReplica:app:Ingress")
+    fake_process(tmp_path, 33, 0, 0, title="ray::ServeReplica:other:EndpointDirectoryX")
+    pids = app_pids({"pid": 32, "models": {"small": {"pid": 2}}}, str(tmp_path))
+    assert pids == {"ingress": 32, "small": 2, "directory": 30, "tuner": 31}
+    per_token = {"ingress": 40.0, "small": 50.0, "directory": 6.0, "proxy": 30.0}
+    assert app_total_us(per_token) == 96.0
+    assert format_cpu(per_token).endswith("app 96")
