@@ -11,7 +11,7 @@ The processes: the ingress and each model replica say their own pid on the app's
 (``GET /v1/tokenrouter/stats``: ``pid``, ``models.<m>.pid``); the app's other deployments
 (the endpoint directory, a live tuner: ``SUPPORT``) are found by their replicas' process
 titles and count in the app's total (the directory's leases cost ~25 ms of CPU a second
-whatever the load: ~6 µs per token at h200 N = 64, ~190 at N = 1); Serve's HTTP proxy is found
+whatever the load: ~6 µs per token at h200 N = 64, 190-260 at N = 1); Serve's HTTP proxy is found
 by its process title (``ray::ProxyActor``, which Ray sets; ``find_pids``); under Serve's
 HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``) also the actor that configures HAProxy
 (``ray::HAProxyManager``) and HAProxy itself (``find_program``). These are Serve's front
