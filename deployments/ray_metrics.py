@@ -93,9 +93,10 @@ def direct_record(instrument: Any, tags: dict[str, str], public: str) -> Callabl
 class HistogramSeries:
     """One labelled histogram series, aggregated in this process: exact bucket counts
     (Prometheus's ``le``: a value goes into the first bucket whose bound is >= it), sum and
-    count. Only the flusher adds to it (`add`) and exports it (`export`), so it needs no
-    lock. ``export`` sets the three gauges Prometheus reads a histogram from, cumulative
-    as a Prometheus histogram's series are."""
+    count. It is added to (`add`) and exported (`export`) under the backend's fold lock:
+    by the flusher, and by a recording thread only past ``HELD_VALUES_MAX`` held values.
+    ``export`` sets the three gauges Prometheus reads a histogram from, cumulative as a
+    Prometheus histogram's series are."""
 
     __slots__ = ("bounds", "count", "counts", "labels", "metric", "setters", "sum")
 
