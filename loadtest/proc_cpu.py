@@ -69,19 +69,24 @@ def _command_lines(proc: str) -> Iterator[tuple[int, list[str]]]:
         yield int(entry), argv
 
 
+def _titles(proc: str) -> Iterator[tuple[int, str]]:
+    """``(pid, title)``: a process's command line as one string, without the padding a
+    process title set by Ray ends in."""
+    for pid, argv in _command_lines(proc):
+        yield pid, " ".join(argv).rstrip()
+
+
 def find_pids(title: str, proc: str = "/proc") -> list[int]:
     """Processes whose command line starts with ``title`` (a Ray worker's title)."""
-    return sorted(pid for pid, argv in _command_lines(proc) if " ".join(argv).startswith(title))
+    return sorted(pid for pid, text in _titles(proc) if text.startswith(title))
 
 
 def find_deployment_pids(deployment: str, proc: str = "/proc") -> list[int]:
     """Serve replicas of ``deployment`` (any app): Ray titles a replica's process
     ``ray::ServeReplica:<app>:<deployment>``."""
-    titles = ((pid, " ".join(argv).strip()) for pid, argv in _command_lines(proc))
+    prefix, suffix = "ray::ServeReplica:", f":{deployment}"
     return sorted(
-        pid
-        for pid, title in titles
-        if title.startswith("ray::ServeReplica:") and title.endswith(f":{deployment}")
+        pid for pid, text in _titles(proc) if text.startswith(prefix) and text.endswith(suffix)
     )
 
 
