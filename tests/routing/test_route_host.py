@@ -90,3 +90,28 @@ def test_of_step_moves_a_field_to_the_device_only_when_read() -> None:
     assert batch.positions.tolist() == batch.step.positions
     with pytest.raises(TypeError):
         RouteBatch(model=0, step=batch.step)  # the per-row fields have no default
+
+
+def test_a_host_only_step_builds_its_sampled_tensor_only_when_read() -> None:
+    """A runner with its tokens on the host (the simulated device) passes ``sampled=None``:
+    a policy that routes on the host never builds the tensor; one that reads it (the device
+    path, here the same draws) gets the step's tokens, built once."""
+    rng = random.Random(9)
+    policy = build_policy("bernoulli", {"p": 0.5}, ["small", "large"])
+    for size in (3, SCALAR_ROWS + 5):
+        tokens = [rng.randrange(VOCAB) for _ in range(size)]
+        step = StepResult([f"r{i}" for i in range(size)], None, tokens, list(range(size)))
+        batch = RouteBatch.of_step(
+            0, step, prev_tokens=[0] * size, is_first=[False] * size, seeds=list(range(size))
+        )
+        host = policy.route_step(batch)
+        assert step.__dict__["_sampled"] is None  # routed without it
+        with torch.inference_mode():
+            assert policy.route(batch).tolist() == host  # reads the device: built now
+        sampled = step.sampled
+        assert sampled.dtype == torch.long and sampled.tolist() == tokens
+        assert step.sampled is sampled
+    given = torch.tensor([4, 2])
+    assert StepResult(["a", "b"], given, [4, 2], [0, 0]).sampled is given
+    with pytest.raises(TypeError):
+        StepResult(["a"])  # sampled, token_ids and positions stay required

@@ -7,6 +7,7 @@ and the routing interface import these types without loading torch.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -51,6 +52,37 @@ class StepTimings:
         return self.overhead + self.forward
 
 
+class _SampledTensor:
+    """``StepResult.sampled``: the runner's tensor of sampled tokens, or, from a runner that
+    has its tokens on the host only (``None``: the simulated device), a CPU tensor built from
+    ``token_ids`` the first time it is read. A policy that routes on the host never reads
+    it, and a tensor built on the step thread cost ~30 µs with the caches cold, where 1.2
+    in a warm loop: 3.5 % of the small replica's interpreter time at h200 N = 64 (py-spy),
+    for a tensor nobody read. (A descriptor of a dataclass field: ``__init__`` goes through
+    ``__set__``; no default, so the field stays positional and required.)"""
+
+    def __get__(self, obj: StepResult | None, owner: type | None = None) -> torch.Tensor:
+        if obj is None:
+            raise AttributeError("sampled")  # no default: the field is required
+        value = obj.__dict__["_sampled"]
+        if value is None:
+            value = obj.__dict__["_sampled"] = long_tensor(obj.token_ids)
+        return value
+
+    def __set__(self, obj: StepResult, value: torch.Tensor | None) -> None:
+        obj.__dict__["_sampled"] = value
+
+
+def long_tensor(values: list[int]) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.long)`` through a packed buffer: ~1.3 µs for 40
+    values where ``torch.tensor`` walks the list in ~4.6."""
+    import torch
+
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array("q", values), dtype=torch.long)
+
+
 @dataclass
 class StepResult:
     """One forward's output, one row per request that sampled a token this step.
@@ -60,7 +92,8 @@ class StepResult:
     """
 
     request_ids: list[str]
-    sampled: torch.Tensor  # (num_rows,) long, on device
+    # (num_rows,) long, on device; a runner without one passes None (built on first read)
+    sampled: torch.Tensor = _SampledTensor()  # type: ignore[assignment]
     token_ids: list[int]  # the same tokens on the host
     positions: list[int]  # logical position of each sampled token
     logits: torch.Tensor | None = None  # (num_rows, vocab) raw next-token logits
