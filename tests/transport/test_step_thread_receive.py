@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -162,6 +163,19 @@ async def test_the_wait_keeps_the_event_contract(sleeps_in: str) -> None:
             assert waker.is_set() and waker.wait(5.0) is True  # stays set until cleared
             waker.clear()
             assert not waker.is_set() and waker.wait(0.001) is False
+            # another thread's set while nobody waits: the clear drains it (no spurious wake)
+            setter = threading.Thread(target=waker.set)
+            setter.start()
+            setter.join()
+            assert waker.is_set() and select.select([waker._fd], [], [], 0)[0] == [waker._fd]
+            waker.clear()
+            assert select.select([waker._fd], [], [], 0)[0] == []
+            # a count written after a drain (a set racing a clear) does not end a wait
+            os.eventfd_write(waker._fd, 1)
+            t0 = time.monotonic()
+            assert waker.wait(0.05) is False
+            assert time.monotonic() - t0 >= 0.05
+            assert select.select([waker._fd], [], [], 0)[0] == []  # drained by the wait
         finally:
             waker.close()
 
