@@ -200,10 +200,11 @@ def test_the_served_targets_read_each_figure_against_its_bound() -> None:
 
 def test_the_apps_other_deployments_count_in_its_total(tmp_path: Path) -> None:
     """The endpoint directory (and a live tuner) are the app's processes: found by their
-    replicas' titles (padded as Ray pads them), in the app's total, beside the ingress and
-    the models; another deployment's title does not match."""
+    replicas' titles (padded as Ray pads them; during a call Ray adds the method), in the
+    app's total, beside the ingress and the models; another deployment's title does not
+    match."""
     fake_process(tmp_path, 30, 0, 0, title="ray::ServeReplica:app:EndpointDirectory   ")
-    fake_process(tmp_path, 31, 0, 0, title="ray::ServeReplica:app:Tuner")
+    fake_process(tmp_path, 31, 0, 0, title="ray::ServeReplica:app:Tuner.handle_request()")
     fake_process(tmp_path, 32, 0, 0, title="ray::ServeReplica:app:Ingress")
     fake_process(tmp_path, 33, 0, 0, title="ray::ServeReplica:other:EndpointDirectoryX")
     pids = app_pids({"pid": 32, "models": {"small": {"pid": 2}}}, str(tmp_path))
