@@ -46,6 +46,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sampler": ("loadtest.sampler_bench", "the sampler's step time at batch 64"),
     "tp": ("loadtest.tp_bench", "tensor parallel: rank 0's driving cost (and a GPU check)"),
     "handoff": ("loadtest.handoff_bench", "one-way PeerReq handoff latency per transport"),
+    "hop-floor": (
+        "loadtest.hop_floor",
+        "a frame's hop at idle: ZeroMQ ipc vs a bare AF_UNIX datagram socket (the floor)",
+    ),
     "local": ("loadtest.local_bench", "LocalRuntime vs a glue dispatcher, demo pair"),
     "trace-overhead": ("loadtest.trace_overhead", "what routing traces and metrics cost"),
     "demo-pair": ("loadtest.demo_pair_bench", "the demo pair's agreement and step times"),
