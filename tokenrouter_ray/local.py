@@ -176,9 +176,11 @@ class LocalRuntime:
         return list(await asyncio.gather(*(self.complete(p, sampling) for p in prompts)))
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
-        """Until no model holds any request (after aborts, finishes and late messages)."""
+        """Until no model holds any request (after aborts, finishes and late messages) and
+        every model's gauges say so (an idle step thread sets them within ``STATE_PERIOD_S``
+        of its last step)."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while any(s.holds_anything for s in self.subservers):
+        while any(s.holds_anything or s.gauges_stale for s in self.subservers):
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError("models still hold requests")
             await asyncio.sleep(0.01)

@@ -8,7 +8,9 @@ import asyncio
 import itertools
 import math
 import threading
+import time
 
+from tokenrouter_ray.replica.step import STATE_PERIOD_S
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
@@ -89,6 +91,42 @@ def test_an_unbounded_deferral_waits_without_failing_the_loop() -> None:
         assert m.tokens > 0 and m.finished_requests > 0
 
     asyncio.run(go())
+
+
+def test_the_engine_gauges_are_set_at_most_every_period_and_once_idle() -> None:
+    """Short requests that leave each model idle or deferred between steps (the large one
+    holds launches for B = 2): the gauges are set at most every ``STATE_PERIOD_S`` per model
+    (setting them on every idle launch put ~10 gauge calls before the step's HANDOFF or
+    FINISHED), and once the load stops each model's last setting shows it empty."""
+
+    async def go() -> tuple[dict[str, list[float]], dict[str, int]]:
+        loop = ClosedLoop(slow_profile(1.0), 3, (1, 2), max_defer_s=0.004, max_tokens=3)
+        calls: dict[str, list[float]] = {"small": [], "large": []}
+        running: dict[str, int] = {}
+        async with loop:
+            metrics = loop.servers[0].metrics
+            real = metrics.engine_state
+
+            def engine_state(model, engine):  # type: ignore[no-untyped-def]
+                calls[model].append(time.monotonic())
+                running[model] = engine.status().running + engine.status().waiting
+                return real(model, engine)
+
+            for server in loop.servers:
+                server.metrics.engine_state = engine_state  # type: ignore[method-assign]
+            m = await loop.measure(1.0, (1, 2))
+            assert m.finished_requests > 50  # many idle spells on both models
+            await loop.set_clients(0)
+            await loop.runtime.wait_idle()
+        return calls, running
+
+    calls, running = asyncio.run(go())
+    for model, times in calls.items():
+        assert len(times) >= 10, model
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        # (half: a thread preempted between its clock read and the call must not fail it)
+        assert min(gaps) >= STATE_PERIOD_S / 2, (model, min(gaps))
+    assert running == {"small": 0, "large": 0}
 
 
 def test_the_watchdog_sees_a_wedged_step_and_a_run_of_failed_steps() -> None:
