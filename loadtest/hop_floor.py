@@ -97,16 +97,19 @@ def measure(kind: str, gap_s: float, frames: int) -> Hop:
     out, ready = ctx.Queue(), ctx.Event()
     receiver = ctx.Process(target=_receive, args=(kind, address, frames, out, ready))
     receiver.start()
+    close = None  # the sending socket's, once it exists
     try:
         if not ready.wait(60):
             raise RuntimeError("the receiving process did not start")
         if kind == "zeromq-ipc":
             push = zmq.Context.instance().socket(zmq.PUSH)
+            close = lambda: push.close(linger=0)  # noqa: E731
             push.connect(address)
             send = push.send
             time.sleep(0.2)  # connected before the first frame
         else:
             sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            close = sender.close
             sender.connect(address)
             send = sender.send
         cpu_ns = 0
@@ -120,10 +123,8 @@ def measure(kind: str, gap_s: float, frames: int) -> Hop:
         receiver.join(10)
         if receiver.is_alive():
             receiver.kill()
-        if kind == "zeromq-ipc":
-            push.close(linger=0)
-        else:
-            sender.close()
+        if close is not None:
+            close()
         shutil.rmtree(folder, ignore_errors=True)
     return Hop(kind, gap_s, one_way, cpu_ns / frames / 1e3)
 
