@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -304,13 +305,19 @@ def _print_level(level: Level) -> None:
 SimDeploy = Callable[[list[str], str], AbstractContextManager[str]]
 
 
-def sim_overrides(profile: str, large_thresholds: list[int] | None = None) -> list[str]:
+PEER_TRANSPORTS = {"ipc": "transport=zmq_ipc", "unix": "transport=unix"}
+
+
+def sim_overrides(
+    profile: str, large_thresholds: list[int] | None = None, peer_transport: str = "ipc"
+) -> list[str]:
     """``conf/sim_paper.yaml``'s app with both models on ``profile`` (and, if given, the large
-    model's deferred-launch table, index = N, with no max wait)."""
+    model's deferred-launch table, index = N, with no max wait), its peers on
+    ``peer_transport`` (``PEER_TRANSPORTS``: ZeroMQ ipc, or the bare unix sockets)."""
     out = [
         "models=sim_paper",
         "policy=bernoulli",
-        "transport=zmq_ipc",
+        PEER_TRANSPORTS[peer_transport],
         "placement=local",
         f"models.small.sim.profile={profile}",
         f"models.large.sim.profile={profile}",
@@ -372,13 +379,14 @@ DIRECT_PORT = 18190  # "... direct": the clients talk to the ingress's own port 
 def run_served(
     levels: list[int], window_s: float, max_tokens: int, deploy: SimDeploy,
     systems: tuple[str, ...] = SERVED_SYSTEMS, direct_port: int = DIRECT_PORT,
-    client: str = "stream", front: str = "proxy",
+    client: str = "stream", front: str = "proxy", peer_transport: str = "ipc",
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Each system's app deployed with ``deploy(overrides, name)`` (a context manager
     yielding the app's OpenAI base URL), driven at each level. A system named ``... direct``
     also serves on the ingress's direct port (``ingress.direct_port``), and its clients
     use that port instead of Serve's front. ``client``: see ``CLIENTS``. ``front``: what
-    the cluster runs in front of Serve's apps (``FRONTS``; rows carry it)."""
+    the cluster runs in front of Serve's apps (``FRONTS``; rows carry it). ``peer_transport``:
+    how the app's processes reach each other (``PEER_TRANSPORTS``; rows carry it)."""
     rows: list[dict[str, Any]] = []
     for system in systems:
         profile, direct = system.split()[0], system.endswith(" direct")
@@ -388,7 +396,7 @@ def run_served(
             seen = {r["n"]: r["handoff_ms"] for r in rows if r["system"] == eager}
             table = tuned_table(levels, profile, seen)
         name = "host-" + system.replace(" ", "-")
-        overrides = sim_overrides(profile, table)
+        overrides = sim_overrides(profile, table, peer_transport)
         if direct:
             overrides.append(f"ingress.direct_port={direct_port}")
         with deploy(overrides, name) as base:
@@ -406,7 +414,8 @@ def run_served(
                         print(f"served {system} N={n}: all-1 is the tuned table ({eager}'s run)")
                     continue
                 row = asyncio.run(_served_level(url, n, window_s, max_tokens, client_url, client))
-                row.update(profile=profile, system=system, n=n, client=client, front=front)
+                row.update(profile=profile, system=system, n=n, client=client, front=front,
+                           transport=peer_transport)  # fmt: skip
                 if profile != "zero":
                     b = (1, table[n] if table else 1)
                     row["thresholds"] = b
@@ -442,13 +451,19 @@ def _window_host(h0: dict[str, Any], h1: dict[str, Any]) -> dict[str, float]:
 PROBE_ROUTING: dict[str, float | None] = {"mixed": None, "kept": 0.0, "escalated": 1.0}
 
 
-async def _ttft_probe(url: str, requests: int = 40, p: float | None = None) -> float:
-    """Median time from sending a streaming chat request to reading its first content
-    token off the socket, one request at a time on an otherwise idle app (raw HTTP: no
-    client-side parsing in the figure; the closed loop's TTFT includes the ``openai``
-    client's own). ``p``: the request's own routing threshold (None: the policy's)."""
-    import httpx
+# The probe's clients: "raw", a bare HTTP/1.1 client (``loadtest/raw_http.py``: the figure
+# the targets read), and "httpx", printed beside it (its own ~2 ms per request at idle on
+# the 2-core machine is the client's, not the server's: docs/benchmarks.md, Round 16).
+PROBE_CLIENTS = ("raw", "httpx")
 
+
+async def _ttft_probe(
+    url: str, requests: int = 40, p: float | None = None, client: str = "raw"
+) -> float:
+    """Median time from sending a streaming chat request to reading its first content
+    token off the socket, one request at a time on an otherwise idle app, by ``client``
+    (``PROBE_CLIENTS``; the closed loop's TTFT includes the ``openai`` client's own).
+    ``p``: the request's own routing threshold (None: the policy's)."""
     body: dict[str, Any] = {
         "model": "tokenrouter",
         "messages": [{"role": "user", "content": "hello"}],
@@ -459,17 +474,51 @@ async def _ttft_probe(url: str, requests: int = 40, p: float | None = None) -> f
     if p is not None:
         body["routing"] = {"threshold": p}
     times = []
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with _first_token_client(url, client) as first_of:
         for i in range(requests + 5):  # the first five warm the connection
-            t0 = time.perf_counter()
-            first = None
-            async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if first is None and line.startswith("data: {") and _has_content(line):
-                        first = time.perf_counter() - t0
+            first = await first_of(body)
             if i >= 5 and first is not None:
                 times.append(first)
     return 1e3 * statistics.median(times)
+
+
+@contextlib.asynccontextmanager
+async def _first_token_client(
+    url: str, client: str
+) -> AsyncIterator[Callable[[dict[str, Any]], Awaitable[float | None]]]:
+    """``first(body)``: the seconds from sending a streamed chat request to reading its
+    first content line (None: none came), on one keep-alive connection of ``client``."""
+    path = "/v1/chat/completions"
+    if client == "raw":
+        from loadtest.raw_http import RawHttp
+
+        async with RawHttp(url) as raw:
+
+            async def first_raw(body: dict[str, Any]) -> float | None:
+                payload = json.dumps(body).encode()
+                return (await raw.post_until(path, payload, _is_content_line))[0]
+
+            yield first_raw
+        return
+    if client != "httpx":
+        raise ValueError(f"probe client {client!r}: not one of {PROBE_CLIENTS}")
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as http:
+
+        async def first_httpx(body: dict[str, Any]) -> float | None:
+            t0, first = time.perf_counter(), None
+            async with http.stream("POST", f"{url}{path}", json=body) as r:
+                async for line in r.aiter_lines():
+                    if first is None and _is_content_line(line):
+                        first = time.perf_counter() - t0
+            return first
+
+        yield first_httpx
+
+
+def _is_content_line(line: str) -> bool:
+    return line.startswith("data: {") and _has_content(line)
 
 
 def _has_content(line: str) -> bool:
@@ -586,9 +635,13 @@ async def _served_level(
             "applied_mean_us": _applied_mean(before.get("host") or {}, st.get("host") or {}),
         }
     window_ttfts = ttfts[ttft0:] or ttfts
-    probe = None
+    probe = probe_httpx = None
     if n == 1:  # one request at a time: each first-token path, and the policy's mix
         probe = {path: await _ttft_probe(client_url, p=p) for path, p in PROBE_ROUTING.items()}
+        probe_httpx = {
+            path: await _ttft_probe(client_url, p=p, client="httpx")
+            for path, p in PROBE_ROUTING.items()
+        }
     return {
         "tok_s": tokens / elapsed,
         "sse_chunks_per_token": (c1 - c0) / max(1, tokens),
@@ -607,7 +660,8 @@ async def _served_level(
         "handoff_ms": statistics.mean(m["applied_mean_us"] or 0.0 for m in models.values()) / 1e3,
         "ttft_ms_p50": 1e3 * statistics.median(window_ttfts) if window_ttfts else None,
         "ttft_probe_ms_p50": probe and probe["mixed"],
-        "ttft_probe_paths_ms_p50": probe,  # mixed / kept / escalated (PROBE_ROUTING)
+        "ttft_probe_paths_ms_p50": probe,  # mixed / kept / escalated (PROBE_ROUTING), raw
+        "ttft_probe_httpx_paths_ms_p50": probe_httpx,  # the same through httpx
         "health_rtt_ms_p50": 1e3 * statistics.median(rtts),  # GET /health, same path
         "models": models,
     }
@@ -665,7 +719,11 @@ def _print_served(row: dict[str, Any]) -> None:
     alone = ""
     if paths:
         each = " / ".join(f"{paths[k]:.1f}" for k in PROBE_ROUTING)
-        alone = f", one at a time {each} ms ({' / '.join(PROBE_ROUTING)})"
+        alone = f", one at a time {each} ms ({' / '.join(PROBE_ROUTING)}"
+        by_httpx = row.get("ttft_probe_httpx_paths_ms_p50")
+        if by_httpx:
+            alone += "; through httpx " + " / ".join(f"{by_httpx[k]:.1f}" for k in PROBE_ROUTING)
+        alone += ")"
     path = via(row["system"], row.get("front", "proxy"))
     name = row["system"] + (
         f" via {path}" if path not in ("Serve's proxy", "the direct port") else ""
@@ -757,6 +815,11 @@ def main(argv: list[str] | None = None) -> int:
         help="Serve's front for the systems not named 'direct': its Python proxy, or its "
         "HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1 on the cluster this starts)",
     )  # fmt: skip
+    parser.add_argument(
+        "--peer-transport", choices=sorted(PEER_TRANSPORTS), default="ipc",
+        help="how the served app's processes reach each other: ZeroMQ over ipc, or the bare "
+        "unix sockets (transport/unix_channel.py)",
+    )  # fmt: skip
     parser.add_argument("--port", type=int, default=18170)
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
@@ -782,7 +845,8 @@ def main(argv: list[str] | None = None) -> int:
         deploy = ray_serve_deploy(args.port)
         systems = tuple(args.served_systems.split(","))
         served = run_served(served_levels, args.window_s, args.max_tokens, deploy, systems,
-                            client=args.client, front=args.front)  # fmt: skip
+                            client=args.client, front=args.front,
+                            peer_transport=args.peer_transport)  # fmt: skip
     print("\n# targets (PASS / MISS; they never fail the run)")
     for name, ok, detail in targets(in_process, served) + transit_targets(sweep):
         print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")

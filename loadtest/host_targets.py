@@ -11,7 +11,8 @@ time to the first token's bytes, one request at a time (``ttft_probe_ms_p50``).
   model replicas) <= 150 µs, the ingress <= 50, each model replica <= 50;
 - message applied at the receiver, p50 <= 1 ms at N = 32, each model replica;
 - TTFT overhead (the probe's median minus the simulated device time on the first token's
-  path) <= 8 ms through Serve's proxy, <= 3 ms on the direct port, for each path on its own
+  path; the probe's bare HTTP client, ``raw_http.py``, with httpx's figure printed beside
+  it) <= 8 ms through Serve's proxy, <= 3 ms on the direct port, for each path on its own
   (``ttft_probe_paths_ms_p50``): a first token the entry model keeps (minus its prefill, the
   entry model's step at batch 1) and one the policy escalates (minus that prefill and the
   large model's step at batch 1: the simulated apps prefill it at the handoff). The
@@ -147,6 +148,7 @@ def _ttft_targets(system: str, r: dict[str, Any]) -> list[Target]:
     paths = r.get("ttft_probe_paths_ms_p50") or {}
     mixed = paths.get("mixed", r.get("ttft_probe_ms_p50"))
     measured = {k: paths[k] for k in ("kept", "escalated") if k in paths} or {"kept": mixed}
+    by_httpx = r.get("ttft_probe_httpx_paths_ms_p50") or {}
     path_name = via(r["system"], r.get("front", "proxy"))
     bound = TTFT_OVERHEAD_MS[path_name]
     out: list[Target] = []
@@ -156,6 +158,8 @@ def _ttft_targets(system: str, r: dict[str, Any]) -> list[Target]:
         device = device_ms(r["profile"], path)
         overhead = probe - device
         beside = f"; the policy's mix {mixed:.1f} ms" if paths and mixed is not None else ""
+        if by_httpx.get(path) is not None:  # the same path through httpx: its client's own
+            beside += f"; through httpx {by_httpx[path]:.1f} ms in all"
         out.append((
             f"served {system}: TTFT overhead, first token {path}, <= {bound:g} ms ({path_name}; "
             "the first token's bytes minus the simulated device time, one request at a time)",

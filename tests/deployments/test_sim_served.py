@@ -57,6 +57,8 @@ def test_host_benchmark_runs_end_to_end_at_a_tiny_size(serve_app, capsys) -> Non
     assert row["tok_s"] > 0 and row["ttft_ms_p50"] is not None and row["ttft_probe_ms_p50"] > 0
     paths = row["ttft_probe_paths_ms_p50"]  # each first-token path probed on its own
     assert set(paths) == {"mixed", "kept", "escalated"} and min(paths.values()) > 0
+    by_httpx = row["ttft_probe_httpx_paths_ms_p50"]  # the same paths through httpx
+    assert set(by_httpx) == set(paths) and min(by_httpx.values()) > 0
     assert set(row["models"]) == {"small", "large"}
     assert row["ingress_cpu_us_per_token"] > 0
     cpu = row["cpu_us_per_token"]  # per process, from /proc over the window

@@ -146,6 +146,7 @@ def row(system: str, n: int, tok_s: float, **extra: object) -> dict:
 
 
 PATHS = {"mixed": 12.0, "kept": 8.5, "escalated": 37.5}  # the probe's first-token paths, ms
+HTTPX_PATHS = {"mixed": 14.0, "kept": 10.9, "escalated": 39.5}  # the same through httpx
 H200_PATHS = {"mixed": 5.4, "kept": 4.6, "escalated": 27.0}  # device: 1.8 kept, 18.0 escalated
 
 
@@ -168,7 +169,9 @@ def test_the_served_targets_read_each_figure_against_its_bound() -> None:
         row("paper eager", 1, 60.0, ttft_probe_ms_p50=13.0),  # 6 ms prefill: 7 ms over
         row("paper eager direct", 1, 60.0, ttft_probe_ms_p50=10.0),  # 4 ms over
         # each first-token path against its own device time: kept 6 ms, escalated 6 + 27.9
-        row("paper tuned direct", 1, 60.0, ttft_probe_paths_ms_p50=PATHS),
+        # the probe's bare client is read; httpx's figures (its own ~2 ms more) only printed
+        row("paper tuned direct", 1, 60.0, ttft_probe_paths_ms_p50=PATHS,
+            ttft_probe_httpx_paths_ms_p50=HTTPX_PATHS),
         # through Serve's HAProxy ingress: its own name and the front's bound (8 ms)
         row("h200 eager", 1, 60.0, front="haproxy", ttft_probe_paths_ms_p50=H200_PATHS),
         row("h200 eager", 64, 95.0, front="haproxy",
@@ -191,6 +194,10 @@ def test_the_served_targets_read_each_figure_against_its_bound() -> None:
     assert list(ttft.values()) == [True, False, True, False, True, False]
     paths = [k.split("first token ")[1].split(",")[0] for k in ttft]
     assert paths == ["kept"] * 3 + ["escalated", "kept", "escalated"]
+    details = [detail for name, _, detail in served_targets(served) if "tuned direct: TTFT" in name]
+    assert [d.split(" ms")[0] for d in details] == ["2.5", "3.6"]  # the bare client's
+    assert "through httpx 10.9 ms in all" in details[0]
+    assert "through httpx 39.5 ms in all" in details[1]
     # HAProxy: 2.8 <= 8 kept, 9.0 > 8 escalated; named apart from Serve's Python proxy
     via = "served h200 eager via Serve's HAProxy ingress"
     assert [k.startswith(via) for k in ttft] == [False] * 4 + [True] * 2

@@ -1,0 +1,137 @@
+"""A bare HTTP/1.1 client for first-token probes: the request written by hand on one
+keep-alive connection, the response read as bytes, timed to the first line the caller
+looks for.
+
+Why: a probe of the server's time to first token should not carry its client's own time.
+``httpx`` (what the probes used before) spends about 2 ms per streamed request of its own
+at idle on the 2-core benchmark machine: against a bare uvicorn app, client to app 1.7 ms
+and app to its first line 0.65 ms, against 0.24 and 0.06 ms for this client
+(docs/benchmarks.md, Round 16). That is most of a 3 ms target. The probes print both.
+
+Only what the served apps send is read: a status line, headers, then a body framed by
+``Content-Length`` or ``Transfer-Encoding: chunked`` (a stream). A status other than 200 is
+an error (``RawHttpError``, with the body); ``Connection: close`` makes the next request
+connect again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+
+class RawHttpError(RuntimeError):
+    """The server answered with a status other than 200."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]!r}")
+        self.status, self.body = status, body
+
+
+class RawHttp:
+    """One connection to ``base_url`` (``http://host:port[/prefix]``), reused across
+    requests. Not for concurrent use: one request at a time, as a probe sends them."""
+
+    def __init__(self, base_url: str, timeout_s: float = 30.0) -> None:
+        url = urlsplit(base_url)
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError(f"RawHttp takes an http:// URL, not {base_url!r}")
+        self.host, self.port = url.hostname, url.port or 80
+        self.prefix = url.path.rstrip("/")
+        self.timeout_s = timeout_s
+        self.connections = 0  # connections opened (keep-alive: one for a whole probe)
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def close(self) -> None:
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def __aenter__(self) -> RawHttp:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def post_until(
+        self, path: str, body: bytes, wanted: Callable[[str], bool]
+    ) -> tuple[float | None, bytes]:
+        """POST ``body`` (JSON) to ``path`` and read the whole response: the seconds from
+        writing the request to reading the first body line for which ``wanted`` is true
+        (None: no such line), and the body."""
+        return await asyncio.wait_for(self._post(path, body, wanted), self.timeout_s)
+
+    async def _post(
+        self, path: str, body: bytes, wanted: Callable[[str], bool]
+    ) -> tuple[float | None, bytes]:
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+            self.connections += 1
+        reader, writer = self._reader, self._writer
+        assert reader is not None
+        head = (
+            f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        try:
+            t0 = time.perf_counter()
+            writer.write(head + body)
+            status, headers = await _head(reader)
+            lines = _Lines(wanted, t0)
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                    lines.feed(await reader.readexactly(size + 2), size)
+                await reader.readuntil(b"\r\n")  # the (empty) trailer section
+            else:
+                length = int(headers.get("content-length", "0"))
+                lines.feed(await reader.readexactly(length), length)
+        except BaseException:
+            await self.close()  # a half-read response leaves the connection unusable
+            raise
+        if headers.get("connection", "").lower() == "close":
+            await self.close()
+        if status != 200:
+            raise RawHttpError(status, lines.body)
+        return lines.found_s, lines.body
+
+
+async def _head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """The status code and the headers (names lower-cased)."""
+    raw = await reader.readuntil(b"\r\n\r\n")
+    status_line, *fields = raw.decode("latin-1").split("\r\n")
+    parts = status_line.split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+        raise ValueError(f"not an HTTP/1.x response: {status_line!r}")
+    headers = {}
+    for field in fields:
+        if field:
+            name, _, value = field.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    return int(parts[1]), headers
+
+
+class _Lines:
+    """The body as it arrives, split into lines, timed to the first ``wanted`` one."""
+
+    def __init__(self, wanted: Callable[[str], bool], t0: float) -> None:
+        self.wanted, self.t0 = wanted, t0
+        self.found_s: float | None = None
+        self.body = b""
+        self._partial = b""
+
+    def feed(self, data: bytes, size: int) -> None:
+        data = data[:size]  # a chunk's data without its CRLF
+        self.body += data
+        if self.found_s is not None:
+            return
+        *complete, self._partial = (self._partial + data).split(b"\n")
+        for line in complete:
+            if self.wanted(line.decode("utf-8", "replace").rstrip("\r")):
+                self.found_s = time.perf_counter() - self.t0
+                return
