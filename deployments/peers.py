@@ -25,6 +25,7 @@ from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.transport.auth import SECRET_ENV, derive_key
 from tokenrouter_ray.transport.base import Directory, Endpoint, PeerChannel
 from tokenrouter_ray.transport.curve import CurveKeys
+from tokenrouter_ray.transport.unix_channel import UnixChannel
 from tokenrouter_ray.transport.zmq_channel import ZmqChannel, ZmqConfig
 
 
@@ -43,7 +44,8 @@ def make_channel(
     key: bytes | None = None,
     metrics: Metrics | None = None,
 ) -> PeerChannel:
-    """A channel of the configured kind; ZeroMQ frames are signed with ``key``."""
+    """A channel of the configured kind; its frames are signed with ``key`` (ZeroMQ, or
+    ``transport.zmq.transport=unix``: the same settings over bare Unix sockets)."""
     if spec.kind == "ray":
         from tokenrouter_ray.transport.ray_channel import RayChannel
 
@@ -60,7 +62,8 @@ def make_channel(
     curve = CurveKeys.from_key(key) if z.curve and key is not None else None
     if z.curve and key is None:
         raise ValueError("transport.zmq.curve needs the peer key (derived from the secret)")
-    return ZmqChannel(
+    channel = UnixChannel if z.transport == "unix" else ZmqChannel
+    return channel(
         model,
         replica,
         directory,

@@ -251,7 +251,13 @@ class PolicySpec(_Strict):
 
 
 class ZmqSpec(_Strict):
-    transport: Literal["ipc", "tcp"] = "ipc"
+    transport: Literal["ipc", "tcp", "unix"] = Field(
+        "ipc",
+        description="ipc: ZeroMQ over socket files (one node); tcp: ZeroMQ between nodes; "
+        "unix: the kernel's SOCK_SEQPACKET sockets (one node) written and read by the "
+        "replicas' own threads, without ZeroMQ's I/O threads (transport/unix_channel.py). "
+        "The other fields apply to unix too, but for the tcp and CURVE ones.",
+    )
     bind_host: str | None = Field(
         None,
         description="tcp: interface to bind; default: this node's (pod's) own address. "
@@ -310,6 +316,11 @@ class ZmqSpec(_Strict):
             lo, hi = self.port_range
             if not 0 < lo <= hi <= 65535:
                 raise ValueError(f"port_range {list(self.port_range)}: need 1 <= lo <= hi")
+        if self.curve and self.transport == "unix":
+            raise ValueError(
+                "curve is ZeroMQ's (its answer to strangers on the network): the unix "
+                "transport has none (its socket files are private to this user: mode 0600)"
+            )
         return self
 
     @property

@@ -1,4 +1,5 @@
-"""The PeerChannel contract, run against inproc, ZeroMQ ipc:// and ZeroMQ tcp://127.0.0.1."""
+"""The PeerChannel contract, run against inproc, ZeroMQ ipc://, ZeroMQ tcp://127.0.0.1 and the
+unix (SOCK_SEQPACKET) channel."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tokenrouter_ray.transport import (
     InProcChannel,
     InProcHub,
     PeerChannel,
+    UnixChannel,
     UnknownPeerError,
     ZmqChannel,
     ZmqConfig,
@@ -27,7 +29,7 @@ from tokenrouter_ray.transport.base import InOrder
 MakeChannel = Callable[[str, str], Awaitable[PeerChannel]]
 
 
-@pytest_asyncio.fixture(params=["inproc", "zmq-ipc", "zmq-tcp"])
+@pytest_asyncio.fixture(params=["inproc", "zmq-ipc", "zmq-tcp", "unix"])
 async def make_channel(request: pytest.FixtureRequest) -> AsyncIterator[MakeChannel]:
     """Builds started channels of one kind sharing one directory; closes them afterwards."""
     directory, hub = InMemoryDirectory(), InProcHub()
@@ -36,6 +38,8 @@ async def make_channel(request: pytest.FixtureRequest) -> AsyncIterator[MakeChan
     async def make(model: str, replica: str = "0") -> PeerChannel:
         if request.param == "inproc":
             channel: PeerChannel = InProcChannel(model, replica, directory, hub)
+        elif request.param == "unix":
+            channel = UnixChannel(model, replica, directory)
         else:
             transport = "ipc" if request.param == "zmq-ipc" else "tcp"
             channel = ZmqChannel(model, replica, directory, ZmqConfig(transport=transport))

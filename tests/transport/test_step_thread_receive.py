@@ -29,7 +29,7 @@ from tokenrouter_ray.replica.step import Replica
 from tokenrouter_ray.replica.waker import READ_LIMIT, FrameWaker
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.simulation.backend import sim_engine
-from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport import InMemoryDirectory, UnixChannel, ZmqChannel, ZmqConfig
 from tokenrouter_ray.transport.auth import derive_key
 from tokenrouter_ray.transport.base import endpoint_name
 
@@ -74,11 +74,13 @@ class Waiter:
 
 
 @contextlib.asynccontextmanager
-async def pair(**config: object) -> AsyncIterator[tuple[ZmqChannel, ZmqChannel]]:
+async def pair(kind: str = "zmq", **config: object) -> AsyncIterator[tuple[ZmqChannel, ZmqChannel]]:
+    """``small/0`` and ``large/0`` of ``kind``: ZeroMQ (ipc), or the bare unix channel."""
     directory, cfg = InMemoryDirectory(), ZmqConfig(key=KEY, **config)  # type: ignore[arg-type]
+    channel = UnixChannel if kind == "unix" else ZmqChannel
     async with (
-        ZmqChannel("large", "0", directory, cfg) as large,
-        ZmqChannel("small", "0", directory, cfg) as small,
+        channel("large", "0", directory, cfg) as large,
+        channel("small", "0", directory, cfg) as small,
     ):
         yield small, large
 
@@ -93,8 +95,9 @@ def sleeps_in(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.asyncio
-async def test_frames_reach_the_waiting_thread_itself_in_order(sleeps_in: str) -> None:
-    async with pair() as (small, large):
+@pytest.mark.parametrize("kind", ["zmq", "unix"])
+async def test_frames_reach_the_waiting_thread_itself_in_order(sleeps_in: str, kind: str) -> None:
+    async with pair(kind) as (small, large):
         threads_before = {t.name for t in threading.enumerate()}
         with Waiter(large) as waiter:
             for seq in range(200):
@@ -108,12 +111,16 @@ async def test_frames_reach_the_waiting_thread_itself_in_order(sleeps_in: str) -
 
 
 @pytest.mark.asyncio
-async def test_a_backlog_beyond_one_read_is_read_to_the_end_without_another_signal() -> None:
+@pytest.mark.parametrize("kind", ["zmq", "unix"])
+async def test_a_backlog_beyond_one_read_is_read_to_the_end_without_another_signal(
+    kind: str,
+) -> None:
     """ZeroMQ signals the descriptor when a frame reaches a drained socket, not per frame: a
     wait that reads ``READ_LIMIT`` frames and leaves the rest must come back for them by
     itself. Each ``wait`` below returns at once with the next ``READ_LIMIT`` (one that
-    relied on the descriptor would sleep its full timeout and return False)."""
-    async with pair() as (small, large):
+    relied on the descriptor would sleep its full timeout and return False). The unix
+    channel's epoll set signals edges too."""
+    async with pair(kind) as (small, large):
         total = 3 * READ_LIMIT + 5
         for seq in range(total):
             await small.send("large/0", [handoff(seq)])
@@ -144,8 +151,9 @@ async def test_a_backlog_beyond_one_read_is_read_to_the_end_without_another_sign
 
 
 @pytest.mark.asyncio
-async def test_the_wait_keeps_the_event_contract(sleeps_in: str) -> None:
-    async with pair() as (_, large):
+@pytest.mark.parametrize("kind", ["zmq", "unix"])
+async def test_the_wait_keeps_the_event_contract(sleeps_in: str, kind: str) -> None:
+    async with pair(kind) as (_, large):
         source = large.receive_inline()
         assert source is not None
         waker = FrameWaker(source, lambda batch: None)
@@ -279,7 +287,9 @@ async def test_a_channel_is_read_one_way_only() -> None:
 MODELS = ["small", "large"]
 
 
-async def _outputs(inline: bool) -> tuple[dict[str, list[int]], list[int], set[str]]:
+async def _outputs(
+    inline: bool, kind: str = "zmq"
+) -> tuple[dict[str, list[int]], list[int], set[str]]:
     """Twelve greedy requests through an ingress and small/0 + large/0 replicas over ZeroMQ
     (Bernoulli routing: handoffs both ways): the outputs, the frames each replica's step
     thread read itself, and the names of the threads the replicas started."""
@@ -289,8 +299,9 @@ async def _outputs(inline: bool) -> tuple[dict[str, list[int]], list[int], set[s
     before = {t.name for t in threading.enumerate()}
     servers: list[Replica] = []
     channels: list[ZmqChannel] = []
+    kind_of = UnixChannel if kind == "unix" else ZmqChannel
     for index, model in enumerate(MODELS):
-        channel = ZmqChannel(model, "0", directory, config)
+        channel = kind_of(model, "0", directory, config)
         await channel.start()
         channels.append(channel)
         server = Replica(
@@ -299,7 +310,7 @@ async def _outputs(inline: bool) -> tuple[dict[str, list[int]], list[int], set[s
         )  # fmt: skip
         await server.start()
         servers.append(server)
-    ingress_channel = ZmqChannel("ingress", "0", directory, config)
+    ingress_channel = kind_of("ingress", "0", directory, config)
     await ingress_channel.start()
     core = IngressCore(ingress_channel, lambda: "small/0", lambda: ["small/0", "large/0"])
     await core.start()
@@ -333,3 +344,7 @@ async def test_replicas_reading_on_their_step_threads_give_the_receiver_threads_
     assert unread == [0, 0]
     assert not any(name.endswith("-recv") for name in started), started
     assert {"small-recv", "large-recv"} <= started_threaded
+    # the bare unix channel: the same outputs, read by the step threads themselves too
+    over_unix, read_unix, _ = await _outputs(inline=True, kind="unix")
+    assert over_unix == inline
+    assert all(n > 0 for n in read_unix), read_unix

@@ -16,8 +16,8 @@ from tests.transport import handoff, recv_n, wait_for
 from tokenrouter_ray.protocol import encode_batch
 from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
 from tokenrouter_ray.transport.auth import MAGIC, FrameSigner, derive_key
+from tokenrouter_ray.transport.checks import YIELD_EVERY, RejectPacer
 from tokenrouter_ray.transport.curve import CurveKeys
-from tokenrouter_ray.transport.zmq_channel import YIELD_EVERY, RejectPacer
 
 KEY = derive_key(os.urandom(32))
 

@@ -23,7 +23,7 @@ from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import PeerReq, encode_batch
 from tokenrouter_ray.replica.mailbox import Mailbox
 from tokenrouter_ray.replica.profile import HostProfile
-from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport import InMemoryDirectory, UnixChannel, ZmqChannel, ZmqConfig
 from tokenrouter_ray.transport.auth import FrameSigner, derive_key
 
 KEY = derive_key(os.urandom(32))
@@ -47,15 +47,25 @@ class Received:
             return [m.handoff_seq for b in self.batches for m in b]
 
 
+@pytest.fixture(params=["zmq", "unix"])
+def kind(request: pytest.FixtureRequest) -> str:
+    """The socket channel under test: ZeroMQ (ipc), or the bare unix one, which keeps the
+    same contract from threads (transport/unix_channel.py)."""
+    return request.param
+
+
 @contextlib.asynccontextmanager
-async def small_to_large() -> AsyncIterator[tuple[ZmqChannel, ZmqChannel, Received]]:
-    """Two channels, ``small/0`` and ``large/0``; the large one receives on its own thread
-    into the ``Received`` yielded with them."""
+async def small_to_large(
+    kind: str = "zmq",
+) -> AsyncIterator[tuple[ZmqChannel, ZmqChannel, Received]]:
+    """Two channels of ``kind``, ``small/0`` and ``large/0``; the large one receives on its
+    own thread into the ``Received`` yielded with them."""
     directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
+    channel = UnixChannel if kind == "unix" else ZmqChannel
     received = Received()
     async with (
-        ZmqChannel("large", "0", directory, config) as large,
-        ZmqChannel("small", "0", directory, config) as small,
+        channel("large", "0", directory, config) as large,
+        channel("small", "0", directory, config) as small,
     ):
         assert large.start_receiver(received, "large-receiver")
         yield small, large, received
@@ -69,8 +79,10 @@ def small_mailbox(
 
 
 @pytest.mark.asyncio
-async def test_a_thread_and_the_loop_sending_to_one_peer_lose_nothing_and_keep_order() -> None:
-    async with small_to_large() as (small, large, received):
+async def test_a_thread_and_the_loop_sending_to_one_peer_lose_nothing_and_keep_order(
+    kind: str,
+) -> None:
+    async with small_to_large(kind) as (small, large, received):
         assert not small.send_now("large/0", [handoff(0)])  # not connected yet: the caller's
         await small.send("large/0", [handoff(0)])  # event-loop path connects
         n = 400
@@ -149,14 +161,14 @@ async def test_a_channel_receives_one_way_only() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_mailbox_posts_in_order_whichever_thread_sends() -> None:
+async def test_a_mailbox_posts_in_order_whichever_thread_sends(kind: str) -> None:
     """A replica's step thread posts: the first post to a peer not connected yet goes
     through the event loop (which connects), and every post behind it waits its turn there;
     once the loop has caught up the step thread sends its own frames. The peer gets every
     message once, in post order, and no frame is rejected."""
 
     undelivered: list = []
-    async with small_to_large() as (small, large, received):
+    async with small_to_large(kind) as (small, large, received):
         mailbox = small_mailbox(small, lambda lost, out: undelivered.append(lost))
         await mailbox.start()
         n = 300
@@ -182,12 +194,12 @@ async def test_a_mailbox_posts_in_order_whichever_thread_sends() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_post_behind_one_the_event_loop_holds_waits_its_turn() -> None:
+async def test_a_post_behind_one_the_event_loop_holds_waits_its_turn(kind: str) -> None:
     """A frame the step thread could not send (the peer full for a moment) goes through the
     event loop; every post after it goes there too until the loop has sent it, even though
     the peer takes frames again: nothing overtakes it."""
 
-    async with small_to_large() as (small, _, received):
+    async with small_to_large(kind) as (small, _, received):
         await small.send("large/0", [handoff(0)])  # connected
         mailbox = small_mailbox(small)
         await mailbox.start()

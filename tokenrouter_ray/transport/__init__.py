@@ -1,7 +1,8 @@
 """Peer channels: how `PeerReq` frames travel between the ingress and the model replicas.
 
 `base` defines the interface (`PeerChannel`, `Directory`); `inproc` wires sub-servers in one
-process; `zmq_channel` uses ZeroMQ (ipc:// on a node, tcp:// across nodes); `ray_channel`
+process; `zmq_channel` uses ZeroMQ (ipc:// on a node, tcp:// across nodes); `unix_channel` the
+kernel's SOCK_SEQPACKET sockets on one node, without ZeroMQ's I/O threads; `ray_channel`
 uses Ray actor calls and is imported explicitly (it is the only module here importing Ray).
 """
 
@@ -19,6 +20,7 @@ from tokenrouter_ray.transport.base import (
     endpoint_name,
 )
 from tokenrouter_ray.transport.inproc import InProcChannel, InProcHub
+from tokenrouter_ray.transport.unix_channel import UnixChannel
 from tokenrouter_ray.transport.zmq_channel import ZmqChannel, ZmqConfig
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "InProcHub",
     "PeerChannel",
     "PeerUnreachableError",
+    "UnixChannel",
     "UnknownPeerError",
     "ZmqChannel",
     "ZmqConfig",

@@ -43,7 +43,6 @@ Strangers on the network (docs/reliability.md, "junk flood"):
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
@@ -62,22 +61,20 @@ import zmq
 import zmq.asyncio
 
 from tokenrouter_ray.protocol import PeerReq, encode_batch
-from tokenrouter_ray.transport.auth import FrameSigner, FrameVerifier
+from tokenrouter_ray.transport.auth import FrameSigner
 from tokenrouter_ray.transport.base import (
     ChannelClosed,
     Directory,
     Endpoint,
     PeerChannel,
     PeerUnreachableError,
-    decode_frame,
 )
+from tokenrouter_ray.transport.checks import YIELD_EVERY, FrameChecks
 from tokenrouter_ray.transport.curve import CurveKeys, curve_allowlist
 
 logger = logging.getLogger(__name__)
 
 _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, 104 on macOS
-YIELD_EVERY = 64  # frames received back to back before recv yields to the event loop
-YIELD_S = 0.005  # or this long since it last yielded
 RECEIVER_POLL_MS = 100  # a receiver thread looks for a stop this often while nothing comes
 RECEIVE_RETRY_S = 0.05  # after a failed receive, the socket is left alone this long
 _GET = zmq.Socket.get  # ``read``'s readiness check, with plain ints
@@ -99,7 +96,7 @@ def largest_frame_bytes(max_model_len: int, max_num_seqs: int) -> int:
 class ZmqConfig:
     """How a replica's mailbox is bound and advertised."""
 
-    transport: Literal["ipc", "tcp"] = "ipc"
+    transport: Literal["ipc", "tcp", "unix"] = "ipc"  # unix: ``UnixChannel``, no ZeroMQ
     bind_host: str | None = None  # tcp: interface to bind; None: this node's own address
     advertise_host: str | None = None  # tcp: host peers connect to; default: bind_host or IP
     port: int = 0  # tcp: 0 picks a free port (or one of port_range)
@@ -116,27 +113,7 @@ class ZmqConfig:
     receive_on_step_thread: bool = True
 
 
-class RejectPacer:
-    """A token bucket over rejected frames: ``rate`` a second, a burst of ``rate / 4``.
-    ``wait_s`` after each rejected frame: how long the receiver waits before reading the
-    next one (0 within the budget). The clock is injected (tests drive it)."""
-
-    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst, self.clock = rate, max(1.0, rate / 4), clock
-        self.tokens, self.at = self.burst, clock()
-        self.paced = 0  # rejected frames that made the receiver wait
-
-    def wait_s(self) -> float:
-        now = self.clock()
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate) - 1.0
-        self.at = now
-        if self.tokens >= 0:
-            return 0.0
-        self.paced += 1
-        return -self.tokens / self.rate
-
-
-class ZmqChannel(PeerChannel):
+class ZmqChannel(FrameChecks, PeerChannel):
     def __init__(
         self,
         model: str,
@@ -151,10 +128,7 @@ class ZmqChannel(PeerChannel):
         self._context = context
         key = self.config.key
         self._signer = FrameSigner(key) if key is not None else None
-        self._verifier = FrameVerifier(key, self.name) if key is not None else None
-        self.rejected: collections.Counter[str] = collections.Counter()
-        self._pacer = RejectPacer(self.config.reject_rate)
-        self.on_reject = on_reject
+        self._init_checks(key, self.config.reject_rate, on_reject)
         # ``recv``: the event loop that watches the PULL socket's descriptor, and the one
         # ``recv`` waiting for it to signal (set at the first ``recv``)
         self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None
@@ -176,13 +150,7 @@ class ZmqChannel(PeerChannel):
         # ``receive_inline``: the thread that reads the PULL socket itself
         self.inline_thread: threading.Thread | None = None
         self._inline = False
-        self._paused_until = 0.0  # the reject pacer's wait, for the inline reader
         self._ipc_dir_owned: str | None = None
-        self._last_yield = time.monotonic()
-        self._burst = 0  # frames received since recv last yielded
-        self._last_good: float | None = None  # when a frame last verified
-        self._bad_since: float | None = None  # first bad_mac after the last good frame
-        self._last_bad: float | None = None
 
     @property
     def context(self) -> zmq.asyncio.Context:
@@ -369,21 +337,6 @@ class ZmqChannel(PeerChannel):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _accept(self, frame: bytes) -> tuple[list[PeerReq] | None, float]:
-        """A received frame's messages once its MAC and encoding check out; else None and
-        how long the receiver should pause (the reject pacer's budget)."""
-        if self._verifier is not None:
-            frame, reason = self._verifier.open(frame)  # type: ignore[assignment]
-            if reason is not None:
-                self._reject(reason)
-                return None, self._pacer.wait_s()
-        batch = decode_frame(frame, self.name)
-        if batch is not None:
-            self._last_good, self._bad_since = time.monotonic(), None
-            return batch, 0.0
-        self._reject("undecodable")
-        return None, 0.0
-
     # -------------------------------------------------------------- receiver thread
     def start_receiver(self, on_batch: Callable[[list[PeerReq]], None], name: str) -> bool:
         """Receive on a thread of its own from now on: each frame's messages go to
@@ -445,16 +398,6 @@ class ZmqChannel(PeerChannel):
         assert self._pull_now is not None
         return self._pull_now.getsockopt(zmq.FD)
 
-    def paused_s(self) -> float:
-        """How much longer the reject pacer keeps the reader off the socket (0: reading)."""
-        if not self._paused_until:
-            return 0.0
-        left = self._paused_until - time.monotonic()
-        if left <= 0:
-            self._paused_until = 0.0
-            return 0.0
-        return left
-
     def read(
         self, on_batch: Callable[[list[PeerReq]], None], limit: int = YIELD_EVERY
     ) -> tuple[int, bool]:
@@ -499,37 +442,6 @@ class ZmqChannel(PeerChannel):
             return self._pull_now.recv(zmq.NOBLOCK, copy=True)
         except zmq.Again:
             return None
-
-    async def _maybe_yield(self) -> None:
-        """Let the event loop run every ``YIELD_EVERY`` frames or ``YIELD_S`` seconds: a
-        receive on a socket with queued frames completes without ever suspending."""
-        self._burst += 1
-        now = time.monotonic()
-        if self._burst >= YIELD_EVERY or now - self._last_yield >= YIELD_S:
-            await asyncio.sleep(0)
-            self._burst, self._last_yield = 0, time.monotonic()
-
-    def _reject(self, reason: str) -> None:
-        n = self.rejected[reason] = self.rejected[reason] + 1
-        if reason == "bad_mac":
-            now = self._last_bad = time.monotonic()
-            if self._bad_since is None:
-                self._bad_since = now
-        if n in (1, 10, 100, 1000):
-            logger.warning("channel %s rejected %d frame(s): %s", self.name, n, reason)
-        if self.on_reject is not None:
-            self.on_reject(reason)
-
-    def key_mismatch_s(self, recent_s: float = 5.0) -> float:
-        """For how long every frame this channel received was ``bad_mac`` (0.0 when a frame
-        verified since, or no bad frame came within ``recent_s``): its peers sign with
-        another key, so nothing they send gets through."""
-        if self._bad_since is None or self._last_bad is None:
-            return 0.0
-        now = time.monotonic()
-        if now - self._last_bad > recent_s:
-            return 0.0
-        return now - self._bad_since
 
     async def _shut(self) -> None:
         receiver = self._receiver

@@ -1,0 +1,122 @@
+"""What every socket channel does with a frame it received, whatever carried it: check its
+MAC (``transport.auth``) and its encoding, count what it rejects, and pace a flood of
+rejected frames (``RejectPacer``). ``ZmqChannel`` and ``UnixChannel`` share it
+(``FrameChecks``), so a forged, replayed or malformed frame meets the same rules on both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+
+from tokenrouter_ray.protocol import PeerReq
+from tokenrouter_ray.transport.auth import FrameVerifier
+from tokenrouter_ray.transport.base import decode_frame
+
+logger = logging.getLogger(__name__)
+
+YIELD_EVERY = 64  # frames received back to back before recv yields to the event loop
+YIELD_S = 0.005  # or this long since it last yielded
+
+
+class RejectPacer:
+    """A token bucket over rejected frames: ``rate`` a second, a burst of ``rate / 4``.
+    ``wait_s`` after each rejected frame: how long the receiver waits before reading the
+    next one (0 within the budget). The clock is injected (tests drive it)."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, max(1.0, rate / 4), clock
+        self.tokens, self.at = self.burst, clock()
+        self.paced = 0  # rejected frames that made the receiver wait
+
+    def wait_s(self) -> float:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate) - 1.0
+        self.at = now
+        if self.tokens >= 0:
+            return 0.0
+        self.paced += 1
+        return -self.tokens / self.rate
+
+
+class FrameChecks:
+    """The receiving side's checks, for a channel class (a mixin: ``name`` is the
+    channel's). ``_init_checks`` sets its state; ``_accept`` checks one frame."""
+
+    name: str
+
+    def _init_checks(
+        self,
+        key: bytes | None,
+        reject_rate: float,
+        on_reject: Callable[[str], None] | None,
+    ) -> None:
+        self._verifier = FrameVerifier(key, self.name) if key is not None else None
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self._pacer = RejectPacer(reject_rate)
+        self.on_reject = on_reject
+        self._paused_until = 0.0  # the reject pacer's wait, for a reader of its own
+        self._last_yield = time.monotonic()
+        self._burst = 0  # frames received since recv last yielded
+        self._last_good: float | None = None  # when a frame last verified
+        self._bad_since: float | None = None  # first bad_mac after the last good frame
+        self._last_bad: float | None = None
+
+    def _accept(self, frame: bytes) -> tuple[list[PeerReq] | None, float]:
+        """A received frame's messages once its MAC and encoding check out; else None and
+        how long the receiver should pause (the reject pacer's budget)."""
+        if self._verifier is not None:
+            frame, reason = self._verifier.open(frame)  # type: ignore[assignment]
+            if reason is not None:
+                self._reject(reason)
+                return None, self._pacer.wait_s()
+        batch = decode_frame(frame, self.name)
+        if batch is not None:
+            self._last_good, self._bad_since = time.monotonic(), None
+            return batch, 0.0
+        self._reject("undecodable")
+        return None, 0.0
+
+    def paused_s(self) -> float:
+        """How much longer the reject pacer keeps the reader off the socket (0: reading)."""
+        if not self._paused_until:
+            return 0.0
+        left = self._paused_until - time.monotonic()
+        if left <= 0:
+            self._paused_until = 0.0
+            return 0.0
+        return left
+
+    async def _maybe_yield(self) -> None:
+        """Let the event loop run every ``YIELD_EVERY`` frames or ``YIELD_S`` seconds: a
+        receive on a socket with queued frames completes without ever suspending."""
+        self._burst += 1
+        now = time.monotonic()
+        if self._burst >= YIELD_EVERY or now - self._last_yield >= YIELD_S:
+            await asyncio.sleep(0)
+            self._burst, self._last_yield = 0, time.monotonic()
+
+    def _reject(self, reason: str) -> None:
+        n = self.rejected[reason] = self.rejected[reason] + 1
+        if reason == "bad_mac":
+            now = self._last_bad = time.monotonic()
+            if self._bad_since is None:
+                self._bad_since = now
+        if n in (1, 10, 100, 1000):
+            logger.warning("channel %s rejected %d frame(s): %s", self.name, n, reason)
+        if self.on_reject is not None:
+            self.on_reject(reason)
+
+    def key_mismatch_s(self, recent_s: float = 5.0) -> float:
+        """For how long every frame this channel received was ``bad_mac`` (0.0 when a frame
+        verified since, or no bad frame came within ``recent_s``): its peers sign with
+        another key, so nothing they send gets through."""
+        if self._bad_since is None or self._last_bad is None:
+            return 0.0
+        now = time.monotonic()
+        if now - self._last_bad > recent_s:
+            return 0.0
+        return now - self._bad_since
