@@ -80,6 +80,21 @@ class FrameChecks:
         self._reject("undecodable")
         return None, 0.0
 
+    def _deliver(self, frame: bytes, on_batch: Callable[[list[PeerReq]], None]) -> bool:
+        """Check ``frame`` and hand its messages to ``on_batch`` (one that raises is logged:
+        reading goes on). False: it was rejected past the pacer's budget, and the reader
+        leaves the socket alone for ``paused_s``."""
+        batch, wait_s = self._accept(frame)
+        if batch is not None:
+            try:
+                on_batch(batch)
+            except Exception:  # one bad delivery must not stop receiving
+                logger.exception("%s: delivering a frame failed", self.name)
+        elif wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
+            self._paused_until = time.monotonic() + wait_s
+            return False
+        return True
+
     def paused_s(self) -> float:
         """How much longer the reject pacer keeps the reader off the socket (0: reading)."""
         if not self._paused_until:

@@ -423,14 +423,7 @@ class ZmqChannel(FrameChecks, PeerChannel):
                 self._paused_until = time.monotonic() + RECEIVE_RETRY_S
                 return read, False
             read += 1
-            batch, wait_s = self._accept(frame)
-            if batch is not None:
-                try:
-                    on_batch(batch)
-                except Exception:  # one bad delivery must not stop receiving
-                    logger.exception("%s: delivering a frame failed", self.name)
-            elif wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
-                self._paused_until = time.monotonic() + wait_s
+            if not self._deliver(frame, on_batch):  # past the reject budget
                 return read, False
         return read, True
 
