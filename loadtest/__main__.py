@@ -50,6 +50,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "loadtest.hop_floor",
         "a frame's hop at idle: ZeroMQ ipc vs a bare AF_UNIX datagram socket (the floor)",
     ),
+    "front-floor": (
+        "loadtest.front_floor",
+        "the first streamed line through Serve's front vs bare uvicorn, at idle (the floor)",
+    ),
     "local": ("loadtest.local_bench", "LocalRuntime vs a glue dispatcher, demo pair"),
     "trace-overhead": ("loadtest.trace_overhead", "what routing traces and metrics cost"),
     "demo-pair": ("loadtest.demo_pair_bench", "the demo pair's agreement and step times"),

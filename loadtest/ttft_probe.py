@@ -42,7 +42,7 @@ async def ttft_probe(
     if p is not None:
         body["routing"] = {"threshold": p}
     times = []
-    async with _first_token_client(url, client) as first_of:
+    async with first_token_client(url, client) as first_of:
         for i in range(requests + 5):  # the first five warm the connection
             first = await first_of(body)
             if i >= 5 and first is not None:
@@ -51,11 +51,12 @@ async def ttft_probe(
 
 
 @contextlib.asynccontextmanager
-async def _first_token_client(
+async def first_token_client(
     url: str, client: str
 ) -> AsyncIterator[Callable[[dict[str, Any]], Awaitable[float | None]]]:
     """``first(body)``: the seconds from sending a streamed chat request to reading its
-    first content line (None: none came), on one keep-alive connection of ``client``."""
+    first content line (None: none came), on one keep-alive connection of ``client`` to
+    ``url`` (the app's base, without ``/v1``). Also ``front_floor.py``'s client."""
     path = "/v1/chat/completions"
     if client == "raw":
         from loadtest.raw_http import RawHttp
