@@ -1,10 +1,22 @@
 """The endpoint directory as a one-replica Serve deployment: lives and dies with the app.
 
 Model servers and ingress replicas register their peer-channel endpoint here and look each
-other up; ``ServeDirectory`` adapts its handle to the transport layer's ``Directory``.
+other up; ``ServeDirectory`` adapts it to the transport layer's ``Directory``.
 Registrations are leases (``ENDPOINT_TTL_S``): every replica re-registers each
 ``HEARTBEAT_S`` (``PeerBook``), so a replica whose process died (and never unregistered)
 disappears within the TTL, which is how the ingress learns to re-create its requests.
+
+The registrations live in a plain Ray actor that the deployment's replica creates and owns
+(``EndpointDirectoryState``: it dies with the replica, and a restarted replica makes a new
+one), and peers call that actor directly; the Serve handle only hands its handle out
+(``state``) and the peer secret. Why not Serve handle calls: Ray Serve 2.60 runs every handle
+call as a streaming generator (``handle_request_with_rejection``), and a caller whose process
+freezes in the middle of one (SIGSTOP, a VM paused, swap) stalls the callee's replica for
+every other caller until the caller runs again (measured: a frozen caller stalled its callee
+in 5 of 6 tries through Serve and 4 of 5 with Ray's own streaming generators, never with plain
+actor calls; ``tests/deployments/test_directory_state.py``). A model replica stalled past
+its lease then froze the directory, no lease could run out, and its requests were never
+re-created (``tests/deployments/test_orphans.py`` failed so about one run in six).
 
 The app's peer secret (used when ``TOKENROUTER_PEER_SECRET`` is not set) outlives this
 replica: it is generated once per app and kept in Ray's internal KV store (GCS), so a
@@ -18,15 +30,17 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from typing import Any
 
+import ray
 from ray import serve
 from ray.experimental import internal_kv
 
-from tokenrouter_ray.transport.base import InMemoryDirectory
-from tokenrouter_ray.transport.ray_channel import RayDirectory
+from tokenrouter_ray.transport.base import Directory, Endpoint, InMemoryDirectory
 
 HEARTBEAT_S = 0.5
 ENDPOINT_TTL_S = 5.0
+STATE_HEALTH_TIMEOUT_S = 10.0  # the replica's health check waits this long for its state
 KV_NAMESPACE = "tokenrouter-ray"
 
 
@@ -52,15 +66,37 @@ class PeerSecretStore:
         internal_kv._internal_kv_del(self.key, namespace=KV_NAMESPACE)
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
-class EndpointDirectory(InMemoryDirectory):
-    """The in-memory directory, hosted as the app's one-replica deployment."""
+class EndpointDirectoryState(InMemoryDirectory):
+    """The registrations (leases), as a plain Ray actor owned by the directory's replica."""
 
-    async def __init__(self, ttl_s: float = ENDPOINT_TTL_S) -> None:
+    def __init__(self, ttl_s: float = ENDPOINT_TTL_S) -> None:
         super().__init__(ttl_s)
         self._started = time.monotonic()
+
+    async def uptime_s(self) -> float:
+        """Seconds since this state started (a new one knows no endpoint until each
+        replica's next heartbeat)."""
+        return time.monotonic() - self._started
+
+
+DirectoryStateActor = ray.remote(num_cpus=0)(EndpointDirectoryState)
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class EndpointDirectory:
+    """The directory's replica: it owns the state actor and hands out its handle and the
+    app's peer secret. A health check that cannot reach the state fails the replica, so
+    Serve restarts it with a new state."""
+
+    async def __init__(self, ttl_s: float = ENDPOINT_TTL_S) -> None:
         app_name = serve.get_replica_context().app_name
         self._peer_secret = await asyncio.to_thread(PeerSecretStore(app_name).get_or_create)
+        self._state = DirectoryStateActor.remote(ttl_s)  # owned here: it dies with this replica
+        await self._state.uptime_s.remote()  # up before this replica reports ready
+
+    async def state(self) -> Any:
+        """The state actor's handle (peers call it directly: see the module docstring)."""
+        return self._state
 
     async def peer_secret(self) -> bytes:
         """The app's generated peer-channel secret (used when TOKENROUTER_PEER_SECRET is
@@ -69,17 +105,51 @@ class EndpointDirectory(InMemoryDirectory):
         return self._peer_secret
 
     async def uptime_s(self) -> float:
-        """Seconds since this replica started (a restarted directory knows no endpoint
-        until each replica's next heartbeat)."""
-        return time.monotonic() - self._started
+        return await self._state.uptime_s.remote()
+
+    async def endpoints(self, model: str | None = None) -> list[Endpoint]:
+        """Every registered endpoint (or one model's), for operators and tests."""
+        return await self._state.endpoints.remote(model)
+
+    async def check_health(self) -> None:
+        await asyncio.wait_for(self._state.uptime_s.remote(), STATE_HEALTH_TIMEOUT_S)
 
 
-class ServeDirectory(RayDirectory):
-    """The deployment's handle as a ``Directory``: a Serve handle's methods are called and
-    awaited like a Ray actor's, so the Ray directory client serves as it is."""
+class ServeDirectory(Directory):
+    """The directory as a peer sees it: calls go to the state actor, whose handle the Serve
+    deployment hands out on first use and again after a call failed (the replica restarted
+    with a new state, or the state is gone). Picklable."""
 
-    async def peer_secret(self) -> bytes:
-        return await self._handle.peer_secret.remote()
+    def __init__(self, handle: Any) -> None:
+        self._serve = handle  # the EndpointDirectory deployment's handle
+        self._state: Any = None  # its state actor, once asked for
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        if self._state is None:
+            self._state = await self._serve.state.remote()
+        try:
+            return await getattr(self._state, method).remote(*args)
+        except Exception:
+            self._state = None  # ask the deployment again next time
+            raise
+
+    async def register(self, endpoint: Endpoint) -> None:
+        await self._call("register", endpoint)
+
+    async def unregister(self, name: str) -> None:
+        await self._call("unregister", name)
+
+    async def get(self, name: str) -> Endpoint | None:
+        return await self._call("get", name)
+
+    async def endpoints(self, model: str | None = None) -> list[Endpoint]:
+        return await self._call("endpoints", model)
+
+    async def heartbeat(self, endpoint: Endpoint | None = None) -> list[Endpoint]:
+        return await self._call("heartbeat", endpoint)
 
     async def uptime_s(self) -> float:
-        return await self._handle.uptime_s.remote()
+        return await self._call("uptime_s")
+
+    async def peer_secret(self) -> bytes:
+        return await self._serve.peer_secret.remote()

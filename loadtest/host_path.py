@@ -64,6 +64,7 @@ from loadtest.proc_cpu import (
     HAPROXY_PROGRAM,
     PROXY_TITLE,
     SUPPORT,
+    SUPPORT_ACTORS,
     CpuWindow,
     find_deployment_pids,
     find_pids,
@@ -588,7 +589,8 @@ async def _served_level(
 def app_pids(stats: dict[str, Any], proc: str = "/proc") -> dict[str, int]:
     """The served app's processes by name: the ingress and each model replica (their own
     pids, from the stats route), the app's other deployments (the endpoint directory and
-    a live tuner, by their replicas' process titles: ``proc_cpu.SUPPORT``) and Serve's
+    a live tuner, by their replicas' process titles: ``proc_cpu.SUPPORT``; the directory's
+    state actor by its own: ``SUPPORT_ACTORS``) and Serve's
     front (``proc_cpu.FRONT``: its proxy by its process title; under its HAProxy ingress
     also HAProxy and the actor managing it). The benchmark serves one app at a time: where
     a title matches several processes, the newest is taken."""
@@ -597,6 +599,9 @@ def app_pids(stats: dict[str, Any], proc: str = "/proc") -> dict[str, int]:
     for name, deployment in SUPPORT.items():
         found = find_deployment_pids(deployment, proc)
         if found:
+            pids[name] = found[-1]
+    for name, title in SUPPORT_ACTORS.items():
+        if found := find_pids(title, proc):
             pids[name] = found[-1]
     front = {
         "proxy": find_pids(PROXY_TITLE, proc),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.proc_cpu import FRONT, SUPPORT, app_total_us
+from loadtest.proc_cpu import FRONT, SUPPORT, SUPPORT_ACTORS, app_total_us
 
 Target = tuple[str, bool, str]
 IDEAL_GOAL = {8: 0.95, 32: 0.95, 64: 0.90}  # served / ideal, by N
@@ -89,7 +89,7 @@ def served_targets(served: list[dict[str, Any]]) -> list[Target]:
                 f"{total:.0f} µs",
             )
             for name, us in cpu.items():  # the ingress and each model replica
-                if name not in FRONT and name not in SUPPORT:
+                if name not in FRONT and name not in SUPPORT and name not in SUPPORT_ACTORS:
                     add(
                         f"served {system} N=64: {name} CPU per token <= {CPU_PROCESS_US:.0f} µs",
                         us <= CPU_PROCESS_US,

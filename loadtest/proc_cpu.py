@@ -44,6 +44,9 @@ HAPROXY_PROGRAM = "haproxy"
 FRONT = ("proxy", "haproxy manager", "haproxy")  # Serve's processes before the app's
 # the app's deployments besides the ingress and the models: name -> Serve deployment
 SUPPORT = {"directory": "EndpointDirectory", "tuner": "Tuner"}
+# plain Ray actors the app's deployments own: name -> the actor's process title (Ray's
+# ``ray::<class>``, ``ray::<class>.<method>()`` during a call); counted beside SUPPORT
+SUPPORT_ACTORS = {"directory state": "ray::EndpointDirectoryState"}
 
 
 def cpu_seconds(pid: int, proc: str = "/proc") -> float | None:

@@ -206,16 +206,28 @@ def test_the_served_targets_read_each_figure_against_its_bound() -> None:
 
 
 def test_the_apps_other_deployments_count_in_its_total(tmp_path: Path) -> None:
-    """The endpoint directory (and a live tuner) are the app's processes: found by their
-    replicas' titles (padded as Ray pads them; during a call Ray adds the method), in the
-    app's total, beside the ingress and the models; another deployment's title does not
-    match."""
+    """The endpoint directory and its state actor (and a live tuner) are the app's
+    processes: found by their titles (padded as Ray pads them; during a call Ray adds the
+    method), in the app's total, beside the ingress and the models, without a per-process
+    target of their own; another deployment's title does not match."""
     fake_process(tmp_path, 30, 0, 0, title="ray::ServeReplica:app:EndpointDirectory   ")
     fake_process(tmp_path, 31, 0, 0, title="ray::ServeReplica:app:Tuner.handle_request()")
     fake_process(tmp_path, 32, 0, 0, title="ray::ServeReplica:app:Ingress")
     fake_process(tmp_path, 33, 0, 0, title="ray::ServeReplica:other:EndpointDirectoryX")
+    fake_process(tmp_path, 34, 0, 0, title="ray::EndpointDirectoryState.heartbeat()")
     pids = app_pids({"pid": 32, "models": {"small": {"pid": 2}}}, str(tmp_path))
-    assert pids == {"ingress": 32, "small": 2, "directory": 30, "tuner": 31}
-    per_token = {"ingress": 40.0, "small": 50.0, "directory": 6.0, "proxy": 30.0}
-    assert app_total_us(per_token) == 96.0
-    assert format_cpu(per_token).endswith("app 96")
+    assert pids == {
+        "ingress": 32, "small": 2, "directory": 30, "tuner": 31, "directory state": 34
+    }  # fmt: skip
+    per_token = {"ingress": 40.0, "small": 50.0, "directory": 6.0, "directory state": 70.0,
+                 "proxy": 30.0}  # fmt: skip
+    assert app_total_us(per_token) == 166.0
+    assert format_cpu(per_token).endswith("app 166")
+    row = {"system": "h200 eager direct", "profile": "h200", "n": 64, "models": {},
+           "cpu_us_per_token": per_token, "tok_s": 1.0}  # fmt: skip
+    names = [name for name, _, _ in served_targets([row])]
+    assert [n.split("N=64: ")[1] for n in names] == [
+        "app CPU per token <= 150 µs",
+        "ingress CPU per token <= 50 µs",
+        "small CPU per token <= 50 µs",
+    ]
