@@ -36,7 +36,8 @@ import ray
 from ray import serve
 from ray.experimental import internal_kv
 
-from tokenrouter_ray.transport.base import Directory, Endpoint, InMemoryDirectory
+from tokenrouter_ray.transport.base import Endpoint, InMemoryDirectory
+from tokenrouter_ray.transport.ray_channel import RayDirectory
 
 HEARTBEAT_S = 0.5
 ENDPOINT_TTL_S = 5.0
@@ -115,38 +116,23 @@ class EndpointDirectory:
         await asyncio.wait_for(self._state.uptime_s.remote(), STATE_HEALTH_TIMEOUT_S)
 
 
-class ServeDirectory(Directory):
-    """The directory as a peer sees it: calls go to the state actor, whose handle the Serve
-    deployment hands out on first use and again after a call failed (the replica restarted
-    with a new state, or the state is gone). Picklable."""
+class ServeDirectory(RayDirectory):
+    """The directory as a peer sees it: ``RayDirectory``'s calls, made to the state actor,
+    whose handle the Serve deployment hands out on first use and again after a call failed
+    (the replica restarted with a new state, or the state is gone). Picklable."""
 
     def __init__(self, handle: Any) -> None:
+        super().__init__(None)  # the state actor, once asked for
         self._serve = handle  # the EndpointDirectory deployment's handle
-        self._state: Any = None  # its state actor, once asked for
 
     async def _call(self, method: str, *args: Any) -> Any:
-        if self._state is None:
-            self._state = await self._serve.state.remote()
+        if self._handle is None:
+            self._handle = await self._serve.state.remote()
         try:
-            return await getattr(self._state, method).remote(*args)
+            return await super()._call(method, *args)
         except Exception:
-            self._state = None  # ask the deployment again next time
+            self._handle = None  # ask the deployment again next time
             raise
-
-    async def register(self, endpoint: Endpoint) -> None:
-        await self._call("register", endpoint)
-
-    async def unregister(self, name: str) -> None:
-        await self._call("unregister", name)
-
-    async def get(self, name: str) -> Endpoint | None:
-        return await self._call("get", name)
-
-    async def endpoints(self, model: str | None = None) -> list[Endpoint]:
-        return await self._call("endpoints", model)
-
-    async def heartbeat(self, endpoint: Endpoint | None = None) -> list[Endpoint]:
-        return await self._call("heartbeat", endpoint)
 
     async def uptime_s(self) -> float:
         return await self._call("uptime_s")

@@ -310,17 +310,21 @@ class RayDirectory(Directory):
         ).remote()
         return cls(handle)
 
+    async def _call(self, method: str, *args: Any) -> Any:
+        """One call of the directory actor's ``method`` (subclasses resolve the actor)."""
+        return await getattr(self._handle, method).remote(*args)
+
     async def register(self, endpoint: Endpoint) -> None:
-        await self._handle.register.remote(endpoint)
+        await self._call("register", endpoint)
 
     async def unregister(self, name: str) -> None:
-        await self._handle.unregister.remote(name)
+        await self._call("unregister", name)
 
     async def get(self, name: str) -> Endpoint | None:
-        return await self._handle.get.remote(name)
+        return await self._call("get", name)
 
     async def endpoints(self, model: str | None = None) -> list[Endpoint]:
-        return await self._handle.endpoints.remote(model)
+        return await self._call("endpoints", model)
 
     async def heartbeat(self, endpoint: Endpoint | None = None) -> list[Endpoint]:
-        return await self._handle.heartbeat.remote(endpoint)
+        return await self._call("heartbeat", endpoint)
