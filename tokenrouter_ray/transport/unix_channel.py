@@ -61,7 +61,7 @@ from tokenrouter_ray.transport.base import (
     PeerChannel,
     PeerUnreachableError,
 )
-from tokenrouter_ray.transport.checks import YIELD_EVERY, FrameChecks
+from tokenrouter_ray.transport.checks import YIELD_EVERY, ChannelReaders, FrameChecks
 from tokenrouter_ray.transport.zmq_channel import ZmqConfig
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class _Outgoing:
         self.armed = False  # the event loop watches the socket for room
 
 
-class UnixChannel(FrameChecks, PeerChannel):
+class UnixChannel(FrameChecks, ChannelReaders, PeerChannel):
     """``PeerChannel`` over ``SOCK_SEQPACKET`` Unix sockets (module docstring). ``config``:
     the ZeroMQ channel's (``ipc_dir``, ``send_hwm``, ``key``, ``max_frame_bytes``,
     ``reject_rate``, ``receive_on_step_thread``)."""
@@ -137,11 +137,8 @@ class UnixChannel(FrameChecks, PeerChannel):
         # one reader: ``recv`` on the event loop, a receiver thread, or the step thread
         self._watching = False
         self._ready: collections.deque[list[PeerReq]] = collections.deque()  # for ``recv``
-        self._waiter: asyncio.Future[None] | None = None
-        self._receiver: threading.Thread | None = None
-        self._receiver_stop = False
+        self._init_readers()
         self.inline_thread: threading.Thread | None = None
-        self._inline = False
 
     # ------------------------------------------------------------------ binding
     async def _open(self) -> str:
@@ -413,32 +410,11 @@ class UnixChannel(FrameChecks, PeerChannel):
                 self._epoll.unregister(fd)
         conn.sock.close()
 
-    def receive_inline(self) -> UnixChannel | None:
-        """From now on the caller's own thread reads the channel (``fileno``, ``paused_s``,
-        ``read``): a replica's step thread. None: not here (the config says no, the channel
-        is not open, or another reader is in use)."""
-        if not self.config.receive_on_step_thread or self._epoll is None or self._closed:
-            return None
-        if self._watching or self._receiver is not None:
-            return None
-        self._inline = True
-        return self
+    def _readable(self) -> bool:
+        return self._epoll is not None and not self._closed
 
-    def start_receiver(self, on_batch: Callable[[list[PeerReq]], None], name: str) -> bool:
-        """Receive on a thread of its own from now on (``on_batch`` on that thread). False:
-        another reader is in use, or the channel is not open."""
-        if self._epoll is None or self._closed or self._watching or self._inline:
-            return False
-        if self._receiver is None:
-            self._receiver = threading.Thread(
-                target=self._receive_thread, args=(on_batch,), name=name, daemon=True
-            )
-            self._receiver.start()
-        return True
-
-    @property
-    def receiver_alive(self) -> bool | None:
-        return None if self._receiver is None else self._receiver.is_alive()
+    def _loop_watching(self) -> bool:
+        return self._watching
 
     def _receive_thread(self, on_batch: Callable[[list[PeerReq]], None]) -> None:
         watch = select.poll()
@@ -457,12 +433,7 @@ class UnixChannel(FrameChecks, PeerChannel):
         """The next accepted frame's messages, read on the event loop (one ``recv`` at a
         time). The epoll set's descriptor is watched by the loop; its callback takes the
         readiness (so a signal nobody reads yet does not spin the loop)."""
-        if self._epoll is None or self._closed:
-            raise ChannelClosed(f"channel {self.name!r} is closed")
-        if self._receiver is not None or self._inline:
-            raise RuntimeError(f"channel {self.name!r} receives on another thread")
-        if self._waiter is not None:
-            raise RuntimeError(f"channel {self.name!r}: one recv at a time")
+        self._may_recv()
         if not self._watching:
             asyncio.get_running_loop().add_reader(self.fileno(), self._on_signal)
             self._watching = True
@@ -482,15 +453,6 @@ class UnixChannel(FrameChecks, PeerChannel):
             else:  # junk read and dropped, more queued: the loop's other work first
                 await self._maybe_yield()
 
-    async def _signalled(self) -> None:
-        if self._epoll is None or self._closed:
-            raise ChannelClosed(f"channel {self.name!r} is closed")
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-
     def _on_signal(self) -> None:
         """The loop's reader callback: take the epoll set's readiness (its descriptor turns
         quiet) and wake the waiting ``recv``."""
@@ -499,9 +461,7 @@ class UnixChannel(FrameChecks, PeerChannel):
             return
         for fd, _ in epoll.poll(0):
             self._hot.add(fd)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake_recv()
 
     # ------------------------------------------------------------------ closing
     async def _shut(self) -> None:

@@ -69,7 +69,7 @@ from tokenrouter_ray.transport.base import (
     PeerChannel,
     PeerUnreachableError,
 )
-from tokenrouter_ray.transport.checks import YIELD_EVERY, FrameChecks
+from tokenrouter_ray.transport.checks import YIELD_EVERY, ChannelReaders, FrameChecks
 from tokenrouter_ray.transport.curve import CurveKeys, curve_allowlist
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class ZmqConfig:
     receive_on_step_thread: bool = True
 
 
-class ZmqChannel(FrameChecks, PeerChannel):
+class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
     def __init__(
         self,
         model: str,
@@ -129,10 +129,10 @@ class ZmqChannel(FrameChecks, PeerChannel):
         key = self.config.key
         self._signer = FrameSigner(key) if key is not None else None
         self._init_checks(key, self.config.reject_rate, on_reject)
-        # ``recv``: the event loop that watches the PULL socket's descriptor, and the one
-        # ``recv`` waiting for it to signal (set at the first ``recv``)
+        # ``recv``: the event loop that watches the PULL socket's descriptor (set at the
+        # first ``recv``); one reader at a time (``ChannelReaders``)
         self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._init_readers()
         # Plain (not asyncio) views of the same sockets: a receive of a queued frame and a
         # non-blocking send need no Future and no event-loop callback (a sixth of the
         # ingress's CPU per token went to pyzmq's asyncio layer; docs/benchmarks.md Round 7).
@@ -144,12 +144,8 @@ class ZmqChannel(FrameChecks, PeerChannel):
         self._push_lock = threading.Lock()
         self._push_now: dict[str, zmq.Socket] = {}
         self._connecting: dict[str, asyncio.Future[zmq.asyncio.Socket]] = {}
-        # ``start_receiver``: a thread that owns the PULL socket instead of ``recv``
-        self._receiver: threading.Thread | None = None
-        self._receiver_stop = False
         # ``receive_inline``: the thread that reads the PULL socket itself
         self.inline_thread: threading.Thread | None = None
-        self._inline = False
         self._ipc_dir_owned: str | None = None
 
     @property
@@ -286,12 +282,7 @@ class ZmqChannel(FrameChecks, PeerChannel):
         signal (``_on_signal``), not pyzmq's asyncio socket, which made a Future, a poll
         registration and callbacks per frame: about a fifth of the ingress's CPU
         (docs/benchmarks.md, Round 14). One ``recv`` at a time."""
-        if self._pull_now is None or self._closed:
-            raise ChannelClosed(f"channel {self.name!r} is closed")
-        if self._receiver is not None or self._inline:
-            raise RuntimeError(f"channel {self.name!r} receives on its receiver thread")
-        if self._waiter is not None:
-            raise RuntimeError(f"channel {self.name!r}: one recv at a time")
+        self._may_recv()
         if self._watch is None:
             loop, fd = asyncio.get_running_loop(), self.fileno()
             loop.add_reader(fd, self._on_signal)
@@ -299,7 +290,11 @@ class ZmqChannel(FrameChecks, PeerChannel):
         while True:
             await self._maybe_yield()
             frame = self._queued_frame()
-            if frame is None:  # nothing queued: wait for the descriptor's signal
+            if frame is None:  # nothing queued: wait for the descriptor's signal. libzmq
+                # processed its pending commands before it said so, so the next frame to
+                # arrive signals the descriptor (ZeroMQ signals a change, not a level: a
+                # check of the socket's events here would only repeat that work, ~4 % of
+                # the ingress's CPU under py-spy)
                 await self._signalled()
                 continue
             batch, wait_s = self._accept(frame)
@@ -308,19 +303,11 @@ class ZmqChannel(FrameChecks, PeerChannel):
             if wait_s > 0:  # past the budget: a flood pays in time, not in our CPU
                 await asyncio.sleep(wait_s)
 
-    async def _signalled(self) -> None:
-        """Until the PULL socket's descriptor signals. Called right after a non-blocking
-        receive found nothing: libzmq processes its pending commands before it says so, so
-        the next frame to arrive signals the descriptor (ZeroMQ signals a change, not a
-        level: a check of the socket's events here would only repeat that work, ~4 % of the
-        ingress's CPU under py-spy)."""
-        if self._pull_now is None or self._closed:
-            raise ChannelClosed(f"channel {self.name!r} is closed")
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await waiter
-        finally:
-            self._waiter = None
+    def _readable(self) -> bool:
+        return self._pull_now is not None and not self._closed
+
+    def _loop_watching(self) -> bool:
+        return self._watch is not None
 
     def _on_signal(self) -> None:
         """The event loop's reader callback: the descriptor turned readable. Reading the
@@ -333,33 +320,14 @@ class ZmqChannel(FrameChecks, PeerChannel):
             _GET(pull, _EVENTS)
         except zmq.ZMQError:
             logger.exception("%s: reading the socket's events failed", self.name)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake_recv()
 
     # -------------------------------------------------------------- receiver thread
-    def start_receiver(self, on_batch: Callable[[list[PeerReq]], None], name: str) -> bool:
-        """Receive on a thread of its own from now on: each frame's messages go to
-        ``on_batch`` (on that thread). The thread waits inside ZeroMQ without the
-        interpreter lock, and a frame costs no event-loop wake, Future or callback (a
-        replica's step thread takes what it delivers). False: ``recv`` is in use already,
-        or the channel is not open."""
-        if self._pull_now is None or self._closed or self._watch is not None or self._inline:
-            return False
-        if self._receiver is None:
-            self._receiver = threading.Thread(
-                target=self._receive_thread, args=(self._pull_now, on_batch), name=name,
-                daemon=True,
-            )  # fmt: skip
-            self._receiver.start()
-        return True
-
-    @property
-    def receiver_alive(self) -> bool | None:
-        """Whether the receiver thread runs (None: there is none)."""
-        return None if self._receiver is None else self._receiver.is_alive()
-
-    def _receive_thread(self, pull: zmq.Socket, on_batch: Callable[[list[PeerReq]], None]) -> None:
+    def _receive_thread(self, on_batch: Callable[[list[PeerReq]], None]) -> None:
+        """``start_receiver``'s thread: it waits inside ZeroMQ without the interpreter lock,
+        and a frame costs no event-loop wake, Future or callback."""
+        pull = self._pull_now
+        assert pull is not None
         more = False  # frames left by the last read, which no poll announces
         while not (self._receiver_stop or self._closed):
             paused = self.paused_s()
@@ -378,19 +346,6 @@ class ZmqChannel(FrameChecks, PeerChannel):
             more = not self.read(on_batch)[1]
 
     # ----------------------------------------------------- read by the step thread
-    def receive_inline(self) -> ZmqChannel | None:
-        """From now on the caller's own thread reads the PULL socket (``fileno``, ``paused_s``,
-        ``read``): a replica's step thread, in its waits and between steps. No receiver
-        thread: a frame costs no thread wake-up, no hand-off and no contention for the
-        interpreter lock. None: not supported here (the config says no, the channel is not
-        open, or ``recv`` or a receiver thread is in use); use ``start_receiver`` then."""
-        if not self.config.receive_on_step_thread or self._pull_now is None or self._closed:
-            return None
-        if self._watch is not None or self._receiver is not None:
-            return None
-        self._inline = True
-        return self
-
     def fileno(self) -> int:
         """The PULL socket's descriptor. ZeroMQ signals edges on it: it turns readable when
         a frame arrives at a socket that ``read`` left drained, and stays so until the next
