@@ -18,28 +18,23 @@ uses a demo fixture (the SmolLM2 build). The fast tier deselects them together w
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.net import free_port
 
-def _free_port() -> int:
-    """A port nothing listens on now (two test sessions on one machine must not share
-    Serve's HTTP port: requests would reach the other session's apps)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-SERVE_PORT = int(os.environ.get("TOKENROUTER_TEST_SERVE_PORT") or _free_port())
+SERVE_PORT = int(os.environ.get("TOKENROUTER_TEST_SERVE_PORT") or free_port())
 
 # Fixtures (direct or through other fixtures) that start Ray or need the demo build.
 RAY_FIXTURES = frozenset({"ray_cluster", "serve_http", "serve_app"})
 DEMO_FIXTURES = frozenset({"demo_model_dir", "demo_tokenizer", "demo_pair", "flagship_paths"})
 # Tests (node-id prefixes) that do so without those fixtures.
-RAY_TESTS = ("tests/deployments/test_serve_run.py",)  # `serve run` in a subprocess
+RAY_TESTS = (
+    "tests/deployments/test_serve_run.py",  # `serve run` in a subprocess
+    "tests/deployments/test_haproxy_front.py",  # starts Ray and HAProxy itself
+)
 DEMO_TESTS = (
     "tests/deployments/test_api_keys.py",  # its module fixture loads the demo tokenizer
     "tests/test_cli.py::test_prepare_demo_is_idempotent",

@@ -234,6 +234,13 @@ class PolicySpec(_Strict):
         "glimprouter tau, bernoulli p); escalation: one value for every level or one per "
         "level. Empty: requests may give only `routing.threshold`.",
     )
+    alone: str | None = Field(
+        None,
+        description="Serve every request that asks for no `routing` by this model alone "
+        "(single-model bypass: no policy, no handoffs), e.g. `large` where routing costs "
+        "more than it saves; requests that give `routing.threshold` or `routing.quality` "
+        "are still routed. None: route every request.",
+    )
 
     def threshold_levels(self, num_models: int) -> int:
         """How many thresholds a request's ``routing.threshold`` may give (besides one for
@@ -566,6 +573,11 @@ class AppConfig(_Strict):
         self._check_device_groups()
         self._check_frame_limit()
         self._check_presets()
+        if self.policy.alone is not None and self.policy.alone not in self.models:
+            raise ValueError(
+                f"policy.alone: {self.policy.alone!r} is not a model "
+                f"(models are {', '.join(self.models)})"
+            )
         unknown = set(self.tuner.fixed) - set(self.models)
         if unknown:
             raise ValueError(f"tuner.fixed names unknown models {sorted(unknown)}")

@@ -150,20 +150,27 @@ class LocalRuntime:
         self.subservers = []
 
     async def complete(
-        self, prompt: Sequence[int], sampling: SamplingSpec, request_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        sampling: SamplingSpec,
+        request_id: str | None = None,
+        alone: str | None = None,
     ) -> Completion:
+        """One request to its end; ``alone``: served by that model by itself (bypass)."""
         rid = request_id or f"local-{next(self._ids)}"
         try:
-            await self.submit(rid, prompt, sampling)
+            await self.submit(rid, prompt, sampling, alone)
             return await self.ingress.result(rid)
         finally:
             self.placement.release(rid)
 
-    async def submit(self, rid: str, prompt: Sequence[int], sampling: SamplingSpec) -> None:
+    async def submit(
+        self, rid: str, prompt: Sequence[int], sampling: SamplingSpec, alone: str | None = None
+    ) -> None:
         """Send a request to the ingress core; with ``place_at_ingress``, placed first (its
         replicas stay counted until ``placement.release(rid)``)."""
-        if not self.place_at_ingress:
-            await self.ingress.submit(rid, list(prompt), sampling)
+        if not self.place_at_ingress or alone is not None:
+            await self.ingress.submit(rid, list(prompt), sampling, alone=alone)
             return
         placed = self.placement.place(rid, self.models, prompt)
         entry, *others = (placed[m] for m in self.models)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,14 +22,9 @@ import yaml
 
 from loadtest.proc_cpu import HAPROXY_PROGRAM, find_program
 from tests.deployments.serve_process import kill_serve_run, start_serve_run
+from tests.net import free_port
 from tokenrouter_ray.config import CONF_DIR
 from tokenrouter_ray.simulation.served import sim_answer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

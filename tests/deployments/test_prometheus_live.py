@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -29,6 +28,7 @@ import openai
 import pytest
 import yaml
 
+from tests.net import free_port
 from tokenrouter_ray.config import compose_config
 from tokenrouter_ray.dashboards import render
 from tokenrouter_ray.engine.memory_plan import footprint_from_checkpoint
@@ -62,12 +62,6 @@ def small_kv_budget_gb() -> float:
     small = compose_config(demo_overrides()).models["small"]
     fp = footprint_from_checkpoint(small.path, small.gguf_file, element_bytes=4)
     return (fp.weight_bytes + SMALL_KV_BLOCKS * BLOCK * fp.kv_bytes_per_token) / 2**30
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape_config(targets: list[str], interval_s: int) -> str:

@@ -5,13 +5,13 @@ the tuner solves, publishes thresholds that the replicas adopt, and explains its
 from __future__ import annotations
 
 import concurrent.futures
-import time
 
 import httpx
 import openai
 
 from tests.deployments.conftest import tiny_overrides
 from tests.deployments.test_serve_app import prompts
+from tests.waiting import wait_for
 from tokenrouter_ray.thresholds import is_admissible
 
 TWO = ["small", "large"]
@@ -25,16 +25,6 @@ TUNER = [
     "tuner.min_tokens_per_s=1e9",  # an SLO nothing meets: admit the smallest tuned N (1)
     "ingress.admission_queue=0",  # past the cap: refused at once (no wait for a slot)
 ]
-
-
-def wait_for(check, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.25)
 
 
 def test_replicas_follow_the_tuner(serve_app, served_chain_dirs) -> None:

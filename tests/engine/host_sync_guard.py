@@ -20,9 +20,14 @@ forward):
   is computed from host tensors only; what the staging helpers return
   (``device_step.to_device`` / ``host_to_device``: pinned and non-blocking on CUDA) is the
   device's;
+- a synchronous device-to-host copy: ``.to("cpu")`` / ``.to(device="cpu")`` of a device
+  tensor (the host named as a string: on CPU a ``torch.device`` is cpu either way), or a
+  ``copy_`` from a device tensor into host memory, without ``non_blocking=True`` (the
+  readback into pinned memory is the one way back);
 - a host tensor (not 0-dim) beside a device tensor in one op: an error on CUDA, where the
   CPU runs it;
-- an explicit wait: ``torch.cuda.synchronize``, or a stand-in event's ``synchronize``.
+- an explicit wait: ``torch.cuda.synchronize``, a CUDA event's or stream's
+  ``synchronize``, or a stand-in event's.
 
 Everything found is kept with a short stack, so a failing test says where.
 """
@@ -143,13 +148,24 @@ class HostSyncGuard(TorchDispatchMode):
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             non_blocking = args[2] if len(args) > 2 else non_blocking
-            if self.is_host(src) and not self.is_host(dst) and not non_blocking:
+            if non_blocking or self.is_host(src) == self.is_host(dst):
+                return
+            if self.is_host(src):
                 self.note("copy_ from a host tensor without non_blocking=True")
+            else:
+                self.note("copy_ of a device tensor into host memory without non_blocking=True")
             return
         names = [a.name for a in func._schema.arguments]
         given = dict(zip(names, args, strict=False)) | kwargs
         if "device" in given and self.is_host(args[0]) and not given.get("non_blocking"):
             self.note(f"{func} of a host tensor to a device without non_blocking=True")
+
+
+def _to_host(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` names the host: ``"cpu"`` as a string (on CPU
+    a ``torch.device`` cannot tell the host from the device, ``x.device`` is cpu too)."""
+    target = kwargs.get("device", args[0] if args else None)
+    return isinstance(target, str) and torch.device(target).type == "cpu"
 
 
 def _output_size(func, args: tuple, kwargs: dict) -> object:
@@ -206,6 +222,20 @@ def no_host_sync(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostSyncGuard]:
     def waits(*args: object, **kwargs: object) -> None:
         guard.note("torch.cuda.synchronize: the host waits for the device")
 
+    def waits_on(what: str) -> Callable[..., None]:
+        def call(*args: object, **kwargs: object) -> None:
+            guard.note(f"{what}: the host waits for the device")
+
+        return call
+
+    to = torch.Tensor.to
+
+    def moved(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        # on CPU ``.to("cpu")`` returns the tensor itself: no op reaches the dispatcher
+        if _to_host(args, kwargs) and not guard.is_host(self) and not kwargs.get("non_blocking"):
+            guard.note("Tensor.to a host device without non_blocking=True: a device read")
+        return to(self, *args, **kwargs)
+
     with monkeypatch.context() as m:
         m.setattr(torch, "tensor", built(tensor))
         m.setattr(torch, "as_tensor", built(as_tensor))
@@ -222,6 +252,9 @@ def no_host_sync(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostSyncGuard]:
                 if getattr(module, name, None) in helpers:
                     m.setattr(module, name, staged(getattr(module, name)))
         m.setattr(torch.cuda, "synchronize", waits)
+        m.setattr(torch.cuda.Event, "synchronize", waits_on("torch.cuda.Event.synchronize"))
+        m.setattr(torch.cuda.Stream, "synchronize", waits_on("torch.cuda.Stream.synchronize"))
+        m.setattr(torch.Tensor, "to", moved)
         HostSyncGuard.active = guard
         try:
             with guard:

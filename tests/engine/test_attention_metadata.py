@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenrouter_ray.engine.attention import PagedBatch
+from tokenrouter_ray.engine.attention import PagedBatch, sdpa_choice, sdpa_params
 from tokenrouter_ray.engine.kv_cache import PagedKVCache
 
 
@@ -49,3 +49,14 @@ def test_varlen_metadata_for_flash_attn() -> None:
     assert meta["block_table"].tolist() == [[3, 6], [1, 2], [7, 0]]
     assert meta["block_table"].dtype == torch.int32
     assert not batch.decode and not batch.spans
+
+
+def test_the_kernel_check_judges_a_grouped_query_prefill_as_one() -> None:
+    """``sdpa_choice`` asks PyTorch's ``can_use_*`` checks about the call that runs: a
+    grouped-query prefill (16 query heads over 8 kv heads) says ``enable_gqa``."""
+    q = torch.zeros(1, 16, 12, 8)
+    k = torch.zeros(1, 8, 12, 8)
+    params = sdpa_params(q, k, k, None, is_causal=True, enable_gqa=True)
+    assert (params.enable_gqa, params.is_causal) == (True, True)
+    assert not sdpa_params(q, q, q, None, is_causal=False, enable_gqa=False).enable_gqa
+    assert sdpa_choice(q, k, k, None, None, is_causal=True, enable_gqa=True) == "math"  # CPU

@@ -27,7 +27,7 @@ from tests.engine.conftest import make_engine
 from tests.engine.host_sync_guard import HostSyncGuard, no_host_sync
 from tests.openai.qwen3_tiny import qwen3_tokenizer, save_qwen3
 from tokenrouter_ray.engine import logits_processors, sampler
-from tokenrouter_ray.engine.device_step import EventWatcher, to_device
+from tokenrouter_ray.engine.device_step import EventWatcher, host_buffer, to_device
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.engine.outputs import StepTimings
 from tokenrouter_ray.engine.request import GrammarSpec, SamplingParams
@@ -164,6 +164,27 @@ OFFENCES: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
         "copy_ from a host tensor without non_blocking=True",
     ),
     "synchronize": (lambda x: torch.cuda.synchronize(), "torch.cuda.synchronize"),
+    "event synchronize": (
+        lambda x: torch.cuda.Event.synchronize(None),
+        "torch.cuda.Event.synchronize",
+    ),
+    "stream synchronize": (
+        lambda x: torch.cuda.Stream.synchronize(None),
+        "torch.cuda.Stream.synchronize",
+    ),
+    'to("cpu")': (lambda x: x.to("cpu"), "Tensor.to a host device"),
+    "to(device=cpu)": (
+        lambda x: x.argmax(-1).to(device="cpu"),
+        "Tensor.to a host device",
+    ),
+    "copy_ into host memory": (
+        lambda x: torch.empty(2, dtype=torch.long).copy_(x.argmax(-1)[:2]),
+        "copy_ of a device tensor into host memory",
+    ),
+    "readback without non_blocking": (
+        lambda x: host_buffer((2,), torch.long, x.device).copy_(x.argmax(-1)[:2]),
+        "copy_ of a device tensor into host memory",
+    ),
     "host operand": (
         lambda x: x.index_select(0, torch.zeros(1, dtype=torch.long)),
         "a host tensor beside a device tensor",
@@ -181,6 +202,10 @@ ALLOWED: dict[str, Callable[[torch.Tensor], object]] = {  # the same needs, done
     ),
     "device-side argmax": lambda x: x.argmax(-1),
     "device to device copy_": lambda x: _staged_buffer(x).copy_(x.argmax(-1)[:2]),
+    "non-blocking readback": lambda x: host_buffer((2,), torch.long, x.device).copy_(
+        x.argmax(-1)[:2], non_blocking=True
+    ),
+    "to a dtype": lambda x: x.to(torch.float64),
     "sized repeat_interleave": lambda x: torch.repeat_interleave(
         torch.arange(2, device=x.device), to_device([1, 2], torch.long, x.device), output_size=3
     ),

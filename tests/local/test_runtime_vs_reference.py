@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
+from typing import ClassVar
 
 import pytest
+import torch
 
 from tests.tiny_models import chain_engines
+from tests.waiting import wait_until
+from tokenrouter_ray.engine.block_hash import prefix_block_hashes
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.local import LocalRuntime
-from tokenrouter_ray.protocol import SamplingSpec
+from tokenrouter_ray.protocol import MsgKind, SamplingSpec, encode_batch
 from tokenrouter_ray.reference import reference_generate
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.transport.inproc import InProcChannel
@@ -39,9 +44,13 @@ def prompts(n: int = 8) -> list[list[int]]:
     return [[rng.randrange(128) for _ in range(rng.randint(1, 30))] for _ in range(n)]
 
 
-def run_local(policy, engines, channel_type=InProcChannel, n: int = 8, prefill_at=None):
+def run_local(
+    policy, engines, channel_type=InProcChannel, n: int = 8, prefill_at=None, on_start=None
+):
     async def go():
         async with LocalRuntime(engines, policy, channel_type, prefill_at=prefill_at) as runtime:
+            if on_start is not None:
+                on_start(runtime)
             spec = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED)
             results = await asyncio.wait_for(runtime.complete_all(prompts(n), spec), 120)
             await runtime.wait_idle()
@@ -110,19 +119,56 @@ def test_prompts_prefilled_at_admission_change_no_token(
     options, names = CASES[name]
     policy = build_policy(name, options, names)
     engines = chain_engines(chain_dirs, names)
-    results, _ = run_local(policy, engines, prefill_at={"large": 1})
+    large = dict(engines)["large"].kv
+    block = large.block_size
+    # The last full block of every prompt, as the large model caches it once prefilled
+    lasts = [prefix_block_hashes(p, block, (len(p) - 1) // block)[-1:] for p in prompts()]
+    prefilled = lambda: all(large.pool.lookup(h) is not None for last in lasts for h in last)  # noqa: E731
+    results, _ = run_local(
+        policy,
+        engines,
+        NewAfterPrefills,
+        prefill_at={"large": 1},
+        on_start=lambda runtime: NewAfterPrefills.wait_for(prefilled),
+    )
     models = [(n, chain_reference_models[n]) for n in names]
     for prompt, got in zip(prompts(), results, strict=True):
         want = reference_generate(
             models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
         )
         assert (got.error, got.token_ids, got.counts) == (None, want.token_ids, want.counts)
-    large = dict(engines)["large"].kv
     cacheable = sum((len(p) - 1) // 4 * 4 for p in prompts())  # full blocks, block size 4
     if name == "never":
         assert large.prefix_cache_hits == 0
     else:
         assert large.prefix_cache_hits >= cacheable
+
+
+class NewAfterPrefills(InProcChannel):
+    """Holds the ingress's NEW frames until ``wait_for``'s condition holds (every prompt's
+    admission PREFILL done on the large model): the first handoffs then find the prompts
+    cached whatever the host's speed, instead of racing their own PREFILL."""
+
+    ready: Callable[[], bool] = staticmethod(lambda: True)
+    held: ClassVar[set[asyncio.Task]] = set()
+
+    @classmethod
+    def wait_for(cls, ready: Callable[[], bool]) -> None:
+        cls.ready = staticmethod(ready)
+
+    async def _send_frame(self, dst, msgs) -> int:
+        if self.model != "ingress" or all(m.kind != MsgKind.NEW for m in msgs):
+            return await super()._send_frame(dst, msgs)
+        frame = encode_batch(msgs)
+
+        async def deliver() -> None:
+            await wait_until(type(self).ready, timeout_s=120)
+            self.hub.deliver(dst.address, frame)
+
+        task = asyncio.get_running_loop().create_task(deliver())
+        self.held.add(task)
+        task.add_done_callback(self.held.discard)
+        return len(frame)
 
 
 class DuplicatingChannel(InProcChannel):
@@ -291,3 +337,56 @@ def test_extreme_thresholds_route_as_expected(name, chain_dirs, chain_reference_
     assert runs[never].counts == {names[0]: len(runs[never].token_ids)}
     assert runs[never].handoffs == 0
     assert runs[1.0 - never].handoffs > 0
+
+
+def greedy_alone(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """One model's greedy answer, written from the definition (argmax of the last logits
+    until EOS or ``max_tokens``): no sampler, engine or policy of the runtime's."""
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    sequence, out = list(prompt), []
+    with torch.inference_mode():
+        while len(out) < max_tokens:
+            token = int(model(torch.tensor([sequence])).logits[0, -1].argmax())
+            out.append(token)
+            sequence.append(token)
+            if token in eos:
+                break
+    return out
+
+
+@pytest.mark.parametrize("alone", ["large", "small"])
+def test_a_request_served_alone_is_that_models_own_answer(
+    alone, chain_dirs, chain_reference_models
+) -> None:
+    """Single-model bypass (``routing.model``): under a policy that hands off dozens of
+    times a request, a request served alone is the model's own greedy answer, every token
+    written by it, with no handoff; requests routed beside it are routed as before."""
+    policy = build_policy("bernoulli", {"p": 0.35}, TWO)
+    spec = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED)
+
+    async def go():
+        async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as runtime:
+            alone_results = [runtime.complete(p, spec, alone=alone) for p in prompts()]
+            routed = [runtime.complete(p, spec) for p in prompts()]
+            done = await asyncio.wait_for(asyncio.gather(*alone_results, *routed), 120)
+            await runtime.wait_idle()
+            pools = [s.engine.kv.pool for s in runtime.subservers]
+            assert all(p.num_free_blocks == p.num_blocks for p in pools)  # no leaked KV
+            return done, runtime.handoffs
+
+    done, handoffs = asyncio.run(go())
+    served, routed = done[: len(prompts())], done[len(prompts()) :]
+    model = chain_reference_models[alone]
+    for prompt, got in zip(prompts(), served, strict=True):
+        assert got.error is None
+        assert got.token_ids == greedy_alone(model, prompt, MAX_TOKENS)
+        assert (got.counts, got.handoffs) == ({alone: len(got.token_ids)}, 0)
+    served_ids = {c.request_id for c in served}
+    assert not [h for h in handoffs if h.rid in served_ids]
+    models = [(n, chain_reference_models[n]) for n in TWO]
+    for prompt, got in zip(prompts(), routed, strict=True):
+        want = reference_generate(
+            models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
+        )
+        assert (got.token_ids, got.counts) == (want.token_ids, want.counts)

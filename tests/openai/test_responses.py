@@ -38,6 +38,7 @@ def test_completion_parses_with_the_openai_client_types() -> None:
     assert parsed.model_extra["routing"] == {
         "tokens_per_model": {"small": 2, "large": 5},
         "handoffs": 3,
+        "mode": "routed",
     }
     assert parsed.choices[1].model_extra["routing"]["tokens_per_model"] == {"large": 4}
 

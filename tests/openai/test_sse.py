@@ -55,7 +55,9 @@ def client_for(body: bytes) -> openai.OpenAI:
 
 def test_sse_event_framing() -> None:
     assert sse_event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
-    assert sse_event(RoutingInfo(handoffs=1)) == b'data: {"tokens_per_model":{},"handoffs":1}\n\n'
+    assert sse_event(RoutingInfo(handoffs=1)) == (
+        b'data: {"tokens_per_model":{},"handoffs":1,"mode":"routed"}\n\n'
+    )
 
 
 def test_sse_event_is_strict_json_with_the_same_values() -> None:
@@ -103,7 +105,11 @@ def test_chat_stream_sequence_with_usage() -> None:
         (1, "length"),
     ]
     assert finish[0].choices[0].delta.content is None and finish[1].choices[0].delta.content == "!"
-    assert finish[1].model_extra["routing"] == {"tokens_per_model": {"large": 1}, "handoffs": 1}
+    assert finish[1].model_extra["routing"] == {
+        "tokens_per_model": {"large": 1},
+        "handoffs": 1,
+        "mode": "routed",
+    }
     last = chunks[-1]
     assert last.choices == [] and last.usage.total_tokens == 9
     assert last.model_extra["routing"]["tokens_per_model"] == {"small": 2, "large": 1}
@@ -245,7 +251,11 @@ def test_merged_choice_streams_order_and_early_close() -> None:
     assert frames[-1] == "[DONE]"
     usage = frames[-2]
     assert usage["usage"]["completion_tokens"] == 5 and usage["usage"]["prompt_tokens"] == 4
-    assert usage["routing"] == {"tokens_per_model": {"small": 5}, "handoffs": 1}
+    assert usage["routing"] == {
+        "tokens_per_model": {"small": 5},
+        "handoffs": 1,
+        "mode": "routed",
+    }
     for index, words in ((0, "abc"), (1, "xy")):
         mine = [f["choices"][0] for f in frames[:-2] if f["choices"] and
                 f["choices"][0]["index"] == index]  # fmt: skip

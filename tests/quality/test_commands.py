@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 
+from tests.net import free_port
 from tokenrouter_ray.cli import main
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.quality.builtin import builtin_tasks
@@ -40,12 +40,6 @@ def test_write_tasks_writes_an_editable_split(tmp_path: Path, capsys) -> None:
     assert "wrote" in capsys.readouterr().out
     assert main(["eval", "--write-tasks", "builtin:demo"]) == 2  # no --out
     assert "needs --out" in capsys.readouterr().err
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_system_that_is_down_is_all_failures(tmp_path: Path, capsys) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from tests.waiting import wait_until
 from tokenrouter_ray.protocol import MsgKind, PeerReq, SamplingSpec
 from tokenrouter_ray.transport import PeerChannel
 
@@ -39,9 +40,4 @@ async def recv_n(channel: PeerChannel, n: int, timeout_s: float = 10.0) -> list[
 
 
 async def wait_for(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    """Until ``cond()`` holds, checking every 10 ms; AssertionError after ``timeout_s``."""
-    for _ in range(int(timeout_s / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+    await wait_until(cond, timeout_s)

@@ -112,6 +112,20 @@ def sdpa_context(
     return sdpa_kernel(list(backends))  # pragma: no cover - needs CUDA
 
 
+def sdpa_params(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    enable_gqa: bool,
+) -> torch.backends.cuda.SDPAParams:
+    """The call's description PyTorch's ``can_use_*`` checks judge (no dropout): a grouped-
+    query call (fewer kv heads than query heads) must say so, or the checks judge another
+    call than the one that runs."""
+    return torch.backends.cuda.SDPAParams(q, k, v, mask, 0.0, is_causal, enable_gqa)
+
+
 def sdpa_choice(
     q: torch.Tensor,  # (n, heads, q_len, head_dim)
     k: torch.Tensor,  # (n, kv_heads, k_len, head_dim)
@@ -127,9 +141,7 @@ def sdpa_choice(
     if q.device.type != "cuda":
         return "math"
     allowed = set(SDPA_BACKENDS["cudnn"] if backends is None else backends)  # pragma: no cover
-    params = torch.backends.cuda.SDPAParams(
-        q, k, v, mask, 0.0, is_causal, False
-    )  # pragma: no cover
+    params = sdpa_params(q, k, v, mask, is_causal, enable_gqa)  # pragma: no cover
     checks = (  # pragma: no cover - needs CUDA
         (SDPBackend.CUDNN_ATTENTION, "cudnn", torch.backends.cuda.can_use_cudnn_attention),
         (SDPBackend.FLASH_ATTENTION, "flash", torch.backends.cuda.can_use_flash_attention),

@@ -62,7 +62,12 @@ from tokenrouter_ray.protocol import (
     TokenInfo,
     by_destination,
 )
-from tokenrouter_ray.transport.base import ChannelClosed, PeerChannel, endpoint_model
+from tokenrouter_ray.transport.base import (
+    ChannelClosed,
+    PeerChannel,
+    PeerUnreachableError,
+    endpoint_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +161,7 @@ class _Live:
         self.timer: asyncio.TimerHandle | None = None  # fires at the deadline
         self.holders: set[str] | None = None  # endpoints it may be on (None: any)
         self.seen_seq = 0  # highest handoff_seq on a commit: handoffs so far, at least
+        self.alone: str | None = None  # the model serving it alone (bypass), if any
 
     @property
     def complete(self) -> bool:
@@ -310,9 +316,12 @@ class IngressCore:
         entry: str | None = None,
         timeout_s: float | None = None,
         endpoints: Mapping[str, str] | None = None,
+        alone: str | None = None,
     ) -> None:
         """Send NEW to ``entry`` (default: ``entry_endpoint()``); ``endpoints`` (model ->
-        the replica to use) ride on it. A failed send forgets the request and raises
+        the replica to use) ride on it. ``alone``: the model that serves the request by
+        itself (single-model bypass: no policy, no handoffs); ``entry`` is then one of its
+        replicas (default: the first). A failed send forgets the request and raises
         (nothing was started)."""
         if rid in self.live:
             raise ValueError(f"request {rid!r} is already running")
@@ -320,15 +329,16 @@ class IngressCore:
             sampling = msgspec.structs.replace(sampling, seed=draw_seed())
         timeout_s = timeout_s or self.timeout_s
         live = _Live(rid, list(prompt), sampling, timeout_s)
+        live.alone = alone
         live.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, rid)
         self.live[rid] = self._wire[rid] = live
         try:
-            dst = entry or self.entry_endpoint()
+            dst = entry or self._entry_of(live, endpoints)
             live.holders = _holders(dst, endpoints)
             new = self._new_msg(live, dst, endpoints)
             await self.channel.send(dst, [new])
             self._told[dst] = new.active_requests  # the NEW told it the count
-            if self.prefill_at:
+            if self.prefill_at and alone is None:
                 await self._send_prefills(live, dst, endpoints)
         except BaseException:
             live.timer.cancel()  # set just above
@@ -372,6 +382,21 @@ class IngressCore:
             except Exception as exc:
                 logger.info("ingress: no prefill of %s on %s: %s", live.rid, dst, exc)
 
+    def _entry_of(self, live: _Live, endpoints: Mapping[str, str] | None) -> str:
+        """Where a request starts (or starts again): the entry model's replica, or for a
+        request served alone, that model's (the one ``endpoints`` names, else the first)."""
+        entry = self.entry_endpoint()
+        model = live.alone
+        if model is None or endpoint_model(entry) == model:
+            return entry
+        named = (endpoints or {}).get(model)
+        if named is not None:
+            return named
+        for endpoint in self.all_endpoints():
+            if endpoint_model(endpoint) == model:
+                return endpoint
+        raise PeerUnreachableError(f"model {model!r} has no replica to serve the request")
+
     def _new_msg(self, live: _Live, dst: str, endpoints: Mapping[str, str] | None) -> PeerReq:
         route = RouteState(
             ingress=self.channel.name,
@@ -379,6 +404,7 @@ class IngressCore:
             endpoints=dict(endpoints or {}),
             counts=dict(live.counts),
             deadline=live.deadline_wall,
+            alone=live.alone,
         )
         return PeerReq(
             rid=live.wire_rid,
@@ -567,7 +593,14 @@ class IngressCore:
             self._wire[live.wire_rid] = live
             live.log = live.log.settled()  # drop commits waiting on a gap
             assigned = endpoints(live.rid) if endpoints is not None else None
-            dst = entry or self.entry_endpoint()
+            if live.alone is None or (entry and endpoint_model(entry) == live.alone):
+                dst = entry or self.entry_endpoint()
+            else:
+                try:
+                    dst = self._entry_of(live, assigned)
+                except PeerUnreachableError as exc:
+                    self.fail(live.rid, f"{reason}; {exc}", "unavailable")
+                    continue
             live.holders = _holders(dst, assigned)
             news.append(self._new_msg(live, dst, assigned))
         for dst, msgs in by_destination(news).items():

@@ -177,8 +177,13 @@ class IngressServer:
     def _unassign(self, rid: str) -> None:
         self.placement.release_model(rid, self.models[1:])
 
-    def _place_entry(self, rid: str, prompt: Sequence[int], cache_salt: str | None) -> str:
-        return self.placement.place(rid, [self.entry_model], prompt, cache_salt)[self.entry_model]
+    def _place_entry(
+        self, rid: str, prompt: Sequence[int], cache_salt: str | None, alone: str | None = None
+    ) -> str:
+        """The replica a choice starts on: the entry model's, or the one model's that serves
+        it alone (``alone``)."""
+        model = alone or self.entry_model
+        return self.placement.place(rid, [model], prompt, cache_salt)[model]
 
     async def respond(
         self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
@@ -264,11 +269,12 @@ class IngressServer:
         submitted = []
         try:
             prompt, salt = prepared.prompt_token_ids, sampling.cache_salt
+            alone = sampling.route_alone
             for i in range(sampling.n):
                 rid = f"{base}-{i}"
-                entry = self._place_entry(rid, prompt, salt)  # counted before the await
+                entry = self._place_entry(rid, prompt, salt, alone)  # counted before the await
                 try:
-                    endpoints = self._endpoints(rid, prompt, salt)
+                    endpoints = {} if alone else self._endpoints(rid, prompt, salt)
                     await self.core.submit(
                         rid,
                         prompt,
@@ -276,6 +282,7 @@ class IngressServer:
                         entry,
                         timeout_s=timeout_s,
                         endpoints=endpoints,
+                        alone=alone,
                     )
                 except BaseException:
                     self.placement.release(rid)

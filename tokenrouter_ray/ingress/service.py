@@ -98,6 +98,8 @@ def request_limits_of(
         structured_outputs=entry.sim is None,  # grammars need a real vocabulary
         routing_levels=cfg.policy.threshold_levels(len(cfg.models)),
         routing_presets=cfg.policy.preset_thresholds(),
+        models=tuple(cfg.model_names),
+        alone=cfg.policy.alone,
         **cfg.ingress.limits.model_dump(exclude={"max_body_mib"}),
     )
 

@@ -63,26 +63,33 @@ class RoutingInfo(BaseModel):
         default_factory=dict, description="Committed output tokens per model name."
     )
     handoffs: int = Field(0, ge=0, description="Times control passed between models.")
+    mode: Literal["routed", "alone"] = Field(
+        "routed",
+        description="routed: the routing policy chose a model at every position; alone: one "
+        "model served the request by itself (`routing.model`, or the server's policy.alone).",
+    )
 
     @classmethod
-    def of(cls, metrics: RequestMetrics, handoffs: int) -> RoutingInfo:
+    def of(cls, metrics: RequestMetrics, handoffs: int, alone: bool = False) -> RoutingInfo:
         """A choice's routing, from the one count of its tokens per writer (its metrics':
         the tokens of the response, so a stop string's cut is not counted)."""
         counts = {m: n for m, n in metrics.tokens_per_model.items() if n}
-        return cls(tokens_per_model=counts, handoffs=handoffs)
+        return cls(tokens_per_model=counts, handoffs=handoffs, mode="alone" if alone else "routed")
 
     @classmethod
     def merge(cls, infos: Iterable[RoutingInfo | None]) -> RoutingInfo:
         """The sum over choices."""
         tokens: dict[str, int] = {}
         handoffs = 0
+        mode = "routed"
         for info in infos:
             if info is None:
                 continue
             handoffs += info.handoffs
+            mode = info.mode  # every choice of a request is served the same way
             for name, count in info.tokens_per_model.items():
                 tokens[name] = tokens.get(name, 0) + count
-        return cls(tokens_per_model=tokens, handoffs=handoffs)
+        return cls(tokens_per_model=tokens, handoffs=handoffs, mode=mode)
 
 
 class PromptTokensDetails(BaseModel):

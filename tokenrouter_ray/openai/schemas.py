@@ -208,8 +208,9 @@ def _threshold_value(value: Any) -> float:
 
 class RoutingRequest(BaseModel):
     """``routing`` (extension): this request's own routing threshold, given directly or as a
-    preset the config names (``policy.presets``); exactly one of the two. Unknown keys are
-    a 400 (a misspelt knob must not silently route by the default)."""
+    preset the config names (``policy.presets``), or one model that serves it alone
+    (``model``: no routing, no handoffs); exactly one of the three. Unknown keys are a 400
+    (a misspelt knob must not silently route by the default)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -224,6 +225,13 @@ class RoutingRequest(BaseModel):
         min_length=1,
         max_length=64,
         description="A preset of the config's policy.presets (e.g. high, balanced, fast).",
+    )
+    model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="Serve this request by one of the deployment's models alone (e.g. "
+        "large): no routing policy, no handoffs, the model's own output.",
     )
 
     @field_validator("threshold", mode="after")
@@ -241,9 +249,10 @@ class RoutingRequest(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> RoutingRequest:
-        if (self.threshold is None) == (self.quality is None):
+        given = [v for v in (self.threshold, self.quality, self.model) if v is not None]
+        if len(given) != 1:
             raise PydanticCustomError(
-                "invalid_value", "routing needs exactly one of 'threshold' and 'quality'"
+                "invalid_value", "routing needs exactly one of 'threshold', 'quality' and 'model'"
             )
         return self
 

@@ -107,6 +107,14 @@ class RequestLimits(BaseModel):
         default_factory=dict,
         description="`routing.quality` presets (the config's policy.presets), name -> thresholds.",
     )
+    models: tuple[str, ...] = Field(
+        (), description="The deployment's models, entry first (what `routing.model` may name)."
+    )
+    alone: str | None = Field(
+        None,
+        description="The model that serves a request without `routing` alone (the config's "
+        "policy.alone; None: such requests are routed).",
+    )
 
 
 class PayloadTooLargeError(OpenAIError):
@@ -181,6 +189,7 @@ class SamplingOptions:
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured outputs: what every model may write
     route_thresholds: tuple[float, ...] = ()  # the request's `routing`; (): the policy's
+    route_alone: str | None = None  # the model serving it alone (bypass); None: routed
 
     @property
     def reports_tokens(self) -> bool:
@@ -484,7 +493,27 @@ def _sampling(
         include_stop_str_in_output=bool(request.include_stop_str_in_output),
         skip_special_tokens=request.skip_special_tokens is not False,
         route_thresholds=_route_thresholds(request.routing, limits),
+        route_alone=_route_alone(request.routing, limits),
     )
+
+
+def _route_alone(routing: RoutingRequest | None, limits: RequestLimits | None) -> str | None:
+    """The model a request is served by alone: the one ``routing.model`` names (a 400
+    naming the field when the deployment has no such model), else the server's default
+    for requests without ``routing``."""
+    if routing is None:
+        return None if limits is None else limits.alone
+    if routing.model is None:
+        return None
+    models = () if limits is None else limits.models
+    if routing.model not in models:
+        raise InvalidRequestError(
+            f"Invalid value for 'routing.model': {routing.model!r} is not a model of this "
+            f"deployment (models: {', '.join(models) or 'none'}).",
+            param="routing.model",
+            code="invalid_value",
+        )
+    return routing.model
 
 
 def _route_thresholds(
@@ -494,7 +523,7 @@ def _route_thresholds(
     ``SamplingSpec.route_thresholds`` the served policy takes: a 400 naming the field when
     the policy has no threshold, the preset is not configured, or a list has the wrong
     length."""
-    if routing is None:
+    if routing is None or routing.model is not None:
         return ()
     levels = 1 if limits is None else limits.routing_levels
     presets = {} if limits is None else limits.routing_presets

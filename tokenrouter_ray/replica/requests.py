@@ -58,7 +58,7 @@ class Requests:
         self.name, self.index, self.endpoint = name, index, endpoint
         self.engine, self.policy, self.messages = engine, policy, messages
         self.metrics, self.profile = metrics, profile
-        self.stats = stats  # the tuner's window: each handoff's transit
+        self.stats = stats  # the tuner's window: arrivals, finishes, each handoff's transit
         self.tracked: dict[str, Tracked] = {}
         self.ledger = RequestLedger()
         self.active = ActiveCount(INGRESS_SILENCE_S)  # global N, from every ingress's count
@@ -66,7 +66,6 @@ class Requests:
         self.held: deque[PeerReq] = deque()
         self.unqueued: dict[str, float] = {}  # rid -> NEW's sent_at (s), until first computed
         self.next_sweep = 0.0  # monotonic time of the next expired-request sweep
-        self.stats: WindowStats | None = None  # the tuner's window: offered load is counted
 
     # ------------------------------------------------------------------- applying
     def apply_held(self, out: list[PeerReq]) -> None:

@@ -143,7 +143,6 @@ class Replica:
             self.name, index, channel.name, engine, policy, self.messages, self.metrics,
             self.profile, self.stats,
         )  # fmt: skip
-        self.requests.stats = self.stats  # arrivals and finishes: the offered load
         # the step thread's wake-up: a ``FrameWaker`` where it reads the channel itself
         self._wake: threading.Event | FrameWaker = threading.Event()
         self._frames: FrameWaker | None = None
@@ -408,6 +407,11 @@ class Replica:
         if not result.request_ids:
             return Routed([])
         requests, is_first = self.engine.step_requests(result), result.is_first
+        firsts = [r for r, first in zip(requests, is_first, strict=True) if first]
+        tracked = self.requests.tracked
+        alone = [rid for rid in result.request_ids if getattr(tracked.get(rid), "alone", None)]
+        if len(alone) == len(result.request_ids):  # bypass: no policy, nobody leaves
+            return Routed([self.index] * len(alone), first_tokens=firsts)
         batch = RouteBatch.of_step(
             self.index,
             result,
@@ -423,10 +427,15 @@ class Replica:
         t0 = time.perf_counter()
         destinations = self.policy.route_step(batch)
         route_s = time.perf_counter() - t0
+        if alone:  # rows served alone stay here whatever the policy said
+            stay = set(alone)
+            destinations = [
+                self.index if rid in stay else dst
+                for rid, dst in zip(result.request_ids, destinations, strict=True)
+            ]
         scores = None
         if batch.scores is not None and any(r.sampling.trace for r in requests):
             scores = host_scores(batch)
-        firsts = [r for r, first in zip(requests, is_first, strict=True) if first]
         return Routed(destinations, scores, route_s, firsts)
 
     def commit(self, result: StepResult, routed: Routed) -> Decided:

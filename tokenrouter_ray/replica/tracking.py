@@ -41,6 +41,7 @@ class Tracked:
     dropped: int = 0
     drops: list[Dropped] = field(default_factory=list)  # at the next position (traced)
     cached_tokens: int | None = None  # prompt tokens the entry model found in its cache
+    alone: str | None = None  # the model serving it alone (bypass): never routed elsewhere
 
     @classmethod
     def from_route(cls, rid: str, route: RouteState, sampling: SamplingSpec, seq: int) -> Tracked:
