@@ -65,6 +65,7 @@ class LoadSpec:
     max_tokens: int | None = None  # overrides the workload's cap
     seed: int = 7
     ignore_eos: bool = True
+    routing: dict[str, Any] | None = None  # the requests' `routing` (None: the server's)
 
 
 async def one_request(
@@ -85,7 +86,8 @@ async def one_request(
             seed=spec.seed + k,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": spec.ignore_eos},
+            extra_body={"ignore_eos": spec.ignore_eos}
+            | ({"routing": spec.routing} if spec.routing is not None else {}),
         )
         async for chunk in stream:
             now = time.perf_counter() - t0
@@ -209,6 +211,36 @@ def summarize(records: list[Record], elapsed: float) -> dict[str, Any]:
     }
 
 
+def parse_mode(text: str) -> tuple[str, dict[str, Any] | None]:
+    """A ``--compare`` entry: ``default`` (no ``routing``: what the server does by itself),
+    ``model=NAME`` (that model alone), ``quality=PRESET`` or ``threshold=X``."""
+    if text == "default":
+        return text, None
+    key, _, value = text.partition("=")
+    if key == "threshold":
+        return text, {"threshold": float(value)}
+    if key in ("model", "quality") and value:
+        return text, {key: value}
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: expected default, model=NAME, quality=PRESET or threshold=X"
+    )
+
+
+def compare_verdict(levels: dict[int, dict[str, float]], target: float = 0.95) -> list[str]:
+    """One line per concurrency: the server's default against the best mode measured beside
+    it, PASS when it makes at least ``target`` of that mode's throughput."""
+    lines = []
+    for c, rates in levels.items():
+        best_mode = max(rates, key=rates.__getitem__)
+        ratio = rates["default"] / rates[best_mode] if rates[best_mode] > 0 else math.nan
+        verdict = "PASS" if ratio >= target else "MISS"
+        lines.append(
+            f"C={c}: default {rates['default']:.1f} tok/s = {ratio:.2f}x of the best "
+            f"({best_mode}, {rates[best_mode]:.1f}); target >= {target}: {verdict}"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m loadtest serve``: the closed-loop levels against a running app."""
     parser = argparse.ArgumentParser(prog="python -m loadtest serve", description=__doc__)
@@ -222,34 +254,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--stop-at-eos", action="store_true", help="let answers end early (no ignore_eos)"
     )
+    parser.add_argument(
+        "--compare",
+        type=lambda text: [parse_mode(m) for m in text.split(",")],
+        default=[parse_mode("default")],
+        help="routing modes measured side by side at each level, in turns: default (no "
+        "`routing`), model=NAME (one model alone), quality=PRESET, threshold=X; with more "
+        "than one, a verdict per level: the default within 5 %% of the best mode "
+        "(default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     workload = WORKLOADS[args.workload]()
+    modes = args.compare if any(m == "default" for m, _ in args.compare) else [
+        parse_mode("default"), *args.compare
+    ]  # fmt: skip
     print(f"machine: {machine()}\nreproduce: {command()}")
-    print("| C | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p99 | tokens per model "
-          "| handoffs/req |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    print("| C | mode | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p99 "
+          "| tokens per model | handoffs/req |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    levels: dict[int, dict[str, float]] = {}
     for c in [int(n) for n in args.concurrency.split(",")]:
-        spec = LoadSpec(
-            workload,
-            concurrency=c,
-            max_requests=args.requests,
-            time_limit_s=args.time_limit,
-            max_tokens=args.max_tokens,
-            ignore_eos=not args.stop_at_eos,
-        )
-        r = asyncio.run(run_load(args.url, spec, model=args.model, desc=f"C={c}"))
-        ttft, itl, e2e = (
-            {q: 1e3 * v for q, v in r[k].items()} for k in ("ttft_s", "itl_s", "e2e_s")
-        )
-        per_model = ", ".join(f"{m} {n}" for m, n in r["tokens_per_model"].items())
-        print(
-            f"| {c} | {r['tok_s']:.1f} | {ttft['p50']:.0f} ms | {ttft['p99']:.0f} ms "
-            f"| {itl['p50']:.0f} ms | {itl['p99']:.0f} ms | {e2e['p99']:.0f} ms "
-            f"| {per_model} | {r['handoffs_per_request']:.1f} |",
-            flush=True,
-        )
-        if r["errors"]:
-            print(f"C={c} errors: {r['errors']}")
+        for mode, routing in modes:
+            spec = LoadSpec(
+                workload,
+                concurrency=c,
+                max_requests=args.requests,
+                time_limit_s=args.time_limit,
+                max_tokens=args.max_tokens,
+                ignore_eos=not args.stop_at_eos,
+                routing=routing,
+            )
+            r = asyncio.run(run_load(args.url, spec, model=args.model, desc=f"C={c} {mode}"))
+            levels.setdefault(c, {})[mode] = r["tok_s"]
+            ttft, itl, e2e = (
+                {q: 1e3 * v for q, v in r[k].items()} for k in ("ttft_s", "itl_s", "e2e_s")
+            )
+            per_model = ", ".join(f"{m} {n}" for m, n in r["tokens_per_model"].items())
+            print(
+                f"| {c} | {mode} | {r['tok_s']:.1f} | {ttft['p50']:.0f} ms "
+                f"| {ttft['p99']:.0f} ms | {itl['p50']:.0f} ms | {itl['p99']:.0f} ms "
+                f"| {e2e['p99']:.0f} ms | {per_model} | {r['handoffs_per_request']:.1f} |",
+                flush=True,
+            )
+            if r["errors"]:
+                print(f"C={c} {mode} errors: {r['errors']}")
+    if len(modes) > 1:
+        print("\n".join(compare_verdict(levels)))
     import httpx
 
     tuner = httpx.get(f"{args.url}/tokenrouter/tuner", timeout=30)

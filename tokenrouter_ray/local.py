@@ -155,27 +155,35 @@ class LocalRuntime:
         sampling: SamplingSpec,
         request_id: str | None = None,
         alone: str | None = None,
+        max_share: float | None = None,
     ) -> Completion:
-        """One request to its end; ``alone``: served by that model by itself (bypass)."""
+        """One request to its end; ``alone``: served by that model by itself (bypass);
+        ``max_share``: its cap on the top model's share (``capped_dst``)."""
         rid = request_id or f"local-{next(self._ids)}"
         try:
-            await self.submit(rid, prompt, sampling, alone)
+            await self.submit(rid, prompt, sampling, alone, max_share)
             return await self.ingress.result(rid)
         finally:
             self.placement.release(rid)
 
     async def submit(
-        self, rid: str, prompt: Sequence[int], sampling: SamplingSpec, alone: str | None = None
+        self,
+        rid: str,
+        prompt: Sequence[int],
+        sampling: SamplingSpec,
+        alone: str | None = None,
+        max_share: float | None = None,
     ) -> None:
         """Send a request to the ingress core; with ``place_at_ingress``, placed first (its
         replicas stay counted until ``placement.release(rid)``)."""
+        own = {"alone": alone, "max_share": max_share}
         if not self.place_at_ingress or alone is not None:
-            await self.ingress.submit(rid, list(prompt), sampling, alone=alone)
+            await self.ingress.submit(rid, list(prompt), sampling, **own)
             return
         placed = self.placement.place(rid, self.models, prompt)
         entry, *others = (placed[m] for m in self.models)
         endpoints = dict(zip(self.models[1:], others, strict=True))
-        await self.ingress.submit(rid, list(prompt), sampling, entry, endpoints=endpoints)
+        await self.ingress.submit(rid, list(prompt), sampling, entry, endpoints=endpoints, **own)
 
     async def complete_all(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec

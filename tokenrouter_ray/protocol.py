@@ -68,8 +68,9 @@ frame, and the leaving replica's requests then recover when its lease ends, as b
 Issue 36: `SamplingSpec.route_thresholds` (a request's own routing threshold; default:
 the policy's). It rides in the sampling, not in `RouteState`: it never changes, and the
 sampling already reaches every model a request visits (and a re-created NEW).
-`RouteState.alone` (appended): the model that serves the request alone (single-model
-bypass); an older peer would route it.
+`RouteState.alone` and `.max_share` (appended): the model that serves the request alone
+(single-model bypass), and the request's cap on the top model's share; an older peer would
+route it without them.
 """
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -152,6 +153,7 @@ class RouteState(msgspec.Struct, array_like=True, frozen=True):
     drops: list[Dropped] = []  # dropped at the next position to fill (traced requests)
     cached_tokens: NonNegative | None = None  # prompt tokens the entry found in its cache
     alone: str | None = None  # the model serving it alone: no policy, no handoffs (bypass)
+    max_share: float | None = None  # cap on the top model's share of the output (capped_dst)
 
 
 class FinishSummary(msgspec.Struct, array_like=True, frozen=True):

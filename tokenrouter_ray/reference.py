@@ -32,7 +32,13 @@ from tokenrouter_ray.engine.logits_processors import apply_processors
 from tokenrouter_ray.engine.outputs import StepResult
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.sampler import sample
-from tokenrouter_ray.routing.policy import Policy, RequestView, RouteBatch, threshold_overrides
+from tokenrouter_ray.routing.policy import (
+    Policy,
+    RequestView,
+    RouteBatch,
+    capped_dst,
+    threshold_overrides,
+)
 
 
 @dataclass
@@ -58,7 +64,9 @@ def reference_generate(
     sampling: SamplingParams,
     seed: int,
     grammars: dict[str, GrammarBook] | None = None,
+    max_share: float | None = None,
 ) -> ReferenceResult:
+    """``max_share``: the request's cap on the top model's share (``capped_dst``)."""
     names = [n for n, _ in models]
     sequence = list(prompt)
     result = ReferenceResult()
@@ -98,6 +106,9 @@ def reference_generate(
             threshold_overrides=threshold_overrides([sampling.route_thresholds], active),
         )
         dst = int(policy.route_on_view(batch)[0])
+        top = len(names) - 1
+        top_tokens = result.counts.get(names[top], 0)
+        dst = capped_dst(dst, active, top, top_tokens, len(result.token_ids), max_share)
         drop = (
             dst != active
             and policy.send(RequestView("ref", active, len(sequence)), dst).drop_sampled

@@ -39,7 +39,9 @@ def run_flow(dirs: dict[str, str], body: Any) -> Any:
     checks that no request, KV block or entry load is left afterwards."""
     tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
     app, ingress = ingress_app(tokenizer)
-    ingress.limits = RequestLimits(max_model_len=256, vocab_size=128, routing_presets=PRESETS)
+    ingress.limits = RequestLimits(
+        max_model_len=256, vocab_size=128, routing_presets=PRESETS, models=tuple(TWO)
+    )
 
     async def go() -> Any:
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
@@ -79,6 +81,13 @@ BAD = [
     ({}, "routing"),
     ({"treshold": 0.2}, "routing.treshold"),
     ("fast", "routing"),
+    ({"model": "smal"}, "routing.model"),
+    ({"model": "large", "quality": "high"}, "routing"),
+    ({"model": "large", "max_large_share": 0.5}, "routing"),
+    ({"max_large_share": 1.5}, "routing.max_large_share"),
+    ({"max_large_share": -0.1}, "routing.max_large_share"),
+    ({"max_large_share": "half"}, "routing.max_large_share"),
+    ({"max_large_share": True}, "routing.max_large_share"),
 ]
 
 
@@ -142,6 +151,33 @@ def test_a_preset_routes_as_its_configured_threshold(served_chain_dirs) -> None:
         assert (await counts({"quality": "fast"}))[1] == {"small": 16}  # 1: none
         assert (await counts(None))[1] == (await counts({"quality": "balanced"}))[1]
         assert (await counts({"threshold": [0.0]}))[1] == {"large": 16}  # a list of one
+
+    run_flow(served_chain_dirs, body)
+
+
+def test_a_model_alone_and_a_capped_share_through_the_api(served_chain_dirs) -> None:
+    """``routing.model`` serves the request by that model alone (mode ``alone``, no
+    handoff); ``routing.max_large_share`` routes it as the runtime does with that cap."""
+
+    async def body(client: Any, http: httpx.AsyncClient, runtime: LocalRuntime) -> None:
+        async def ask(routing: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+            response = await client.completions.create(
+                model=SERVED, prompt=PROMPT, max_tokens=16, temperature=0, seed=3,
+                extra_body={"routing": routing},
+            )  # fmt: skip
+            choice = response.choices[0]
+            return ids_of(choice.text), choice.model_extra["routing"]
+
+        spec = SamplingSpec(temperature=0.0, max_tokens=16, seed=3, route_thresholds=(0.0,))
+        ids, routing = await ask({"model": "large"})
+        assert routing == {"tokens_per_model": {"large": 16}, "handoffs": 0, "mode": "alone"}
+        alone = await runtime.complete(PROMPT, spec, alone="large")
+        assert ids == alone.token_ids
+        ids, routing = await ask({"quality": "high", "max_large_share": 0.25})
+        capped = await runtime.complete(PROMPT, spec, max_share=0.25)
+        assert ids == capped.token_ids and routing["tokens_per_model"] == capped.counts
+        assert routing["mode"] == "routed" and capped.counts["large"] <= 4
+        assert (await ask({"quality": "high"}))[1]["tokens_per_model"] == {"large": 16}
 
     run_flow(served_chain_dirs, body)
 

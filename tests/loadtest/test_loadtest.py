@@ -16,6 +16,7 @@ length and prediction lines) are checked on hand-made rows below, without server
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -295,3 +296,20 @@ def test_prediction_explains_an_all_one_table() -> None:
     target, why = prediction_lines(pred)
     assert target.startswith(("PASS", "MISS")) and "N=8" in target
     assert "all-1 predicts" in why and "best table that defers" in why
+
+
+def test_serve_compares_routing_modes_side_by_side() -> None:
+    """``python -m loadtest serve --compare``: each mode is the `routing` its requests send,
+    and the verdict holds the default to 0.95x of the best mode at every level."""
+    from loadtest.harness import compare_verdict, parse_mode
+
+    assert parse_mode("default") == ("default", None)
+    assert parse_mode("model=large") == ("model=large", {"model": "large"})
+    assert parse_mode("quality=fast") == ("quality=fast", {"quality": "fast"})
+    assert parse_mode("threshold=0.3") == ("threshold=0.3", {"threshold": 0.3})
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_mode("fast")
+    lines = compare_verdict({1: {"default": 10.0, "quality=fast": 10.4}, 8: {"default": 9.0,
+                             "quality=fast": 10.0}})  # fmt: skip
+    assert lines[0].endswith("PASS") and "quality=fast" in lines[0]
+    assert lines[1].endswith("MISS") and "0.90x" in lines[1]

@@ -265,12 +265,16 @@ def request_thresholds(name: str) -> list[tuple[float, ...]]:
     return [PER_LEVEL.get(i, t) for i, t in enumerate(OVERRIDES)]
 
 
-def run_local_each(policy, engines, specs: list[SamplingSpec]):
-    """One runtime, one request per spec, all at once."""
+def run_local_each(policy, engines, specs: list[SamplingSpec], caps=None):
+    """One runtime, one request per spec (with its cap on the top model's share), at once."""
+    caps = caps or [None] * len(specs)
 
     async def go():
         async with LocalRuntime(engines, policy, InProcChannel) as runtime:
-            work = (runtime.complete(p, s) for p, s in zip(prompts(len(specs)), specs, strict=True))
+            work = (
+                runtime.complete(p, s, max_share=cap)
+                for p, s, cap in zip(prompts(len(specs)), specs, caps, strict=True)
+            )
             results = await asyncio.wait_for(asyncio.gather(*work), 120)
             await runtime.wait_idle()
             pools = [s.engine.kv.pool for s in runtime.subservers]
@@ -390,3 +394,40 @@ def test_a_request_served_alone_is_that_models_own_answer(
             models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
         )
         assert (got.token_ids, got.counts) == (want.token_ids, want.counts)
+
+
+@pytest.mark.parametrize("name", ["always", "bernoulli", "r2r", "escalation"])
+def test_per_request_caps_on_the_large_share_equal_reference(
+    name, chain_dirs, chain_reference_models
+) -> None:
+    """``routing.max_large_share``: 8 concurrent greedy requests, each with its own cap on
+    the top model's share (none, 0, 0.1 .. 0.9, 1; with a per-request threshold on two),
+    equal the reference run with the same cap; no answer's top share passes its cap, and
+    the caps did bind (some answer differs from its uncapped run)."""
+    options, names = CASES[name]
+    policy = build_policy(name, options, names)
+    caps = [None, 0.0, 0.1, 0.25, 0.4, 0.6, 0.9, 1.0]
+    thresholds = [()] * 6 + ([(0.9,), (0.1,)] if name in THRESHOLD_POLICIES else [()] * 2)
+    specs = [
+        SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED, route_thresholds=t)
+        for t in thresholds
+    ]
+    results = run_local_each(policy, chain_engines(chain_dirs, names), specs, caps)
+    models = [(n, chain_reference_models[n]) for n in names]
+    bound = 0
+    for prompt, got, cap, t in zip(prompts(), results, caps, thresholds, strict=True):
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, route_thresholds=t)
+        want = reference_generate(models, policy, prompt, sampling, SEED, max_share=cap)
+        assert got.error is None
+        assert (got.token_ids, got.counts, got.handoffs, got.finish_reason) == (
+            want.token_ids,
+            want.counts,
+            want.handoffs,
+            want.finish_reason,
+        )
+        top = got.counts.get(names[-1], 0)
+        if cap is not None:
+            assert top <= cap * len(got.token_ids) + 1e-9
+            free = reference_generate(models, policy, prompt, sampling, SEED)
+            bound += free.counts != want.counts
+    assert bound >= 2

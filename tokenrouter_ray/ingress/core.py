@@ -162,6 +162,7 @@ class _Live:
         self.holders: set[str] | None = None  # endpoints it may be on (None: any)
         self.seen_seq = 0  # highest handoff_seq on a commit: handoffs so far, at least
         self.alone: str | None = None  # the model serving it alone (bypass), if any
+        self.max_share: float | None = None  # its cap on the top model's share, if any
 
     @property
     def complete(self) -> bool:
@@ -317,19 +318,21 @@ class IngressCore:
         timeout_s: float | None = None,
         endpoints: Mapping[str, str] | None = None,
         alone: str | None = None,
-    ) -> None:
+        max_share: float | None = None,
+    ) -> str:
         """Send NEW to ``entry`` (default: ``entry_endpoint()``); ``endpoints`` (model ->
         the replica to use) ride on it. ``alone``: the model that serves the request by
         itself (single-model bypass: no policy, no handoffs); ``entry`` is then one of its
-        replicas (default: the first). A failed send forgets the request and raises
-        (nothing was started)."""
+        replicas (default: the first). ``max_share``: its cap on the top model's share of the
+        output (``routing/policy.py capped_dst``). Returns the endpoint it was sent to. A
+        failed send forgets the request and raises (nothing was started)."""
         if rid in self.live:
             raise ValueError(f"request {rid!r} is already running")
         if sampling.seed is None:  # one seed for every model the request visits
             sampling = msgspec.structs.replace(sampling, seed=draw_seed())
         timeout_s = timeout_s or self.timeout_s
         live = _Live(rid, list(prompt), sampling, timeout_s)
-        live.alone = alone
+        live.alone, live.max_share = alone, max_share
         live.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, rid)
         self.live[rid] = self._wire[rid] = live
         try:
@@ -349,6 +352,7 @@ class IngressCore:
             self._broadcast_abort(rid)
             raise
         self._active_changed()
+        return dst
 
     async def _send_prefills(
         self, live: _Live, entry: str, endpoints: Mapping[str, str] | None
@@ -405,6 +409,7 @@ class IngressCore:
             counts=dict(live.counts),
             deadline=live.deadline_wall,
             alone=live.alone,
+            max_share=live.max_share,
         )
         return PeerReq(
             rid=live.wire_rid,

@@ -179,10 +179,12 @@ class IngressServer:
 
     def _place_entry(
         self, rid: str, prompt: Sequence[int], cache_salt: str | None, alone: str | None = None
-    ) -> str:
+    ) -> str | None:
         """The replica a choice starts on: the entry model's, or the one model's that serves
-        it alone (``alone``)."""
+        it alone (``alone``; without ``replicas_of``, the core picks one of its replicas)."""
         model = alone or self.entry_model
+        if model != self.entry_model and self.replicas_of is None:
+            return None
         return self.placement.place(rid, [model], prompt, cache_salt)[model]
 
     async def respond(
@@ -275,7 +277,7 @@ class IngressServer:
                 entry = self._place_entry(rid, prompt, salt, alone)  # counted before the await
                 try:
                     endpoints = {} if alone else self._endpoints(rid, prompt, salt)
-                    await self.core.submit(
+                    entry = await self.core.submit(
                         rid,
                         prompt,
                         sampling.to_spec(i),
@@ -283,6 +285,7 @@ class IngressServer:
                         timeout_s=timeout_s,
                         endpoints=endpoints,
                         alone=alone,
+                        max_share=sampling.route_max_share,
                     )
                 except BaseException:
                     self.placement.release(rid)

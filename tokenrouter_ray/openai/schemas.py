@@ -209,8 +209,9 @@ def _threshold_value(value: Any) -> float:
 class RoutingRequest(BaseModel):
     """``routing`` (extension): this request's own routing threshold, given directly or as a
     preset the config names (``policy.presets``), or one model that serves it alone
-    (``model``: no routing, no handoffs); exactly one of the three. Unknown keys are a 400
-    (a misspelt knob must not silently route by the default)."""
+    (``model``: no routing, no handoffs); at most one of the three, with or without a cap on
+    the large model's share (``max_large_share``). Unknown keys are a 400 (a misspelt knob
+    must not silently route by the default)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -233,6 +234,25 @@ class RoutingRequest(BaseModel):
         description="Serve this request by one of the deployment's models alone (e.g. "
         "large): no routing policy, no handoffs, the model's own output.",
     )
+    max_large_share: Any = Field(
+        None,
+        description="At most this share of the output, in [0, 1], from the largest model "
+        "(the top of the chain): the policy's moves to it are refused once they would pass "
+        "the cap.",
+    )
+
+    @field_validator("max_large_share", mode="after")
+    @classmethod
+    def _share(cls, value: Any) -> float | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+            raise PydanticCustomError(
+                "invalid_value",
+                "routing.max_large_share must be a number in [0, 1], got {value}",
+                {"value": json.dumps(value)},
+            )
+        return float(value)
 
     @field_validator("threshold", mode="after")
     @classmethod
@@ -250,9 +270,16 @@ class RoutingRequest(BaseModel):
     @model_validator(mode="after")
     def _exactly_one(self) -> RoutingRequest:
         given = [v for v in (self.threshold, self.quality, self.model) if v is not None]
-        if len(given) != 1:
+        if len(given) > 1 or not (given or self.max_large_share is not None):
             raise PydanticCustomError(
-                "invalid_value", "routing needs exactly one of 'threshold', 'quality' and 'model'"
+                "invalid_value",
+                "routing takes one of 'threshold', 'quality' and 'model', and/or 'max_large_share'",
+            )
+        if self.model is not None and self.max_large_share is not None:
+            raise PydanticCustomError(
+                "invalid_value",
+                "routing.max_large_share caps a routed request; one served by 'model' alone "
+                "has no share to cap",
             )
         return self
 

@@ -190,6 +190,7 @@ class SamplingOptions:
     grammar: GrammarSpec | None = None  # structured outputs: what every model may write
     route_thresholds: tuple[float, ...] = ()  # the request's `routing`; (): the policy's
     route_alone: str | None = None  # the model serving it alone (bypass); None: routed
+    route_max_share: float | None = None  # cap on the top model's share of the output
 
     @property
     def reports_tokens(self) -> bool:
@@ -494,6 +495,7 @@ def _sampling(
         skip_special_tokens=request.skip_special_tokens is not False,
         route_thresholds=_route_thresholds(request.routing, limits),
         route_alone=_route_alone(request.routing, limits),
+        route_max_share=None if request.routing is None else request.routing.max_large_share,
     )
 
 
@@ -503,7 +505,7 @@ def _route_alone(routing: RoutingRequest | None, limits: RequestLimits | None) -
     for requests without ``routing``."""
     if routing is None:
         return None if limits is None else limits.alone
-    if routing.model is None:
+    if routing.model is None:  # routed: a threshold, a preset or a cap
         return None
     models = () if limits is None else limits.models
     if routing.model not in models:
@@ -523,7 +525,7 @@ def _route_thresholds(
     ``SamplingSpec.route_thresholds`` the served policy takes: a 400 naming the field when
     the policy has no threshold, the preset is not configured, or a list has the wrong
     length."""
-    if routing is None or routing.model is not None:
+    if routing is None or (routing.threshold is None and routing.quality is None):
         return ()
     levels = 1 if limits is None else limits.routing_levels
     presets = {} if limits is None else limits.routing_presets

@@ -70,6 +70,7 @@ from tokenrouter_ray.routing.policy import (
     RequestView,
     RouteBatch,
     Send,
+    capped_dst,
     host_scores,
     threshold_overrides,
 )
@@ -408,10 +409,15 @@ class Replica:
             return Routed([])
         requests, is_first = self.engine.step_requests(result), result.is_first
         firsts = [r for r, first in zip(requests, is_first, strict=True) if first]
+        # rows whose request is served alone (bypass) or caps the top model's share
         tracked = self.requests.tracked
-        alone = [rid for rid in result.request_ids if getattr(tracked.get(rid), "alone", None)]
-        if len(alone) == len(result.request_ids):  # bypass: no policy, nobody leaves
-            return Routed([self.index] * len(alone), first_tokens=firsts)
+        own = [
+            (row, t)
+            for row, rid in enumerate(result.request_ids)
+            if (t := tracked.get(rid)) is not None and (t.alone or t.max_share is not None)
+        ]
+        if len(own) == len(result.request_ids) and all(t.alone for _, t in own):
+            return Routed([self.index] * len(own), first_tokens=firsts)  # no policy at all
         batch = RouteBatch.of_step(
             self.index,
             result,
@@ -427,16 +433,30 @@ class Replica:
         t0 = time.perf_counter()
         destinations = self.policy.route_step(batch)
         route_s = time.perf_counter() - t0
-        if alone:  # rows served alone stay here whatever the policy said
-            stay = set(alone)
-            destinations = [
-                self.index if rid in stay else dst
-                for rid, dst in zip(result.request_ids, destinations, strict=True)
-            ]
+        if own:
+            destinations = self._own_routing(result, destinations, own)
         scores = None
         if batch.scores is not None and any(r.sampling.trace for r in requests):
             scores = host_scores(batch)
         return Routed(destinations, scores, route_s, firsts)
+
+    def _own_routing(
+        self, result: StepResult, destinations: list[int], own: list[tuple[int, Tracked]]
+    ) -> list[int]:
+        """The policy's destinations with each request's own routing applied: a request
+        served alone stays here; a capped one goes where ``capped_dst`` lets it."""
+        destinations = list(destinations)
+        top, here = len(self.models) - 1, self.index
+        for row, t in own:
+            if t.alone:
+                destinations[row] = here
+            else:
+                committed = result.positions[row] - t.prompt_len
+                top_tokens = t.counts.get(self.models[top], 0)
+                destinations[row] = capped_dst(
+                    destinations[row], here, top, top_tokens, committed, t.max_share
+                )
+        return destinations
 
     def commit(self, result: StepResult, routed: Routed) -> Decided:
         """The policy's decisions for leaving rows, then the engine's commit (append,

@@ -42,6 +42,7 @@ class Tracked:
     drops: list[Dropped] = field(default_factory=list)  # at the next position (traced)
     cached_tokens: int | None = None  # prompt tokens the entry model found in its cache
     alone: str | None = None  # the model serving it alone (bypass): never routed elsewhere
+    max_share: float | None = None  # cap on the top model's share of the output
 
     @classmethod
     def from_route(cls, rid: str, route: RouteState, sampling: SamplingSpec, seq: int) -> Tracked:

@@ -301,6 +301,28 @@ def threshold_overrides(
     return [row_threshold(t, model) for t in route_thresholds]
 
 
+def capped_dst(
+    dst: int, here: int, top: int, top_tokens: int, committed: int, cap: float | None
+) -> int:
+    """Where a row goes under a request's cap on the top model's share of its output
+    (``routing.max_large_share``), given the policy's choice ``dst`` at model ``here`` for
+    the token at output position ``committed`` (``top_tokens`` of the ``committed`` tokens
+    before it came from the top model).
+
+    The top model writes a token only while its share, that token counted, stays at or
+    under the cap: a move up to the top is refused (the row stays ``here``) unless
+    ``top_tokens + 1 <= cap * (committed + 1)``; at the top, staying (committing this token
+    and writing the next) needs ``top_tokens + 2 <= cap * (committed + 2)``, else the row
+    goes one model down. Every other decision is the policy's. Only the top model's share
+    is capped (in a chain of three, moves between the lower models are never refused), so
+    the share at every point of the output, and at its end, is at most the cap."""
+    if cap is None or dst != top or top == 0:
+        return dst
+    if here != top:
+        return dst if top_tokens + 1 <= cap * (committed + 1) + 1e-9 else here
+    return dst if top_tokens + 2 <= cap * (committed + 2) + 1e-9 else here - 1
+
+
 def host_scores(batch: RouteBatch) -> list[float | None] | None:
     """``batch.scores`` on the host, NaN as None; None when the policy left none."""
     if batch.scores is None:
