@@ -39,3 +39,28 @@ def test_config_on_an_empty_cache_says_run_prepare_demo(tmp_path, monkeypatch) -
         compose_config(["models=demo_pair", "policy=r2r_demo"])
     assert str(tmp_path / "cache") in str(info.value)
     assert not (tmp_path / "cache").exists()  # nothing was built or even started
+
+
+def test_every_help_screen_is_built_without_torch_ray_or_transformers() -> None:
+    """`tokenrouter-ray ... --help` builds every parser and formats every help screen in a
+    fresh interpreter without importing torch, Ray or transformers (the heavy imports are
+    the commands' own, when they run); `--version` answers."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from tokenrouter_ray.cli import build_parser\n"
+        "parser = build_parser()\n"
+        "parser.format_help()\n"
+        "for sub in parser._subparsers._group_actions[0].choices.values():\n"
+        "    sub.format_help()\n"
+        "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
+    version = subprocess.run(
+        [sys.executable, "-m", "tokenrouter_ray.cli", "--version"], capture_output=True, text=True
+    )
+    assert version.returncode == 0 and version.stdout.startswith("tokenrouter-ray "), version

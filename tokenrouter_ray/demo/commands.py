@@ -1,5 +1,6 @@
 """CLI: ``prepare-demo`` (the whole demo: large model, small model, router),
 ``prepare-demo-pair`` (the small model alone) and ``generate`` (one prompt through the engine).
+The builders (torch, transformers) are imported when a command runs, not to build its help.
 """
 
 from __future__ import annotations
@@ -8,19 +9,22 @@ import argparse
 from pathlib import Path
 
 from tokenrouter_ray import demo
-from tokenrouter_ray.demo import small
-from tokenrouter_ray.demo.large import prepare_demo
-from tokenrouter_ray.demo.router import prepare_demo_router
-from tokenrouter_ray.demo.small import prepare_small_model
 
 
 def _cmd_prepare_demo_pair(args: argparse.Namespace) -> int:
+    from tokenrouter_ray.demo.large import prepare_demo
+    from tokenrouter_ray.demo.small import prepare_small_model
+
     large = Path(args.large) if args.large else prepare_demo(quiet=args.quiet)
     print(prepare_small_model(large, force=args.force, quiet=args.quiet))
     return 0
 
 
 def _cmd_prepare_demo(args: argparse.Namespace) -> int:
+    from tokenrouter_ray.demo.large import prepare_demo
+    from tokenrouter_ray.demo.router import prepare_demo_router
+    from tokenrouter_ray.demo.small import prepare_small_model
+
     large = prepare_demo(force=args.force, quiet=args.quiet)
     print(large)
     if not args.large_only:
@@ -32,6 +36,7 @@ def _cmd_prepare_demo(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    from tokenrouter_ray.demo.large import prepare_demo
     from tokenrouter_ray.engine.config import EngineConfig
     from tokenrouter_ray.engine.engine import Engine
     from tokenrouter_ray.engine.request import SamplingParams
@@ -89,8 +94,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "prepare-demo-pair",
         help="build (once) the demo's small model: the large model's first layers plus "
         "distilled top layers, cached as a HF directory",
-        description=small.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Build (once) the demo's small model from the large one: its first 8 "
+        "layers copied, two more distilled to predict what all 30 predict; cached as a "
+        "Hugging Face directory whose path is printed (docs/demo_pair.md).",
     )
     p.add_argument("--large", help="large model directory (default: the demo model)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
