@@ -10,10 +10,17 @@ docs/scaling.md) instead of a fixed ``num_replicas``. Models that share a device
 get their memory budgets from one joint plan of that device (``plan_shared_devices``)
 before they are bound; a group that cannot fit is a ``ConfigError``.
 Any config problem is raised as one ``ConfigError`` with a message to act on.
+
+Overrides at launch: ``TOKENROUTER_OVERRIDES`` (Hydra overrides separated by spaces, quoted
+as in a shell) in the environment of the process that builds the app are applied after the
+config's own, e.g. ``TOKENROUTER_OVERRIDES='policy.alone=null' serve run conf/local.yaml``
+(Ray's ``serve run`` takes no overrides after a config file).
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,7 @@ from tokenrouter_ray.protocol import check_shared_tokenizer
 from tokenrouter_ray.routing.policy import build_policy, policy_class
 
 DRAIN_MARGIN_S = 10.0  # Serve's graceful shutdown: the drain's timeout plus this
+OVERRIDES_ENV = "TOKENROUTER_OVERRIDES"  # launch-time overrides, after the config's own
 
 
 class AppArgs(BaseModel):
@@ -133,9 +141,17 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             f"invalid Serve args: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}"
         ) from None
     register_resolver()  # ${demo:...} in the shipped configs
-    cfg = compose_config(parsed.overrides, parsed.config_name)
+    cfg = compose_config(parsed.overrides + launch_overrides(), parsed.config_name)
     validate_app(cfg)
     return bind_app(cfg)
+
+
+def launch_overrides() -> list[str]:
+    """The overrides in ``TOKENROUTER_OVERRIDES`` (none when unset)."""
+    try:
+        return shlex.split(os.environ.get(OVERRIDES_ENV, ""))
+    except ValueError as exc:  # an unbalanced quote
+        raise ConfigError(f"{OVERRIDES_ENV}: {exc}") from None
 
 
 def bind_app(cfg: AppConfig) -> Application:

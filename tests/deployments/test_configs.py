@@ -161,3 +161,22 @@ def test_deadlock_check_counts_replicas() -> None:
 def test_unknown_serve_args_are_refused() -> None:
     with pytest.raises(ConfigError, match="overides"):
         build_app({"overides": []})
+
+
+def test_launch_overrides_come_from_the_environment(monkeypatch) -> None:
+    """`TOKENROUTER_OVERRIDES='k=v ...' serve run CONF`: applied after the config's own (Ray's
+    `serve run` ignores arguments after a config file); a bad one is a ConfigError."""
+    from deployments.app import launch_overrides
+
+    monkeypatch.delenv("TOKENROUTER_OVERRIDES", raising=False)
+    assert launch_overrides() == []
+    monkeypatch.setenv("TOKENROUTER_OVERRIDES", "policy.alone=large 'ingress.direct_port=8123'")
+    base = ["models=qwen3_r2r", "policy=rstitch"]
+    cfg = compose_config(base + launch_overrides())
+    assert (cfg.policy.alone, cfg.ingress.direct_port) == ("large", 8123)
+    monkeypatch.setenv("TOKENROUTER_OVERRIDES", "policy.alone=smal")
+    with pytest.raises(ConfigError, match=r"policy\.alone"):
+        compose_config(base + launch_overrides())
+    monkeypatch.setenv("TOKENROUTER_OVERRIDES", "policy.alone='large")
+    with pytest.raises(ConfigError, match="TOKENROUTER_OVERRIDES"):
+        launch_overrides()

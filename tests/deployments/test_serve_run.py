@@ -39,7 +39,9 @@ def local_yaml_on_free_ports(directory) -> object:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
     directory = tmp_path_factory.mktemp("serve")
     log = directory / "serve.log"
-    proc = start_serve_run(local_yaml_on_free_ports(directory), log, f"{BASE}/v1/models")
+    # a launch-time override (TOKENROUTER_OVERRIDES), after the config's tuner.grain_ms=2.0
+    env = {"TOKENROUTER_OVERRIDES": "tuner.grain_ms=2.5"}
+    proc = start_serve_run(local_yaml_on_free_ports(directory), log, f"{BASE}/v1/models", env)
     yield proc
     kill_serve_run(proc)
 
@@ -52,6 +54,7 @@ def test_models_endpoint(served) -> None:
     assert [m.id for m in proxied.data] == ["tokenrouter"]
     tuner = httpx.get(f"{BASE}/v1/tokenrouter/tuner", timeout=30).json()  # on by default
     assert sorted(tuner["thresholds"]) == ["large", "small"] and tuner["spec"]["enabled"]
+    assert tuner["spec"]["grain_ms"] == 2.5  # TOKENROUTER_OVERRIDES reached the app
 
 
 def test_chat_and_completions_streaming_and_not(served) -> None:
