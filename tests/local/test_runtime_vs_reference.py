@@ -265,6 +265,11 @@ def request_thresholds(name: str) -> list[tuple[float, ...]]:
     return [PER_LEVEL.get(i, t) for i, t in enumerate(OVERRIDES)]
 
 
+def outcome(result) -> tuple:
+    """What a served request and its reference run must agree on."""
+    return (result.token_ids, result.counts, result.handoffs, result.finish_reason)
+
+
 def run_local_each(policy, engines, specs: list[SamplingSpec], caps=None):
     """One runtime, one request per spec (with its cap on the top model's share), at once."""
     caps = caps or [None] * len(specs)
@@ -303,12 +308,7 @@ def test_per_request_thresholds_equal_reference(name, chain_dirs, chain_referenc
         sampling = SamplingParams(max_tokens=MAX_TOKENS, route_thresholds=t)
         want = reference_generate(models, policy, prompt, sampling, SEED)
         assert got.error is None
-        assert (got.token_ids, got.counts, got.handoffs, got.finish_reason) == (
-            want.token_ids,
-            want.counts,
-            want.handoffs,
-            want.finish_reason,
-        ), f"{name}: request with thresholds {t}"
+        assert outcome(got) == outcome(want), f"{name}: request with thresholds {t}"
         if t:
             plain = reference_generate(
                 models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
@@ -419,12 +419,7 @@ def test_per_request_caps_on_the_large_share_equal_reference(
         sampling = SamplingParams(max_tokens=MAX_TOKENS, route_thresholds=t)
         want = reference_generate(models, policy, prompt, sampling, SEED, max_share=cap)
         assert got.error is None
-        assert (got.token_ids, got.counts, got.handoffs, got.finish_reason) == (
-            want.token_ids,
-            want.counts,
-            want.handoffs,
-            want.finish_reason,
-        )
+        assert outcome(got) == outcome(want)
         top = got.counts.get(names[-1], 0)
         if cap is not None:
             assert top <= cap * len(got.token_ids) + 1e-9

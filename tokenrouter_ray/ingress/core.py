@@ -141,6 +141,12 @@ class TokenChunks:
         return self._items.popleft()
 
 
+def _starts_on(entry: str | None, alone: str | None) -> bool:
+    """Whether a request may start on ``entry`` (one given, and a replica of the model
+    that serves it alone, if one does)."""
+    return entry is not None and (alone is None or endpoint_model(entry) == alone)
+
+
 class _Live:
     def __init__(self, rid: str, prompt: list[int], sampling: SamplingSpec, timeout_s: float):
         self.rid = rid
@@ -336,7 +342,7 @@ class IngressCore:
         live.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, rid)
         self.live[rid] = self._wire[rid] = live
         try:
-            dst = entry or self._entry_of(live, endpoints)
+            dst = entry if _starts_on(entry, alone) else self._entry_of(live, endpoints)
             live.holders = _holders(dst, endpoints)
             new = self._new_msg(live, dst, endpoints)
             await self.channel.send(dst, [new])
@@ -598,14 +604,11 @@ class IngressCore:
             self._wire[live.wire_rid] = live
             live.log = live.log.settled()  # drop commits waiting on a gap
             assigned = endpoints(live.rid) if endpoints is not None else None
-            if live.alone is None or (entry and endpoint_model(entry) == live.alone):
-                dst = entry or self.entry_endpoint()
-            else:
-                try:
-                    dst = self._entry_of(live, assigned)
-                except PeerUnreachableError as exc:
-                    self.fail(live.rid, f"{reason}; {exc}", "unavailable")
-                    continue
+            try:
+                dst = entry if _starts_on(entry, live.alone) else self._entry_of(live, assigned)
+            except PeerUnreachableError as exc:  # a request served alone, its model gone
+                self.fail(live.rid, f"{reason}; {exc}", "unavailable")
+                continue
             live.holders = _holders(dst, assigned)
             news.append(self._new_msg(live, dst, assigned))
         for dst, msgs in by_destination(news).items():
