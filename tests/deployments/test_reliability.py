@@ -22,6 +22,7 @@ import pytest
 
 from loadtest.flood import decoy_flood, junk_flood
 from tests.deployments.conftest import local_outputs, tiny_overrides
+from tests.waiting import wait_for
 
 TWO = ["small", "large"]
 APP = "reliability"
@@ -221,34 +222,40 @@ def cancel_scenario(app: str, served_chain_dirs: dict[str, str]) -> None:
 
 def test_overload_is_429_with_retry_after_and_frees_everything(app: str) -> None:
     """Past max_active_requests a request waits in the short admission queue (issue 26),
-    then is refused with 429 and Retry-After (no slot frees: the small model is stalled)."""
+    then is refused with 429 and Retry-After (no slot frees: the small model is stalled);
+    once the stall clears, every admitted request completes and nothing is left held."""
     codes: list[tuple[int, str | None]] = []
     lock = threading.Lock()
+    overflow = 16
 
     def call(i: int) -> None:
         body = {"model": "tokenrouter", "prompt": [i % 100 + 1, 3], "max_tokens": 200}
         body |= {"ignore_eos": True, "temperature": 0}
-        try:
-            r = httpx.post(app + "/completions", json=body, timeout=4)
-            code, retry = r.status_code, r.headers.get("retry-after")
-            if code == 429:
-                assert r.json()["error"]["code"] == "rate_limit_exceeded"
-        except httpx.TimeoutException:
-            code, retry = 0, None  # admitted, then cancelled by the client
+        r = httpx.post(app + "/completions", json=body, timeout=300)
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
         with lock:
-            codes.append((code, retry))
+            codes.append((r.status_code, r.headers.get("retry-after")))
+
+    def refusals() -> int:
+        with lock:
+            return sum(code == 429 for code, _ in codes)
 
     small = model_handle("small")
-    small.inject_fault.remote("stall", 100_000, 0.05).result()  # requests stay active
+    # every step of the small model takes 0.2 s longer: an admitted request (200 tokens)
+    # holds its slot for 40 s at least, far past the admission queue's 1 s wait
+    small.inject_fault.remote("stall", 100_000, 0.2).result()
+    pool = concurrent.futures.ThreadPoolExecutor(MAX_ACTIVE + overflow)
     try:
-        with concurrent.futures.ThreadPoolExecutor(80) as pool:
-            list(pool.map(call, range(80)))
+        calls = [pool.submit(call, i) for i in range(MAX_ACTIVE + overflow)]
+        wait_for(lambda: refusals() >= overflow, 120.0, "the overflow refused")
     finally:
         small.inject_fault.remote("clear").result()
-    refused = [retry for code, retry in codes if code == 429]
-    assert refused and all(retry == "1" for retry in refused), codes
-    assert not [c for c, _ in codes if c not in (0, 200, 429)], codes
-    assert len(refused) <= 80 - MAX_ACTIVE
+    for done in calls:
+        done.result()
+    pool.shutdown()
+    assert sorted(code for code, _ in codes) == [200] * MAX_ACTIVE + [429] * overflow, codes
+    assert all(retry == "1" for code, retry in codes if code == 429), codes
     wait_clean(app)
 
 

@@ -20,7 +20,7 @@ TUNER = [
     "tuner.period_s=0.5",
     "tuner.min_moves=10",
     "tuner.concurrencies=[1,2,4,8]",
-    "tuner.grain_ms=0.2",
+    "tuner.grain_ms=1.0",  # a coarse grain: the first solve stays short on a loaded host
     "policy.options.threshold=0.45",
     "tuner.min_tokens_per_s=1e9",  # an SLO nothing meets: admit the smallest tuned N (1)
     "ingress.admission_queue=0",  # past the cap: refused at once (no wait for a slot)
@@ -46,7 +46,7 @@ def test_replicas_follow_the_tuner(serve_app, served_chain_dirs) -> None:
             status = httpx.get(f"{base}/tokenrouter/tuner", timeout=10).json()
             return status if status["last"]["predicted_tokens_per_s"] else None
 
-        status = wait_for(solved)
+        status = wait_for(solved, 180.0)  # the first solve runs in a worker thread
         assert status["replicas"] == {"small": [status["replicas"]["small"][0]],
                                       "large": [status["replicas"]["large"][0]]}  # fmt: skip
         assert status["replica_counts"] == {"small": 1, "large": 1}  # from the reports
@@ -64,7 +64,7 @@ def test_replicas_follow_the_tuner(serve_app, served_chain_dirs) -> None:
             infos = {m: info.to_json() for m, info in infos.items()}  # ReplicaInfo
             return all(infos[m]["batch_thresholds"] == now[m] for m in TWO)
 
-        wait_for(adopted, 10.0)
+        wait_for(adopted, 60.0)
         ok = call(prompts()[0])  # still serving under the tuned thresholds
         assert ok.usage.completion_tokens == 24
 
@@ -76,7 +76,7 @@ def test_replicas_follow_the_tuner(serve_app, served_chain_dirs) -> None:
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 return list(pool.map(lambda p: post(base, p), prompts()[:4]))
 
-        codes = wait_for(lambda: (c := burst()) and 429 in c and c, 15.0)
+        codes = wait_for(lambda: (c := burst()) and 429 in c and c, 120.0)
         assert 200 in codes  # one at a time still gets through
 
 

@@ -195,10 +195,15 @@ def test_completed_response_and_the_stream_helper(served_chain_dirs: dict[str, s
             assert r.headers["content-type"].startswith("text/event-stream")
             raw = (await r.aread()).decode()
         frames = raw.removesuffix("\n\n").split("\n\n")
+        wire = []
         for frame in frames:
             name, data = frame.split("\n")
-            assert name.removeprefix("event: ") == json.loads(data.removeprefix("data: "))["type"]
-        assert len(frames) == len(events) and "[DONE]" not in raw
+            wire.append(json.loads(data.removeprefix("data: ")))
+            assert name.removeprefix("event: ") == wire[-1]["type"]
+        # the same sequence as the client's (how tokens group into deltas is timing)
+        check_sequence(wire, "response.completed")
+        assert wire[-1]["response"]["output"][0]["content"][0]["text"] == cut
+        assert "[DONE]" not in raw
 
         async with client.responses.stream(**kw, extra_body=stop) as stream:
             texts = [e.delta async for e in stream if e.type == "response.output_text.delta"]
