@@ -68,6 +68,7 @@ class Ingress:
             admission_cap=tuner.admission_cap.remote if tuner is not None else None,
             tuner_status=tuner.status.remote if tuner is not None else None,
             model_status={name: handle.status.remote for name, handle in models.items()},
+            scorer=models[cfg.model_names[-1]].score.remote,  # the top model scores
         )
         await self.service.start()
         self.direct: DirectHttp | None = None

@@ -32,6 +32,7 @@ from tokenrouter_ray.config import AppConfig, ModelSpec
 from tokenrouter_ray.engine.config import EngineConfig
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.host_gc import tune_gc
+from tokenrouter_ray.quality.live import Score, ScoreBudget, plain_model, teacher_forced
 from tokenrouter_ray.replica.status import ReplicaInfo, ReplicaStatus, replica_info, replica_status
 from tokenrouter_ray.replica.step import Replica
 from tokenrouter_ray.routing.policy import build_policy, policy_class
@@ -146,7 +147,23 @@ class ModelServer:
             if tuner is not None
             else None
         )
+        # live quality: answers scored here when this is the top model (quality/live.py)
+        self.scoring = ScoreBudget(cfg.quality_monitor.max_share)
         tune_gc(cfg.gc)  # started: what is alive now lives as long as the replica
+
+    async def score(self, prompt: list[int], answer: list[int]) -> Score:
+        """Live quality: ``answer`` after ``prompt``, teacher-forced on this replica's model
+        on the step thread between two steps, while scoring stays within its share of the
+        replica's time (else skipped, saying why)."""
+        refusal = self.scoring.refusal()
+        if refusal is not None:
+            return Score(skipped=refusal)
+        model = plain_model(self.engine)
+        if model is None:
+            return Score(skipped="unsupported")
+        score = await self.server.call(lambda: teacher_forced(model, prompt, answer))
+        self.scoring.spend(score.seconds)
+        return score
 
     async def _follow_tuner(self, tuner: DeploymentHandle, period_s: float) -> None:
         """Report this replica's window; adopt the ``ThresholdTable`` the tuner answers (both

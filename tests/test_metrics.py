@@ -211,7 +211,8 @@ def test_ray_backend_defines_the_same_metrics() -> None:
             "model_name",  # the served model name, on every metric
             "active_requests",  # the tuner's tuned N: a handful of configured values
             "outcome",  # tuner decision outcome: 4 values
-            "reason",  # peer frame rejections: malformed, bad_mac, replay, undecodable
+            "reason",  # peer frame rejections; live-quality skips: a few fixed values
+            "point",  # live quality: default, custom, a configured preset, alone:<model>
         }
 
 

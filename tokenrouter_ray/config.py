@@ -531,6 +531,33 @@ class TunerSpec(_Strict):
         return sorted(set(value))
 
 
+class QualityMonitorSpec(_Strict):
+    """The ``quality_monitor`` section: a sample of finished answers scored live by the top
+    model of the chain by teacher forcing (tokenrouter_ray/quality/live.py)."""
+
+    sample_rate: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="Share of finished answers scored (0: off). Each is one prefill of prompt "
+        "and answer on a replica of the top model, run between two of its steps.",
+    )
+    max_share: float = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="Most of a top-model replica's time that scoring may take, over the last "
+        "minute; a sampled answer past it is skipped (counted as reason=budget).",
+    )
+    max_pending: int = Field(
+        4, ge=1, description="Scorings in flight per ingress replica; more are skipped."
+    )
+    window: int = Field(
+        200, ge=1, description="Scored answers per operating point the status route averages."
+    )
+    timeout_s: float = Field(60.0, gt=0, description="Longest wait for one scoring.")
+
+
 class GcSpec(_Strict):
     """Python's garbage collector in each serving process (tokenrouter_ray/host_gc.py):
     applied once the process has started (models loaded, sockets open)."""
@@ -557,6 +584,7 @@ class AppConfig(_Strict):
     ingress: IngressSpec = Field(default_factory=IngressSpec)
     tuner: TunerSpec = Field(default_factory=TunerSpec)
     gc: GcSpec = Field(default_factory=GcSpec)
+    quality_monitor: QualityMonitorSpec = Field(default_factory=QualityMonitorSpec)
     shared_devices: dict[str, float] = Field(
         default_factory=dict,
         description="Memory (GiB) of each device that several models share (the models name "

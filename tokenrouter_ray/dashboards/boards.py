@@ -134,6 +134,9 @@ def _as(label: str, source: str, expr: str) -> str:
     return f'label_replace({expr}, "{label}", "$1", "{source}", "(.*)")'
 
 
+POINT = ["point"]  # live quality: the operating point an answer was routed at
+
+
 def routing(prefix: str) -> dict[str, Any]:
     q = Promql(prefix, selector=APP)
     handoffs = "tokenrouter_routing_num_handoffs_total"
@@ -141,6 +144,11 @@ def routing(prefix: str) -> dict[str, Any]:
     dropped = "tokenrouter_routing_num_dropped_tokens_total"
     per_model_commits = q.rate(toks, ["model"])
     per_model_dropped = q.rate(dropped, ["model"])
+    answers = "tokenrouter_quality_scored_answers_total"
+    agree_ans = "tokenrouter_quality_agreeing_answers_total"
+    positions = "tokenrouter_quality_scored_positions_total"
+    agree_pos = "tokenrouter_quality_agreeing_positions_total"
+    gap = "tokenrouter_quality_logprob_gap"
     return dashboard(
         "tokenrouter-routing",
         "tokenrouter-ray / Routing",
@@ -235,6 +243,57 @@ def routing(prefix: str) -> dict[str, Any]:
                     *quantiles(q, "tokenrouter_request_handoffs"),
                 ],
                 "short",
+            ),
+            row("Live quality (a sample of answers scored by the top model)"),
+            timeseries(
+                "Agreement with the top model, by operating point",
+                [
+                    target(
+                        f"{q.rate(agree_pos, POINT, window='5m')} / "
+                        f"{q.rate(positions, POINT, window='5m')}",
+                        "positions {{point}}",
+                    ),
+                    target(
+                        f"{q.rate(agree_ans, POINT, window='5m')} / "
+                        f"{q.rate(answers, POINT, window='5m')}",
+                        "whole answers {{point}}",
+                    ),
+                ],
+                "percentunit",
+                "Of the sampled answers (quality_monitor.sample_rate): the share of positions "
+                "where the top model's greedy token is the committed one, and the share of "
+                "answers it agrees with everywhere (greedy: the answer it would have written "
+                "alone), over 5 minutes.",
+                max_value=1,
+            ),
+            timeseries(
+                "Log-probability gap per answer",
+                [
+                    target(q.mean(gap, POINT), "mean {{point}}"),
+                    *quantiles(q, gap, POINT, "{{point}}"),
+                ],
+                "short",
+                "The top model's log-probability of its own greedy token minus that of the "
+                "committed one, averaged over an answer's positions.",
+            ),
+            timeseries(
+                "Scored and skipped answers / s",
+                [
+                    target(q.rate(answers, POINT), "scored {{point}}"),
+                    target(
+                        q.rate("tokenrouter_quality_skipped_total", ["reason"]),
+                        "skipped: {{reason}}",
+                    ),
+                ],
+                "short",
+                "Skipped: the top replica's scoring share was spent (budget), too many in "
+                "flight (queue_full), a tensor-parallel model (unsupported), or an error.",
+            ),
+            timeseries(
+                "Scoring time on the top model",
+                quantiles(q, "tokenrouter_quality_score_seconds"),
+                "s",
+                "One teacher-forced forward over prompt and answer, between two steps.",
             ),
             row("Routing overhead"),
             timeseries(

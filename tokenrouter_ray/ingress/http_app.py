@@ -268,6 +268,11 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
         """This ingress's counts, and what one replica of each model holds now."""
         return await service.stats()
 
+    @app.get("/v1/tokenrouter/quality")
+    async def quality_status() -> dict[str, Any]:
+        """Live quality: sampled answers scored by the top model (quality/live.py)."""
+        return service.quality.status()
+
     @app.get("/v1/tokenrouter/tuner")
     async def tuner_status() -> Any:
         return await service.tuner_status()

@@ -47,6 +47,7 @@ from tokenrouter_ray.openai.sse import (
 )
 from tokenrouter_ray.openai.token_reports import TokenText
 from tokenrouter_ray.openai.validation import PreparedRequest
+from tokenrouter_ray.quality.live import LiveQuality
 from tokenrouter_ray.transport.base import endpoint_model
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ class IngressServer:
         self.max_active = max_active
         self.unavailable = unavailable
         self.entry_total: dict[str, int] = {}  # choices ever sent per entry replica
+        # live quality (quality/live.py): finished choices offered for scoring; None: off
+        self.quality: LiveQuality | None = None
         # one placement rule for every model's replica (ingress/placement.py): the entry's
         # from ``entries()``; with ``replicas_of`` (model -> its live endpoints), the other
         # models' too (without it, ``endpoints_for`` or the models themselves pick them)
@@ -345,6 +348,10 @@ class IngressServer:
         assert done is not None  # only this finally or the task's done callback close it
         if done.error is not None:
             raise choice_error(done)
+        if self.quality is not None:
+            sampling = prepared.sampling
+            self.quality.offer(rid, prepared.prompt_token_ids, done.token_ids,
+                               sampling.route_thresholds, sampling.route_alone)  # fmt: skip
         last = writer.end(done.writers, done.infos)
         if last is not None and updates is not None:
             self._put(updates, last, gate)

@@ -44,6 +44,7 @@ from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.openai.errors import NotFoundError
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
 from tokenrouter_ray.openai.validation import RequestLimits
+from tokenrouter_ray.quality.live import LiveQuality, Scorer
 from tokenrouter_ray.transport.base import PeerChannel
 
 STATUS_TIMEOUT_S = 5.0  # one model's status in /v1/tokenrouter/stats
@@ -121,6 +122,7 @@ class IngressService:
         tuner_status: Callable[[], Awaitable[Any]] | None = None,
         model_status: Mapping[str, Callable[[], Awaitable[Any]]] | None = None,
         core: IngressCore | None = None,
+        scorer: Scorer | None = None,
     ) -> None:
         ing = cfg.ingress
         self.cfg = cfg
@@ -172,6 +174,13 @@ class IngressService:
             cfg.served_model_name,
             ingress_replicas=ing.num_replicas,
         )
+        qm = cfg.quality_monitor
+        # live quality: ``scorer`` teacher-forces on a replica of the top model
+        self.quality = LiveQuality(
+            scorer, self.metrics, cfg.policy.name, cfg.policy.preset_thresholds(),
+            qm.sample_rate, qm.max_pending, qm.window, qm.timeout_s,
+        )  # fmt: skip
+        self.server.quality = self.quality if self.quality.sample_rate > 0 else None
         self._slo: asyncio.Task | None = None
         self.core.on_drain = self.on_drain
         self.drained: set[str] = set()  # model endpoints that left on purpose (DRAIN)
@@ -195,6 +204,7 @@ class IngressService:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._slo
         await self.recovery.stop()
+        await self.quality.stop()
         await self.responses.stop()
         await self.admission.close()
         await self.core.stop()

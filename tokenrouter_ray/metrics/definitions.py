@@ -311,6 +311,55 @@ TUNER_MAX_CONCURRENCY = _gauge(
     "SLO mode: active requests the tuner admits (0 without an SLO).",
 )
 
+# ------------------------------------------------------------- live quality
+# A sample of finished answers, scored by the top model by teacher forcing
+# (tokenrouter_ray/quality/live.py). ``point``: where the answer was routed
+# (``default``, a preset's name, ``custom``, or ``alone:<model>``).
+QUALITY_ANSWERS = _counter(
+    "tokenrouter_quality_scored_answers_total",
+    "Finished answers the top model scored by teacher forcing.",
+    "policy",
+    "point",
+)
+QUALITY_AGREEING_ANSWERS = _counter(
+    "tokenrouter_quality_agreeing_answers_total",
+    "Scored answers the top model agrees with at every position (under greedy decoding: "
+    "the answer it would have written alone).",
+    "policy",
+    "point",
+)
+QUALITY_POSITIONS = _counter(
+    "tokenrouter_quality_scored_positions_total",
+    "Output positions scored.",
+    "policy",
+    "point",
+)
+QUALITY_AGREEING_POSITIONS = _counter(
+    "tokenrouter_quality_agreeing_positions_total",
+    "Scored positions where the top model's greedy token is the committed one.",
+    "policy",
+    "point",
+)
+QUALITY_LOGPROB_GAP = _histogram(
+    "tokenrouter_quality_logprob_gap",
+    "Per scored answer: mean over its positions of the top model's log-probability of its "
+    "own greedy token minus that of the committed token (0: it agrees everywhere).",
+    (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0),
+    "policy",
+    "point",
+)
+QUALITY_SKIPPED = _counter(
+    "tokenrouter_quality_skipped_total",
+    "Sampled answers not scored, by reason: budget (the top replica's scoring share is "
+    "spent), queue_full, unsupported, failed.",
+    "reason",
+)
+QUALITY_SCORE_SECONDS = _histogram(
+    "tokenrouter_quality_score_seconds",
+    "Time one teacher-forced scoring took on the top model's replica.",
+    LATENCY_BUCKETS,
+)
+
 DEFINITIONS: tuple[MetricDef, ...] = (
     HANDOFFS,
     COMMITTED_TOKENS,
@@ -354,6 +403,13 @@ DEFINITIONS: tuple[MetricDef, ...] = (
     TUNER_ROUTE_PROB,
     TUNER_DECISIONS,
     TUNER_MAX_CONCURRENCY,
+    QUALITY_ANSWERS,
+    QUALITY_AGREEING_ANSWERS,
+    QUALITY_POSITIONS,
+    QUALITY_AGREEING_POSITIONS,
+    QUALITY_LOGPROB_GAP,
+    QUALITY_SKIPPED,
+    QUALITY_SCORE_SECONDS,
 )
 BY_NAME: dict[str, MetricDef] = {d.name: d for d in DEFINITIONS}
 assert len(BY_NAME) == len(DEFINITIONS), "duplicate metric name"

@@ -181,6 +181,22 @@ class Metrics:
         elif output_tokens == 1:
             self._observe(m.DECODE_SECONDS, 0.0)
 
+    # ------------------------------------------------------------- live quality
+    def quality_scored(
+        self, policy: str, point: str, positions: int, agreeing: int, gap: float, seconds: float
+    ) -> None:
+        """One answer scored by the top model (tokenrouter_ray/quality/live.py)."""
+        labels = (policy, point)
+        self._inc(m.QUALITY_ANSWERS, 1, *labels)
+        self._inc(m.QUALITY_AGREEING_ANSWERS, int(agreeing == positions), *labels)
+        self._inc(m.QUALITY_POSITIONS, positions, *labels)
+        self._inc(m.QUALITY_AGREEING_POSITIONS, agreeing, *labels)
+        self._observe(m.QUALITY_LOGPROB_GAP, gap, *labels)
+        self._observe(m.QUALITY_SCORE_SECONDS, seconds)
+
+    def quality_skipped(self, reason: str) -> None:
+        self._inc(m.QUALITY_SKIPPED, 1, reason)
+
     # -------------------------------------------------------------------- tuner
     def tuner_decision(
         self, decision: TunerDecision, profile: RoutingProfile | None, tuned: list[int]
