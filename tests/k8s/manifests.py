@@ -35,6 +35,7 @@ FILE_BY_KIND = {
     "NetworkPolicy": "networkpolicy.yaml",
     "Ingress": "ingress.yaml",
     "PodMonitor": "podmonitor.yaml",
+    "PrometheusRule": "prometheusrule.yaml",
 }
 HEADER = (
     "# Generated from helm/tokenrouter-ray (default values) by\n"

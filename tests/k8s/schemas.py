@@ -45,6 +45,7 @@ EMBEDDED_OBJECT_META = {
 CRD_FILES = {
     ("ray.io/v1", "RayService"): "ray.io_rayservices.yaml",
     ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +64,7 @@ def test_default_render_is_the_cross_node_layout(default_render: Objects) -> Non
         "Ingress",
         "NetworkPolicy",
         "PodMonitor",
+        "PrometheusRule",
         "RayService",
         "Secret",
     ]
@@ -146,6 +148,26 @@ def test_pod_monitor_scrapes_every_ray_pod(default_render: Objects) -> None:
     assert all(p["metrics-export-port"] == "8080" for p in params)
 
 
+def test_live_quality_alert(
+    default_render: Objects, render_values: Callable[..., Objects]
+) -> None:
+    """The PrometheusRule alerts on the live-quality counters the app exports (the ``ray_``
+    names a scrape shows), with the floor, window and count from the values."""
+    from tokenrouter_ray.metrics import exported_names
+
+    [rule] = only(default_render, "PrometheusRule")["spec"]["groups"][0]["rules"]
+    assert rule["alert"] == "TokenrouterLiveAgreementLow" and rule["for"] == "15m"
+    used = set(re.findall(r"ray_tokenrouter_\w+", rule["expr"]))
+    assert used and used <= exported_names()
+    assert ") < 0.8" in rule["expr"] and ">= 20" in rule["expr"] and "[30m]" in rule["expr"]
+    values = manifests.default_values()
+    values["metrics"]["alerts"] |= {"agreementFloor": 0.9, "window": "1h"}
+    [rule] = only(render_values(values), "PrometheusRule")["spec"]["groups"][0]["rules"]
+    assert ") < 0.9" in rule["expr"] and "[1h]" in rule["expr"]
+    values["metrics"]["alerts"]["enabled"] = False
+    assert not [o for o in render_values(values) if o["kind"] == "PrometheusRule"]
+
+
 def test_transport_ray_opens_no_peer_port(render_values: Callable[..., Objects]) -> None:
     values = manifests.default_values()
     values["transport"]["name"] = "ray"
@@ -165,6 +187,7 @@ def test_values_variant(render_values: Callable[..., Objects]) -> None:
         tls=[{"secretName": "tokenrouter-tls", "hosts": ["tokenrouter.example.com"]}],
     )
     values["metrics"]["podMonitor"]["enabled"] = False
+    values["metrics"]["alerts"]["enabled"] = False
     medium = json.loads(json.dumps(values["models"][0]))
     medium.update(name="medium", hfId="Qwen/Qwen3-8B", nodeResource="tokenrouter_medium")
     values["models"].insert(1, medium)
