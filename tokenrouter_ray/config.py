@@ -50,7 +50,8 @@ class SimSpec(_Strict):
 
 
 class AutoscalingSpec(_Strict):
-    """Replica autoscaling of one deployment through Ray Serve's autoscaler (docs/user-guide/scaling.md).
+    """Replica autoscaling of one deployment through Ray Serve's autoscaler
+    (docs/user-guide/scaling.md).
 
     It becomes the deployment's Serve ``autoscaling_config`` with this project's policy
     (``deployments/autoscaling.py``): a model deployment follows the replica plan the tuner
@@ -229,7 +230,8 @@ class PolicySpec(_Strict):
     presets: dict[str, PresetValue | list[PresetValue]] = Field(
         default_factory=dict,
         description="Per-request quality presets (a request's `routing.quality`, "
-        "docs/reference/api.md): name (e.g. high, balanced, fast) -> the decision threshold it stands "
+        "docs/reference/api.md): name (e.g. high, balanced, fast) -> the decision threshold it "
+        "stands "
         "for, in the policy's own terms (r2r/entropy/citer/co_llm threshold, rstitch/"
         "glimprouter tau, bernoulli p); escalation: one value for every level or one per "
         "level. Empty: requests may give only `routing.threshold`.",

@@ -207,7 +207,8 @@ def wait_for_data(
 
 
 def test_documented_scrape_config_is_valid(tmp_path: Path) -> None:
-    """The config docs/user-guide/observability.md gives for scraping a local cluster passes promtool."""
+    """The config docs/user-guide/observability.md gives for scraping a local cluster passes
+    promtool."""
     text = (REPO / "docs" / "user-guide" / "observability.md").read_text()
     section = text[text.index("## Scraping locally") :]
     block = section[

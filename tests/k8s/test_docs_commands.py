@@ -1,4 +1,5 @@
-"""The commands of README's "On a GPU cluster" and docs/deployment/kubernetes.md's "Install", run as far
+"""The commands of README's "On a GPU cluster" and docs/deployment/kubernetes.md's "Install",
+run as far
 as a machine without Docker, GPU or cluster allows: the `docker build` tag is the image the
 chart renders, the exact `helm install` flags render (as `helm template`) to pods on that image
 that fetch the router, the `import-router` line parses with the real CLI, and the `curl`

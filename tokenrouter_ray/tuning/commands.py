@@ -55,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tune",
         help="predict throughput per batching threshold B and pick the best per concurrency",
         description=(
-            "Solve the deferred-batching Markov model (docs/user-guide/tuning.md). Models are given in "
+            "Solve the deferred-batching Markov model (docs/user-guide/tuning.md). Models are "
+            "given in "
             "--step-ms order (or the profile's order); requests enter at the first one."
         ),
     )
