@@ -305,7 +305,7 @@ class ZmqSpec(_Strict):
         description="A model replica's step thread reads its PULL socket itself, in its "
         "waits and between steps (replica/waker.py), with no receiver thread: a frame costs "
         "one wake-up of the thread that applies it. False: a receiver thread checks each "
-        "frame and hands it over (the rounds before 13).",
+        "frame and hands it over (one more thread hop per frame).",
     )
     curve: bool = Field(
         False,
