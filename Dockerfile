@@ -2,7 +2,7 @@
 # Ray pod: the official Ray GPU image, with the same Ray version as the chart's `rayVersion`,
 # plus this package and its `gpu` extra (flash-attn). There are no model weights or routers in
 # it. Checkpoints download into HF_HOME when a pod starts, and routers come from
-# TOKENROUTER_ROUTER_DIR (a PVC or an init container, see docs/kubernetes.md).
+# TOKENROUTER_ROUTER_DIR (a PVC or an init container, see docs/deployment/kubernetes.md).
 #
 #   docker build -t REGISTRY/tokenrouter-ray:0.1.0 .      # tag = the chart's appVersion
 #   docker push REGISTRY/tokenrouter-ray:0.1.0

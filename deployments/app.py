@@ -6,7 +6,8 @@ sane thresholds, shared tokenizer when the models are local), and binds the endp
 directory, one deployment per model (named after the model), the threshold tuner when
 ``tuner.enabled``, and the OpenAI ingress. A model (or the ingress) with ``autoscaling``
 gets Serve's ``autoscaling_config`` with this project's policy (``deployments/autoscaling.py``,
-docs/scaling.md) instead of a fixed ``num_replicas``. Models that share a device (``device_group``)
+docs/user-guide/scaling.md) instead of a fixed ``num_replicas``. Models that share a device
+(``device_group``)
 get their memory budgets from one joint plan of that device (``plan_shared_devices``)
 before they are bound; a group that cannot fit is a ``ConfigError``.
 Any config problem is raised as one ``ConfigError`` with a message to act on.

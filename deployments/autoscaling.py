@@ -1,4 +1,4 @@
-"""Serve autoscaling policies for the model and ingress deployments (docs/scaling.md).
+"""Serve autoscaling policies for the model and ingress deployments (docs/user-guide/scaling.md).
 
 Ray 2.60 lets a deployment name its own policy (``autoscaling_config.policy``: a class,
 instantiated once with ``policy_kwargs``, called with an ``AutoscalingContext`` every

@@ -3,7 +3,8 @@
 Everything an ingress does (admission, parsing, submitting, streaming, recovery, the SLO
 cap, health, statistics) is Ray-free: ``IngressService`` (tokenrouter_ray/ingress/service.py)
 over an ``IngressCore`` and an ``IngressServer``, and the FastAPI app over it
-(tokenrouter_ray/ingress/http_app.py ``build_app``; docs/reliability.md for the rules). This
+(tokenrouter_ray/ingress/http_app.py ``build_app``; docs/user-guide/reliability.md for the
+rules). This
 deployment builds what only Ray knows and injects it: the endpoint directory
 (``ServeDirectory``), the peer key and channel (``make_channel``), the peer book
 (``PeerBook``: model endpoints, heartbeat, lost replicas), the models' infos and status and

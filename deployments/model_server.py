@@ -7,7 +7,7 @@ window to the tuner every period and adopts the thresholds it answers (and, with
 autoscaling, the replica count the tuner's plan gives the model, which
 ``record_autoscaling_stats`` hands to Serve's autoscaler beside this replica's own load). A
 replica being stopped (scale-down, rolling update) first moves its requests to the model's
-other replicas (``_leave``: drain, docs/scaling.md). Serve's ``check_health`` fails (and
+other replicas (``_leave``: drain, docs/user-guide/scaling.md). Serve's ``check_health`` fails (and
 Serve restarts the replica) when the replica's receive or send task or its step thread
 stopped, the channel closed, the endpoint heartbeat stopped, a step ran past ``max_step_s``
 (a wedged device) or ``max_failed_steps`` steps in a row failed (a sticky device error)."""

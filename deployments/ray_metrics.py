@@ -151,7 +151,7 @@ class RayBackend:
     **Histograms are aggregated here, not in Ray.** A Ray histogram takes one value a call
     and converts its tags on each (~3 µs with Serve's five; no call takes a count), and at
     the ingress there is a value per token: handing each value to Ray was ~11 % of the
-    app's CPU per token at N = 64 (docs/benchmarks.md, Round 14). So the flusher adds the
+    app's CPU per token at N = 64 (docs/benchmarks/README.md). So the flusher adds the
     held values to a `HistogramSeries` (exact bucket counts, sum and count) and sets, per
     series, the gauges a Prometheus histogram is read from: ``<name>_bucket`` with ``le``
     (cumulative, ``le`` written as Ray's exporter writes it, ``+Inf`` last), ``<name>_sum``

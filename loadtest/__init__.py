@@ -1,5 +1,5 @@
 """The benchmarks: ``python -m loadtest`` (``__main__.py``) runs the paper's comparison by
-preset or any benchmark by name (``python -m loadtest list``; docs/benchmarks.md lists them
+preset or any benchmark by name (``python -m loadtest list``; docs/benchmarks/README.md lists them
 with their commands). ``common.py`` is what the benchmarks share, ``harness.py`` the load
 generator; each other module is one benchmark or one part of the comparison (``run.py``,
 ``systems.py``, ``report.py``, ``quality.py``, ``prediction.py``, ``workloads.py``);

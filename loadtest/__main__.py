@@ -88,7 +88,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "sim-ablation": ("loadtest.sim_ablation", "where deferral pays (= the sim preset's part)"),
     "speculative": ("loadtest.baselines.speculative", "stock speculative decoding (lossless)"),
-    "gpu-check": ("loadtest.device.gpu_check", "the prepared device check (docs/gpu_check.md)"),
+    "gpu-check": (
+        "loadtest.device.gpu_check",
+        "the prepared device check (docs/deployment/gpu-check.md)",
+    ),
 }
 
 

@@ -12,7 +12,7 @@ records the one-way time on arrival (one machine, one clock). The sender's CPU p
 its thread's CPU time around the send call. With ZeroMQ a frame crosses four threads: the
 sender's, its I/O thread, the receiver's I/O thread and the receiver's; with a datagram
 socket it goes from the sender's thread to the receiver's, and a wake-up after an idle
-spell costs this VM the most (docs/benchmarks.md, Round 10). What it measures is the
+spell costs this VM the most (docs/benchmarks/README.md). What it measures is the
 platform's floor, not the app: the target says whether a transport without an I/O thread
 would have room to pay here.
 """

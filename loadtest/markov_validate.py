@@ -13,7 +13,7 @@ the ``bench`` extra).
 
 Run: ``.venv/bin/python -m loadtest.markov_validate`` (about 4 min; ``--quick`` about 1 min;
 ``--time-scale 2`` stretches simulated step times 2x to shrink the share of the runtime's
-own per-step overhead; ``--plot docs/markov_validation.png``).
+own per-step overhead; ``--plot docs/images/markov_validation.png``).
 """
 
 from __future__ import annotations

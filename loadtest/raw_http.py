@@ -6,7 +6,7 @@ Why: a probe of the server's time to first token should not carry its client's o
 ``httpx`` (what the probes used before) spends about 2 ms per streamed request of its own
 at idle on the 2-core benchmark machine: against a bare uvicorn app, client to app 1.7 ms
 and app to its first line 0.65 ms, against 0.24 and 0.06 ms for this client
-(docs/benchmarks.md, Round 16). That is most of a 3 ms target. The probes print both.
+(docs/benchmarks/README.md). That is most of a 3 ms target. The probes print both.
 
 Only what the served apps send is read: a status line, headers, then a body framed by
 ``Content-Length`` or ``Transfer-Encoding: chunked`` (a stream). A status other than 200 is

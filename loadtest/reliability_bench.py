@@ -1,4 +1,4 @@
-"""Failure scenarios on the served demo (docs/reliability.md): the app is deployed on a
+"""Failure scenarios on the served demo (docs/user-guide/reliability.md): the app is deployed on a
 private port, each scenario injects one kind of failure through real HTTP (the official
 ``openai`` client), Serve handles and real ZeroMQ sockets, and reports what it measured.
 

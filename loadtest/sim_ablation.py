@@ -9,7 +9,7 @@ times. Both configurations run on the same request seeds (common random numbers)
 alternation (tuned, eager, tuned, eager, ...) so a load change on the machine hits both; the
 figure is the mean over repeats. Steps run ``time_scale`` times slower (default 2) and
 tok/s is multiplied back, which halves the share of the runtime's own per-step cost
-(docs/tuning.md, "Validation against the runtime").
+(docs/user-guide/tuning.md, "Validation against the runtime").
 
     python -m loadtest --preset sim            # about 30 s
     python -m loadtest.sim_ablation --json     # the same, alone

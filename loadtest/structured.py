@@ -1,6 +1,6 @@
 """What a structured-output grammar costs (issue 28): LocalRuntime on the demo pair under
 R2R with its trained router, N concurrent greedy requests, with and without a JSON-schema
-grammar (every model masks its logits with it; docs/api.md, "Structured outputs").
+grammar (every model masks its logits with it; docs/reference/api.md, "Structured outputs").
 
 Rounds alternate between the modes so that load from other processes hits them alike:
 

@@ -21,7 +21,7 @@ PROBE_ROUTING: dict[str, float | None] = {"mixed": None, "kept": 0.0, "escalated
 
 # The probe's clients: "raw", a bare HTTP/1.1 client (``loadtest/raw_http.py``: the figure
 # the targets read), and "httpx", printed beside it (its own ~2 ms per request at idle on
-# the 2-core machine is the client's, not the server's: docs/benchmarks.md, Round 16).
+# the 2-core machine is the client's, not the server's: docs/benchmarks/README.md).
 PROBE_CLIENTS = ("raw", "httpx")
 
 

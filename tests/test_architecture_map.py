@@ -1,4 +1,4 @@
-"""docs/architecture.md's round-trip file list is what a round trip runs.
+"""docs/design/architecture.md's round-trip file list is what a round trip runs.
 
 One streamed chat request, through the real FastAPI app, ``IngressServer``, ``IngressCore``
 and two model replicas with tiny real models (``LocalRuntime``, in-process channels), is
@@ -20,7 +20,7 @@ from tests.ingress.test_ingress_server import SERVED, run_flow
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = str(ROOT / "tokenrouter_ray") + "/"
-DOC = ROOT / "docs" / "architecture.md"
+DOC = ROOT / "docs" / "design" / "architecture.md"
 
 
 def traced_round_trip(dirs: dict[str, str]) -> tuple[set[str], int]:
@@ -75,5 +75,5 @@ def test_the_docs_list_the_files_a_round_trip_runs(served_chain_dirs: dict[str, 
     assert handoffs >= 2  # handed to the other model and back: both replicas' paths ran
     assert {"replica/step.py", "ingress/core.py", "engine/engine.py"} <= traced
     listed = documented()
-    assert sorted(traced - listed) == [], "traced, not in docs/architecture.md"
-    assert sorted(listed - traced) == [], "in docs/architecture.md, not traced"
+    assert sorted(traced - listed) == [], "traced, not in docs/design/architecture.md"
+    assert sorted(listed - traced) == [], "in docs/design/architecture.md, not traced"

@@ -4,7 +4,7 @@ extra) with no finding at all, it builds on the official Ray GPU image of the ch
 build context (``.dockerignore``) holds the package and nothing heavy.
 
 Building the image needs a Docker daemon and the network (the Ray base image is several GB);
-neither exists here, so the build itself is not run by the tests (docs/kubernetes.md).
+neither exists here, so the build itself is not run by the tests (docs/deployment/kubernetes.md).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def test_chart_default_image_is_what_the_documented_build_produces() -> None:
     version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M)
     assert version and chart["appVersion"] == version.group(1)
     assert values["image"]["repository"] == "tokenrouter-ray" and values["image"]["tag"] == ""
-    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    docs = (REPO / "docs" / "deployment" / "kubernetes.md").read_text()
     tag = f"tokenrouter-ray:{chart['appVersion']}"
     assert f"docker build -t $REGISTRY/{tag} ." in docs
     assert f"docker push $REGISTRY/{tag}" in docs

@@ -1,4 +1,5 @@
-"""The layering rules of docs/architecture.md, checked on the source and in fresh interpreters.
+"""The layering rules of docs/design/architecture.md, checked on the source and in fresh
+interpreters.
 
 - ``engine/`` imports neither ``routing/`` nor the processes' packages (``ingress/``,
   ``replica/``, ``local.py``), anywhere in a module, lazy imports included.

@@ -403,7 +403,7 @@ def test_cli_url_against_a_served_app(served_chain_dirs, tmp_path: Path, capsys)
 
 # ---- the docs --------------------------------------------------------------------------------
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "observability.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "user-guide" / "observability.md"
 
 
 def test_docs_commands_parse_and_the_example_trace_says_what_the_docs_say() -> None:

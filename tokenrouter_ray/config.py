@@ -50,7 +50,8 @@ class SimSpec(_Strict):
 
 
 class AutoscalingSpec(_Strict):
-    """Replica autoscaling of one deployment through Ray Serve's autoscaler (docs/scaling.md).
+    """Replica autoscaling of one deployment through Ray Serve's autoscaler
+    (docs/user-guide/scaling.md).
 
     It becomes the deployment's Serve ``autoscaling_config`` with this project's policy
     (``deployments/autoscaling.py``): a model deployment follows the replica plan the tuner
@@ -141,7 +142,7 @@ class ModelSpec(_Strict):
     autoscaling: AutoscalingSpec | None = Field(
         None,
         description="Let Serve's autoscaler set this model's replica count between bounds "
-        "(instead of num_replicas), jointly with the other models (docs/scaling.md).",
+        "(instead of num_replicas), jointly with the other models (docs/user-guide/scaling.md).",
     )
     drain_timeout_s: float = Field(
         20.0,
@@ -224,12 +225,13 @@ PresetValue = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 
 class PolicySpec(_Strict):
-    name: str = Field(description="A registered policy (see docs/policies.md).")
+    name: str = Field(description="A registered policy (see docs/user-guide/policies.md).")
     options: dict[str, Any] = Field(default_factory=dict, description="The policy's config.")
     presets: dict[str, PresetValue | list[PresetValue]] = Field(
         default_factory=dict,
         description="Per-request quality presets (a request's `routing.quality`, "
-        "docs/api.md): name (e.g. high, balanced, fast) -> the decision threshold it stands "
+        "docs/reference/api.md): name (e.g. high, balanced, fast) -> the decision threshold it "
+        "stands "
         "for, in the policy's own terms (r2r/entropy/citer/co_llm threshold, rstitch/"
         "glimprouter tau, bernoulli p); escalation: one value for every level or one per "
         "level. Empty: requests may give only `routing.threshold`.",
@@ -303,7 +305,7 @@ class ZmqSpec(_Strict):
         description="A model replica's step thread reads its PULL socket itself, in its "
         "waits and between steps (replica/waker.py), with no receiver thread: a frame costs "
         "one wake-up of the thread that applies it. False: a receiver thread checks each "
-        "frame and hands it over (the rounds before 13).",
+        "frame and hands it over (one more thread hop per frame).",
     )
     curve: bool = Field(
         False,
@@ -361,7 +363,7 @@ class RequestLimitSpec(_Strict):
 class ResponseStoreSpec(_Strict):
     """The Responses API's stored responses (``store``, ``previous_response_id``, ``GET``):
     kept in memory by the ingress replica that made them, least recently used evicted
-    first (docs/api.md, "Stored responses")."""
+    first (docs/reference/api.md, "Stored responses")."""
 
     max_responses: int = Field(
         2048,
@@ -444,7 +446,7 @@ class IngressSpec(_Strict):
         description="A streaming client that took no chunk for this long while output waits "
         "for it (a full choice, or generation over) is cut: its request is aborted on every "
         "model and its memory freed. Seen only where the HTTP server blocks on a full socket "
-        "(docs/reliability.md, backpressure).",
+        "(docs/user-guide/reliability.md, backpressure).",
     )
     direct_port: int | None = Field(
         None,

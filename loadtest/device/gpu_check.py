@@ -7,7 +7,7 @@ flagship's shapes at full size. Models are random-weight, built here (the device
 network and no hub), so only this repo and the wheels ``scripts/device_wheels.sh``
 prepares (msgspec, pydantic and its companions, which the device image lacks; a CI test
 checks the import closure against a dated copy of the image's package list) are needed.
-The exact device command is in README.md, section "On a GPU"; docs/gpu_check.md says what
+The exact device command is in README.md, section "On a GPU"; docs/deployment/gpu-check.md says what
 each check covers and what it cannot.
 
 ``--device cpu`` dry-runs every check here (graphs "on" = the static path run eagerly, the

@@ -42,7 +42,8 @@ def test_cross_node_pins_each_model_to_its_node_resource() -> None:
 
 
 def test_ingress_resources_pin_its_replicas() -> None:
-    """What the Helm chart's direct port writes (docs/kubernetes.md, "The direct port"): the
+    """What the Helm chart's direct port writes (docs/deployment/kubernetes.md, "The direct
+    port"): the
     replicas ask for one unit of the ingress pods' resource and bind the pod's own address."""
     base = ["models=qwen3_r2r", "policy=rstitch"]
     assert ingress_options(compose_config(base))["ray_actor_options"] == {"num_cpus": 0}
@@ -68,7 +69,8 @@ def test_ingress_resources_pin_its_replicas() -> None:
 
 def test_the_embedded_default_serves_the_api_on_the_ingress_own_port() -> None:
     """conf/local.yaml: the URL users call (8000) is the ingress replica's own port, where a
-    client that stops reading is seen (docs/reliability.md, "Slow readers"); Serve's proxy
+    client that stops reading is seen (docs/user-guide/reliability.md, "Slow readers"); Serve's
+    proxy
     serves the same API elsewhere."""
     data = yaml.safe_load((CONF_DIR / "local.yaml").read_text())
     args = AppArgs.model_validate(data["applications"][0]["args"])

@@ -3,7 +3,7 @@ it: ``serve run`` of the simulated app (conf/sim_paper.yaml on another port) in 
 with its own Ray instance. HAProxy, not Serve's Python proxy, answers on the Serve port and
 forwards to the ingress replica's own HTTP server; the OpenAI API must behave as it does
 through the Python proxy (answers, streams, error envelopes, ``X-Request-Id``), and
-SIGTERM must take HAProxy down with the rest (docs/benchmarks.md, "Round 10")."""
+SIGTERM must take HAProxy down with the rest (docs/benchmarks/README.md)."""
 
 from __future__ import annotations
 

@@ -207,8 +207,9 @@ def wait_for_data(
 
 
 def test_documented_scrape_config_is_valid(tmp_path: Path) -> None:
-    """The config docs/observability.md gives for scraping a local cluster passes promtool."""
-    text = (REPO / "docs" / "observability.md").read_text()
+    """The config docs/user-guide/observability.md gives for scraping a local cluster passes
+    promtool."""
+    text = (REPO / "docs" / "user-guide" / "observability.md").read_text()
     section = text[text.index("## Scraping locally") :]
     block = section[
         section.index("```yaml\n") + 8 : section.index("```\n", section.index("```yaml"))

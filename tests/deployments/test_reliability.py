@@ -2,7 +2,7 @@
 client cancellations free every model; a failing model, a stalled model and a killed model
 replica end requests with clear errors or re-create them; bad bodies and overload answer
 OpenAI envelopes with the right status and headers. Scenarios and figures:
-docs/reliability.md."""
+docs/user-guide/reliability.md."""
 
 from __future__ import annotations
 
@@ -535,7 +535,7 @@ def test_a_junk_flood_at_a_model_leaves_requests_exact_and_health_green(
     assert got == want
     assert rejected.get("bad_mac", 0) > 0  # the flood reached the model and was refused
     # Before the fix the flood starved the model: 88 s instead of ~4 (22x). The issue's
-    # 1.5x is a figure for a quiet machine (docs/reliability.md): here the flooder, both
+    # 1.5x is a figure for a quiet machine (docs/user-guide/reliability.md): here the flooder, both
     # models and the ingress share two cores and one run took 3.1x, so the test asserts
     # "no starvation" and prints the ratio.
     assert flooded_s <= 5 * undisturbed_s, f"{flooded_s / undisturbed_s:.1f}x"
@@ -615,7 +615,7 @@ def test_clients_that_never_read_leave_the_ingress_bounded_and_everything_freed(
     stream, and once they go nothing is held anywhere. Behind Serve's HTTP proxy the
     ingress's sends never block (the proxy takes every frame and buffers it), so the
     stall rule is not what ends these streams here: closing the sockets is (see
-    docs/reliability.md, backpressure; tests/ingress/test_backpressure_http.py shows the
+    docs/user-guide/reliability.md, backpressure; tests/ingress/test_backpressure_http.py shows the
     rule over a server that blocks)."""
     import socket
     from urllib.parse import urlsplit

@@ -72,7 +72,7 @@ def test_the_direct_port_serves_the_same_api_and_cuts_clients_that_stop_reading(
     """``ingress.direct_port``: the ingress replica's own HTTP server answers as Serve's
     proxy does (same text, its own X-Request-Id), and there a client that never reads is
     seen: two such clients' ``n=16`` streams are cut and freed, while Serve's proxy would
-    have taken all of it (docs/reliability.md, backpressure)."""
+    have taken all of it (docs/user-guide/reliability.md, backpressure)."""
     import socket
     import time
 

@@ -40,7 +40,8 @@ FILE_BY_KIND = {
 HEADER = (
     "# Generated from helm/tokenrouter-ray (default values) by\n"
     "#   python -m tests.k8s.manifests --write\n"
-    "# Do not edit: change the chart, then regenerate. docs/kubernetes.md explains the layout.\n"
+    "# Do not edit: change the chart, then regenerate. docs/deployment/kubernetes.md explains "
+    "the layout.\n"
 )
 
 
@@ -114,7 +115,8 @@ def generate(objects: list[dict[str, Any]], dashboards_dir: Path) -> dict[str, s
     files: dict[str, str] = {}
     for obj in objects:
         if obj["kind"] in ("ConfigMap", "Secret"):
-            continue  # the peer Secret is random: k8s/ users create it (docs/kubernetes.md)
+            # the peer Secret is random: k8s/ users create it (docs/deployment/kubernetes.md)
+            continue
         if obj["kind"] not in FILE_BY_KIND:
             raise HelmError(f"no k8s/ file for kind {obj['kind']}: extend FILE_BY_KIND")
         files[FILE_BY_KIND[obj["kind"]]] = HEADER + _dump(strip_helm_labels(obj))

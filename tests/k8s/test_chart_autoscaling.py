@@ -1,4 +1,5 @@
-"""The chart's replica autoscaling (docs/scaling.md, "On Kubernetes"): off by default; on for a
+"""The chart's replica autoscaling (docs/user-guide/scaling.md, "On Kubernetes"): off by
+default; on for a
 model, its bounds reach the app and Serve's autoscaling_config, its worker group can hold every
 replica Serve may ask for (one pod each) and no idle pod at the lower bound, and Ray's in-tree
 autoscaler is on to add and remove those pods, as unprivileged as the rest of the release; the
@@ -225,7 +226,8 @@ def test_the_ingress_alone_adds_no_node_autoscaler(render_values: Callable[..., 
 
 
 def test_set_flags_work(helm: Path) -> None:
-    """The --set / --set-json forms docs/scaling.md shows (Helm's --set keeps 0.6 a string,
+    """The --set / --set-json forms docs/user-guide/scaling.md shows (Helm's --set keeps 0.6 a
+    string,
     which the schema refuses: fractions go through --set-json or a values file)."""
     objects = manifests.render(
         "--set",
@@ -325,7 +327,7 @@ def test_ingress_autoscaling_is_refused_with_the_direct_port(
         render_values(values)
 
 
-SCALING_DOC = manifests.REPO / "docs" / "scaling.md"
+SCALING_DOC = manifests.REPO / "docs" / "user-guide" / "scaling.md"
 SCALING_SECTION = "## On Kubernetes: replica autoscaling meets node autoscaling"
 
 
@@ -336,7 +338,8 @@ def _section(text: str) -> str:
 
 
 def test_the_docs_values_render(render_values: Callable[..., Objects], helm: Path) -> None:
-    """docs/scaling.md's values file and `helm upgrade` line render to what the text says."""
+    """docs/user-guide/scaling.md's values file and `helm upgrade` line render to what the text
+    says."""
     section = _section(SCALING_DOC.read_text())
     [block] = re.findall(r"```yaml\n(.*?)```", section, re.S)
     objects = render_values(yaml.safe_load(block))  # over the chart's defaults, as `-f` is

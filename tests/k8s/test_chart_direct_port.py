@@ -1,4 +1,5 @@
-"""The chart's direct port (docs/kubernetes.md, "The direct port"): off by default; enabled,
+"""The chart's direct port (docs/deployment/kubernetes.md, "The direct port"): off by default;
+enabled,
 the ingress replicas' own port (`ingress.direct_port`) reaches the app, the replicas can run
 only on the pods of the `ingress` worker group and fill each of them, the Service in front of
 the port selects exactly those pods, a pod is ready only while its replicas answer there, the

@@ -1,4 +1,5 @@
-"""The commands of README's "On a GPU cluster" and docs/kubernetes.md's "Install", run as far
+"""The commands of README's "On a GPU cluster" and docs/deployment/kubernetes.md's "Install",
+run as far
 as a machine without Docker, GPU or cluster allows: the `docker build` tag is the image the
 chart renders, the exact `helm install` flags render (as `helm template`) to pods on that image
 that fetch the router, the `import-router` line parses with the real CLI, and the `curl`
@@ -21,7 +22,7 @@ from tests.k8s.manifests import only
 from tests.k8s.test_schemas import assert_valid
 
 README = manifests.REPO / "README.md"
-DOCS = manifests.REPO / "docs" / "kubernetes.md"
+DOCS = manifests.REPO / "docs" / "deployment" / "kubernetes.md"
 ENV = {"REGISTRY": "registry.example.com/ml", "ROUTER_URL": "https://x.example/r2r.safetensors"}
 
 

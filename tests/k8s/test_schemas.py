@@ -91,7 +91,7 @@ RAYSERVICE_MISTAKES: dict[str, Callable[[dict[str, Any]], None]] = {
     ].update(memory={"Gi": 32}),
     "missing-cluster": lambda o: o["spec"].pop("rayClusterConfig"),
     "bad-template-metadata": lambda o: _worker(o)["template"]["metadata"].update(uid="x"),
-    # autoscalerOptions (the chart sets it with autoscaling; docs/scaling.md)
+    # autoscalerOptions (the chart sets it with autoscaling; docs/user-guide/scaling.md)
     "bad-upscaling-mode": lambda o: _autoscaler(o, upscalingMode="Fast"),
     "bad-idle-timeout": lambda o: _autoscaler(o, idleTimeoutSeconds="1m"),
     "unknown-autoscaler-field": lambda o: _autoscaler(o, idleTimeout=60),

@@ -52,7 +52,7 @@ def test_the_reproduce_line_of_a_subcommand_is_a_command_that_runs_it(monkeypatc
 
 
 def test_docs_benchmarks_lists_every_subcommand_with_its_command() -> None:
-    doc = (LOADTEST.parent / "docs" / "benchmarks.md").read_text()
+    doc = (LOADTEST.parent / "docs" / "benchmarks" / "README.md").read_text()
     section = doc.split("\n## Every benchmark and the command that runs it\n", 1)[1]
     section = section.split("\n## ", 1)[0]
     rows = {

@@ -1,4 +1,4 @@
-"""docs/api.md lists every request field the schemas declare, with its status."""
+"""docs/reference/api.md lists every request field the schemas declare, with its status."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from tokenrouter_ray.openai import responses_input, schemas
 
-DOC = Path(__file__).parents[2] / "docs" / "api.md"
+DOC = Path(__file__).parents[2] / "docs" / "reference" / "api.md"
 MODELS = [
     schemas.CompletionRequest,
     schemas.ChatCompletionRequest,
@@ -33,7 +33,7 @@ def documented() -> set[str]:
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.__name__)
 def test_every_declared_field_is_in_the_table(model: type) -> None:
     missing = sorted(set(model.model_fields) - documented())
-    assert not missing, f"docs/api.md 'Request fields' lacks {missing}"
+    assert not missing, f"docs/reference/api.md 'Request fields' lacks {missing}"
 
 
 def test_every_responses_field_is_in_its_section() -> None:
@@ -47,4 +47,4 @@ def test_every_responses_field_is_in_its_section() -> None:
     for item in responses_input.ITEMS.values():
         declared |= set(item.model_fields)
     missing = sorted(declared - names)
-    assert not missing, f"docs/api.md 'Responses API' lacks {missing}"
+    assert not missing, f"docs/reference/api.md 'Responses API' lacks {missing}"

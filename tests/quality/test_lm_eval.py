@@ -1,5 +1,6 @@
 """EleutherAI's lm-evaluation-harness runs against this server, offline, as a user runs it
-(issue 36 item 5; the recipe: docs/lm_eval.md): the ``lm_eval`` CLI in a subprocess, with no
+(issue 36 item 5; the recipe: docs/user-guide/lm-eval.md): the ``lm_eval`` CLI in a subprocess,
+with no
 tokenizer on the client, on a local two-item generate_until task (JSONL + YAML through
 ``--include_path``), once with ``--model local-chat-completions`` (``--apply_chat_template``,
 the ``routing_trace`` extension passed with ``--gen_kwargs``) and once with
@@ -100,7 +101,7 @@ def write_task(root: Path) -> Path:
 
 
 def lm_eval_commands(port: int, tasks: Path, out: Path) -> dict[str, list[str]]:
-    """The two commands of docs/lm_eval.md, by endpoint: chat (messages built by lm-eval,
+    """The two commands of docs/user-guide/lm-eval.md, by endpoint: chat (messages built by lm-eval,
     the routing extension added with ``--gen_kwargs``) and completions (a text prompt;
     no client-side tokenizer, so generate_until tasks only)."""
     from tests.openai.ingress_app import SERVED

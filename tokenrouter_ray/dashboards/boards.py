@@ -379,7 +379,7 @@ def scheduler(prefix: str) -> dict[str, Any]:
                 [target(q.rate("tokenrouter_deferred_timeouts_total", model), by_model)],
                 "short",
                 "Launches below B forced by max_defer_s: the safety net fired. Steady "
-                "non-zero means N or B is off (docs/tuning.md).",
+                "non-zero means N or B is off (docs/user-guide/tuning.md).",
             ),
             timeseries(
                 "Threshold B vs active requests N",

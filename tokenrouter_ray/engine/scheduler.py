@@ -41,7 +41,7 @@ from tokenrouter_ray.thresholds import ThresholdTable
 
 
 class SchedulerConfig(BaseModel):
-    """How one model batches. Thresholds usually come from the tuner (DESIGN.md §4)."""
+    """How one model batches. Thresholds usually come from the tuner (docs/user-guide/tuning.md)."""
 
     model_config = ConfigDict(extra="forbid")
 

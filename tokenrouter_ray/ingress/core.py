@@ -9,7 +9,7 @@ broadcasts ABORT to every model endpoint (receivers that never held the request 
 ``IngressService`` (``ingress/service.py``; the Serve ingress ``deployments/ingress.py`` is
 a shim around it); ``LocalRuntime`` drives the core directly. Neither needs Ray.
 
-Reliability rules (docs/reliability.md):
+Reliability rules (docs/user-guide/reliability.md):
 - cleanup never awaits: ``abort_nowait`` and ``release`` change state at once and the ABORT
   broadcast runs as a background task the core owns, so a cancelled caller (a client that
   disconnected) cannot leave a request behind on any model or in the active count;

@@ -252,7 +252,8 @@ class IngressServer:
     def check_admission(self, n: int = 1) -> None:
         """503 ``OverloadedError`` when ``n`` more choices would pass ``max_active()``. The
         HTTP routes call it with ``n = 1`` before reading the body, so a refusal costs no
-        parsing or tokenizing (512 clients at once: docs/reliability.md); ``submit`` checks
+        parsing or tokenizing (512 clients at once: docs/user-guide/reliability.md); ``submit``
+        checks
         again with the request's ``n``."""
         if self.core.num_active + n > self.max_active():
             raise OverloadedError("Too many requests in flight; retry shortly.", retry_after_s=1)

@@ -19,7 +19,7 @@ Cancelling applies to background responses (OpenAI's rule: a foreground one is a
 aborts the request on every model (its KV freed), and the stored response says
 ``cancelled``. Deleting a background response that still runs cancels it the same way.
 The store is this replica's: with several ingress replicas a response is found only on
-the one that made it (docs/api.md, "Stored responses").
+the one that made it (docs/reference/api.md, "Stored responses").
 """
 
 from __future__ import annotations

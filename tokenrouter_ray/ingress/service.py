@@ -167,7 +167,7 @@ class IngressService:
             block_sizes={name: spec.block_size for name, spec in cfg.models.items()},
             backpressure=Backpressure(ing.stream_buffer_tokens, ing.client_stall_s),
         )
-        # the Responses API's stored responses: this replica's own (docs/api.md)
+        # the Responses API's stored responses: this replica's own (docs/reference/api.md)
         self.responses = ResponsesApi(
             lambda: self.server,
             ResponseStore(ing.responses.max_responses, ing.responses.max_bytes),

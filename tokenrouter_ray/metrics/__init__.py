@@ -2,7 +2,8 @@
 prometheus-client, no-op; the Ray backend is in ``deployments/ray_metrics.py``) and the
 calls the runtime makes (``recorder.Metrics``).
 
-Nothing here imports Ray, nor torch at import time; docs/observability.md lists the metrics
+Nothing here imports Ray, nor torch at import time; docs/user-guide/observability.md lists the
+metrics
 and how they reach Prometheus and Grafana.
 """
 

@@ -54,7 +54,7 @@ def plain_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[i
     """``tokenizer.decode(ids, skip_special_tokens=...)`` as a one-argument call. For a fast
     tokenizer whose decode adds nothing to its Rust decoder's (no clean-up of tokenization
     spaces), that decoder is called directly: transformers' wrapper costs about as much
-    again as the decoding, twice per streamed token (docs/benchmarks.md Round 7)."""
+    again as the decoding, twice per streamed token (docs/benchmarks/README.md)."""
     backend = getattr(tokenizer, "_tokenizer", None)  # a fast tokenizer's tokenizers.Tokenizer
     cleans = getattr(tokenizer, "clean_up_tokenization_spaces", True)
     if backend is None or cleans or not callable(getattr(backend, "decode", None)):

@@ -39,7 +39,7 @@ from tokenrouter_ray.quality.frontier import (
 )
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 
-# The config key each policy's per-request threshold stands for (docs/api.md).
+# The config key each policy's per-request threshold stands for (docs/reference/api.md).
 OVERRIDE_KEY = {
     "r2r": "threshold",
     "entropy": "threshold",
@@ -100,7 +100,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Sweep the served policy's threshold per request over a dev split, mark the "
             "Pareto points, draw the frontier and choose a point for a target; the choice is "
-            "reported on the disjoint test split (docs/quality.md)."
+            "reported on the disjoint test split (docs/user-guide/quality.md)."
         ),
     )
     parser.add_argument(

@@ -10,7 +10,7 @@ on the step thread (``replica/step.py``): no lock.
 
 A message that cannot be applied ends its request with ``finish_reason="error"``, counted
 in ``tokenrouter_errors_total{type}``; the other requests are unaffected
-(docs/reliability.md).
+(docs/user-guide/reliability.md).
 """
 
 from __future__ import annotations

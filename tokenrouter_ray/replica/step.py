@@ -39,7 +39,8 @@ the overlapped work then runs after it.
 Neither the thread nor the event loop dies on one request: a failed step fails the requests
 that could have been in it, a failed report fails its requests, a failed draft only means
 the launch schedules from scratch; each ends its requests with ``finish_reason="error"``,
-is counted in ``tokenrouter_errors_total{type}``, and the loop goes on (docs/reliability.md).
+is counted in ``tokenrouter_errors_total{type}``, and the loop goes on
+(docs/user-guide/reliability.md).
 ``profile`` (``replica/profile.py``) sums the host time of each phase.
 """
 

@@ -4,7 +4,7 @@ A replica's step thread sleeps in three places: while the device runs a step (th
 ``wait_done(wake)``), while it is idle, and in ``Event.wait`` calls the runners make. With a
 receiver thread, a frame costs that thread a wake-up, a MAC check and a decode under the
 interpreter lock beside the step thread, and a hand-off that wakes the step thread again
-(docs/benchmarks.md Round 13). ``FrameWaker`` is a ``threading.Event`` for those callers
+(docs/benchmarks/README.md). ``FrameWaker`` is a ``threading.Event`` for those callers
 whose ``wait`` also watches the channel (``transport.base.InlineSource``): it sleeps in one
 ``select`` on an eventfd (``set`` from other threads: the event loop's calls, a device
 watcher) and the channel's descriptor, and reads the frames that arrived when it wakes,

@@ -9,7 +9,7 @@ asks three things:
   scalar score per row on the way (a router probability, an entropy) stores it in
   ``batch.scores`` (higher: closer to escalating; NaN for rows it did not score); the
   runtime copies it to the host only for steps where some request asked for a routing
-  trace. docs/policies.md says what each policy's score is.
+  trace. docs/user-guide/policies.md says what each policy's score is.
   A policy compares its score with ``batch.thresholds(configured)``: per row, the
   request's own threshold (the API's ``routing`` field, ``SamplingSpec.route_thresholds``)
   or the configured one; just the configured float when no row overrides it.
@@ -186,7 +186,7 @@ class Policy(ABC):
     needs_tokenizer: ClassVar[bool] = False  # built with the models' (shared) tokenizer
     # Structured outputs: route on the logits the row was sampled from (the grammar's mask
     # applied: a forced token is certain) or on the model's raw logits (what a router trained
-    # on unconstrained text saw). docs/policies.md says which policy reads which and why.
+    # on unconstrained text saw). docs/user-guide/policies.md says which policy reads which and why.
     routes_on_masked_logits: ClassVar[bool] = True
     min_models: ClassVar[int] = 2
     max_models: ClassVar[int | None] = 2

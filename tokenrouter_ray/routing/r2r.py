@@ -34,7 +34,8 @@ class R2R(EscalateOnce):
     needs_hidden = True
     needs_embeddings = True
     # Its router was trained on the raw top-k logits of unconstrained text; a grammar's
-    # -inf would feed its linear layer infinities (docs/policies.md, "Structured outputs").
+    # -inf would feed its linear layer infinities (docs/user-guide/policies.md, "Structured
+    # outputs").
     routes_on_masked_logits = False
 
     def __init__(self, config: R2RConfig, models: Sequence[str], tokenizer: Any = None) -> None:

@@ -279,7 +279,7 @@ def how_to_get_router(kind: str) -> str:
     return (
         "`tokenrouter-ray import-router --format r2r ROUTER.pt --out FILE` (converts a router "
         "R2R published for your model pair) or " + train.replace("POLICY", "r2r") + "; "
-        "see docs/router_training.md."
+        "see docs/user-guide/router-training.md."
     )
 
 

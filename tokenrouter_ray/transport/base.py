@@ -91,7 +91,7 @@ class Directory(ABC):
         """Renew ``endpoint``'s lease (register it; None: nothing to renew) and return every
         endpoint, sorted by name: what a peer book does every half second, in one round
         trip where the directory is remote (two Serve handle calls a refresh cost each
-        replica about 20 ms of CPU a second; docs/benchmarks.md Round 7)."""
+        replica about 20 ms of CPU a second; docs/benchmarks/README.md)."""
         if endpoint is not None:
             await self.register(endpoint)
         return await self.endpoints()

@@ -28,7 +28,7 @@ class InProcHub:
 
     ``transit_s``: every frame reaches its receiver this long after it was sent (a network
     between nodes, simulated; 0: at once). The simulation uses it to show what the time a
-    handoff spends between models costs (docs/benchmarks.md, "Host path")."""
+    handoff spends between models costs (docs/benchmarks/README.md, "Host path")."""
 
     def __init__(self, transit_s: float = 0.0) -> None:
         if transit_s < 0:

@@ -3,8 +3,8 @@
 A ZeroMQ frame crosses four threads: the sender, its context's I/O thread, the receiver's
 I/O thread, and the receiver. At idle each crossing is a wake-up: one frame's hop between
 two processes takes 70-190 µs here against 7-14 µs for a bare Unix socket written and read
-by the two threads themselves (``python -m loadtest hop-floor``; docs/benchmarks.md Round
-15), and a first token that escalates crosses three hops. This channel is that bare socket,
+by the two threads themselves (``python -m loadtest hop-floor``; docs/benchmarks/README.md),
+and a first token that escalates crosses three hops. This channel is that bare socket,
 with what the ZeroMQ channel gives beside the hop:
 
 - **Mailbox.** A replica listens on a socket file (mode 0600, in a private 0700 directory,

@@ -20,7 +20,7 @@ replayed, duplicated and malformed frames are dropped unread and counted in `rej
 ``tokenrouter_peer_rejected_total{reason}``). ipc socket files are mode 0600 in a private
 (0700) directory; frames above `max_frame_bytes` are refused by ZeroMQ itself.
 
-Strangers on the network (docs/reliability.md, "junk flood"):
+Strangers on the network (docs/user-guide/reliability.md, "junk flood"):
 - ``recv`` yields to the event loop every ``YIELD_EVERY`` frames or ``YIELD_S`` seconds, so a
   flood of queued junk (pyzmq completes each receive at once) cannot starve decode,
   heartbeats or health checks;
@@ -135,7 +135,7 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
         self._init_readers()
         # Plain (not asyncio) views of the same sockets: a receive of a queued frame and a
         # non-blocking send need no Future and no event-loop callback (a sixth of the
-        # ingress's CPU per token went to pyzmq's asyncio layer; docs/benchmarks.md Round 7).
+        # ingress's CPU per token went to pyzmq's asyncio layer; docs/benchmarks/README.md).
         self._pull_now: zmq.Socket | None = None
         self._pushes: dict[str, zmq.asyncio.Socket] = {}
         # Held around every use of a send socket: ``send_now`` runs on a replica's step
@@ -281,7 +281,7 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
         read without waiting; with none, one Future waits for the socket's descriptor to
         signal (``_on_signal``), not pyzmq's asyncio socket, which made a Future, a poll
         registration and callbacks per frame: about a fifth of the ingress's CPU
-        (docs/benchmarks.md, Round 14). One ``recv`` at a time."""
+        (docs/benchmarks/README.md). One ``recv`` at a time."""
         self._may_recv()
         if self._watch is None:
             loop, fd = asyncio.get_running_loop(), self.fileno()

@@ -3,7 +3,7 @@
 ``tune`` solves deferred-batching thresholds from statistics.
 
 Statistics come either inline (``--step-ms``, ``--route-prob``, ``--commit``) or from a
-``--profile`` JSON/YAML file (format in docs/tuning.md). For each ``--concurrency`` N the
+``--profile`` JSON/YAML file (format in docs/user-guide/tuning.md). For each ``--concurrency`` N the
 command sweeps the free thresholds, prints the predicted throughput of every B and the best
 one (a table, or JSON with ``--json``), and with ``--thresholds-out`` writes the per-model
 threshold lists (index = active requests) a scheduler config takes.
@@ -55,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tune",
         help="predict throughput per batching threshold B and pick the best per concurrency",
         description=(
-            "Solve the deferred-batching Markov model (docs/tuning.md). Models are given in "
+            "Solve the deferred-batching Markov model (docs/user-guide/tuning.md). Models are "
+            "given in "
             "--step-ms order (or the profile's order); requests enter at the first one."
         ),
     )

@@ -24,7 +24,8 @@ Beyond the last state ``K`` with a computed ``T`` the tail rule extends ``mu``:
   ``lambda < mu(K)`` -- the stability limit. With a constant ``mu`` this is M/M/1.
 * ``"linear"``: ``mu(n) = mu(K) n / K`` (every request keeps the per-request rate of state
   ``K``; with constant step times and batches of any size the Markov model's ``T(n)`` does
-  grow linearly, see docs/tuning.md); always stable. With ``mu(n) = n mu`` this is M/M/inf.
+  grow linearly, see docs/user-guide/tuning.md); always stable. With ``mu(n) = n mu`` this is
+  M/M/inf.
 * ``"block"``: at most ``K`` requests; arrivals finding ``K`` are lost (an admission cap such
   as the ingress's ``max_active``). M/M/1/K with a constant ``mu``.
 

@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="replicas per model and GPUs for an offered load and a TPOT target",
         description=(
             "Plan replica counts for every model together from the routing, the step times "
-            "and the offered load (docs/scaling.md). Models in routing order, entry first."
+            "and the offered load (docs/user-guide/scaling.md). Models in routing order, entry "
+            "first."
         ),
     )
     load = parser.add_argument_group("offered load")

@@ -253,7 +253,7 @@ def models_from_mapping(data: Mapping[str, Any]) -> list[ModelProfile]:
 
 
 def profile_from_mapping(data: Mapping[str, Any]) -> RoutingProfile:
-    """Build a profile from the documented file layout (see docs/tuning.md)."""
+    """Build a profile from the documented file layout (see docs/user-guide/tuning.md)."""
     models = models_from_mapping(data)
     names = [m.name for m in models]
     transit = data.get("transit_ms")

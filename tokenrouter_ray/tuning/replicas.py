@@ -48,7 +48,8 @@ splits the N requests into classes, one per combination of replica choices, as e
 least-loaded choice makes them,
 and ``montecarlo.monte_carlo_bound`` simulates the chain over model replicas ("units") with
 per-class counts. Measured on the simulated runtime (paper profile, R_large = 2,
-``docs/tuning.md``) this placement is what the runtime does; a model that draws the replica
+``docs/user-guide/tuning.md``) this placement is what the runtime does; a model that draws the
+replica
 afresh on every move (R copies of the model, ``p_ij / R_j``) predicted B_large = 1 best at
 N = 4 where the runtime measured B_large = 2 best by 10 %, so it was dropped. With one
 replica per model the classes collapse to one and the result equals the exact chain's.

@@ -17,7 +17,8 @@ longer than its sender's shortest step) and stays under ``TRANSIT_MAX_STATES`` s
 Monte Carlo otherwise (``evaluate``). The exact sweep is exhaustive by default.
 ``patience=k`` stops a free model's sweep after k values in a row below its best so far;
 T(B) is *not* always single-peaked (at N=64 in the paper setting it dips near B=22 before its
-maximum at B=40, see docs/tuning.md), so early stopping is an opt-in speed/accuracy trade.
+maximum at B=40, see docs/user-guide/tuning.md), so early stopping is an opt-in speed/accuracy
+trade.
 """
 
 from __future__ import annotations

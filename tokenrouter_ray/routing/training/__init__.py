@@ -2,7 +2,7 @@
 
 ``data``: prompts, the large model's continuations, teacher-forced features and labels.
 ``train``: the training loop, held-out metrics and the ``train_router`` pipeline.
-``commands``: the CLI. See docs/router_training.md.
+``commands``: the CLI. See docs/user-guide/router-training.md.
 
 ``train_router`` and ``TrainOptions`` are imported lazily: importing this package (as the
 CLI parser does) costs no torch/transformers import.
