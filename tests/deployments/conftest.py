@@ -33,6 +33,9 @@ def tiny_overrides(
             f"models.{name}.memory_budget_gb=0.25",
             f"models.{name}.max_model_len=256",
         ]
+    if not any(e.startswith("quality_monitor.sample_rate=") for e in extra):
+        # no random sample of answers scored unless a test asks (tests/.../test_live_quality.py)
+        out.append("quality_monitor.sample_rate=0")
     return out + list(extra)
 
 
