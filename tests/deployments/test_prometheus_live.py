@@ -249,6 +249,10 @@ def test_every_dashboard_query_returns_data(
         "tuner.period_s=1",
         "tuner.min_moves=5",
         "tuner.concurrencies=[1,2]",
+        # live quality: every answer sampled; the first scored, the rest past the (tiny)
+        # scoring budget skipped
+        "quality_monitor.sample_rate=1.0",
+        "quality_monitor.max_share=1e-9",
     ]
     queries = panel_queries()
     assert len(queries) > 40  # every board's every target

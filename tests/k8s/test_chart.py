@@ -148,9 +148,7 @@ def test_pod_monitor_scrapes_every_ray_pod(default_render: Objects) -> None:
     assert all(p["metrics-export-port"] == "8080" for p in params)
 
 
-def test_live_quality_alert(
-    default_render: Objects, render_values: Callable[..., Objects]
-) -> None:
+def test_live_quality_alert(default_render: Objects, render_values: Callable[..., Objects]) -> None:
     """The PrometheusRule alerts on the live-quality counters the app exports (the ``ray_``
     names a scrape shows), with the floor, window and count from the values."""
     from tokenrouter_ray.metrics import exported_names

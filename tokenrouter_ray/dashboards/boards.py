@@ -149,6 +149,13 @@ def routing(prefix: str) -> dict[str, Any]:
     positions = "tokenrouter_quality_scored_positions_total"
     agree_pos = "tokenrouter_quality_agreeing_positions_total"
     gap = "tokenrouter_quality_logprob_gap"
+
+    def agreement(agreeing: str, scored: str) -> str:
+        """agreeing / scored over 5 minutes; 0 (not "no data") where none agreed (a counter
+        that was never incremented has no series)."""
+        total = q.rate(scored, POINT, window="5m")
+        return f"({q.rate(agreeing, POINT, window='5m')} or {total} * 0) / {total}"
+
     return dashboard(
         "tokenrouter-routing",
         "tokenrouter-ray / Routing",
@@ -248,16 +255,8 @@ def routing(prefix: str) -> dict[str, Any]:
             timeseries(
                 "Agreement with the top model, by operating point",
                 [
-                    target(
-                        f"{q.rate(agree_pos, POINT, window='5m')} / "
-                        f"{q.rate(positions, POINT, window='5m')}",
-                        "positions {{point}}",
-                    ),
-                    target(
-                        f"{q.rate(agree_ans, POINT, window='5m')} / "
-                        f"{q.rate(answers, POINT, window='5m')}",
-                        "whole answers {{point}}",
-                    ),
+                    target(agreement(agree_pos, positions), "positions {{point}}"),
+                    target(agreement(agree_ans, answers), "whole answers {{point}}"),
                 ],
                 "percentunit",
                 "Of the sampled answers (quality_monitor.sample_rate): the share of positions "
