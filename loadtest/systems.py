@@ -336,9 +336,10 @@ def app_status(url: str) -> dict[str, Any]:
     return out
 
 
-def wait_ready(url: str, timeout_s: float = 300.0) -> None:
+def wait_ready(url: str, timeout_s: float = 900.0) -> None:
     """Until ``GET {url}/models`` answers 200 (Serve answers 404 until the app's route is
-    up, 503 while its replicas start)."""
+    up, 503 while its replicas start). Several apps starting side by side on two busy
+    cores have taken more than 5 minutes; a start is not what a benchmark times."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):

@@ -8,6 +8,7 @@ import asyncio
 import math
 import time
 
+from tests.waiting import wait_until
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.simulation.backend import calibrate_sleep_bias, sim_engine
 from tokenrouter_ray.simulation.loads import ClosedLoop
@@ -31,18 +32,23 @@ def test_the_safety_net_is_counted_when_it_fires() -> None:
 
 
 def test_closed_loop_without_a_timeout_never_stalls() -> None:
-    """N = 8 clients, tuned thresholds (B_large = 5 at N = 8), 24-token requests (about
-    0.5 s each at the predicted 399 tok/s): over 3 s every client keeps finishing requests,
-    and nothing ever waited for a deadline."""
+    """N = 8 clients, tuned thresholds (B_large = 5 at N = 8), 24-token requests: every
+    client keeps finishing requests, and nothing ever waited for a deadline."""
     small, large = _tuned_lists(16)
 
     async def run() -> tuple[list[int], list[int], int, float]:
         loop = ClosedLoop(paper_r2r(), 8, (small, large), sleep_bias_s=calibrate_sleep_bias(),
                           max_defer_s=math.inf, max_tokens=24)  # fmt: skip
         async with loop:
-            await asyncio.sleep(1.5)
+            # every client finishes a request, then every client another one (a stalled
+            # client would never: the deadlines only bound a broken run)
+            await wait_until(lambda: min(loop.finished_by_client) >= 1, 120.0)
             first = list(loop.finished_by_client)
             measured = await loop.measure(1.5)
+            await wait_until(
+                lambda: all(b > a for a, b in zip(first, loop.finished_by_client, strict=True)),
+                120.0,
+            )
             second = list(loop.finished_by_client)
             timeouts = sum(e.scheduler.deferred_timeouts for e in loop.engines)
         return first, second, timeouts, measured.mean_batch[1]
