@@ -28,7 +28,7 @@ DOC_PATH = re.compile(r"(?<![\w/.-])docs/[\w./-]*\w\.(?:md|png|json|txt)\b")
 PROCESS_WORDS = re.compile(
     r"\bRound \d+|\bround-\d+|(?<!-)\brounds? \d+(?:-\d+)?\b|DESIGN\.md|STYLE\.md|\.\./shared"
     r"|this workplace|\bof mine\b|\bwe measured\b|\bthis session\b|lent machine"
-    r"|other engineers|other agents|device notes",
+    r"|other engineers|other agents|device notes|\bissue \d+",
     re.I,
 )
 

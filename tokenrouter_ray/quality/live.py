@@ -120,20 +120,16 @@ class ScoreBudget:
 
 @dataclass
 class _Point:
-    """One operating point's scores: running totals and the last ``window`` answers."""
+    """One operating point's scores: running counts and the last ``window`` answers."""
 
     window: deque[Score]
     answers: int = 0
-    agreeing_answers: int = 0
     positions: int = 0
-    agreeing: int = 0
 
     def add(self, score: Score) -> None:
         self.window.append(score)
         self.answers += 1
-        self.agreeing_answers += score.agreeing == score.positions
         self.positions += score.positions
-        self.agreeing += score.agreeing
 
     def summary(self) -> dict[str, Any]:
         scores = list(self.window)
