@@ -167,6 +167,9 @@ class FinishSummary(msgspec.Struct, array_like=True, frozen=True):
     peer_bytes: NonNegative = 0
     dropped: NonNegative = 0
     cached_tokens: NonNegative | None = None  # prompt tokens the entry found in its cache
+    # the model endpoint a HANDOFF could not reach when that ended the request (``error``
+    # set): the ingress re-creates the request instead if the endpoint has left
+    lost_peer: str | None = None
 
 
 class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION):

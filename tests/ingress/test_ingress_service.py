@@ -223,3 +223,52 @@ def test_a_lost_replica_is_recovered_on_the_replicas_the_placement_keeps_or_pick
         assert s.server.placement.load_of("large") == {"large#0": 0, "large#1": 4}
 
     asyncio.run(go())
+
+
+def test_a_request_ended_by_an_unreachable_peer_is_recreated_once_the_peer_has_left(
+    monkeypatch,
+) -> None:
+    """A model ended a request because its HANDOFF could not reach a peer replica
+    (``on_peer_lost``): once the peer view no longer lists that replica, its requests go to
+    recovery (re-created from their committed sequence); a replica still listed after the
+    settle time is alive, and the request fails with the model's error."""
+    monkeypatch.setattr("tokenrouter_ray.ingress.service.PEER_LOSS_SETTLE_S", 0.3)
+
+    class Peers(FakePeers):
+        def __init__(self) -> None:
+            super().__init__()
+            self.by_model = {"small": ["small#0"], "large": ["large#0", "large#1"]}
+
+    class Core(FakeCore):
+        def __init__(self) -> None:
+            super().__init__([1, 2, 3])
+            self.recreated: list[set[str]] = []
+            self.failed: list[tuple[str, str]] = []
+
+        async def recreate(self, endpoints: Any, reason: str, lost: set[str]) -> int:
+            self.recreated.append(lost)
+            return 1
+
+        def fail_wire(self, wire_rid: str, error: str, kind: str = "model") -> None:
+            self.failed.append((wire_rid, error))
+
+    peers, core = Peers(), Core()
+    s = service(core=core, peers=peers)
+
+    async def go() -> None:
+        s.on_peer_lost("r1", "r1", "large#0", "peer large#0 unreachable")
+        await asyncio.sleep(0)
+        assert core.recreated == [] and core.failed == []  # still listed: settling
+        peers.by_model["large"] = ["large#1"]  # its lease ran out
+        while s._moving:
+            await asyncio.sleep(0.01)
+        await s.recovery.wait()
+        assert core.recreated == [{"large#0"}] and core.failed == []
+
+        s.on_peer_lost("r2", "r2~1", "large#1", "peer large#1 unreachable")
+        while s._moving:  # listed throughout: alive
+            await asyncio.sleep(0.01)
+        assert core.failed == [("r2~1", "peer large#1 unreachable")]
+        assert core.recreated == [{"large#0"}]
+
+    asyncio.run(go())

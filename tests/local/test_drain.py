@@ -11,6 +11,7 @@ import time
 
 from tests.local.test_protocol_runtime import all_free
 from tests.tiny_models import chain_engines
+from tokenrouter_ray.ingress.recovery import Recovery
 from tokenrouter_ray.protocol import MsgKind, SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.simulation.backend import ReplicatedRuntime
@@ -115,5 +116,48 @@ def test_drain_tells_the_ingresses_it_has_heard_from_and_waits_for_nothing_idle(
             assert not leaving.tracked
             await rt.wait_idle()
             assert all_free(rt)
+
+    asyncio.run(go())
+
+
+def test_a_handoff_to_a_replica_that_left_recreates_the_request_exactly(chain_dirs) -> None:
+    """A replica left without draining (killed, or its drain raced a handoff) while the
+    ingress still lists it: requests placed there start on the entry model, whose first
+    handoff there cannot be delivered. The model ends each such request naming the peer
+    (``FinishSummary.lost_peer``) and the ingress, told the peer has gone, re-creates it on
+    the replica left instead of failing it: every output equals an undisturbed run's."""
+    batch = prompts(6)
+
+    async def go() -> None:
+        async with replicated(chain_dirs, 1, 2) as rt:
+            want = [c.token_ids for c in await rt.complete_all(batch, SPEC)]
+            await rt.wait_idle()
+        async with replicated(chain_dirs, 1, 2) as rt:
+            gone = endpoint_name("large", "1")
+            server = next(s for s in rt.subservers if s.endpoint == gone)
+            await server.stop()
+            await server.channel.close()
+            reports: list[tuple[str, str]] = []
+            recovery = Recovery(
+                rt.ingress,
+                lambda: [],
+                lambda rid: rt.placement.replace(rid, ["large"]),
+                timeout_s=30,
+            )
+
+            def on_peer_lost(rid: str, wire_rid: str, endpoint: str, error: str) -> None:
+                reports.append((rid, endpoint))
+                if endpoint in rt.replicas["large"]:  # the directory drops it
+                    rt.replicas["large"].remove(endpoint)
+                    rt.placement.forget(endpoint)
+                recovery.lost({endpoint})
+
+            rt.ingress.on_peer_lost = on_peer_lost
+            got = await asyncio.wait_for(rt.complete_all(batch, SPEC), 120)
+            assert [c.token_ids for c in got] == want
+            assert all(c.error is None for c in got)
+            assert reports and {endpoint for _, endpoint in reports} == {gone}
+            assert sum(c.recreated for c in got) >= len({rid for rid, _ in reports})
+            await recovery.wait()
 
     asyncio.run(go())

@@ -77,6 +77,8 @@ ACTIVE_REFRESH_S = 1.0  # a non-zero active count is republished this often
 # where it ends as it began (a frame into a replica costs ~0.2 ms of CPU across its threads)
 ACTIVE_COALESCE_S = 0.005
 STOPPED_REMEMBERED = 4096  # wire ids told to stop, and superseded incarnations, remembered
+# a request ended by a peer model endpoint's loss is re-created at most this often
+MAX_PEER_LOSS_RECREATES = 3
 SUPERSEDED_RESEND_S = 60.0  # superseded incarnations are ABORTed everywhere this long
 
 
@@ -215,6 +217,11 @@ class IngressCore:
         # a model replica that is leaving (MsgKind.DRAIN): its endpoint; the owner stops
         # placing requests there and moves them (``IngressService.on_drain``: ``move_off``)
         self.on_drain: Callable[[str], None] | None = None
+        # a model ended a request because a HANDOFF could not reach a peer model endpoint
+        # (``FinishSummary.lost_peer``): (request id, wire id, that endpoint, the error); the
+        # owner re-creates the request if the endpoint has left, else fails it
+        # (``IngressService.on_peer_lost``). None: such a request fails at once.
+        self.on_peer_lost: Callable[[str, str, str, str], None] | None = None
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._receive_loop(), name="ingress-recv")
@@ -473,6 +480,13 @@ class IngressCore:
         if task is not None:
             await asyncio.shield(task)
 
+    def fail_wire(self, wire_rid: str, error: str, kind: str = "model") -> None:
+        """``fail`` the request ``wire_rid`` is the current copy of (a no-op once it was
+        re-created or ended)."""
+        live = self._wire.get(wire_rid)
+        if live is not None and live.wire_rid == wire_rid:
+            self.fail(live.rid, error, kind)
+
     def fail(self, rid: str, error: str, kind: str = "model") -> None:
         """End a request here with an error, and abort it on every model."""
         live = self.live.get(rid)
@@ -693,6 +707,17 @@ class IngressCore:
         elif msg.kind == MsgKind.FINISHED:
             summary = msg.summary or FinishSummary()
             live.completion.counts = dict(summary.counts)
+            lost = summary.lost_peer
+            if (
+                summary.error
+                and lost is not None
+                and self.on_peer_lost is not None
+                and live.completion.recreated < MAX_PEER_LOSS_RECREATES
+            ):
+                if live.holders is not None:  # a re-creation for ``lost`` includes it
+                    live.holders.add(lost)
+                self.on_peer_lost(live.rid, live.wire_rid, lost, summary.error)
+                return
             if summary.error:
                 self.fail(live.rid, summary.error, "model")
                 return

@@ -47,6 +47,10 @@ from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.quality.live import LiveQuality, Scorer
 from tokenrouter_ray.transport.base import PeerChannel
 
+# how long a model endpoint a replica could not reach may stay listed before it counts as
+# alive (its request then fails): a directory lease (5 s) and a refresh or two
+PEER_LOSS_SETTLE_S = 8.0
+PEER_LOSS_POLL_S = 0.1
 STATUS_TIMEOUT_S = 5.0  # one model's status in /v1/tokenrouter/stats
 
 logger = logging.getLogger(__name__)
@@ -183,6 +187,7 @@ class IngressService:
         self.server.quality = self.quality if self.quality.sample_rate > 0 else None
         self._slo: asyncio.Task | None = None
         self.core.on_drain = self.on_drain
+        self.core.on_peer_lost = self.on_peer_lost
         self.drained: set[str] = set()  # model endpoints that left on purpose (DRAIN)
         self.moves: list[dict[str, Any]] = []  # what each DRAIN moved (stats)
         self._moving: set[asyncio.Task] = set()
@@ -296,6 +301,31 @@ class IngressService:
         self.drained -= lost
         if dead:
             self.recovery.lost(dead)
+
+    def on_peer_lost(self, rid: str, wire_rid: str, endpoint: str, error: str) -> None:
+        """A model replica ended ``rid`` because a HANDOFF could not reach ``endpoint``
+        (that replica left between the request's placement and the handoff: a scale-down
+        racing a handoff back). Once ``endpoint`` has left the directory (or is draining),
+        every request that may be there is re-created from its committed sequence, as for
+        a lost replica (``ingress/recovery.py``); an endpoint still listed after
+        ``PEER_LOSS_SETTLE_S`` is alive, and the request fails with the replica's error."""
+        loop = asyncio.get_running_loop()
+
+        def gone() -> bool:
+            return endpoint in self.drained or endpoint not in self.peers.all()
+
+        async def settle() -> None:
+            deadline = loop.time() + PEER_LOSS_SETTLE_S
+            while not gone() and loop.time() < deadline:
+                await asyncio.sleep(PEER_LOSS_POLL_S)  # the peer view refreshes meanwhile
+            if gone():
+                self.recovery.lost({endpoint})
+            else:
+                self.core.fail_wire(wire_rid, error)
+
+        task = loop.create_task(settle(), name=f"peer-lost-{rid}")
+        self._moving.add(task)
+        task.add_done_callback(self._moving.discard)
 
     def on_drain(self, endpoint: str) -> None:
         """A model replica is leaving on purpose (Serve scales it down or replaces it; it

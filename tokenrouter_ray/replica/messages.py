@@ -134,11 +134,15 @@ class Messages:
         )
 
     def finished(
-        self, tracked: Tracked, reason: str | None, error: str | None = None
+        self,
+        tracked: Tracked,
+        reason: str | None,
+        error: str | None = None,
+        lost_peer: str | None = None,
     ) -> list[PeerReq]:
         """FINISHED to the ingress (with the final counts) and to every other holder."""
         total = tracked.prompt_len + sum(tracked.counts.values())
-        summary = tracked.summary(error)
+        summary = tracked.summary(error, lost_peer=lost_peer)
         out = [self.to_ingress(tracked, MsgKind.FINISHED, [], total, reason, summary)]
         for model, endpoint in tracked.endpoints.items():
             if model != self.name:

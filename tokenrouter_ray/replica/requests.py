@@ -210,16 +210,22 @@ class Requests:
 
     # ------------------------------------------------------------------ ending
     def finish(
-        self, tracked: Tracked, reason: str | None, out: list[PeerReq], error: str | None = None
+        self,
+        tracked: Tracked,
+        reason: str | None,
+        out: list[PeerReq],
+        error: str | None = None,
+        lost_peer: str | None = None,
     ) -> None:
-        """End ``tracked`` here: KV freed, FINISHED to the ingress and every other holder."""
+        """End ``tracked`` here: KV freed, FINISHED to the ingress and every other holder
+        (``lost_peer``: the endpoint whose loss ended it, see ``undeliverable``)."""
         rid = tracked.rid
         self.tracked.pop(rid, None)
         self.ledger.finish(rid)
         self.engine.abort(rid)
         if error is None and self.stats is not None:
             self.stats.record_finish(sum(tracked.counts.values()))
-        out += self.messages.finished(tracked, reason, error)
+        out += self.messages.finished(tracked, reason, error, lost_peer)
 
     def fail_request(self, rid: str, error: str, out: list[PeerReq]) -> None:
         """End ``rid`` with an error: reported where it is tracked, else only freed."""
@@ -238,9 +244,10 @@ class Requests:
         return out
 
     def undeliverable(self, undelivered: list[tuple[PeerReq, str]], out: list[PeerReq]) -> None:
-        """Messages the mailbox could not send: a HANDOFF's request ends with an error
-        (FINISHED to the ingress and the other holders); for a frame to the ingress, the
-        request is only dropped here (nobody to report to)."""
+        """Messages the mailbox could not send: a HANDOFF's request ends here with an error
+        naming the peer (FINISHED to the ingress and the other holders; the ingress
+        re-creates the request elsewhere if that peer has left); for a frame to the ingress,
+        the request is only dropped here (nobody to report to)."""
         for msg, error in undelivered:
             tracked = self.tracked.get(msg.rid)
             if tracked is None or msg.kind.is_terminal:
@@ -250,7 +257,7 @@ class Requests:
                 self.ledger.finish(msg.rid)
                 self.engine.abort(msg.rid)
             else:
-                self.finish(tracked, "error", out, error=error)
+                self.finish(tracked, "error", out, error=error, lost_peer=msg.dst)
 
     def _fail(self, msg: PeerReq, error: str, out: list[PeerReq]) -> None:
         """A message this replica cannot serve ends its request with an error."""

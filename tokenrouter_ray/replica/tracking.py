@@ -71,7 +71,9 @@ class Tracked:
         """The state that travels with a HANDOFF: every ``RouteState`` field, by name."""
         return _route_state(self)
 
-    def summary(self, error: str | None = None, now: float | None = None) -> FinishSummary:
+    def summary(
+        self, error: str | None = None, now: float | None = None, lost_peer: str | None = None
+    ) -> FinishSummary:
         """The finish report: counts and the metrics, pending intervals still open (models
         holding the request while this one finishes it) closed at ``now``."""
         now = time.time() if now is None else now
@@ -87,6 +89,7 @@ class Tracked:
             peer_bytes=self.peer_bytes,
             dropped=self.dropped,
             cached_tokens=self.cached_tokens,
+            lost_peer=lost_peer,
         )
 
 
