@@ -490,6 +490,56 @@ class IngressSpec(_Strict):
         return self.autoscaling.start_replicas if self.autoscaling else self.num_replicas
 
 
+class QualityTargetSpec(_Strict):
+    """``tuner.quality_target``: the routing operating point of requests that ask for no
+    ``routing`` follows live quality (tokenrouter_ray/quality/target.py): the cheapest rung
+    of ``ladder`` whose live agreement with the top model meets ``target``, the top model
+    alone (bypass) when none does. Each ingress replica holds it from the answers it scores
+    (``quality_monitor``); it does not need the tuner deployment."""
+
+    target: float = Field(
+        gt=0, le=1, description="The agreement to hold, in (0, 1] (see ``metric``)."
+    )
+    metric: Literal["answer", "position"] = Field(
+        "answer",
+        description="answer: share of scored answers the top model would have written "
+        "token for token (greedy); position: share of answer positions where its greedy "
+        "token is the committed one.",
+    )
+    ladder: list[str] = Field(
+        min_length=1,
+        description="policy.presets names, cheapest first (lowest large-model share); the "
+        "top model alone is the rung above the last unless ``bypass`` is false.",
+    )
+    bypass: bool = Field(
+        True, description="The top model alone as the last rung (always meets any target)."
+    )
+    start: str | None = Field(
+        None, description="The rung to start on (a ladder name, or alone); null: alone."
+    )
+    min_samples: int = Field(30, ge=2, description="Scored answers on a rung before it is judged.")
+    confidence: float = Field(
+        0.9,
+        gt=0.5,
+        lt=1,
+        description="One-sided confidence of each judgement: a rung is left upwards when "
+        "agreement's upper bound is under the target, downwards when its lower bound is "
+        "at least target + margin.",
+    )
+    margin: float = Field(
+        0.02, ge=0, lt=1, description="Hysteresis: how far above the target to step down."
+    )
+    retry_after: int = Field(
+        200,
+        ge=1,
+        description="Scored answers before a rung that failed is tried again (a prompt mix "
+        "that shifts back is found again).",
+    )
+    window: int = Field(
+        100, ge=2, description="Recent scored answers per rung its judgement reads."
+    )
+
+
 class TunerSpec(_Strict):
     """The ``tuner`` section of an app config (Hydra group ``conf/tuner/``)."""
 
@@ -506,6 +556,13 @@ class TunerSpec(_Strict):
     max_step: int = Field(4, ge=1, description="Largest threshold move per decision.")
     drift: float = Field(0.05, gt=0, description="Re-solve when a p_ij moves this much.")
     min_moves: int = Field(50, ge=1, description="Observations per model before tuning.")
+    quality_target: QualityTargetSpec | None = Field(
+        None,
+        description="Hold a live quality target: requests without `routing` take the "
+        "cheapest preset (or the top model alone) whose live agreement meets it "
+        "(docs/user-guide/quality.md). null: they take policy.alone or the policy's own "
+        "threshold.",
+    )
     min_tokens_per_s: float | None = Field(
         None, gt=0, description="SLO: per-request speed; caps admitted concurrency."
     )
@@ -608,10 +665,34 @@ class AppConfig(_Strict):
                 f"policy.alone: {self.policy.alone!r} is not a model "
                 f"(models are {', '.join(self.models)})"
             )
+        self._check_quality_target()
         unknown = set(self.tuner.fixed) - set(self.models)
         if unknown:
             raise ValueError(f"tuner.fixed names unknown models {sorted(unknown)}")
         return self
+
+    def _check_quality_target(self) -> None:
+        """The quality target's rungs are presets, it starts on one of them (or alone), and
+        answers are scored for it to read."""
+        qt = self.tuner.quality_target
+        if qt is None:
+            return
+        presets = self.policy.presets
+        unknown = [name for name in qt.ladder if name not in presets]
+        if unknown:
+            raise ValueError(
+                f"tuner.quality_target.ladder: {unknown} are not policy.presets "
+                f"(configured: {sorted(presets) or 'none'})"
+            )
+        if len(set(qt.ladder)) != len(qt.ladder):
+            raise ValueError("tuner.quality_target.ladder names a preset twice")
+        rungs = [*qt.ladder, *(["alone"] if qt.bypass else [])]
+        if qt.start is not None and qt.start not in rungs:
+            raise ValueError(f"tuner.quality_target.start: {qt.start!r} is not one of {rungs}")
+        if self.quality_monitor.sample_rate <= 0:
+            raise ValueError(
+                "tuner.quality_target needs scored answers: set quality_monitor.sample_rate > 0"
+            )
 
     def _check_presets(self) -> None:
         """Every preset gives one threshold, or (escalation) one per level."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -190,9 +191,23 @@ class IngressServer:
             return None
         return self.placement.place(rid, [model], prompt, cache_salt)[model]
 
+    def follow_target(self, prepared: PreparedRequest) -> PreparedRequest:
+        """A request that asked for no ``routing`` takes the quality target's operating
+        point (``tuner.quality_target``: a preset's thresholds, or the top model alone);
+        any other is left as it is."""
+        target = self.quality.target if self.quality is not None else None
+        if target is None or not prepared.sampling.route_default:
+            return prepared
+        thresholds, alone = target.routing()
+        sampling = dataclasses.replace(
+            prepared.sampling, route_thresholds=thresholds, route_alone=alone, route_default=False
+        )
+        return dataclasses.replace(prepared, sampling=sampling)
+
     async def respond(
         self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
     ) -> ChatCompletion | TextCompletion | StreamedChoices:
+        prepared = self.follow_target(prepared)
         if not prepared.sampling.stream:
             return await self.collect(prepared, await self.start(prepared, chat, timeout_s), chat)
         submitted = await self.submit(prepared, timeout_s)
@@ -215,6 +230,7 @@ class IngressServer:
     ) -> list[asyncio.Task]:
         """A non-streamed request submitted, its choices started (one task each); `collect`
         waits for them. Cancelling a task aborts its choice on every model."""
+        prepared = self.follow_target(prepared)
         submitted = await self.submit(prepared, timeout_s)
         return self.start_choices(submitted, prepared, None, chat)
 

@@ -45,6 +45,7 @@ from tokenrouter_ray.openai.errors import NotFoundError
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.quality.live import LiveQuality, Scorer
+from tokenrouter_ray.quality.target import QualityTarget
 from tokenrouter_ray.transport.base import PeerChannel
 
 # how long a model endpoint a replica could not reach may stay listed before it counts as
@@ -184,6 +185,10 @@ class IngressService:
             scorer, self.metrics, cfg.policy.name, cfg.policy.preset_thresholds(),
             qm.sample_rate, qm.max_pending, qm.window, qm.timeout_s,
         )  # fmt: skip
+        if cfg.tuner.quality_target is not None and self.quality.sample_rate > 0:
+            self.quality.target = QualityTarget(
+                cfg.tuner.quality_target, cfg.policy.preset_thresholds(), names[-1]
+            )
         self.server.quality = self.quality if self.quality.sample_rate > 0 else None
         self._slo: asyncio.Task | None = None
         self.core.on_drain = self.on_drain

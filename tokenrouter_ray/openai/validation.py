@@ -191,6 +191,7 @@ class SamplingOptions:
     route_thresholds: tuple[float, ...] = ()  # the request's `routing`; (): the policy's
     route_alone: str | None = None  # the model serving it alone (bypass); None: routed
     route_max_share: float | None = None  # cap on the top model's share of the output
+    route_default: bool = True  # asked for no `routing`: a quality target may choose it
 
     @property
     def reports_tokens(self) -> bool:
@@ -496,6 +497,7 @@ def _sampling(
         route_thresholds=_route_thresholds(request.routing, limits),
         route_alone=_route_alone(request.routing, limits),
         route_max_share=None if request.routing is None else request.routing.max_large_share,
+        route_default=request.routing is None,
     )
 
 

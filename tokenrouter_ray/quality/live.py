@@ -31,10 +31,13 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.quality.stats import wilson_interval
+
+if TYPE_CHECKING:
+    from tokenrouter_ray.quality.target import QualityTarget
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +187,7 @@ class LiveQuality:
         self.skipped: dict[str, int] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self.pending: set[asyncio.Task] = set()
+        self.target: QualityTarget | None = None  # tuner.quality_target: fed every score
 
     def point_of(self, thresholds: Sequence[float], alone: str | None) -> str:
         """The operating point label of a request's routing."""
@@ -234,6 +238,8 @@ class LiveQuality:
         if entry is None:
             entry = self.points[point] = _Point(deque(maxlen=self.window))
         entry.add(score)
+        if self.target is not None:
+            self.target.observe(point, score.positions, score.agreeing)
         self.metrics.quality_scored(
             self.policy, point, score.positions, score.agreeing, score.logprob_gap, score.seconds
         )
@@ -256,6 +262,7 @@ class LiveQuality:
             "pending": len(self.pending),
             "skipped": dict(sorted(self.skipped.items())),
             "points": {k: v.summary() for k, v in sorted(self.points.items())},
+            "target": None if self.target is None else self.target.status(),
             "recent": list(self.recent),
         }
 
