@@ -67,3 +67,44 @@ def test_answers_are_scored_by_the_top_model(serve_app, served_chain_dirs) -> No
     alone = status["points"]["alone:large"]["window"]
     assert alone["answer_agreement"] == 1.0 and alone["mean_logprob_gap"] < 1e-9
     assert set(status["points"]) == {"default", "high", "custom", "alone:large"}
+
+
+def test_the_quality_target_moves_default_requests_off_a_rung_that_disagrees(
+    serve_app, served_chain_dirs
+) -> None:
+    """``tuner.quality_target`` served: requests without ``routing`` start on the ``fast``
+    preset (the small model writes almost every token, and these two random models never
+    agree on a whole answer); once ``min_samples`` of its answers are scored, the rung is
+    judged under the target and the next requests are served by the top model alone
+    (``routing.mode`` alone, no handoffs), while a request that names its preset keeps it."""
+    extra = [
+        "+policy.presets={fast: [0.99]}",
+        "quality_monitor.sample_rate=1.0",
+        "quality_monitor.max_share=1.0",
+        "++tuner.quality_target={target: 0.9, ladder: [fast], start: fast, min_samples: 4}",
+    ]
+    overrides = tiny_overrides(served_chain_dirs, TWO, "entropy", "zmq_ipc", extra)
+    with serve_app(overrides, "quality-target") as base:
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+
+        def ask(k: int, routing: dict | None = None) -> dict:
+            out = client.completions.create(
+                model="tokenrouter", prompt=prompts()[k % len(prompts())], max_tokens=16,
+                temperature=0, extra_body={} if routing is None else {"routing": routing},
+            )  # fmt: skip
+            return out.model_extra["routing"]
+
+        def status() -> dict:
+            return httpx.get(f"{base}/tokenrouter/quality", timeout=10).json()["target"]
+
+        first = [ask(k) for k in range(4)]
+        assert all(r["mode"] == "routed" for r in first)
+        moved = wait_for(lambda: status() if status()["rung"] == "alone" else None, 120.0,
+                         "the fast rung judged")  # fmt: skip
+        (move,) = moved["moves"]
+        assert (move["from"], move["to"], move["answers"]) == ("fast", "alone", 4)
+        assert move["agreement"] == 0.0 and move["bounds"][1] < 0.9
+        after = ask(5)
+        assert after["mode"] == "alone" and after["handoffs"] == 0
+        assert set(after["tokens_per_model"]) == {"large"}
+        assert ask(6, {"quality": "fast"})["mode"] == "routed"  # its own preset wins
