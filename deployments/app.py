@@ -20,76 +20,32 @@ config's own, e.g. ``TOKENROUTER_OVERRIDES='policy.alone=null' serve run conf/lo
 
 from __future__ import annotations
 
-import os
-import shlex
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve import Application
 
 from deployments.autoscaling import INGRESS_POLICY, MODEL_POLICY
 from deployments.directory import EndpointDirectory
 from deployments.ingress import Ingress
-from deployments.model_server import ModelServer, spec_tokenizer
+from deployments.model_server import ModelServer
 from deployments.tp_workers import worker_bundles
 from deployments.tuner import Tuner
+from tokenrouter_ray.app_config import (  # noqa: F401  (AppArgs, launch_overrides: the app's API)
+    OVERRIDES_ENV,
+    AppArgs,
+    compose_app,
+    launch_overrides,
+    validate_app,
+)
 from tokenrouter_ray.config import (
     AppConfig,
     AutoscalingSpec,
-    ConfigError,
     ModelSpec,
-    compose_config,
     plan_shared_devices,
 )
-from tokenrouter_ray.demo import register_resolver
-from tokenrouter_ray.protocol import check_shared_tokenizer
-from tokenrouter_ray.routing.policy import build_policy, policy_class
 
 DRAIN_MARGIN_S = 10.0  # Serve's graceful shutdown: the drain's timeout plus this
-OVERRIDES_ENV = "TOKENROUTER_OVERRIDES"  # launch-time overrides, after the config's own
-
-
-class AppArgs(BaseModel):
-    """What a Serve YAML may put under ``args``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    overrides: list[str] = Field(
-        default_factory=list, description="Hydra overrides, e.g. ['policy=rstitch']."
-    )
-    config_name: str = Field("base", description="Primary config in conf/.")
-
-
-def validate_app(cfg: AppConfig) -> None:
-    local = [name for name, spec in cfg.models.items() if Path(spec.path).is_dir()]
-    for name, spec in cfg.models.items():
-        if spec.sim is not None:
-            from tokenrouter_ray.simulation.served import model_profile
-
-            try:
-                model_profile(spec.sim, name, cfg.model_names.index(name))
-            except Exception as exc:  # an unknown profile, a file that does not load
-                raise ConfigError(f"model {name!r}: {exc}") from None
-    try:
-        cls = policy_class(cfg.policy.name)
-        if cls.needs_tokenizer and cfg.model_names[0] not in local:
-            cls.Config(**cfg.policy.options)  # hub ids: the replicas build it with theirs
-        else:
-            entry = cfg.models[cfg.model_names[0]]
-            tokenizer = spec_tokenizer(entry) if cls.needs_tokenizer else None
-            build_policy(cfg.policy.name, cfg.policy.options, cfg.model_names, tokenizer)
-    except (ValueError, ValidationError) as exc:
-        raise ConfigError(f"policy {cfg.policy.name!r}: {exc}") from None
-    checkpoint = cfg.policy.options.get("checkpoint")
-    if checkpoint and not Path(checkpoint).is_file():
-        raise ConfigError(
-            f"policy {cfg.policy.name!r}: router checkpoint {checkpoint} does not "
-            "exist (train one with `tokenrouter-ray train-router`)"
-        )
-    if len(local) == len(cfg.models) > 1:  # hub ids are checked when the replicas load
-        check_shared_tokenizer({n: spec_tokenizer(cfg.models[n]) for n in local})
 
 
 def autoscaling_config(spec: AutoscalingSpec, policy: str) -> dict[str, Any]:
@@ -135,24 +91,9 @@ def model_options(name: str, spec: ModelSpec) -> dict[str, Any]:
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    try:
-        parsed = AppArgs.model_validate(args or {})
-    except ValidationError as exc:
-        raise ConfigError(
-            f"invalid Serve args: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}"
-        ) from None
-    register_resolver()  # ${demo:...} in the shipped configs
-    cfg = compose_config(parsed.overrides + launch_overrides(), parsed.config_name)
+    cfg = compose_app(args)
     validate_app(cfg)
     return bind_app(cfg)
-
-
-def launch_overrides() -> list[str]:
-    """The overrides in ``TOKENROUTER_OVERRIDES`` (none when unset)."""
-    try:
-        return shlex.split(os.environ.get(OVERRIDES_ENV, ""))
-    except ValueError as exc:  # an unbalanced quote
-        raise ConfigError(f"{OVERRIDES_ENV}: {exc}") from None
 
 
 def bind_app(cfg: AppConfig) -> Application:

@@ -28,7 +28,8 @@ from deployments.directory import ServeDirectory
 from deployments.peers import PeerBook, make_channel, peer_key
 from deployments.ray_metrics import ray_metrics
 from deployments.tp_workers import RayWorkerLauncher
-from tokenrouter_ray.config import AppConfig, ModelSpec
+from tokenrouter_ray.app_config import spec_tokenizer
+from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.engine.config import EngineConfig
 from tokenrouter_ray.engine.engine import Engine
 from tokenrouter_ray.host_gc import tune_gc
@@ -55,21 +56,6 @@ def engine_config(cfg: AppConfig, name: str) -> EngineConfig:
         tensor_parallel=spec.tensor_parallel,  # issue 15
         scheduler=cfg.scheduler_for(name),
     )
-
-
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def spec_tokenizer(spec: ModelSpec) -> Any:
-    """The tokenizer of a configured model (a simulated one's is built in memory)."""
-    if spec.sim is not None:
-        from tokenrouter_ray.simulation.served import sim_tokenizer
-
-        return sim_tokenizer()
-    return load_tokenizer(spec.path)
 
 
 def build_engine(cfg: AppConfig, name: str, launcher: RayWorkerLauncher | None) -> Engine:

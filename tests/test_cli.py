@@ -64,3 +64,38 @@ def test_every_help_screen_is_built_without_torch_ray_or_transformers() -> None:
         [sys.executable, "-m", "tokenrouter_ray.cli", "--version"], capture_output=True, text=True
     )
     assert version.returncode == 0 and version.stdout.startswith("tokenrouter-ray "), version
+
+
+def test_config_check_and_show_compose_like_serve_run_without_ray(monkeypatch, capsys) -> None:
+    """`tokenrouter-ray config check|show CONF [OVERRIDE...]`: the app config `serve run`
+    would build (the file's overrides, then the arguments, then $TOKENROUTER_OVERRIDES),
+    composed and checked in this process without Ray; each problem one line naming the key."""
+    import yaml
+
+    from tokenrouter_ray.cli import main
+
+    monkeypatch.delenv("TOKENROUTER_OVERRIDES", raising=False)
+    assert main(["config", "check", "conf/sim_paper.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("conf/sim_paper.yaml [") and ": ok: models small, large" in out
+    monkeypatch.setenv("TOKENROUTER_OVERRIDES", "models.large.num_replicas=3")
+    assert main(["config", "show", "conf/sim_paper.yaml", "ingress.max_active_requests=7"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["models"]["large"]["num_replicas"] == 3
+    assert shown["ingress"]["max_active_requests"] == 7
+    monkeypatch.delenv("TOKENROUTER_OVERRIDES")
+    for argv, says in (
+        (["models.smal.dtype=float32"], "models.smal: no such model; models are small, large"),
+        (["scheduler.nonsense=1"], "scheduler.nonsense: Extra inputs are not permitted"),
+        (["--app", "nope"], "no application 'nope'"),
+    ):
+        assert main(["config", "check", "conf/sim_paper.yaml", *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
+    for path, says in (
+        ("conf/models/demo_pair.yaml", "not a Serve config"),
+        ("README.md", "not YAML: mapping values are not allowed here at line"),
+    ):
+        assert main(["config", "check", path]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err

@@ -14,6 +14,7 @@ from tokenrouter_ray.errors import UserFacingError
 
 # Modules that expose ``register(subparsers: argparse._SubParsersAction) -> None``.
 COMMAND_MODULES = (
+    "tokenrouter_ray.app_config",
     "tokenrouter_ray.dashboards.commands",
     "tokenrouter_ray.demo.commands",
     "tokenrouter_ray.quality.calibrate",

@@ -856,7 +856,18 @@ def compose_config(
     try:
         return AppConfig.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ConfigError(f"invalid config: {problems}") from None
+        problems = list(dict.fromkeys(_problem(e, data) for e in exc.errors()))
+        raise ConfigError(f"invalid config: {'; '.join(problems)}") from None
+
+
+def _problem(error: Any, data: Any) -> str:
+    """One validation error as ``dotted.key: message``; a model entry that lacks its path
+    is a misspelt model name (``models.smal.dtype=...`` creates one)."""
+    loc = [str(p) for p in error["loc"]]
+    models = data.get("models") if isinstance(data, dict) else None
+    if len(loc) == 3 and loc[0] == "models" and loc[2] == "path" and error["type"] == "missing":
+        known = [
+            m for m, spec in (models or {}).items() if isinstance(spec, dict) and "path" in spec
+        ]
+        return f"models.{loc[1]}: no such model; models are {', '.join(known) or 'none'}"
+    return f"{'.'.join(loc) or 'config'}: {error['msg']}"

@@ -137,8 +137,9 @@ def config_page() -> str:
         "`args.overrides`, or `TOKENROUTER_OVERRIDES` at launch: "
         "`models.large.num_replicas=2`). `<name>` stands for a model's name "
         "(`small`, `large`, ...). A key given twice, an unknown key or a bad value is one "
-        "error at `serve run` time. A policy's own options (`policy.options.*`) depend on "
-        "the policy: [policies](../user-guide/policies.md).\n",
+        "error at `serve run` time, or before it with `tokenrouter-ray config check CONF "
+        "[KEY=VALUE ...]` (no Ray; `config show` prints the resolved config). A policy's "
+        "own options (`policy.options.*`) depend on the policy: [policies](../user-guide/policies.md).\n",
     ]
     _sections(AppConfig, "", out)
     return "\n".join(out).rstrip() + "\n"

@@ -184,3 +184,26 @@ def test_flagship_streams_an_answer_from_both_models_across_nodes(flagship: str)
     assert infos["small"]["node_id"] != infos["large"]["node_id"]
     assert all(s["address"].startswith("tcp://") for s in status.values()), status
     assert infos["large"]["steps"] > 0
+
+
+def test_the_one_node_gpu_config_checks_and_builds(flagship_paths, monkeypatch, capsys) -> None:
+    """``conf/r2r_one_node.yaml`` (Qwen3-0.6B and 8B on one GPU), its models swapped for the
+    tiny random-weight Qwen3 pair with an imported R2R router: ``config check`` builds its
+    policy and compares the tokenizers, and the app graph binds as ``serve run`` builds it
+    (on CPU sizes here: no GPU)."""
+    from deployments.app import build_app
+
+    monkeypatch.setenv(ROUTER_ENV, flagship_paths["routers"])
+    monkeypatch.delenv("TOKENROUTER_OVERRIDES", raising=False)
+    paths = [f"models.{m}.path={flagship_paths[m]}" for m in ("small", "large")]
+    conf = str(CONF_DIR / "r2r_one_node.yaml")
+    assert main(["config", "check", conf, *paths]) == 0
+    assert ": ok: models small, large; policy r2r" in capsys.readouterr().out
+    (app,) = yaml.safe_load((CONF_DIR / "r2r_one_node.yaml").read_text())["applications"]
+    cfg = compose_config(app["args"]["overrides"])
+    assert {m: cfg.models[m].num_gpus for m in cfg.models} == {"small": 0.5, "large": 0.5}
+    assert sum(spec.memory_budget_gb for spec in cfg.models.values()) <= 80 - 8
+    assert cfg.transport.zmq.transport == "ipc" and cfg.tuner.enabled
+    args = copy.deepcopy(app["args"])
+    args["overrides"] = [*args["overrides"], *paths, *CPU_ONLY]
+    assert build_app(args) is not None
