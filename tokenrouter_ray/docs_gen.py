@@ -139,7 +139,8 @@ def config_page() -> str:
         "(`small`, `large`, ...). A key given twice, an unknown key or a bad value is one "
         "error at `serve run` time, or before it with `tokenrouter-ray config check CONF "
         "[KEY=VALUE ...]` (no Ray; `config show` prints the resolved config). A policy's "
-        "own options (`policy.options.*`) depend on the policy: [policies](../user-guide/policies.md).\n",
+        "own options (`policy.options.*`) depend on the policy: "
+        "[policies](../user-guide/policies.md).\n",
     ]
     _sections(AppConfig, "", out)
     return "\n".join(out).rstrip() + "\n"
