@@ -59,7 +59,7 @@ def deploy(port: int, overrides: list[str]) -> str:
     from ray import serve
 
     from deployments.app import bind_app
-    from tokenrouter_ray.config import compose_config
+    from tokenrouter_ray.app_config import compose_config
     from tokenrouter_ray.demo import register_resolver
 
     register_resolver()

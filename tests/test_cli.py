@@ -32,7 +32,8 @@ def test_config_on_an_empty_cache_says_run_prepare_demo(tmp_path, monkeypatch) -
     cache that must be one clear error naming the command, never a silent build there."""
     import pytest
 
-    from tokenrouter_ray.config import ConfigError, compose_config
+    from tokenrouter_ray.app_config import compose_config
+    from tokenrouter_ray.config import ConfigError
 
     monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match="tokenrouter-ray prepare-demo") as info:

@@ -40,7 +40,8 @@ from ray.serve import Application
 
 import deployments.app
 import tokenrouter_ray
-from tokenrouter_ray.config import CONF_DIR, compose_config
+from tokenrouter_ray.config import CONF_DIR
+from tokenrouter_ray.app_config import compose_config
 
 model_dirs = json.loads(sys.argv[1])
 prefix = Path(sys.prefix).resolve()

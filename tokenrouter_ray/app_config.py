@@ -2,9 +2,13 @@
 (deployments/app.py) does before it binds deployments, and what ``tokenrouter-ray config
 check|show`` runs.
 
-``args`` of an application (``AppArgs``) name the Hydra overrides and the primary config in
-``conf/``; ``TOKENROUTER_OVERRIDES`` in the environment adds overrides at launch, after the
-config's own (``serve run`` takes none after a config file)."""
+``compose_config(overrides)`` runs Hydra's compose API over ``conf/`` (groups: models,
+policy, transport, placement, scheduler, tuner; primary config ``conf/base.yaml``) plus the
+overrides, resolves interpolations (the entry points register ``${demo:...}`` for the
+cached demo models: ``demo.register_resolver()``) and validates an ``AppConfig``.
+``args`` of an application (``AppArgs``) name the overrides and the primary config;
+``TOKENROUTER_OVERRIDES`` in the environment adds overrides at launch, after the config's
+own (``serve run`` takes none after a config file)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenrouter_ray.config import AppConfig, ConfigError, ModelSpec, compose_config
+from tokenrouter_ray.config import CONF_DIR, AppConfig, ConfigError, ModelSpec
+from tokenrouter_ray.errors import UserFacingError
 
 OVERRIDES_ENV = "TOKENROUTER_OVERRIDES"  # launch-time overrides, after the config's own
 BUILDER = "deployments.app:build_app"  # the import_path of this project's apps
@@ -30,6 +35,53 @@ class AppArgs(BaseModel):
         default_factory=list, description="Hydra overrides, e.g. ['policy=rstitch']."
     )
     config_name: str = Field("base", description="Primary config in conf/.")
+
+
+def compose_config(
+    overrides: list[str] | tuple[str, ...] = (), config_name: str = "base"
+) -> AppConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    # Any dotted key may be set, present in the YAML or not (pydantic's extra="forbid"
+    # still rejects typos); group choices (`policy=rstitch`) stay as they are.
+    overrides = [
+        f"++{o}" if "=" in o and "." in o.split("=", 1)[0] and o[0] not in "+~" else o
+        for o in overrides
+    ]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        hint = ""
+        if "Unsupported interpolation type demo" in str(exc):
+            hint = " (call tokenrouter_ray.demo.register_resolver() before composing)"
+        raise ConfigError(f"cannot compose the config: {exc}{hint}") from exc
+    except (UserFacingError, OSError) as exc:
+        raise ConfigError(f"cannot resolve a model path: {exc}") from exc
+    try:
+        return AppConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = list(dict.fromkeys(_problem(e, data) for e in exc.errors()))
+        raise ConfigError(f"invalid config: {'; '.join(problems)}") from None
+
+
+def _problem(error: Any, data: Any) -> str:
+    """One validation error as ``dotted.key: message``; a model entry that lacks its path
+    is a misspelt model name (``models.smal.dtype=...`` creates one)."""
+    loc = [str(p) for p in error["loc"]]
+    models = data.get("models") if isinstance(data, dict) else None
+    if len(loc) == 3 and loc[0] == "models" and loc[2] == "path" and error["type"] == "missing":
+        known = [
+            m for m, spec in (models or {}).items() if isinstance(spec, dict) and "path" in spec
+        ]
+        return f"models.{loc[1]}: no such model; models are {', '.join(known) or 'none'}"
+    return f"{'.'.join(loc) or 'config'}: {error['msg']}"
 
 
 def launch_overrides() -> list[str]:

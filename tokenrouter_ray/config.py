@@ -1,11 +1,7 @@
-"""The application config: composed by Hydra from ``conf/`` groups, validated by pydantic.
-
-``compose_config(overrides)`` runs Hydra's compose API over ``conf/`` (groups: models,
-policy, transport, placement, scheduler, tuner; primary config ``conf/base.yaml``) plus the
-overrides a Serve YAML lists under ``args.overrides``, resolves interpolations (the entry
-points register ``${demo:...}`` for the cached demo models: ``demo.register_resolver()``),
-and returns an ``AppConfig``. Every problem surfaces as one
-``ConfigError`` whose message says what to fix.
+"""The application config's schema: every section as a pydantic model, validated as a
+whole by ``AppConfig`` (every problem one ``ConfigError`` whose message says what to fix).
+Composing it with Hydra from ``conf/`` and a Serve YAML's overrides is
+``app_config.compose_config``; the live-quality sections are in ``quality/settings.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +13,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     field_validator,
     model_validator,
 )
@@ -25,6 +20,7 @@ from pydantic import (
 from tokenrouter_ray.engine.config import SDPA_BACKEND_HELP, SdpaBackend
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 from tokenrouter_ray.errors import UserFacingError
+from tokenrouter_ray.quality.settings import QualityMonitorSpec, QualityTargetSpec
 from tokenrouter_ray.thresholds import ThresholdTable, check_tables
 
 # The Hydra configs: package data (in a checkout, tokenrouter_ray/conf links to ../conf).
@@ -490,56 +486,6 @@ class IngressSpec(_Strict):
         return self.autoscaling.start_replicas if self.autoscaling else self.num_replicas
 
 
-class QualityTargetSpec(_Strict):
-    """``tuner.quality_target``: the routing operating point of requests that ask for no
-    ``routing`` follows live quality (tokenrouter_ray/quality/target.py): the cheapest rung
-    of ``ladder`` whose live agreement with the top model meets ``target``, the top model
-    alone (bypass) when none does. Each ingress replica holds it from the answers it scores
-    (``quality_monitor``); it does not need the tuner deployment."""
-
-    target: float = Field(
-        gt=0, le=1, description="The agreement to hold, in (0, 1] (see ``metric``)."
-    )
-    metric: Literal["answer", "position"] = Field(
-        "answer",
-        description="answer: share of scored answers the top model would have written "
-        "token for token (greedy); position: share of answer positions where its greedy "
-        "token is the committed one.",
-    )
-    ladder: list[str] = Field(
-        min_length=1,
-        description="policy.presets names, cheapest first (lowest large-model share); the "
-        "top model alone is the rung above the last unless ``bypass`` is false.",
-    )
-    bypass: bool = Field(
-        True, description="The top model alone as the last rung (always meets any target)."
-    )
-    start: str | None = Field(
-        None, description="The rung to start on (a ladder name, or alone); null: alone."
-    )
-    min_samples: int = Field(30, ge=2, description="Scored answers on a rung before it is judged.")
-    confidence: float = Field(
-        0.9,
-        gt=0.5,
-        lt=1,
-        description="One-sided confidence of each judgement: a rung is left upwards when "
-        "agreement's upper bound is under the target, downwards when its lower bound is "
-        "at least target + margin.",
-    )
-    margin: float = Field(
-        0.02, ge=0, lt=1, description="Hysteresis: how far above the target to step down."
-    )
-    retry_after: int = Field(
-        200,
-        ge=1,
-        description="Scored answers before a rung that failed is tried again (a prompt mix "
-        "that shifts back is found again).",
-    )
-    window: int = Field(
-        100, ge=2, description="Recent scored answers per rung its judgement reads."
-    )
-
-
 class TunerSpec(_Strict):
     """The ``tuner`` section of an app config (Hydra group ``conf/tuner/``)."""
 
@@ -588,33 +534,6 @@ class TunerSpec(_Strict):
         if not value or min(value) < 1:
             raise ValueError("concurrencies must be a non-empty list of positive integers")
         return sorted(set(value))
-
-
-class QualityMonitorSpec(_Strict):
-    """The ``quality_monitor`` section: a sample of finished answers scored live by the top
-    model of the chain by teacher forcing (tokenrouter_ray/quality/live.py)."""
-
-    sample_rate: float = Field(
-        0.02,
-        ge=0,
-        le=1,
-        description="Share of finished answers scored (0: off). Each is one prefill of prompt "
-        "and answer on a replica of the top model, run between two of its steps.",
-    )
-    max_share: float = Field(
-        0.05,
-        gt=0,
-        le=1,
-        description="Most of a top-model replica's time that scoring may take, over the last "
-        "minute; a sampled answer past it is skipped (counted as reason=budget).",
-    )
-    max_pending: int = Field(
-        4, ge=1, description="Scorings in flight per ingress replica; more are skipped."
-    )
-    window: int = Field(
-        200, ge=1, description="Scored answers per operating point the status route averages."
-    )
-    timeout_s: float = Field(60.0, gt=0, description="Longest wait for one scoring.")
 
 
 class GcSpec(_Strict):
@@ -824,50 +743,3 @@ def plan_shared_devices(cfg: AppConfig) -> AppConfig:
         for name, budget in zip(members, budgets, strict=True):
             specs[name] = specs[name].model_copy(update={"memory_budget_gb": budget / 2**30})
     return cfg.model_copy(update={"models": specs})
-
-
-def compose_config(
-    overrides: list[str] | tuple[str, ...] = (), config_name: str = "base"
-) -> AppConfig:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    GlobalHydra.instance().clear()
-    # Any dotted key may be set, present in the YAML or not (pydantic's extra="forbid"
-    # still rejects typos); group choices (`policy=rstitch`) stay as they are.
-    overrides = [
-        f"++{o}" if "=" in o and "." in o.split("=", 1)[0] and o[0] not in "+~" else o
-        for o in overrides
-    ]
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose(config_name=config_name, overrides=list(overrides))
-        data = OmegaConf.to_container(cfg, resolve=True)
-    except (HydraException, OmegaConfBaseException) as exc:
-        hint = ""
-        if "Unsupported interpolation type demo" in str(exc):
-            hint = " (call tokenrouter_ray.demo.register_resolver() before composing)"
-        raise ConfigError(f"cannot compose the config: {exc}{hint}") from exc
-    except (UserFacingError, OSError) as exc:
-        raise ConfigError(f"cannot resolve a model path: {exc}") from exc
-    try:
-        return AppConfig.model_validate(data)
-    except ValidationError as exc:
-        problems = list(dict.fromkeys(_problem(e, data) for e in exc.errors()))
-        raise ConfigError(f"invalid config: {'; '.join(problems)}") from None
-
-
-def _problem(error: Any, data: Any) -> str:
-    """One validation error as ``dotted.key: message``; a model entry that lacks its path
-    is a misspelt model name (``models.smal.dtype=...`` creates one)."""
-    loc = [str(p) for p in error["loc"]]
-    models = data.get("models") if isinstance(data, dict) else None
-    if len(loc) == 3 and loc[0] == "models" and loc[2] == "path" and error["type"] == "missing":
-        known = [
-            m for m, spec in (models or {}).items() if isinstance(spec, dict) and "path" in spec
-        ]
-        return f"models.{loc[1]}: no such model; models are {', '.join(known) or 'none'}"
-    return f"{'.'.join(loc) or 'config'}: {error['msg']}"

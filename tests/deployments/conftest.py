@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.tiny_models import chain_engines
-from tokenrouter_ray.config import compose_config
+from tokenrouter_ray.app_config import compose_config
 from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy

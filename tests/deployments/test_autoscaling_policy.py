@@ -13,7 +13,8 @@ from ray.serve.config import AutoscalingConfig
 
 from deployments.app import ingress_options, model_options
 from deployments.autoscaling import IngressPolicy, ModelPolicy
-from tokenrouter_ray.config import ConfigError, compose_config
+from tokenrouter_ray.app_config import compose_config
+from tokenrouter_ray.config import ConfigError
 
 SIM = ["models=sim_paper", "policy=bernoulli"]
 

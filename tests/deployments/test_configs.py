@@ -10,7 +10,8 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import AppArgs, build_app, ingress_options
-from tokenrouter_ray.config import CONF_DIR, ConfigError, compose_config
+from tokenrouter_ray.app_config import compose_config
+from tokenrouter_ray.config import CONF_DIR, ConfigError
 
 SERVE_CONFIGS = sorted(p for p in Path(CONF_DIR).glob("*.yaml") if p.name != "base.yaml")
 HUB_ONLY = {"r2r_cross_node.yaml", "rstitch.yaml", "citer.yaml", "escalation.yaml"}

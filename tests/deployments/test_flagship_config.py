@@ -25,8 +25,9 @@ import yaml
 
 from tests.routing.test_import_router import reference_router, save_r2r_checkpoint
 from tests.tiny_models import tiny_model
+from tokenrouter_ray.app_config import compose_config
 from tokenrouter_ray.cli import main
-from tokenrouter_ray.config import CONF_DIR, ConfigError, compose_config
+from tokenrouter_ray.config import CONF_DIR, ConfigError
 
 FLAGSHIP = CONF_DIR / "r2r_cross_node.yaml"
 ROUTER_ENV = "TOKENROUTER_ROUTER_DIR"

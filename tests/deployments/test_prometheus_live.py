@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from tests.net import free_port
-from tokenrouter_ray.config import compose_config
+from tokenrouter_ray.app_config import compose_config
 from tokenrouter_ray.dashboards import render
 from tokenrouter_ray.engine.memory_plan import footprint_from_checkpoint
 from tokenrouter_ray.metrics.definitions import E2E_SECONDS

@@ -11,7 +11,8 @@ import ray
 
 from deployments.app import model_options
 from tests.deployments.conftest import local_outputs, tiny_overrides
-from tokenrouter_ray.config import ModelSpec, compose_config
+from tokenrouter_ray.app_config import compose_config
+from tokenrouter_ray.config import ModelSpec
 
 TWO = ["small", "large"]
 POLICY = ["policy.options.threshold=0.45"]  # entropy policy: deterministic routing

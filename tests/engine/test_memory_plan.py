@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.conftest import save_tiny
-from tokenrouter_ray.config import ConfigError, compose_config, plan_shared_devices
+from tokenrouter_ray.app_config import compose_config
+from tokenrouter_ray.config import ConfigError, plan_shared_devices
 from tokenrouter_ray.engine.block_pool import ModelFootprint, plan_joint, plan_num_blocks
 from tokenrouter_ray.engine.config import EngineConfig
 from tokenrouter_ray.engine.engine import Engine

@@ -23,7 +23,8 @@ from tests.k8s import manifests
 from tests.k8s.manifests import only
 from tests.k8s.test_chart_direct_port import advertised, app_config, groups, overrides
 from tests.k8s.test_schemas import assert_valid
-from tokenrouter_ray.config import AppConfig, AutoscalingSpec, compose_config
+from tokenrouter_ray.app_config import compose_config
+from tokenrouter_ray.config import AppConfig, AutoscalingSpec
 
 Objects = list[dict[str, Any]]
 

@@ -26,7 +26,8 @@ from tests.k8s.manifests import only
 from tests.k8s.test_chart import pod_templates, ports, ray_resources
 from tests.k8s.test_chart_security import tcp_ports
 from tests.k8s.test_schemas import assert_valid
-from tokenrouter_ray.config import AppConfig, compose_config
+from tokenrouter_ray.app_config import compose_config
+from tokenrouter_ray.config import AppConfig
 
 Objects = list[dict[str, Any]]
 

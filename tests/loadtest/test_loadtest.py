@@ -35,7 +35,7 @@ from loadtest.report import length_lines
 from loadtest.run import PRESETS, run_bench
 from loadtest.systems import SYSTEMS, Bench
 from tests.deployments.conftest import tiny_overrides
-from tokenrouter_ray.config import compose_config
+from tokenrouter_ray.app_config import compose_config
 
 PORT_BASE = int(os.environ.get("TOKENROUTER_TEST_LOADTEST_PORT", "18240"))
 ROUTED = ["tokenrouter", "eager_async", "step_sync", "std_serving"]

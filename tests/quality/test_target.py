@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from tokenrouter_ray.config import AppConfig, QualityTargetSpec
+from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.ingress.openai_server import IngressServer
 from tokenrouter_ray.openai.validation import PreparedRequest, SamplingOptions
+from tokenrouter_ray.quality.settings import QualityTargetSpec
 from tokenrouter_ray.quality.target import QualityTarget
 
 PRESETS = {"fast": [0.7], "balanced": [0.5], "high": [0.2]}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenrouter_ray.config import compose_config
+from tokenrouter_ray.app_config import compose_config
 from tokenrouter_ray.tuning.capacity import Load, plan
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.scaling import ReplicaPlanner, ScalingSpec, offered_load

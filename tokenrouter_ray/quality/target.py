@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from tokenrouter_ray.quality.stats import wilson_interval
 
 if TYPE_CHECKING:
-    from tokenrouter_ray.config import QualityTargetSpec
+    from tokenrouter_ray.quality.settings import QualityTargetSpec
 
 HISTORY = 200  # moves the status route lists
 
