@@ -34,6 +34,14 @@ def replicated(chain_dirs: dict[str, str], small: int, large: int) -> Replicated
     return ReplicatedRuntime([(name, engines[name]) for name in TWO], policy)
 
 
+async def undisturbed(chain_dirs: dict[str, str], batch: list[list[int]]) -> list[list[int]]:
+    """The batch's outputs on one small and two large replicas, nothing disturbed."""
+    async with replicated(chain_dirs, 1, 2) as rt:
+        want = [c.token_ids for c in await rt.complete_all(batch, SPEC)]
+        await rt.wait_idle()
+    return want
+
+
 def slow(server, seconds: float) -> None:  # type: ignore[no-untyped-def]
     runner, real = server.engine.runner, server.engine.runner.launch
 
@@ -52,9 +60,7 @@ def test_a_draining_replica_moves_every_request_and_outputs_stay_exact(chain_dir
     batch = prompts(8)
 
     async def go() -> None:
-        async with replicated(chain_dirs, 1, 2) as rt:
-            want = [c.token_ids for c in await rt.complete_all(batch, SPEC)]
-            await rt.wait_idle()
+        want = await undisturbed(chain_dirs, batch)
         async with replicated(chain_dirs, 1, 2) as rt:
             for server in rt.subservers:
                 slow(server, 0.01)  # long enough that the drain lands mid-generation
@@ -129,9 +135,7 @@ def test_a_handoff_to_a_replica_that_left_recreates_the_request_exactly(chain_di
     batch = prompts(6)
 
     async def go() -> None:
-        async with replicated(chain_dirs, 1, 2) as rt:
-            want = [c.token_ids for c in await rt.complete_all(batch, SPEC)]
-            await rt.wait_idle()
+        want = await undisturbed(chain_dirs, batch)
         async with replicated(chain_dirs, 1, 2) as rt:
             gone = endpoint_name("large", "1")
             server = next(s for s in rt.subservers if s.endpoint == gone)

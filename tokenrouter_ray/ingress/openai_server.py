@@ -207,9 +207,9 @@ class IngressServer:
     async def respond(
         self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
     ) -> ChatCompletion | TextCompletion | StreamedChoices:
-        prepared = self.follow_target(prepared)
         if not prepared.sampling.stream:
             return await self.collect(prepared, await self.start(prepared, chat, timeout_s), chat)
+        prepared = self.follow_target(prepared)
         submitted = await self.submit(prepared, timeout_s)
         prompt_len = len(prepared.prompt_token_ids)
         name = self.served_model_name
