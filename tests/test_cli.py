@@ -100,3 +100,73 @@ def test_config_check_and_show_compose_like_serve_run_without_ray(monkeypatch, c
         assert main(["config", "check", path]) == 2
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
+
+
+def _commands(parser, path=()):
+    """(path, parser) of every command that runs something (leaves of the command tree)."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield " ".join(path), parser
+    for action in subs:
+        for name, sub in action.choices.items():
+            yield from _commands(sub, (*path, name))
+
+
+def test_every_flag_has_help_and_shows_its_default_and_every_command_an_example() -> None:
+    import argparse
+
+    from tokenrouter_ray.cli import build_parser
+
+    leaves = dict(_commands(build_parser()))
+    assert {"tune", "plan", "config check", "dashboards push", "profile"} <= set(leaves)
+    for name, parser in leaves.items():
+        assert parser.description and "import" not in parser.description, name
+        assert (parser.epilog or "").startswith("example"), name
+        assert f"tokenrouter-ray {name}" in parser.epilog or name.startswith("dashboards"), name
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest}: no help"
+            shown = action.default not in (None, argparse.SUPPRESS) and action.default is not False
+            flag = isinstance(action, argparse._StoreConstAction)
+            if action.option_strings and shown and not flag:
+                assert "default" in parser._get_formatter()._get_help_string(action), (
+                    f"{name} {action.option_strings}: default {action.default!r} not shown"
+                )
+        assert "sub-server" not in text, name
+
+
+def test_one_meaning_per_flag_and_the_old_spellings_warn(capsys) -> None:
+    """A flag name means one thing across commands: a list of N is --concurrency-levels
+    (tune, simulate), one N is --concurrency (eval, calibrate); batch thresholds are
+    --batch-thresholds, routing thresholds --thresholds; step times are --step-profile;
+    progress is silenced by --quiet. The old spellings still work for one release, with a
+    warning naming the new one."""
+    from tokenrouter_ray.cli import build_parser
+
+    leaves = dict(_commands(build_parser()))
+
+    def visible(name):
+        return {
+            o for a in leaves[name]._actions if a.help != "==SUPPRESS==" for o in a.option_strings
+        }
+
+    assert "--concurrency-levels" in visible("tune") and "--concurrency" not in visible("tune")
+    assert "--concurrency" in visible("eval") and "--concurrency-levels" not in visible("eval")
+    assert "--batch-thresholds" in visible("simulate") and "--thresholds" in visible("calibrate")
+    assert "--step-profile" in visible("plan") and "--step-profile" in visible("calibrate")
+    for name in ("eval", "calibrate", "prepare-demo", "train-router"):
+        assert "--quiet" in visible(name) and "--no-progress" not in visible(name), name
+    parser = build_parser()
+    for argv, dest, value in (
+        (["tune", "--step-ms", "a=1", "--concurrency", "2,4"], "concurrency", "2,4"),
+        (["simulate", "--thresholds", "large=2"], "thresholds", "large=2"),
+        (["plan", "--rate", "1", "--output-tokens", "8", "--steps", "h200"], "steps", "h200"),
+        (["eval", "--no-progress"], "quiet", True),
+    ):
+        args = parser.parse_args(argv)
+        assert getattr(args, dest) == value, argv
+        assert "is deprecated; use --" in capsys.readouterr().err, argv

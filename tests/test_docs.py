@@ -170,6 +170,49 @@ def test_documented_cli_commands_parse() -> None:
     assert not bad, "these do not parse with tokenrouter_ray.cli.build_parser:\n" + "\n".join(bad)
 
 
+CHEAP_COMMANDS = ("tune", "plan", "config")  # seconds, no server, no model
+
+
+def documented_commands() -> list[tuple[Path, str]]:
+    """Every ``tokenrouter-ray ...`` command the pages show: code blocks and inline code."""
+    found = []
+    for page in PAGES:
+        inline = re.findall(r"`(tokenrouter-ray [^`]+)`", page.read_text())
+        for line in [*command_lines(page), *inline]:
+            if line.startswith("tokenrouter-ray "):
+                found.append((page, line))
+    return found
+
+
+def test_documented_cheap_commands_run_as_written(monkeypatch, capsys) -> None:
+    """The documented ``tune``, ``plan`` and ``config`` commands that need no file of the
+    reader's own run as written (from the repository root) and succeed."""
+    from tokenrouter_ray.cli import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("TOKENROUTER_OVERRIDES", raising=False)
+    ran, bad = [], []
+    for page, line in documented_commands():
+        argv = shlex.split(line)[1:]
+        if not argv or argv[0] not in CHEAP_COMMANDS or "..." in line or "-h" in argv:
+            continue
+        if len(argv) < (3 if argv[0] == "config" else 2):
+            continue  # the command named in prose, not an example
+        files = [a for a in argv if re.search(r"\.(json|ya?ml)$", a)]
+        if any(not (ROOT / f).exists() for f in files):
+            continue  # a file the reader makes first (a measured profile)
+        ran.append(line)
+        try:
+            rc = main(argv)
+        except SystemExit as exc:  # argparse refused it
+            rc = exc.code
+        if rc != 0:
+            bad.append(f"{page.relative_to(ROOT)}: {line}: {capsys.readouterr().err.strip()}")
+        capsys.readouterr()
+    assert len(ran) >= 5, ran
+    assert not bad, "\n".join(bad)
+
+
 def loadtest_benchmarks() -> set[str]:
     """The names ``python -m loadtest <name>`` runs (read from the source: importing the
     harness is not needed to know them)."""

@@ -225,15 +225,18 @@ def register(subparsers: Any) -> None:
         description="Compose a Serve config's app config as `serve run` would (its "
         "args.overrides, then OVERRIDE arguments, then $TOKENROUTER_OVERRIDES) without "
         "starting Ray. check: also build the routing policy and compare the models' "
-        "tokenizers; every problem is one line naming the key. "
-        "Example: tokenrouter-ray config check conf/local.yaml policy.alone=null",
+        "tokenizers; every problem is one line naming the key.",
+        epilog="example:\n  tokenrouter-ray config check conf/local.yaml policy.alone=null",
     )
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, func, text in (
         ("check", _check, "compose and validate; prints one ok line per application"),
         ("show", _show, "print the resolved app config as YAML"),
     ):
-        sub = actions.add_parser(action, help=text, description=text)
+        example = f"tokenrouter-ray config {action} conf/local.yaml models.large.num_replicas=2"
+        sub = actions.add_parser(
+            action, help=text, description=text, epilog=f"example:\n  {example}"
+        )
         sub.add_argument("conf", metavar="CONF", help="a Serve YAML, e.g. conf/local.yaml")
         sub.add_argument(
             "overrides", nargs="*", metavar="OVERRIDE",

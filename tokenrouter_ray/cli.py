@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
+import textwrap
 
 from tokenrouter_ray.errors import UserFacingError
 
@@ -27,6 +29,79 @@ COMMAND_MODULES = (
     "tokenrouter_ray.tuning.plan_command",
     "tokenrouter_ray.tuning.step_times",
 )
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every command's help format: prose paragraphs are wrapped to the terminal, indented
+    lines (examples) are kept as written, and each option with a default shows it."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        blocks = []
+        for block in re.split(r"\n\s*\n", text.strip("\n")):
+            if block.startswith((" ", "\t")) or "\n " in block:
+                blocks.append(textwrap.indent(textwrap.dedent(block), indent))
+            else:
+                blocks.append(
+                    textwrap.fill(
+                        " ".join(block.split()),
+                        width,
+                        initial_indent=indent,
+                        subsequent_indent=indent,
+                    )
+                )
+        return "\n\n".join(blocks)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+            or isinstance(action, argparse._StoreConstAction)
+            or "default" in text.lower()
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _DeprecatedAlias(argparse.Action):
+    def __init__(self, option_strings, dest, replacement: str, **kwargs) -> None:
+        self.replacement = replacement
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(
+            f"{parser.prog}: warning: {option_string} is deprecated; use {self.replacement}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: argparse.Action) -> None:
+    """Accept ``old`` as a hidden spelling of the option ``new`` for one release: it sets the
+    same value and prints a one-line warning naming the new spelling."""
+    parser.add_argument(
+        old,
+        dest=new.dest,
+        action=_DeprecatedAlias,
+        replacement=new.option_strings[0],
+        nargs=new.nargs,
+        const=new.const,
+        type=new.type,
+        choices=new.choices,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
+
+
+def _use_formatter(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _use_formatter(sub)
 
 
 def _version() -> str:
@@ -53,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(subparsers)
+    _use_formatter(parser)
     return parser
 
 

@@ -69,7 +69,7 @@ def test_calibrate_sweeps_chooses_on_dev_and_reports_on_test(served_chain_dirs, 
             "2",
             "--at-concurrency",
             "4",
-            "--no-progress",
+            "--quiet",
             "--out",
             str(tmp_path / "calib.json"),
             "--plot",
@@ -125,7 +125,7 @@ def test_a_set_without_answers_is_calibrated_by_teacher_forced_agreement(
             "--tasks", str(path), "--thresholds", "0.3", "--large", "threshold:0",
             "--small", "threshold:1", "--judge", served_chain_dirs["large"],
             "--max-tokens", "6", "--concurrency", "2", "--at-concurrency", "4",
-            "--no-progress", "--out", str(tmp_path / "open.json"),
+            "--quiet", "--out", str(tmp_path / "open.json"),
         ]  # fmt: skip
         code = await asyncio.to_thread(main, argv)
         return code, json.loads((tmp_path / "open.json").read_text())

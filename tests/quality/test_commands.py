@@ -46,7 +46,7 @@ def test_a_system_that_is_down_is_all_failures(tmp_path: Path, capsys) -> None:
     out = tmp_path / "r.json"
     url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     argv = ["eval", "--tasks", "builtin:arithmetic", "--limit", "3", "--system", f"down={url}",
-            "--out", str(out), "--no-progress"]  # fmt: skip
+            "--out", str(out), "--quiet"]  # fmt: skip
     assert main(argv) == 1
     captured = capsys.readouterr()
     assert "down: every request failed (APIConnectionError" in captured.err

@@ -144,7 +144,7 @@ def test_run_eval_and_the_cli_against_a_served_chain(served_chain_dirs, tmp_path
         argv = ["eval", "--tasks", str(tasks), "--split", "all", "--max-tokens", "8",
                 "--system", f"served={url}@{SERVED}", "--system", f"again={url}",
                 "--extra-body", '{"routing_trace": false}', "--out", str(out),
-                "--no-progress", "--answers"]  # fmt: skip
+                "--quiet", "--answers"]  # fmt: skip
         rc = await asyncio.to_thread(main, argv)  # the CLI runs its own event loop
         return result, rescored, wrong, rc
 

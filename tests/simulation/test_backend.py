@@ -183,7 +183,15 @@ SIM_FLAGS = [
 
 
 def test_simulate_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["simulate", *SIM_FLAGS, "--concurrency", "2", "--thresholds", "large=1,2", "--json"]
+    argv = [
+        "simulate",
+        *SIM_FLAGS,
+        "--concurrency-levels",
+        "2",
+        "--batch-thresholds",
+        "large=1,2",
+        "--json",
+    ]
     assert cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert [e["thresholds"] for e in out] == [{"small": 1, "large": 1}, {"small": 1, "large": 2}]
@@ -198,7 +206,17 @@ def test_simulate_cli_table_and_thresholds_file(
     path = tmp_path / "b.json"
     path.write_text(json.dumps({"small": [1], "large": [1, 1, 2]}))
     assert (
-        cli.main(["simulate", *SIM_FLAGS, "--concurrency", "2", "--thresholds-in", str(path)]) == 0
+        cli.main(
+            [
+                "simulate",
+                *SIM_FLAGS,
+                "--concurrency-levels",
+                "2",
+                "--batch-thresholds-in",
+                str(path),
+            ]
+        )
+        == 0
     )
     out = capsys.readouterr().out
     assert "small=1,large=2" in out and "predicted" in out
@@ -224,5 +242,10 @@ def test_simulate_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     ]  # fmt: skip
     assert cli.main(three) == 2
     assert "two models" in capsys.readouterr().err
-    assert cli.main(["simulate", *SIM_FLAGS, "--concurrency", "1", "--thresholds", "large=3"]) == 2
+    assert (
+        cli.main(
+            ["simulate", *SIM_FLAGS, "--concurrency-levels", "1", "--batch-thresholds", "large=3"]
+        )
+        == 2
+    )
     assert "no admissible thresholds" in capsys.readouterr().err

@@ -29,7 +29,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_cli_json_matches_the_library(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["tune", *PAPER_FLAGS, "--concurrency", "1,2,4", "--fix", "small=1", "--json"]
+    argv = ["tune", *PAPER_FLAGS, "--concurrency-levels", "1,2,4", "--fix", "small=1", "--json"]
     assert cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ["1", "2", "4"]
@@ -47,8 +47,8 @@ def test_command_table_and_threshold_lists(
 ) -> None:
     lists_file = tmp_path / "lists.json"
     args = _parse(
-        ["tune", *PAPER_FLAGS, "--concurrency", "1-3", "--fix", "small=1",
-         "--thresholds-out", str(lists_file)]
+        ["tune", *PAPER_FLAGS, "--concurrency-levels", "1-3", "--fix", "small=1",
+         "--batch-thresholds-out", str(lists_file)]
     )  # fmt: skip
     assert args.func(args) == 0
     text = capsys.readouterr().out
@@ -67,7 +67,7 @@ def test_profile_file_with_joint_labels(tmp_path: Path, capsys: pytest.CaptureFi
     }
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
-    argv = ["tune", "--profile", str(path), "--concurrency", "3", "--fix", "a=1", "--json"]
+    argv = ["tune", "--profile", str(path), "--concurrency-levels", "3", "--fix", "a=1", "--json"]
     assert cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out)["3"]
     assert "b=1,c=1" in out["throughput"] and "b=2,c=2" in out["throughput"]
@@ -79,9 +79,9 @@ def test_profile_file_with_joint_labels(tmp_path: Path, capsys: pytest.CaptureFi
     ("extra", "message"),
     [
         (["--route-prob", "small:small=0.6,small:large=0.35,large:small=1"], "sum to 0.95"),
-        (["--fix", "large=9", "--concurrency", "4"], "deadlock at N=4"),
+        (["--fix", "large=9", "--concurrency-levels", "4"], "deadlock at N=4"),
         (["--fix", "medium=1"], "unknown model 'medium'"),
-        (["--concurrency", "0,2"], "positive integers"),
+        (["--concurrency-levels", "0,2"], "positive integers"),
         (["--step-ms", "small=fast,large=27.9"], "not a number"),
     ],
 )

@@ -43,11 +43,11 @@ def test_profile_file_feeds_tune(tiny_dirs, tmp_path, capsys) -> None:
     assert list(data["models"]["large"]["step_ms"]) == ["1", "2", "4"]
     capsys.readouterr()
     # Step times only: tune needs the routing too, and says so.
-    assert cli.main(["tune", "--profile", str(out), "--concurrency", "2"]) == 2
+    assert cli.main(["tune", "--profile", str(out), "--concurrency-levels", "2"]) == 2
     assert "sum to 0" in capsys.readouterr().err
     routing = ["--route-prob", "small:small=0.7,small:large=0.3,large:small=1",
                "--commit", "small:small=1,large:small=1"]  # fmt: skip
-    assert cli.main(["tune", "--profile", str(out), *routing, "--concurrency", "2,4",
+    assert cli.main(["tune", "--profile", str(out), *routing, "--concurrency-levels", "2,4",
                      "--grain-ms", "0.05", "--json"]) == 0  # fmt: skip
     result = json.loads(capsys.readouterr().out)
     assert set(result) == {"2", "4"} and set(result["4"]["best"]) == {"small", "large"}

@@ -219,7 +219,16 @@ def test_profiles_and_the_cli_take_a_transit(tmp_path: Path, capsys) -> None:
         both.with_transit([[1.0, 0.0], [0.0, 0.0]])
     path = tmp_path / "p.json"
     path.write_text(json.dumps(base))
-    args = ["tune", "--profile", str(path), "--concurrency", "8", "--fix", "small=1", "--json"]
+    args = [
+        "tune",
+        "--profile",
+        str(path),
+        "--concurrency-levels",
+        "8",
+        "--fix",
+        "small=1",
+        "--json",
+    ]
     assert cli_main(args) == 0
     assert json.loads(capsys.readouterr().out)["8"]["best"]["large"] == 5
     assert cli_main([*args, "--transit-ms", "small:large=5,large:small=5"]) == 0
@@ -258,7 +267,16 @@ def test_simulate_delays_every_frame_and_prices_the_delay(capsys) -> None:
     (the simulated network delays every frame alike)."""
     inline = ["--step-ms", "small=6,large=27.9", "--route-prob",
               "small:small=0.65,small:large=0.35,large:small=1", "--grain-ms", "0.5"]  # fmt: skip
-    args = ["simulate", *inline, "--concurrency", "2", "--window-s", "0.5", "--warmup-s", "0.2"]
+    args = [
+        "simulate",
+        *inline,
+        "--concurrency-levels",
+        "2",
+        "--window-s",
+        "0.5",
+        "--warmup-s",
+        "0.2",
+    ]
     assert cli_main([*args, "--transit-ms", "2", "--json"]) == 0
     (entry,) = json.loads(capsys.readouterr().out)
     timed = paper_r2r().with_grain(0.5).with_transit(2.0)

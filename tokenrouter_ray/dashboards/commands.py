@@ -59,8 +59,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "dashboards",
         help="render the Grafana dashboards to JSON, or push them to a Grafana",
-        description="Grafana dashboards generated from tokenrouter_ray/dashboards "
-        "(docs/user-guide/observability.md).",
+        description="The Grafana dashboards (overview, routing, scheduler) for the metrics "
+        "the app exports: write them as JSON files to provision, or create them in a running "
+        "Grafana through its HTTP API (docs/user-guide/observability.md).",
+        epilog="example:\n  tokenrouter-ray dashboards push --url http://grafana:3000",
     )
     sub = parser.add_subparsers(dest="dashboards_command", required=True, metavar="ACTION")
     prefix_help = (
@@ -68,12 +70,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "'' for prometheus-client outside Ray)"
     )
 
-    rnd = sub.add_parser("render", help="write overview/routing/scheduler.json")
-    rnd.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
+    rnd = sub.add_parser(
+        "render",
+        help="write overview/routing/scheduler.json",
+        description="Write the dashboards as Grafana JSON files, ready to provision.",
+        epilog="example:\n  tokenrouter-ray dashboards render --out dashboards/",
+    )
+    rnd.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"a directory (default {DEFAULT_OUT})"
+    )
     rnd.add_argument("--prefix", default=RAY_PREFIX, help=prefix_help)
     rnd.set_defaults(func=_render)
 
-    psh = sub.add_parser("push", help="create or update the dashboards in a Grafana")
+    psh = sub.add_parser(
+        "push",
+        help="create or update the dashboards in a Grafana",
+        description="Create or update the dashboards in a running Grafana through its HTTP "
+        "API, authenticated by a service-account token.",
+        epilog="example:\n  GRAFANA_TOKEN=... tokenrouter-ray dashboards push --url "
+        "http://grafana:3000",
+    )
     psh.add_argument("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")
     psh.add_argument("--token", help="service-account token (default: $GRAFANA_TOKEN)")
     psh.add_argument("--folder-uid", help="folder to put them in (default: General)")

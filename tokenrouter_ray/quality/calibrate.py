@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenrouter_ray.cli import deprecated_alias
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.quality.frontier import (
     FrontierPoint,
@@ -102,6 +103,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Pareto points, draw the frontier and choose a point for a target; the choice is "
             "reported on the disjoint test split (docs/user-guide/quality.md)."
         ),
+        epilog="example (a served R2R app, the large model alone as the reference):\n"
+        "  tokenrouter-ray calibrate --large threshold:0 --min-accuracy-of-large 0.95",
     )
     parser.add_argument(
         "--system",
@@ -122,12 +125,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=sorted(OVERRIDE_KEY),
         help="the served policy (names the config key of the override)",
     )
-    parser.add_argument("--thresholds", default="0.02,0.05,0.1,0.2,0.3,0.5,0.7,0.9")
+    parser.add_argument(
+        "--thresholds",
+        default="0.02,0.05,0.1,0.2,0.3,0.5,0.7,0.9",
+        help="the routing thresholds to sweep, comma-separated",
+    )
     parser.add_argument("--tasks", default="builtin:demo", help="JSONL file or builtin:NAME")
     parser.add_argument("--limit", type=int, help="at most this many items per split")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=32, help="completion tokens at most")
+    parser.add_argument("--seed", type=int, default=0, help="the requests' seed")
     parser.add_argument(
         "--step-profile",
         default="paper",
@@ -174,7 +181,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="for a task set without answers: the large model's directory; answers are "
         "scored by teacher-forced agreement with it (quality/judge.py)",
     )
-    parser.add_argument("--no-progress", action="store_true")
+    quiet = parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    deprecated_alias(parser, "--no-progress", quiet)
     parser.set_defaults(func=run_calibrate)
 
 
@@ -226,7 +234,7 @@ async def calibrate(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         seed=args.seed,
         max_tokens=args.max_tokens,
-        progress=not args.no_progress,
+        progress=not args.quiet,
     )
 
     async def run(on: list, where: tuple[str, str], threshold: float | None, label: str) -> Any:

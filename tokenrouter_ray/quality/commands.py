@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenrouter_ray.cli import deprecated_alias
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.quality.builtin import builtin_names, tasks_from_spec
 from tokenrouter_ray.quality.evaluate import SystemResult, run_eval
@@ -38,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "answers, and report accuracy with a Wilson 95% interval, the large model's "
             "share of the routed tokens, handoffs and throughput."
         ),
+        epilog="example (the served app on the capital-city questions, wrong answers shown):\n"
+        "  tokenrouter-ray eval --tasks builtin:capitals --answers",
     )
     parser.add_argument(
         "--system",
@@ -57,13 +60,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--limit", type=int, help="the first N items of the split only")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     parser.add_argument("--seed", type=int, default=0, help="the requests' seed")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=32, help="completion tokens at most")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument(
         "--extra-body",
         help='JSON merged into every request, e.g. \'{"routing": {"threshold": 0.3}}\'',
     )
-    parser.add_argument("--api-key", default="none")
+    parser.add_argument("--api-key", default="none", help="sent as the bearer token")
     parser.add_argument(
         "--completions",
         action="store_true",
@@ -77,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="for a task set without answers: the large model's directory; answers are "
         "scored by teacher-forced agreement with it (quality/judge.py)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    quiet = parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    deprecated_alias(parser, "--no-progress", quiet)
     parser.add_argument(
         "--write-tasks",
         metavar="SPEC",
@@ -177,7 +181,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
             run_eval(
                 url, model, items, concurrency=args.concurrency, seed=args.seed,
                 max_tokens=args.max_tokens, temperature=args.temperature,
-                extra_body=extra_body, api_key=args.api_key, progress=not args.no_progress,
+                extra_body=extra_body, api_key=args.api_key, progress=not args.quiet,
                 chat=not args.completions, label=label,
             )
         )

@@ -201,10 +201,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "import-router",
         help="convert a published router (R2R's) into tokenrouter-ray's safetensors format",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Convert a router trained elsewhere into tokenrouter-ray's checkpoint "
+        "format (one safetensors file), so serving never unpickles. --format r2r reads a "
+        "router R2R publishes (its architecture is read from the weights and checked against "
+        "the file's init_args); --format legacy reads a checkpoint an older train-router "
+        "wrote. The file is read with torch.load(weights_only=True) unless --trust-pickle. "
+        "It prints the policy options that use the result.",
+        epilog="example (R2R's router for Qwen3-0.6B + Qwen3-8B):\n"
+        "  tokenrouter-ray import-router --format r2r router.pt --out routers/r2r.safetensors",
     )
-    p.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
+    p.add_argument(
+        "--format", required=True, choices=FORMATS, dest="fmt", help="who wrote the file"
+    )
     p.add_argument("input", help="the router file to convert (e.g. R2R's router .pt)")
     p.add_argument("--out", required=True, help="file to write (e.g. routers/r2r.safetensors)")
     p.add_argument(

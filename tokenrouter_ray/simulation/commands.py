@@ -1,8 +1,8 @@
 """``tokenrouter-ray simulate``: the real runtime on simulated models, next to the prediction.
 
 The statistics come in as ``tune`` takes them (a profile file or inline ``--step-ms``,
-``--route-prob``, ``--commit``; ``tuning/commands.py`` parses them); ``--thresholds`` or
-``--thresholds-in`` say which B to run at each ``--concurrency`` N (B at N read from a
+``--route-prob``, ``--commit``; ``tuning/commands.py`` parses them); ``--batch-thresholds`` or
+``--batch-thresholds-in`` say which B to run at each ``--concurrency-levels`` N (B at N read from a
 threshold list by ``ThresholdTable``'s lookup rule; inadmissible B skipped). Each point runs
 ``loads.measure_closed_loop`` and prints measured tokens/s beside the Markov prediction
 (a table, or JSON with ``--json``). ``--transit-ms X`` delays every frame of the simulated
@@ -20,9 +20,10 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
+from tokenrouter_ray.cli import deprecated_alias
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
-from tokenrouter_ray.tuning.commands import _add_statistics, _int_list, _pairs, build_profile
+from tokenrouter_ray.tuning.commands import _add_statistics, _int_list, build_profile
 from tokenrouter_ray.tuning.profile import RoutingProfile
 
 
@@ -31,24 +32,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "simulate",
         help="measure throughput of the real runtime on simulated engines (profiled step times)",
         description=(
-            "Run LocalRuntime (the real scheduler, sub-servers and protocol) on engines that "
+            "Run the real runtime (its scheduler, model replicas and protocol) in one process on "
+            "engines that "
             "sleep for the profiled step time, N requests in a closed loop, and print the "
             "measured committed tokens/s next to the Markov prediction. Two models only: the "
             "first escalates to the second with p(small->large) (bernoulli policy), the "
             "second writes one token and hands back; --commit defaults to that "
             "(small:small=1, large:small=1)."
         ),
+        epilog="example (the paper's step times, 35 % escalation, B = 1..3 on the large model):"
+        "\n  tokenrouter-ray simulate --step-ms small=6.0,large=27.9 --route-prob "
+        "small:large=0.35 \\\n      --concurrency-levels 4,16 --batch-thresholds large=1-3",
     )
     _add_statistics(parser)
-    parser.add_argument("--concurrency", default="4", help="active-request counts N, e.g. 1,4,16")
-    parser.add_argument(
-        "--thresholds",
+    levels = parser.add_argument(
+        "--concurrency-levels",
+        dest="concurrency",
+        metavar="N,...",
+        default="4",
+        help="active-request counts N to run, e.g. 1,4,16 or 1-16",
+    )
+    deprecated_alias(parser, "--concurrency", levels)
+    batch = parser.add_argument(
+        "--batch-thresholds",
+        dest="thresholds",
+        metavar="MODEL=B,...",
         help="B per model, one value, a list or a range per model, e.g. small=1,large=1,2,3 "
         "or large=1-4 or large=all (1..N); models not named use 1; inadmissible B are skipped",
     )
-    parser.add_argument(
-        "--thresholds-in", type=Path, help="{model: [B at N=0..]} JSON, as tune --thresholds-out"
+    deprecated_alias(parser, "--thresholds", batch)
+    batch_in = parser.add_argument(
+        "--batch-thresholds-in",
+        dest="thresholds_in",
+        metavar="FILE",
+        type=Path,
+        help="{model: [B at N=0..]} JSON, as tune --batch-thresholds-out writes it",
     )
+    deprecated_alias(parser, "--thresholds-in", batch_in)
     parser.add_argument("--window-s", type=float, default=5.0, help="measurement window (s)")
     parser.add_argument("--warmup-s", type=float, default=1.0, help="warm-up before it (s)")
     parser.add_argument(
@@ -89,11 +109,11 @@ def _threshold_spec(text: str | None, names: tuple[str, ...]) -> dict[str, str]:
             current = key.strip()
             if current not in names:
                 raise UserFacingError(
-                    f"--thresholds: unknown model {current!r} (models: {list(names)})"
+                    f"--batch-thresholds: unknown model {current!r} (models: {list(names)})"
                 )
             spec.setdefault(current, []).append(value.strip())
         elif current is None:
-            raise UserFacingError(f"--thresholds: expected name=B, got {item!r}")
+            raise UserFacingError(f"--batch-thresholds: expected name=B, got {item!r}")
         else:
             spec[current].append(key.strip())
     return {k: "|".join(v) for k, v in spec.items()}
@@ -109,12 +129,13 @@ def _simulation_points(args: argparse.Namespace, profile: RoutingProfile, n: int
             )
         except (OSError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise UserFacingError(
-                f"--thresholds-in: cannot read {args.thresholds_in}: {exc}"
+                f"--batch-thresholds-in: cannot read {args.thresholds_in}: {exc}"
             ) from None
         return [point] if is_admissible(n, point) else []
     spec = _threshold_spec(args.thresholds, names)
     per_model = [
-        _threshold_values(spec[name], n, "--thresholds") if name in spec else [1] for name in names
+        _threshold_values(spec[name], n, "--batch-thresholds") if name in spec else [1]
+        for name in names
     ]
     return [b for b in product(*per_model) if is_admissible(n, b)]
 
@@ -140,11 +161,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         return evaluate(profile, n, [b])[0][0]  # exact, or Monte Carlo where it must
 
     if args.thresholds and args.thresholds_in:
-        raise UserFacingError("give --thresholds or --thresholds-in, not both")
-    if args.commit is None and args.profile is None and args.step_ms:
-        names = list(_pairs(args.step_ms, "--step-ms"))
-        if len(names) == 2:
-            args.commit = f"{names[0]}:{names[0]}=1,{names[1]}:{names[0]}=1"
+        raise UserFacingError("give --batch-thresholds or --batch-thresholds-in, not both")
     profile = build_profile(args)
     try:
         escalation_probability(profile)
@@ -153,7 +170,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if not args.window_s > 0 or args.warmup_s < 0 or not args.time_scale > 0:
         raise UserFacingError("--window-s and --time-scale must be > 0, --warmup-s >= 0")
     transit_s = _uniform_transit_ms(profile) / 1e3 * args.time_scale
-    concurrencies = _int_list(args.concurrency, "--concurrency")
+    concurrencies = _int_list(args.concurrency, "--concurrency-levels")
     plan = {n: _simulation_points(args, profile, n) for n in concurrencies}
     if not any(plan.values()):
         raise UserFacingError("no admissible thresholds: need sum(B_i - 1) < N")

@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "and a strip of handoffs. Read a saved response (--input) or send one prompt to "
             "a running server (--url, with extra_body={'routing_trace': True})."
         ),
+        epilog="example (ask the served demo, write trace.html and trace.png):\n"
+        "  tokenrouter-ray trace --url http://127.0.0.1:8000/v1 --prompt 'What is 2+2?' "
+        "--out trace",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(

@@ -11,26 +11,3 @@ windows (``window``) to ``solver`` (``ThresholdSolver``); ``decision`` holds wha
 fill, no deadlock) live in ``tokenrouter_ray.thresholds``; the simulated runtime lives in
 ``tokenrouter_ray.simulation``.
 """
-
-from __future__ import annotations
-
-from tokenrouter_ray.thresholds import ThresholdTable, check_admissible, is_admissible
-from tokenrouter_ray.tuning.markov import ThroughputResult, single_request_throughput, throughput
-from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile, load_profile
-from tokenrouter_ray.tuning.search import SweepResult, sweep, threshold_lists, tune
-
-__all__ = [
-    "ModelProfile",
-    "RoutingProfile",
-    "SweepResult",
-    "ThresholdTable",
-    "ThroughputResult",
-    "check_admissible",
-    "is_admissible",
-    "load_profile",
-    "single_request_throughput",
-    "sweep",
-    "threshold_lists",
-    "throughput",
-    "tune",
-]

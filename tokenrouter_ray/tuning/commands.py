@@ -22,12 +22,20 @@ import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tokenrouter_ray.cli import deprecated_alias
 from tokenrouter_ray.errors import UserFacingError
-from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig
-from tokenrouter_ray.tuning.profile import RoutingProfile, profile_from_mapping, read_profile_file
-from tokenrouter_ray.tuning.search import METHODS, SweepResult, threshold_lists, tune
+from tokenrouter_ray.tuning.methods import METHODS, MonteCarloConfig
+from tokenrouter_ray.tuning.profile import (
+    RoutingProfile,
+    models_from_mapping,
+    profile_from_mapping,
+    read_profile_file,
+)
+
+if TYPE_CHECKING:
+    from tokenrouter_ray.tuning.search import SweepResult
 
 
 def _add_statistics(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +49,11 @@ def _add_statistics(parser: argparse.ArgumentParser) -> None:
         "--route-prob",
         help="p(src->dst), e.g. small:small=0.65,small:large=0.35,large:small=1 (missing = 0)",
     )
-    source.add_argument("--commit", help="tokens committed per move src:dst (missing = 0)")
+    source.add_argument(
+        "--commit",
+        help="tokens committed per move src:dst (missing = 0); default with two models: "
+        "a:a=1,b:a=1 (the second writes one token and hands back)",
+    )
     source.add_argument("--grain-ms", type=float, help="time grain delta in ms (default 0.1)")
     source.add_argument(
         "--transit-ms",
@@ -59,30 +71,58 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "given in "
             "--step-ms order (or the profile's order); requests enter at the first one."
         ),
+        epilog="example (the paper's step times, 35 % of positions escalated):\n"
+        "  tokenrouter-ray tune --step-ms small=6.0,large=27.9 --route-prob small:large=0.35",
     )
     _add_statistics(parser)
-    parser.add_argument(
-        "--concurrency", default="1,2,4,8,16", help="active-request counts N, e.g. 1,2,4 or 1-16"
+    levels = parser.add_argument(
+        "--concurrency-levels",
+        dest="concurrency",
+        metavar="N,...",
+        default="1,2,4,8,16",
+        help="active-request counts N to tune for, e.g. 1,2,4 or 1-16",
     )
+    deprecated_alias(parser, "--concurrency", levels)
     parser.add_argument("--fix", help="thresholds held fixed, e.g. small=1")
     parser.add_argument(
         "--replicas",
         help="data-parallel replicas per model, e.g. large=2 (B is per replica; admissible "
         "iff sum R_i (B_i - 1) < N; solved by Monte Carlo)",
     )
-    parser.add_argument("--method", choices=METHODS, default="auto")
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="auto",
+        help="how the model is solved: exact (the Markov chain), Monte Carlo, or auto "
+        "(exact where the state space is small enough)",
+    )
     parser.add_argument(
         "--patience",
         type=int,
         help="stop a model's sweep after this many B in a row below its best (default: all B)",
     )
-    parser.add_argument("--mc-replicas", type=int, default=MonteCarloConfig.replicas)
-    parser.add_argument("--mc-events", type=int, default=MonteCarloConfig.events)
+    parser.add_argument(
+        "--mc-replicas",
+        type=int,
+        default=MonteCarloConfig.replicas,
+        help="Monte Carlo: independent copies of the chain per candidate",
+    )
+    parser.add_argument(
+        "--mc-events",
+        type=int,
+        default=MonteCarloConfig.events,
+        help="Monte Carlo: batch completions measured per copy",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument(
-        "--thresholds-out", type=Path, help="write {model: [B at N=0..max]} JSON here"
+    out = parser.add_argument(
+        "--batch-thresholds-out",
+        dest="thresholds_out",
+        metavar="FILE",
+        type=Path,
+        help="write the chosen B per model as {model: [B at N=0..max]} JSON here",
     )
+    deprecated_alias(parser, "--thresholds-out", out)
     parser.set_defaults(func=run_tune)
 
 
@@ -129,9 +169,18 @@ def _inline_profile(args: argparse.Namespace) -> RoutingProfile:
         {
             "models": models,
             "route_prob": _pairs(args.route_prob, "--route-prob"),
-            "commit": _pairs(args.commit, "--commit"),
+            "commit": _commits(args.commit, list(models)),
         }
     )
+
+
+def _commits(text: str | None, names: list[str]) -> dict[str, str]:
+    """``--commit``; left out with two models, R2R's shape: each escalation commits one token
+    of the second model, every other step one token of the first (a:a=1, b:a=1)."""
+    if text is None and len(names) == 2:
+        first, second = names
+        return {f"{first}:{first}": "1", f"{second}:{first}": "1"}
+    return _pairs(text, "--commit")
 
 
 def build_profile(args: argparse.Namespace) -> RoutingProfile:
@@ -142,7 +191,8 @@ def build_profile(args: argparse.Namespace) -> RoutingProfile:
         data = read_profile_file(args.profile)
         if args.route_prob:  # step times from the file (`profile`), routing given here
             data["route_prob"] = _pairs(args.route_prob, "--route-prob")
-            data["commit"] = _pairs(args.commit, "--commit")
+            names = [m.name for m in models_from_mapping(data)]
+            data["commit"] = _commits(args.commit, names)
         elif args.commit:
             raise UserFacingError("--commit with --profile needs --route-prob too")
         profile = profile_from_mapping(data)
@@ -230,8 +280,10 @@ def format_table(results: Mapping[int, SweepResult]) -> str:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    from tokenrouter_ray.tuning.search import threshold_lists, tune
+
     profile = build_profile(args)
-    concurrencies = _int_list(args.concurrency, "--concurrency")
+    concurrencies = _int_list(args.concurrency, "--concurrency-levels")
     fixed = _fixed(args, profile)
     if args.patience is not None and args.patience < 1:
         raise UserFacingError("--patience must be >= 1")

@@ -19,24 +19,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from tokenrouter_ray.thresholds import check_admissible
 from tokenrouter_ray.tuning.markov import ThroughputResult
+from tokenrouter_ray.tuning.methods import MonteCarloConfig
 from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.replicas import binding, replica_counts
-
-
-@dataclass(frozen=True)
-class MonteCarloConfig:
-    """How much to simulate per candidate B."""
-
-    replicas: int = 64  # independent copies of the chain per candidate
-    warmup_events: int = 300  # batch completions discarded from each copy's start
-    events: int = 2_000  # batch completions measured per copy
-    seed: int = 0
 
 
 def monte_carlo(

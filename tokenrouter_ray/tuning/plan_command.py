@@ -2,7 +2,7 @@
 
 Input: the offered load (``--rate`` requests/s, ``--output-tokens``, ``--prompt-tokens``), the
 routing (``--escalation Q`` for R2R's shape, or ``--route-prob`` / ``--commit``), step times
-(``--steps paper | h200 | FILE``, the served simulation's profiles, or a ``--profile`` file
+(``--step-profile paper | h200 | FILE``, the served simulation's profiles, or a ``--profile`` file
 with routing and step times together), each replica's most rows per step (``--max-rows``,
 the scheduler's ``max_num_seqs``), GPUs per replica and the targets (``--utilisation``,
 ``--tpot-ms``). Output: the plan of ``tuning/capacity.py`` (a table, or JSON with
@@ -17,10 +17,10 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tokenrouter_ray.cli import deprecated_alias
 from tokenrouter_ray.errors import UserFacingError
-from tokenrouter_ray.tuning.capacity import Load, Plan, Targets, plan
 from tokenrouter_ray.tuning.commands import _pairs
 from tokenrouter_ray.tuning.profile import (
     ModelProfile,
@@ -28,6 +28,9 @@ from tokenrouter_ray.tuning.profile import (
     profile_from_mapping,
     read_profile_file,
 )
+
+if TYPE_CHECKING:
+    from tokenrouter_ray.tuning.capacity import Plan, Targets
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,22 +42,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "and the offered load (docs/user-guide/scaling.md). Models in routing order, entry "
             "first."
         ),
+        epilog="example (20 requests/s of 256-token answers, at most 40 ms per token):\n"
+        "  tokenrouter-ray plan --rate 20 --output-tokens 256 --tpot-ms 40",
     )
     load = parser.add_argument_group("offered load")
     load.add_argument("--rate", type=float, required=True, help="requests per second")
     load.add_argument("--output-tokens", type=float, required=True, help="per request, mean")
     load.add_argument("--prompt-tokens", type=float, default=0.0, help="per request, mean")
     stats = parser.add_argument_group("routing and step times")
-    stats.add_argument(
-        "--steps",
+    step_profile = stats.add_argument(
+        "--step-profile",
+        dest="steps",
+        metavar="PROFILE",
         default="paper",
         help="step times: paper | h200 | a profile file (the served simulation's profiles)",
     )
+    deprecated_alias(stats, "--steps", step_profile)
     stats.add_argument(
         "--escalation",
         type=float,
         default=0.35,
-        help="two models, R2R's shape: p(small->large); the large model writes one token",
+        help="two models, R2R's shape: p(small->large); the large model writes one token "
+        "(not used with --route-prob or --profile)",
     )
     stats.add_argument("--route-prob", help="p(src->dst) instead, e.g. a:a=0.6,a:b=0.4,b:a=1")
     stats.add_argument("--commit", help="tokens committed per move src:dst (with --route-prob)")
@@ -120,6 +129,8 @@ def _numbers(text: str | None, what: str, names: tuple[str, ...], kind: type) ->
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from tokenrouter_ray.tuning.capacity import Load, Targets, plan
+
     profile = routing_profile(args)
     names = profile.names
     try:

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
 from tokenrouter_ray.tuning.chain import ChainTooLarge
 from tokenrouter_ray.tuning.markov import ThroughputResult, throughput, transit_fits
-from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig, monte_carlo
+from tokenrouter_ray.tuning.methods import METHODS, MonteCarloConfig
+from tokenrouter_ray.tuning.montecarlo import monte_carlo
 from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.replicas import replica_counts
 
-METHODS = ("auto", "exact", "monte-carlo")
 AUTO_EXACT_MAX_N = 8  # with 3+ models, exact chains past this N reach 10^5..10^6 states
 # with a transit, ``auto`` gives up the exact chain past this many states (the paper's
 # profile at grain 0.5 ms and 2 ms transit: 73k states at N = 32, built and solved in 1.3 s;

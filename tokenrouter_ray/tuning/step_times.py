@@ -150,8 +150,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "profile",
         help="measure models' step times across batch sizes (a profile for tune/simulate)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Measure a real model's step time across batch sizes and write it as a "
+        "profile, the models section tune, simulate, plan and the live tuner read "
+        "(docs/user-guide/tuning.md). For each batch size b the engine prefills b requests of "
+        "--prompt-len random tokens, runs --warmup decode steps, then times --steps more and "
+        "keeps the median. Routing probabilities and commits may be added here (--route-prob, "
+        "--commit) or on tune's command line.",
+        epilog="examples:\n"
+        "  tokenrouter-ray profile --demo --batch-sizes 1,2,4,8,16 --out demo-profile.json\n"
+        "  tokenrouter-ray profile --model small=/models/qwen3-0.6b --model "
+        "large=/models/qwen3-8b \\\n      --device cuda --batch-sizes 1-32 --out profile.json",
     )
     parser.add_argument("--model", action="append", help="NAME=PATH (repeat per model)")
     parser.add_argument("--demo", action="store_true", help="the demo pair (small, large)")
@@ -159,8 +167,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="tokens of context per request")
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument(
+        "--dtype", default="auto", help="weights' dtype: auto (bf16 on GPU, fp32 on CPU) or a name"
+    )
     parser.add_argument("--memory-gb", type=float, default=2.0, help="weights + KV budget")
     parser.add_argument("--route-prob", help="add p(src->dst), as for tune")
     parser.add_argument("--commit", help="add commits per move src:dst, as for tune")

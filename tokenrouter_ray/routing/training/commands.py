@@ -28,9 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train-router",
         help="train a routing policy's router (r2r, citer, co_llm) on the models' own outputs",
-        description=__doc__,
+        description="Train an R2R, CITER or Co-LLM router from data the small/large model "
+        "pair generates (the large model's answers to generated chat prompts, labelled where "
+        "the small model diverges), print held-out metrics and the threshold that routes "
+        "--target-rate of positions to the large model, and save the checkpoint.",
+        epilog="example:\n  tokenrouter-ray train-router --policy r2r --small /models/small "
+        "--large /models/large \\\n      --out routers/r2r.safetensors",
     )
-    p.add_argument("--policy", required=True, choices=POLICIES)
+    p.add_argument("--policy", required=True, choices=POLICIES, help="the router to train")
     p.add_argument("--small", required=True, help="small model directory")
     p.add_argument("--large", required=True, help="large model directory (same tokenizer)")
     p.add_argument(
