@@ -409,8 +409,10 @@ def plot(result: RampResult, path: str) -> str | None:
     return path
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest autoscale", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--peak-rps", type=float, default=11.0)
     parser.add_argument("--up-s", type=float, default=60.0)
     parser.add_argument("--hold-s", type=float, default=60.0)
@@ -419,7 +421,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=8310, help="Serve's HTTP port here")
     parser.add_argument("--out", default="outputs/autoscale")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     ramp = Ramp(args.peak_rps, args.up_s, args.hold_s, args.down_s, args.idle_s)
     print(f"# autoscaling ramp on the served simulation ({machine()})")
     print(f"# reproduce: {command()}")

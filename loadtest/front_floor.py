@@ -186,7 +186,9 @@ def pool(floors: list[Floor], front: str, gap_s: float) -> Floor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest front-floor", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--front", choices=("proxy", "haproxy"), default="proxy",
                         help="Serve's front: its Python proxy, or its HAProxy ingress")  # fmt: skip
     parser.add_argument("--gaps-ms", default="0,6,30", help="idle time before each request")

@@ -704,7 +704,9 @@ def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest host", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--levels", default="1,8,32,64", help="closed-loop N, e.g. 1,8,32")
     parser.add_argument("--window-s", type=float, default=4.0)
     parser.add_argument("--warmup-s", type=float, default=1.0)

@@ -51,7 +51,7 @@ records its full traceback when it fails.
    target, and the sampler at batch 64 before and after batching.
 8. ``nccl_graph``: a one-rank NCCL all-reduce captured in a graph and replayed (after the
    benchmark: the likeliest hang; it gates nothing).
-9. ``tensor_parallel``: TP=2 vs TP=1 (``tp_bench.check_tp``); SKIP with the reason on one
+9. ``tensor_parallel``: TP=2 vs TP=1 (``tp_check.check_tp``); SKIP with the reason on one
    GPU.
 """
 
@@ -491,8 +491,8 @@ def _teacher_forced(ref: Run, got: Run) -> dict[str, Any]:
 
 
 def check_tensor_parallel(tmp: Path, report: dict) -> bool | None:
-    """TP=2 against TP=1 (``loadtest.tp_bench.check_tp``): SKIP with fewer than two GPUs."""
-    from loadtest.tp_bench import check_tp
+    """TP=2 against TP=1 (``loadtest.device.tp_check.check_tp``): SKIP with fewer than two GPUs."""
+    from loadtest.device.tp_check import check_tp
 
     if DEVICE == "cuda":
         return check_tp(tmp, report)
@@ -570,7 +570,9 @@ def parse_only(values: list[str] | None) -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest gpu-check", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--out", type=Path, help="write the JSON report here (after each check)")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--device", default="cuda", help="cpu: dry-run the checks here")

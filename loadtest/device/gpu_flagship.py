@@ -20,7 +20,7 @@ our engine with block size 256 (the path the Qwen3 configs take; without flash-a
   bandwidth floor (weights and KV read once per step at the copy bandwidth measured here),
   and for batch 1 the graph replay alone, so the JSON says whether host or device
   dominates; the 0.6B batch-1 target is 2 ms. The sampler at batch 64, before and after
-  batching (``loadtest.sampler_bench``).
+  batching (``loadtest/device/sampler_ref.py``).
 
 ``DEVICE = "cpu"`` (the dry run) runs every line at toy sizes, graphs "on" meaning the static
 path run eagerly.
@@ -522,7 +522,7 @@ def _bench_batch(
 def bench_flagship(report: dict, deadline: float, save: Callable[[], None] = lambda: None) -> None:
     """Decode step times with graphs beside the bandwidth floor, per shape and batch;
     ``save`` rewrites the JSON after each shape."""
-    from loadtest.sampler_bench import SETTINGS, sample_per_row
+    from loadtest.device.sampler_ref import SETTINGS, sample_per_row
     from tokenrouter_ray.engine.sampler import position_seed, race_noise, sample
 
     s = sizes()
