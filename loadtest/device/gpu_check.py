@@ -78,6 +78,7 @@ from transformers import (
     AutoModelForCausalLM,
 )
 
+from loadtest.common import command
 from loadtest.device import gpu_flagship
 from tokenrouter_ray.engine.attention import flash_attn_unusable
 from tokenrouter_ray.engine.config import EngineConfig
@@ -581,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s", type=float, default=BUDGET_S, help="no check starts after this many seconds"
     )
     args = parser.parse_args(argv)
+    print(f"command: {command()}", flush=True)
     only = parse_only(args.only)
     known = [n for n, _ in CHECKS] + ["bench"]
     unknown = sorted(set(only or ()) - set(known))
