@@ -37,7 +37,7 @@ from loadtest.common import command, machine, percentile
 from loadtest.ttft_probe import first_token_client
 
 SERVE_APP = "front-floor"  # the app's name and route prefix on Serve's port
-FRONT_BUDGET_MS = 8.0 - 3.0  # issue 38: 8 ms through Serve's port, 3 ms on the direct port
+FRONT_BUDGET_MS = 8.0 - 3.0  # 8 ms through Serve's port, 3 ms on the direct port
 WARMUP = 5  # requests before the timed ones, on the same connection
 BODY = {
     "model": "floor",
@@ -163,7 +163,7 @@ def serve_floor(http_port: int) -> Iterator[str]:
 
 def targets(floors: list[Floor], front: str) -> list[tuple[str, bool, str]]:
     """Per gap: what Serve's front adds to the first line's p50 over bare uvicorn, against
-    the 5 ms that issue 38's two first-token targets leave it."""
+    the 5 ms that the two first-token targets leave it."""
     out = []
     for gap in sorted({f.gap_s for f in floors}):
         by_front = {f.front: f for f in floors if f.gap_s == gap and f.first_ms}

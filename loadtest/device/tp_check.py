@@ -30,6 +30,7 @@ DEMO_SHAPE = dict(
     tie_word_embeddings=True,
 )
 
+
 def build_model(path: Path, dtype: torch.dtype = torch.float32, **shape: Any) -> str:
     fields = {**DEMO_SHAPE, **shape, "bos_token_id": None, "eos_token_id": None}
     return save_random_model(path, "Qwen3", dtype, seed=0, **fields)

@@ -98,6 +98,6 @@ def test_benchmark_runs_at_its_tiniest_size(name: str, tmp_path: Path) -> None:
         if server is not None:
             server.stop()
     out = run.stdout
-    assert run.returncode == 0, f"{name}: exit {run.returncode}\n{out[-3000:]}\n{run.stderr[-3000:]}"
+    assert run.returncode == 0, f"{name}: {run.returncode}\n{out[-3000:]}\n{run.stderr[-3000:]}"
     assert f"loadtest {name}" in out and any(p in out for p in REPRODUCE), out[-2000:]
     assert any(p in out for p in PRINTS[name].split("|")), out[-2000:]
