@@ -22,6 +22,7 @@ import gc
 import json
 import platform
 import random
+import shlex
 import sys
 import tempfile
 import threading
@@ -37,7 +38,6 @@ from transformers import (
     AutoModelForCausalLM,
 )
 
-from loadtest.common import command
 from loadtest.device import gpu_flagship
 from tokenrouter_ray.engine.attention import flash_attn_unusable
 from tokenrouter_ray.engine.config import EngineConfig
@@ -541,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s", type=float, default=BUDGET_S, help="no check starts after this many seconds"
     )
     args = parser.parse_args(argv)
-    print(f"command: {command()}", flush=True)
+    # the reproduce line (loadtest.common would pull Ray into the device's import closure)
+    given = sys.argv[1:] if argv is None else argv
+    print("command: python -m loadtest gpu-check", *map(shlex.quote, given), flush=True)
     only = parse_only(args.only)
     known = [n for n, _ in CHECKS] + ["bench"]
     unknown = sorted(set(only or ()) - set(known))
