@@ -4,7 +4,6 @@
     python -m loadtest --preset lengths              # 256- vs 1,024-token answers at N = 8
     python -m loadtest --preset sim                  # the simulated ablation alone, ~30 s
     python -m loadtest --preset host                 # the host path (loadtest/host_path.py)
-    python -m loadtest --preset structured           # a grammar's cost (loadtest/structured.py)
     python -m loadtest --preset paper --small DIR --large DIR --app-overrides ...   # GPU
     python -m loadtest list                          # every other benchmark, one line each
     python -m loadtest <benchmark> [its arguments]   # e.g. `engine --help`, `serve --url ...`
@@ -23,7 +22,7 @@ import importlib
 import json
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import yaml
 
@@ -33,80 +32,127 @@ from loadtest.report import write_outputs
 from loadtest.run import ALL_SYSTEMS, PRESETS, run_bench
 from loadtest.systems import Bench
 
-# name -> (module with a ``main``, what it measures). Each parses its own arguments.
-BENCHMARKS: dict[str, tuple[str, str]] = {
-    "serve": ("loadtest.harness", "closed-loop levels against an app that is already running"),
-    "host": ("loadtest.host_path", "the runtime's host path on simulated models (= --preset host)"),
-    "host-ab": ("loadtest.host_ab", "host path before / after, on any checkout"),
-    "host-profile": (
-        "loadtest.host_profile",
-        "where each served process spends its CPU: py-spy by area (needs py-spy)",
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One ``python -m loadtest <name>``: the module whose ``main(argv)`` runs it, what it
+    measures, what it needs to run, and its arguments at the tiniest size (``{port}``: a free
+    port, ``{out}``: a scratch directory, ``{url}``: a running server's v1 URL), which the
+    smoke test (tests/loadtest/test_smoke.py) runs for every entry."""
+
+    module: str
+    what: str
+    needs: str
+    smoke: tuple[str, ...] = ()
+
+
+NOTHING = "nothing (simulated models)"
+SERVE = "nothing: starts Ray Serve here (simulated models)"
+DEMO = "the demo build (tokenrouter-ray prepare-demo)"
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "serve": Benchmark(
+        "loadtest.harness",
+        "closed-loop levels against an app that is already running",
+        "a running server (--url)",
+        ("--url", "{url}", "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4"),
     ),
-    "engine": ("loadtest.engine_bench", "engine throughput vs model.generate, demo model"),
-    "sampler": ("loadtest.sampler_bench", "the sampler's step time at batch 64"),
-    "tp": ("loadtest.tp_bench", "tensor parallel: rank 0's driving cost (and a GPU check)"),
-    "handoff": ("loadtest.handoff_bench", "one-way PeerReq handoff latency per transport"),
-    "hop-floor": (
-        "loadtest.hop_floor",
-        "a frame's hop at idle: ZeroMQ ipc vs a bare AF_UNIX datagram socket (the floor)",
+    "host": Benchmark(
+        "loadtest.host_path",
+        "the runtime's host path on simulated models, in process and served (= --preset host)",
+        SERVE,
+        (
+            "--levels",
+            "2",
+            "--window-s",
+            "0.3",
+            "--warmup-s",
+            "0.1",
+            "--open-loop-loads",
+            "",
+            "--transit-ms",
+            "0,1",
+            "--served-levels",
+            "1",
+            "--served-systems",
+            "paper eager",
+            "--max-tokens",
+            "8",
+            "--port",
+            "{port}",
+        ),
     ),
-    "front-floor": (
+    "front-floor": Benchmark(
         "loadtest.front_floor",
         "the first streamed line through Serve's front vs bare uvicorn, at idle (the floor)",
+        "nothing: starts Ray Serve here (--front haproxy: HAProxy)",
+        ("--gaps-ms", "0", "--requests", "3", "--rounds", "1", "--port", "{port}"),
     ),
-    "local": ("loadtest.local_bench", "LocalRuntime vs a glue dispatcher, demo pair"),
-    "trace-overhead": ("loadtest.trace_overhead", "what routing traces and metrics cost"),
-    "demo-pair": ("loadtest.demo_pair_bench", "the demo pair's agreement and step times"),
-    "router-bound": (
-        "loadtest.router_bound",
-        "what a router could reach on a task set: the oracle bound vs R2R and entropy",
-    ),
-    "multiturn": ("loadtest.multiturn", "multi-turn chats, prefix caching on vs off"),
-    "prefix-cost": ("loadtest.prefix_cost", "prefix caching on vs off: nothing shared, long input"),
-    "flood": ("loadtest.flood", "a junk flood at a model's peer socket: the served demo's cost"),
-    "prefill-admission": (
-        "loadtest.prefill_admission",
-        "TTFT by prompt length and first-token owner, prefill_at_admission off vs on (demo)",
-    ),
-    "structured": (
-        "loadtest.structured",
-        "a grammar's cost on the demo pair (= --preset structured)",
-    ),
-    "reliability": ("loadtest.reliability_bench", "failure scenarios on the served demo"),
-    "markov": ("loadtest.markov_bench", "the deferred-batching throughput model"),
-    "markov-validate": ("loadtest.markov_validate", "the Markov model vs the simulated runtime"),
-    "markov-open-loop": ("loadtest.markov_open_loop", "open loop at the tuned thresholds"),
-    "markov-replicas": ("loadtest.markov_replicas", "the model with R_large = 2 replicas"),
-    "plan-check": ("loadtest.plan_check", "the replica plan's TPOT vs the simulated runtime"),
-    "autoscale": (
+    "autoscale": Benchmark(
         "loadtest.autoscale",
         "autoscaling on the served simulation: an open-loop ramp up and back down",
+        SERVE,
+        (
+            "--peak-rps",
+            "2",
+            "--up-s",
+            "1",
+            "--hold-s",
+            "1",
+            "--down-s",
+            "1",
+            "--idle-s",
+            "1",
+            "--tokens",
+            "8",
+            "--port",
+            "{port}",
+            "--out",
+            "{out}",
+        ),
     ),
-    "transit": (
-        "loadtest.host_transit",
-        "tuned vs all-ones with time between models: transit-aware thresholds, in process",
+    "markov": Benchmark(
+        "loadtest.markov_bench",
+        "the deferred-batching throughput model; --sections validate: vs the simulated runtime",
+        NOTHING,
+        ("--smoke",),
     ),
-    "sim-ablation": ("loadtest.sim_ablation", "where deferral pays (= the sim preset's part)"),
-    "speculative": ("loadtest.baselines.speculative", "stock speculative decoding (lossless)"),
-    "gpu-check": (
+    "router-bound": Benchmark(
+        "loadtest.router_bound",
+        "what a router could reach on a task set: the oracle bound vs R2R and entropy",
+        DEMO,
+        ("--limit", "2", "--max-tokens", "4"),
+    ),
+    "speculative": Benchmark(
+        "loadtest.baselines.speculative",
+        "stock speculative decoding (lossless) beside the large model alone",
+        f"{DEMO}; --vllm: a GPU with vLLM",
+        ("--prompts", "1", "--max-tokens", "4", "--out", "{out}/speculative.json"),
+    ),
+    "gpu-check": Benchmark(
         "loadtest.device.gpu_check",
         "the prepared device check (docs/deployment/gpu-check.md)",
+        "a GPU (--device cpu: a dry run here)",
+        ("--device", "cpu", "--only", "exact", "--skip-bench", "--out", "{out}/gpu.json"),
     ),
 }
 
 
 def run_benchmark(name: str, argv: list[str]) -> int:
     """Run one benchmark's ``main`` with ``argv`` as its command line."""
-    module = importlib.import_module(BENCHMARKS[name][0])
+    module = importlib.import_module(BENCHMARKS[name].module)
     common.INVOKED_AS = f"loadtest {name}"
     sys.argv = [f"python -m loadtest {name}", *argv]
-    code = module.main()
+    code = module.main(argv)
     return code if isinstance(code, int) else 0
 
 
 def list_benchmarks() -> str:
     width = max(map(len, BENCHMARKS))
-    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in BENCHMARKS.items()]
+    lines = [
+        f"  {name:<{width}}  {b.what}\n  {'':<{width}}  needs: {b.needs}"
+        for name, b in BENCHMARKS.items()
+    ]
     return "python -m loadtest <benchmark> [--help]:\n" + "\n".join(lines)
 
 
@@ -131,10 +177,6 @@ def policy_apps(overrides: list[str]) -> dict[str, list[str]]:
     return {"r2r": [*base, "policy=r2r_demo"], "rstitch": [*base, "policy=rstitch"]}
 
 
-def _concurrency_arg(args: argparse.Namespace) -> list[str]:
-    return [] if args.concurrency is None else ["--concurrency", str(args.concurrency)]
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in (*BENCHMARKS, "list"):
         if sys.argv[1] == "list":
@@ -142,13 +184,12 @@ def main() -> None:
             return
         raise SystemExit(run_benchmark(sys.argv[1], sys.argv[2:]))
     parser = argparse.ArgumentParser(
+        prog="python -m loadtest",
         description=__doc__.splitlines()[0],
         epilog=list_benchmarks(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--preset", choices=sorted([*PRESETS, "host", "structured"]), default="quick"
-    )
+    parser.add_argument("--preset", choices=sorted([*PRESETS, "host"]), default="quick")
     parser.add_argument("--systems", default=None, help=f"comma list of {', '.join(ALL_SYSTEMS)}")
     parser.add_argument("--concurrency", default=None, help="override the preset's N list")
     parser.add_argument("--max-tokens", type=int, default=None)
@@ -174,8 +215,6 @@ def main() -> None:
     args, rest = parser.parse_known_args()
     if args.preset == "host":  # the host path on simulated models (loadtest/host_path.py)
         raise SystemExit(run_benchmark("host", rest))
-    if args.preset == "structured":  # a grammar's cost on the demo pair (loadtest/structured.py)
-        raise SystemExit(run_benchmark("structured", [*rest, *_concurrency_arg(args)]))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.render:

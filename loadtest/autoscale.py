@@ -1,25 +1,14 @@
 """Autoscaling on the served simulation: an open-loop ramp from idle to the top and back.
 
     python -m loadtest autoscale [--peak-rps 11] [--up-s 60] [--hold-s 60] [--down-s 45]
-                                 [--idle-s 75] [--tokens 32] [--out DIR]
 
-``conf/sim_paper.yaml``'s app (two simulated models at the paper's step times, R2R's
-routing with p(small -> large) = 0.35, the real ingress, ZeroMQ, step loops and Serve) with
-both models autoscaling (``models.<m>.autoscaling``) and each replica capped at a few rows per
-step (``max_num_seqs``: what two cores can carry makes a replica's capacity small), deployed
-on a Ray cluster started here. Poisson arrivals of ``--tokens``-token chat completions
-(non-streamed, the official path through Serve's proxy) follow the rate up from 0 to
-``--peak-rps``, hold, come back down and stop. Every half second it reads the replicas
-running per model (``serve.status()``) and the tuner's plan (``/v1/tokenrouter/tuner``).
-
-Printed: per 10 s, the offered rate, the replicas of each model (running, planned), the
-mean time per output token of the requests sent then beside what the capacity model
-predicts for that rate at those replicas; then the targets, PASS / MISS: no request lost or
-hung, every answer equal to an undisturbed run's (the simulated models write a filler by
-position), both models scaled up and back to their minimum, and the replicas at the top
-in the ratio the planner gives for the peak (``tokenrouter-ray plan``, the same model). A plot
-of the replicas over time goes to ``--out`` (``autoscale.png``), with the rows as JSON.
-``run_ramp`` is what tests/deployments/test_autoscale_served.py runs at a tiny size.
+``conf/sim_paper.yaml``'s app with both models autoscaling and each replica capped at a few
+rows per step, on a Ray cluster started here; Poisson arrivals of chat completions follow
+the rate up to ``--peak-rps``, hold, come down and stop, while the replicas per model and
+the tuner's plan are read every half second. Printed per 10 s: offered rate, replicas
+(running, planned), TPOT beside the capacity model's; then the targets PASS / MISS (nothing
+lost or hung, answers equal an undisturbed run's, both models up and back down, the top in
+the planner's ratio). ``--out`` gets the rows as JSON and a plot.
 """
 
 from __future__ import annotations
@@ -409,8 +398,10 @@ def plot(result: RampResult, path: str) -> str | None:
     return path
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest autoscale", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--peak-rps", type=float, default=11.0)
     parser.add_argument("--up-s", type=float, default=60.0)
     parser.add_argument("--hold-s", type=float, default=60.0)
@@ -419,7 +410,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=8310, help="Serve's HTTP port here")
     parser.add_argument("--out", default="outputs/autoscale")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     ramp = Ramp(args.peak_rps, args.up_s, args.hold_s, args.down_s, args.idle_s)
     print(f"# autoscaling ramp on the served simulation ({machine()})")
     print(f"# reproduce: {command()}")

@@ -37,7 +37,7 @@ from loadtest.common import command, machine, percentile
 from loadtest.ttft_probe import first_token_client
 
 SERVE_APP = "front-floor"  # the app's name and route prefix on Serve's port
-FRONT_BUDGET_MS = 8.0 - 3.0  # issue 38: 8 ms through Serve's port, 3 ms on the direct port
+FRONT_BUDGET_MS = 8.0 - 3.0  # 8 ms through Serve's port, 3 ms on the direct port
 WARMUP = 5  # requests before the timed ones, on the same connection
 BODY = {
     "model": "floor",
@@ -163,7 +163,7 @@ def serve_floor(http_port: int) -> Iterator[str]:
 
 def targets(floors: list[Floor], front: str) -> list[tuple[str, bool, str]]:
     """Per gap: what Serve's front adds to the first line's p50 over bare uvicorn, against
-    the 5 ms that issue 38's two first-token targets leave it."""
+    the 5 ms that the two first-token targets leave it."""
     out = []
     for gap in sorted({f.gap_s for f in floors}):
         by_front = {f.front: f for f in floors if f.gap_s == gap and f.first_ms}
@@ -186,7 +186,9 @@ def pool(floors: list[Floor], front: str, gap_s: float) -> Floor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest front-floor", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--front", choices=("proxy", "haproxy"), default="proxy",
                         help="Serve's front: its Python proxy, or its HAProxy ingress")  # fmt: skip
     parser.add_argument("--gaps-ms", default="0,6,30", help="idle time before each request")

@@ -1,44 +1,18 @@
 """The host path: the runtime's own cost, measured on simulated models at GPU step times.
 
-    python -m loadtest.host_path                      # in-process + served, ~6 minutes
-    python -m loadtest.host_path --levels 8 --window-s 1 --no-served   # tiny (CI)
-    python -m loadtest --preset host                  # the same, from the harness
+    python -m loadtest host                           # in-process + served, ~6 minutes
+    python -m loadtest host --levels 8 --window-s 1 --no-served   # tiny
 
-Two parts, both on ``SimRunner`` (a simulated device: a launched step takes the profile's
-time, the host works meanwhile; ``simulation/backend.py``):
-
-1. **In process** (``LocalRuntime``: every sub-server's real step loop, scheduler, engine,
-   policy and protocol, in-process channels): closed loop at each N, for the ``paper``
-   profile (6.0 / 27.9 ms) at all-1 thresholds (Eager-Async) and at the Markov model's best
-   table, and for the ``zero`` profile (1 µs steps). Printed per level: tok/s beside the
-   Markov prediction, each model's step period beside its profiled step time, the host's
-   time per step by phase (critical path: route, commit, receive, launch; overlapped:
-   report, send) and frames and messages per committed token.
-   Then an **open loop** (Poisson arrivals of 64-token requests at 25, 50 and 75 % of the
-   Eager-Async throughput at N = 32): committed tok/s beside the offered rate, mean N, TPOT
-   and TTFT beside the birth-death model's, each model's critical path and step period.
-2. **Served** (``conf/sim_paper.yaml``'s app on a local Ray cluster: HTTP and SSE through
-   Serve's proxy, the ingress deployment, ZeroMQ ipc, the ModelServer deployments): closed
-   loop of streaming ``openai`` clients; tok/s from the ingress's own count, step periods
-   and host phases from the replicas' status route, each process's CPU per committed token
-   (the ingress, each model replica and Serve's proxy, from ``/proc`` over the window:
-   ``loadtest/proc_cpu.py``), each replica's median time from a message's building to its
-   application, and TTFT: the closed loop's (the ``openai`` client's first content chunk) and,
-   at N = 1, a probe's (one raw HTTP request at a time, to the first content token's
-   bytes), which on the ``zero`` profile is the runtime's overhead alone (the simulated
-   prefill costs nothing). The ``... direct`` systems are the
-   same apps with ``ingress.direct_port`` set and their clients on that port (the ingress
-   replica's own HTTP server, ingress/direct_http.py), beside Serve's proxy. A ``... tuned``
-   system's table is what the live tuner decides with the transit its ``... eager`` app
-   measured at each level (``loadtest/host_transit.py``); ``h200 ...`` systems run the
-   h200 profile (``--served-systems "h200 eager,h200 eager direct"``).
-
-Targets (PASS / MISS, never a failure), in process: paper >= 93 % of Markov at N = 8 and
->= 90 % at N = 32; tuned / Eager-Async within 3 points of the model's ratio; zero profile:
-critical-path host time per step <= 0.3 ms + 10 µs per row; step period <= 1.05x the
-profiled step at batch 32 (paper, large model). Served: issue 38's, ``loadtest/host_targets.py``
-(served / ideal, CPU per token at h200 N = 64, message applied p50 at N = 32, TTFT overhead,
-tuned >= all-ones). With ``--transit-ms``, ``host_transit``'s too.
+Both parts run on ``SimRunner`` (a launched step takes the profile's time; the host works
+meanwhile). **In process** (``LocalRuntime``): closed loop per N for the ``paper`` profile at
+all-1 thresholds and at the Markov model's best table, and for the ``zero`` profile (1 µs
+steps), then an open loop at fractions of Eager-Async's throughput. **Served**
+(``conf/sim_paper.yaml``'s app on a local Ray cluster, streaming ``openai`` clients): tok/s,
+step periods, host phases, each process's CPU per token (``proc_cpu.py``), message latency
+and TTFT; ``... direct`` systems talk to the ingress's own port, ``... tuned`` ones use what
+the live tuner decides with the measured transit (``host_transit.py``). Targets (PASS /
+MISS, never a failure): in process here, served in ``host_targets.py``, ``--transit-ms``'s
+in ``host_transit.py``. docs/benchmarks/README.md, "Host path", says what each figure is.
 """
 
 from __future__ import annotations
@@ -469,7 +443,7 @@ async def _stats(url: str) -> dict[str, Any]:
 
 # The closed loop's clients: "stream", streamed chat completions (an SSE chunk per token
 # through the whole output path); "completions", non-streamed completions (one response
-# per request: the workload issue 38's table was measured on).
+# per request).
 CLIENTS = ("stream", "completions")
 
 
@@ -704,7 +678,9 @@ def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest host", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--levels", default="1,8,32,64", help="closed-loop N, e.g. 1,8,32")
     parser.add_argument("--window-s", type=float, default=4.0)
     parser.add_argument("--warmup-s", type=float, default=1.0)
@@ -731,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--client", choices=CLIENTS, default="stream",
         help="served clients: streamed chat completions (an SSE chunk per token) or "
-        "non-streamed completions (issue 38's workload)",
+        "non-streamed completions",
     )  # fmt: skip
     parser.add_argument(
         "--front", choices=sorted(FRONTS), default="proxy",

@@ -1,27 +1,10 @@
-"""The served host path's targets (issue 38), from the rows ``host_path.run_served`` measures.
-
-Each is printed PASS / MISS and never fails the run. Per served row (a system at one
-closed-loop level N): committed tok/s over the Markov prediction at its thresholds
-("served / ideal"), the CPU each process spent per committed token (``proc_cpu.py``), the
-median time from a message's building to its application at each replica, and at N = 1 the
-time to the first token's bytes, one request at a time (``ttft_probe_ms_p50``).
-
-- served / ideal >= 0.95 at N = 8 and 32, >= 0.90 at N = 64, every profile with a prediction;
-- CPU per committed token at h200 N = 64: the app's processes together (the ingress and the
-  model replicas) <= 150 µs, the ingress <= 50, each model replica <= 50;
-- message applied at the receiver, p50 <= 1 ms at N = 32, each model replica;
-- TTFT overhead (the probe's median minus the simulated device time on the first token's
-  path; the probe's bare HTTP client, ``raw_http.py``, with httpx's figure printed beside
-  it) <= 8 ms through Serve's proxy, <= 3 ms on the direct port, for each path on its own
-  (``ttft_probe_paths_ms_p50``): a first token the entry model keeps (minus its prefill, the
-  entry model's step at batch 1) and one the policy escalates (minus that prefill and the
-  large model's step at batch 1: the simulated apps prefill it at the handoff). The
-  policy's own mix (p = 0.35) is printed beside: its median lies high in the kept tokens'
-  spread, since a third of the requests pay a large step;
-- served tuned >= served all-ones at N = 8 and 32 (the tuned table priced with the transit
-  the all-ones run measured), through each port;
-- the direct port >= Serve's proxy, and the zero profile's critical host path <= 0.3 ms +
-  10 µs per row (earlier rounds' targets).
+"""The served host path's targets, from the rows ``host_path.run_served`` measures, each
+printed PASS / MISS (never a failure): served / ideal (tok/s over the Markov prediction)
+>= 0.95 at N = 8 and 32 and >= 0.90 at 64; CPU per token at h200 N = 64 (the app <= 150 µs,
+the ingress and each model replica <= 50); message applied p50 <= 1 ms at N = 32; TTFT
+overhead per first-token path (kept, escalated) <= 8 ms through Serve's proxy and <= 3 ms on
+the direct port; tuned >= all-ones at N = 8 and 32; the direct port >= Serve's proxy; the
+zero profile's critical host path <= 0.3 ms + 10 µs per row.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Tuned vs all-ones with time between the models: transit-aware thresholds, in process.
 
-    python -m loadtest transit                                  # N = 8, 32; 0, 1, 3 ms; ~6 min
-    python -m loadtest transit --levels 8 --transit-ms 0,2 --window-s 2     # small, ~1 min
-    python -m loadtest transit --levels 8,16 --transit-ms 0,1 --time-scale 4  # less overhead
-    python -m loadtest.host_path --no-served --transit-ms 0,1,3             # the same, there
+    python -m loadtest host --no-served --levels 8,32 --transit-ms 0,1,3
 
 The paper profile (R2R, 6.0 / 27.9 ms, p(small->large) = 0.35) on the simulated runtime
 (``LocalRuntime`` over ``SimRunner``: the real scheduler, replicas, policy and protocol), every
@@ -27,9 +24,7 @@ model predicts it. Wall-clock figures: on a shared machine each run moves by a f
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -162,37 +157,3 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
         )
         for r in rows
     ]
-
-
-def main(argv: list[str] | None = None) -> int:
-    from loadtest.common import command, machine
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--levels", default="8,32", help="closed-loop N, e.g. 8,32")
-    parser.add_argument("--transit-ms", default="0,1,3", help="simulated transit, comma list")
-    parser.add_argument("--window-s", type=float, default=4.0)
-    parser.add_argument("--warmup-s", type=float, default=1.0)
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="run steps (and the transit) this many times longer: the runtime's own latency "
-        "then weighs less; figures stay in the profile's time base",
-    )
-    parser.add_argument("--out", help="write the rows as JSON here")
-    args = parser.parse_args(argv)
-    print(f"# transit-aware thresholds: {machine()}\n# {command()}", flush=True)
-    rows = run_transit_sweep([int(x) for x in args.levels.split(",")],
-                             [float(x) for x in args.transit_ms.split(",")],
-                             args.window_s, args.warmup_s, time_scale=args.time_scale)  # fmt: skip
-    print("\n# targets (PASS / MISS; they never fail the run)")
-    for name, ok, detail in targets(rows):
-        print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -11,20 +11,23 @@ Prints, with wall-clock timings on this machine:
 3. ``m3``: the three-model escalation chain: the Monte Carlo approximation against the exact
    chain on every admissible B where exact is computable (worst relative error), and the
    Monte Carlo sweep time for N up to 16.
+4. ``validate`` (not in the default sections, about 4 minutes): the model against
+   ``LocalRuntime`` over simulated engines (the real scheduler, sub-servers and protocol,
+   steps that sleep for the profiled time), every admissible B_large per N, measured vs
+   predicted tokens/s and whether the predicted best is within 2 % of the measured best.
 
-Run: ``.venv/bin/python -m loadtest.markov_bench`` (``--sections paper,scale,m3``,
-``--scale-n 16,32,48,64``, ``--m3-exact-n 2,4,6,8``, ``--m3-n 1,2,4,8,16``,
-``--m3-spot "16:1,3,3;16:1,4,4"``).
+Run: ``python -m loadtest markov`` (``--sections paper,scale,m3,validate``,
+``--scale-n 16,32,48,64``, ``--m3-n 1,2,4,8,16``, ``--validate-n 1,2,4,8,16 --quick``;
+``--smoke`` runs every section at a toy size in seconds).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 
+from loadtest.common import command, machine
 from tokenrouter_ray.tuning.examples import PAPER_CONCURRENCIES, escalation_chain, paper_r2r
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.montecarlo import MonteCarloConfig, monte_carlo
@@ -45,11 +48,11 @@ def _print_sweep(result: SweepResult, show_states: bool = True) -> None:
         print(f"    B={label:<6} {point.throughput:10.2f} tok/s{states}{mark}")
 
 
-def paper_section() -> None:
+def paper_section(concurrencies: list[int]) -> None:
     print("== paper setting: R2R small/large, p(s->l)=0.35, 6.0/27.9 ms, delta=0.1 ms ==")
     profile = paper_r2r()
     summary = []
-    for n in PAPER_CONCURRENCIES:
+    for n in concurrencies:
         result = sweep(profile, n, {"small": 1}, method="exact")
         print(f"  N={n}: sweep of B_large in {result.elapsed_s:.2f} s")
         _print_sweep(result, show_states=False)
@@ -142,9 +145,33 @@ def m3_section(
         )
 
 
+def validate_section(ns: list[int], quick: bool, time_scale: float, window_s: float | None) -> None:
+    """The model against the runtime on simulated engines (B_small = 1, B_large free)."""
+    from tokenrouter_ray.simulation.validate import (
+        DEFAULT_WINDOWS_S,
+        QUICK_WINDOWS_S,
+        format_validation,
+        validate,
+    )
+
+    profile = paper_r2r()
+    windows = dict(QUICK_WINDOWS_S if quick else DEFAULT_WINDOWS_S)
+    if window_s is not None:
+        windows = {n: window_s for n in ns}
+    print(f"== validation: the model vs the simulated runtime, time scale x{time_scale:g} ==")
+    rows, overhead_ms = validate(
+        profile, ns, fixed={0: 1}, free=1, time_scale=time_scale, windows_s=windows,
+        warmup_s=0.5 if quick else min(0.8, window_s or 0.8), seed=0,
+    )  # fmt: skip
+    print(format_validation(rows, profile.names, overhead_ms, time_scale))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="paper,scale,m3")
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest markov", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--sections", default="paper,scale,m3", help="and/or validate")
+    parser.add_argument("--paper-n", default=",".join(map(str, PAPER_CONCURRENCIES)))
     parser.add_argument("--scale-n", default="16,32,48,64")
     parser.add_argument("--m3-exact-n", default="2,4,6,8")
     parser.add_argument("--m3-n", default="1,2,4,8,16")
@@ -155,14 +182,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--mc-replicas", type=int, default=MonteCarloConfig.replicas)
     parser.add_argument("--mc-events", type=int, default=MonteCarloConfig.events)
+    parser.add_argument("--validate-n", default=",".join(map(str, PAPER_CONCURRENCIES)))
+    parser.add_argument("--quick", action="store_true", help="validate: short windows (~1 min)")
+    parser.add_argument("--time-scale", type=float, default=2.0, help="validate: step times x")
+    parser.add_argument("--window-s", type=float, help="validate: measurement window per point")
+    parser.add_argument("--smoke", action="store_true", help="every section at a toy size")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sections, args.paper_n, args.scale_n = "paper,scale,m3,validate", "1,2", "4"
+        args.m3_exact_n, args.m3_n, args.m3_spot = "2", "2", ""
+        args.mc_replicas, args.mc_events, args.validate_n, args.window_s = 2, 2000, "2", 0.3
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     sections = set(args.sections.split(","))
-    print(f"command: {sys.executable} -m loadtest.markov_bench {' '.join(argv or sys.argv[1:])}")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible")
+    print(f"command: {command()}")
+    print(f"machine: {machine()}")
     start = time.perf_counter()
     if "paper" in sections:
-        paper_section()
+        paper_section(ints(args.paper_n))
     if "scale" in sections:
         scale_section(ints(args.scale_n))
     if "m3" in sections:
@@ -172,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             for n, b in (item.split(":") for item in args.m3_spot.split(";") if item)
         ]
         m3_section(ints(args.m3_exact_n), ints(args.m3_n), spots, config)
+    if "validate" in sections:
+        validate_section(ints(args.validate_n), args.quick, args.time_scale, args.window_s)
     print(f"total {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -1,33 +1,13 @@
 """Per-process CPU time from ``/proc``: what each process of a served app spends per token.
 
-A process's CPU time is ``utime + stime`` of ``/proc/<pid>/stat`` (all its threads; not its
-children), in clock ticks (``SC_CLK_TCK``, 100 a second on Linux: a 4 s window resolves
-0.25 %). ``CpuWindow`` reads it for a set of named processes at the start and the end of a
-measurement window; ``per_token_us`` divides each process's share by the tokens committed in
-it; ``format_cpu`` writes the line the host-path benchmark prints beside each level
-(``ingress 227 / small 316 / large 195 / proxy 58 µs per token; app 738``).
-
-The processes: the ingress and each model replica say their own pid on the app's stats route
-(``GET /v1/tokenrouter/stats``: ``pid``, ``models.<m>.pid``); the app's other deployments
-(the endpoint directory, a live tuner: ``SUPPORT``) are found by their replicas' process
-titles and count in the app's total (the directory's leases cost ~25 ms of CPU a second
-whatever the load: ~6 µs per token at h200 N = 64, 190-260 at N = 1); Serve's HTTP proxy is found
-by its process title (``ray::ProxyActor``, which Ray sets; ``find_pids``); under Serve's
-HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``) also the actor that configures HAProxy
-(``ray::HAProxyManager``) and HAProxy itself (``find_program``). These are Serve's front
-(``FRONT``), reported beside the app but not in its total. A process that went away
-mid-window reads as missing, not as zero.
-
-Wake-ups: a thread that blocks (a timed wait for the device, a poll for the next frame,
-ZeroMQ's I/O thread waiting for work) and is woken again costs CPU of its own, charged to
-the process: the kernel's switch, the timer, and on a virtual machine the exits behind them.
-``CpuWindow`` also counts each process's wake-ups (``voluntary_ctxt_switches`` summed over
-its threads, ``wakeups``), and ``wake_cost_us`` measures what one costs on this machine (two
-threads handing a ``threading.Event`` back and forth), so the benchmark can say how much of
-a process's CPU per token may be wake-ups rather than work (``format_wakes``). That price
-depends on load: a wake-up that finds its core idle pays for waking the core (on a VM an
-exit to the host and back), one that finds it busy does not; ``wake_cost_us`` on a quiet
-machine gives the first.
+CPU time is ``utime + stime`` of ``/proc/<pid>/stat`` (all threads, not children).
+``CpuWindow`` reads it for named processes at a window's start and end, with their wake-ups
+(``voluntary_ctxt_switches`` over their threads); ``per_token_us`` divides by the tokens
+committed; ``format_cpu`` and ``format_wakes`` write the host-path benchmark's lines, and
+``wake_cost_us`` prices one wake-up on this machine. The ingress and model replicas report
+their pids on the stats route; the app's other deployments (``SUPPORT``) and Serve's front
+(``FRONT``: its proxy, or HAProxy and its manager) are found by process title or program
+name. A process that went away mid-window reads as missing, not as zero.
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
-"""Speed next to quality: greedy agreement with the large model alone, and the share of
-tokens the large model wrote.
+"""Speed next to quality: agreement with the large model alone, and its share of the tokens.
 
-Every system answers the same requests (request k is prompt ``k mod P`` of the workload,
-seed ``7 + k``, greedy, ``ignore_eos``), so each answer has a reference: the large model
-alone (``large_alone``, our engine) on the same prompt, same level (N, max_tokens). Both
-answers are re-tokenized from their streamed text with the pair's tokenizer and compared
-over the positions both have (a request cut at the time limit is compared over what it
-received):
-
-- **match**: the share of positions whose token equals the large model's token at the same
-  position (after a first divergence the texts shift, so this counts re-converged stretches
-  too, and is an upper bound on prefix agreement);
-- **prefix**: the share of positions before the first divergence (1.0: the whole answer is
-  the large model's own greedy answer).
-
-Once an answer diverges, the two texts shift and ``match`` says little (R2R's first token is
-often the small model's, so its prefix agreement can be 0). The figure that follows routing
-token by token is the teacher-forced one:
-
-- **teacher-forced agreement**: the large model (plain ``transformers``, in this process,
-  after every server is down) reads the chat-rendered prompt and the system's answer and
-  predicts each answer position greedily from the answer's own prefix; the share of
-  positions where its choice equals the answer's token. 1.0 for the large model alone; for a
-  routed system, every position the large model wrote agrees, so it is at least the large
-  model's share, and the rest is how often the small model's tokens were the large model's
-  choice anyway.
-
-Agreement figures are means over requests (teacher-forced: over positions). The large
-model's share is its tokens over all tokens of the level's finished requests (the
-``routing`` object of their final chunks).
+Every system answers the same requests, so each answer has a reference: the large model
+alone on the same prompt and level. **match**: the share of positions whose token equals
+the reference's; **prefix**: the share before the first divergence. Once texts diverge they
+shift, so the figure that follows routing token by token is **teacher-forced agreement**:
+the large model (plain ``transformers``, after every server is down) predicts each answer
+position from the answer's own prefix, and the share where its choice is the answer's token
+is reported (means over positions). The large model's share is its tokens over all tokens
+of the level's finished requests (their final chunks' ``routing``).
 """
 
 from __future__ import annotations

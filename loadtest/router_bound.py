@@ -85,7 +85,9 @@ def bound_table(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest router-bound", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--tasks", default="builtin:capitals")
     parser.add_argument("--split", default="dev", choices=["dev", "test", "all"])
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", help="small model directory (default: the demo's)")
     parser.add_argument("--router", help="R2R router file (default: the demo's)")
     parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--limit", type=int, help="only the first LIMIT items")
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         large_dir, small_dir, router_path = args.large, args.small, args.router
 
-    items = split_items(load_items(args.tasks), args.split)
+    items = split_items(load_items(args.tasks), args.split)[: args.limit]
     tokenizer = AutoTokenizer.from_pretrained(large_dir)
     prompts = [
         list(render_chat(tokenizer, item.messages or [{"role": "user", "content": item.prompt}]))

@@ -12,13 +12,10 @@ tok/s is multiplied back, which halves the share of the runtime's own per-step c
 (docs/user-guide/tuning.md, "Validation against the runtime").
 
     python -m loadtest --preset sim            # about 30 s
-    python -m loadtest.sim_ablation --json     # the same, alone
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 import time
@@ -123,23 +120,3 @@ def sim_lines(sim: dict[str, Any]) -> list[str]:
         f"{meas['eager'] / pred['eager']:.0%} (eager); deferred timeouts "
         f"{sim['deferred_timeouts']} (max_defer_s = inf)",
     ]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--window", type=float, default=4.0, help="seconds per measurement")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--time-scale", type=float, default=2.0)
-    parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
-    args = parser.parse_args()
-    sim = sim_ablation(args.n, args.window, time_scale=args.time_scale, repeats=args.repeats)
-    if args.json:
-        print(json.dumps(sim, indent=1))
-    for line in sim_lines(sim):
-        print(line)
-    print(f"wall time: {sim['wall_s']:.0f} s")
-
-
-if __name__ == "__main__":
-    main()

@@ -197,7 +197,9 @@ def build_app(small: str, large: str, draft_tokens: int = 5, dtype: str = "float
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest speculative", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--small", help="draft model dir (default: the demo's small model)")
     parser.add_argument("--large", help="target model dir (default: the demo's large model)")
     parser.add_argument("--prompts", type=int, default=8)

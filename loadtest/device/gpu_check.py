@@ -1,58 +1,17 @@
-"""The prepared device check for the engine's CUDA paths (issues 2, 18 and 25): one run
-on a GPU, a full verdict.
+"""The prepared device check for the engine's CUDA paths: one run on a GPU, a full verdict.
 
-What the CPU cannot run: the engine on CUDA (SDPA over the paged cache), the bucketed
-static path captured as CUDA graphs at start-up, flash-attn's paged kernels, NCCL, and the
-flagship's shapes at full size. Models are random-weight, built here (the device has no
-network and no hub), so only this repo and the wheels ``scripts/device_wheels.sh``
-prepares (msgspec, pydantic and its companions, which the device image lacks; a CI test
-checks the import closure against a dated copy of the image's package list) are needed.
-The exact device command is in README.md, section "On a GPU"; docs/deployment/gpu-check.md says what
-each check covers and what it cannot.
+    python -m loadtest gpu-check [--out report.json] [--only NAME,...] [--device cpu]
 
-``--device cpu`` dry-runs every check here (graphs "on" = the static path run eagerly, the
-flagship shapes at toy sizes), and a CPU test runs it, so the script cannot rot before it
-spends device time.
-
-Checks, in order; each prints ``name PASS|FAIL|SKIP`` and the JSON report (``--out``) is
-rewritten after every check, so a run cut short still returns what ran; no check starts
-after ``--budget-s`` (default 300 s; the device command kills at 360, inside a 420 s call,
-so a 15-minute device allowance has room for start-up and one rerun). The JSON's ``rerun``
-(and the last line printed) is ``--only NAME,...`` of whatever did not finish; ``sdpa``
-records the allowed SDPA kernels, ``torch.backends.cudnn.version()`` and the kernel picked
-for a static bucket, a decode group and a prefill. Each check
-synchronizes the device before it ends, so an asynchronous CUDA error is blamed on it, and
-records its full traceback when it fails.
-1. ``capture``: every bucket captured at start-up into one pool writes K/V only into the
-   scratch block (the rest of a randomly filled cache is unchanged), then serves steps.
-2. ``capture_threads``: the same capture while another thread runs CUDA work on its own
-   stream (``capture_error_mode="thread_local"``); the thread does plain tensor math (no
-   draw from the default generator, which a capture owns) and must live and finish
-   iterations during the capture, or the check fails.
-3. ``exact``: float64 (exact arithmetic's stand-in), 8 requests with a pause and a 3-token
-   extend, ``ignore_eos``: engine greedy tokens == a greedy loop over the plain model, graphs
-   off and on, for Llama, Qwen3, Mistral (sliding window) and Gemma 2 (softcap, against
-   transformers' eager attention).
-4. ``graphs_bf16``: bf16, CUDA graphs vs the same static path run eagerly: tokens and
-   logits bit-for-bit.
-5. ``flash``: bf16, block size 256, teacher-forced on the SDPA engine's tokens: logits
-   within ``FLASH_LOGIT_RTOL`` of the logit scale; at the first position where flash's
-   argmax differs, the reference's top-2 margin is below ``2 * FLASH_LOGIT_RTOL`` of the
-   scale (a near tie, not a bug); flash graphs == flash eager static bit-for-bit. SKIP
-   with the reason when flash-attn cannot be imported or used.
-6. ``flagship_qwen3_0.6b``, ``flagship_qwen3_32b`` (``gpu_flagship.py``): the Qwen3 shapes
-   built on the device, block size 256: decode and extend buckets captured, seeded sampled
-   decoding with logprobs graphs == eager bit for bit, a long-context mixed batch, peak
-   memory beyond weights and KV within the reserve.
-7. ``bench``: only when no check above failed (``gpu_flagship.bench_flagship``): decode
-   step time of both shapes at batch 1, 8, 32, 64 with graphs beside the bandwidth floor,
-   a seeded sampled row (temperature 0.7, top-p 0.9) with its ``host_free_share``, the
-   graph replay alone at batch 1 (host or device dominates), the 0.6B batch-1 2 ms
-   target, and the sampler at batch 64 before and after batching.
-8. ``nccl_graph``: a one-rank NCCL all-reduce captured in a graph and replayed (after the
-   benchmark: the likeliest hang; it gates nothing).
-9. ``tensor_parallel``: TP=2 vs TP=1 (``tp_bench.check_tp``); SKIP with the reason on one
-   GPU.
+What the CPU cannot run: the engine on CUDA (SDPA over the paged cache), the static path
+captured as CUDA graphs, flash-attn's paged kernels, NCCL, and the flagship shapes at full
+size. Models are random-weight, built here (the device has no network), so only this repo
+and the wheels ``scripts/device_wheels.sh`` prepares are needed (a CI test checks the import
+closure against a dated copy of the image's package list). Checks run in ``CHECKS`` order;
+each prints ``name PASS|FAIL|SKIP``, the JSON report is rewritten after every check, no
+check starts after ``--budget-s``, and the last line printed is the ``--only`` of whatever
+did not finish. ``--device cpu`` dry-runs every check (graphs "on" = the static path run
+eagerly, flagship shapes at toy sizes); a CPU test runs it. docs/deployment/gpu-check.md
+says what each check covers and what it cannot.
 """
 
 from __future__ import annotations
@@ -63,6 +22,7 @@ import gc
 import json
 import platform
 import random
+import shlex
 import sys
 import tempfile
 import threading
@@ -491,8 +451,8 @@ def _teacher_forced(ref: Run, got: Run) -> dict[str, Any]:
 
 
 def check_tensor_parallel(tmp: Path, report: dict) -> bool | None:
-    """TP=2 against TP=1 (``loadtest.tp_bench.check_tp``): SKIP with fewer than two GPUs."""
-    from loadtest.tp_bench import check_tp
+    """TP=2 against TP=1 (``loadtest.device.tp_check.check_tp``): SKIP with fewer than two GPUs."""
+    from loadtest.device.tp_check import check_tp
 
     if DEVICE == "cuda":
         return check_tp(tmp, report)
@@ -570,7 +530,9 @@ def parse_only(values: list[str] | None) -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest gpu-check", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--out", type=Path, help="write the JSON report here (after each check)")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--device", default="cuda", help="cpu: dry-run the checks here")
@@ -579,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s", type=float, default=BUDGET_S, help="no check starts after this many seconds"
     )
     args = parser.parse_args(argv)
+    # the reproduce line (loadtest.common would pull Ray into the device's import closure)
+    given = sys.argv[1:] if argv is None else argv
+    print("command: python -m loadtest gpu-check", *map(shlex.quote, given), flush=True)
     only = parse_only(args.only)
     known = [n for n, _ in CHECKS] + ["bench"]
     unknown = sorted(set(only or ()) - set(known))

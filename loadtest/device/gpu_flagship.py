@@ -1,29 +1,13 @@
-"""The flagship's shapes through the engine on one GPU (issue 25), for ``device.gpu_check``.
+"""The flagship's shapes through the engine on one GPU, for ``device.gpu_check``.
 
-Random-weight models with Qwen3-0.6B's and Qwen3-32B's shapes (vocabulary 151,936; 28 and
-64 layers; 16/8 and 64/8 query/KV heads of 128) are built directly on the device in bf16,
-nothing saved or downloaded; the 32B model gets as many of its 64 layers as the memory plan
-allows beside the checks' KV and reserve (``plan_layers``; the JSON says how many). Through
-our engine with block size 256 (the path the Qwen3 configs take; without flash-attn, SDPA):
-
-- ``flagship_<name>``: the start-up capture holds decode and extend buckets; seeded sampled
-  decoding (temperature, top-k, top-p, logprobs) with CUDA graphs equals the same static
-  path run eagerly, tokens and logprobs bit for bit, across a pause and a 3-token extend;
-  a long-context mixed batch (one long prompt beside many short ones: chunked prefill,
-  decodes past the static buckets on the grouped SDPA gather) runs to the end; the peak
-  memory beyond weights and KV stays within the reserve the engine set aside.
-- ``nccl_graph``: a single-rank NCCL all-reduce captured in a CUDA graph and replayed (what
-  tensor-parallel graphs need; one rank cannot show the reduction, only the capture).
-- ``bench_flagship``: decode step time at batch 1, 8, 32, 64 with graphs (and the host
-  time ``launch`` takes of it: the share the step loop has free), then a seeded sampled
-  row (temperature 0.7, top-p 0.9) at batch 8 with its own share, beside its
-  bandwidth floor (weights and KV read once per step at the copy bandwidth measured here),
-  and for batch 1 the graph replay alone, so the JSON says whether host or device
-  dominates; the 0.6B batch-1 target is 2 ms. The sampler at batch 64, before and after
-  batching (``loadtest.sampler_bench``).
-
-``DEVICE = "cpu"`` (the dry run) runs every line at toy sizes, graphs "on" meaning the static
-path run eagerly.
+Random-weight models with Qwen3-0.6B's and Qwen3-32B's shapes, built on the device in bf16
+(the 32B model gets as many of its 64 layers as the memory plan allows: ``plan_layers``),
+block size 256. ``flagship_<name>``: decode and extend buckets captured, seeded sampled
+decoding with CUDA graphs equal to the static path run eagerly, a long-context mixed batch,
+peak memory within the reserve. ``nccl_graph``: a one-rank all-reduce captured and
+replayed. ``bench_flagship``: decode step times at batch 1-64 beside the bandwidth floor,
+the host's free share, the graph replay alone at batch 1 (the 0.6B target: 2 ms), and the
+sampler at batch 64 before and after batching. ``DEVICE = "cpu"`` runs it at toy sizes.
 """
 
 from __future__ import annotations
@@ -522,7 +506,7 @@ def _bench_batch(
 def bench_flagship(report: dict, deadline: float, save: Callable[[], None] = lambda: None) -> None:
     """Decode step times with graphs beside the bandwidth floor, per shape and batch;
     ``save`` rewrites the JSON after each shape."""
-    from loadtest.sampler_bench import SETTINGS, sample_per_row
+    from loadtest.device.sampler_ref import SETTINGS, sample_per_row
     from tokenrouter_ray.engine.sampler import position_seed, race_noise, sample
 
     s = sizes()

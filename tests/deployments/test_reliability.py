@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from loadtest.flood import decoy_flood, junk_flood
 from tests.deployments.conftest import local_outputs, tiny_overrides
+from tests.deployments.flood import decoy_flood, junk_flood
 from tests.waiting import wait_for
 
 TWO = ["small", "large"]

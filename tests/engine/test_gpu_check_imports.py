@@ -117,7 +117,7 @@ def prepared_wheels() -> dict[str, str]:
 
 def test_the_closure_walk_sees_our_lazy_and_package_imports() -> None:
     ours, third = closure(ENTRY)
-    assert {"loadtest.tp_bench", "tokenrouter_ray.engine.request", "tokenrouter_ray"} <= ours
+    assert {"loadtest.device.tp_check", "tokenrouter_ray.engine.request", "tokenrouter_ray"} <= ours
     assert {"torch", "transformers", "msgspec", "pydantic"} <= third  # what gpu_check needs
     assert "flash_attn" not in third  # optional: imported under try/except ImportError
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from loadtest.sampler_bench import filter_one_row, sample_per_row
+from loadtest.device.sampler_ref import filter_one_row, sample_per_row
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.sampler import filter_rows, sample
 

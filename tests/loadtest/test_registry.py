@@ -1,6 +1,6 @@
 """Every benchmark in loadtest/ is reachable from ``python -m loadtest``: each module with a
-``main`` is in ``BENCHMARKS`` (or is the harness's own entry), and each entry names a module
-with a ``main``. Read from the source (AST): nothing is imported or run."""
+``main`` is in ``BENCHMARKS`` (or is the harness's own entry), each entry names a module with
+a ``main``, says what it needs, and is in docs/benchmarks/README.md's table."""
 
 from __future__ import annotations
 
@@ -30,12 +30,12 @@ def modules_with_main() -> set[str]:
 
 
 def test_every_benchmark_module_is_a_subcommand() -> None:
-    registered = {module for module, _ in BENCHMARKS.values()}
+    registered = {b.module for b in BENCHMARKS.values()}
     assert modules_with_main() - NOT_BENCHMARKS - registered == set()
 
 
 def test_every_subcommand_names_a_module_with_main() -> None:
-    assert {module for module, _ in BENCHMARKS.values()} <= modules_with_main()
+    assert {b.module for b in BENCHMARKS.values()} <= modules_with_main()
 
 
 def test_the_reproduce_line_of_a_subcommand_is_a_command_that_runs_it(monkeypatch) -> None:
@@ -43,11 +43,11 @@ def test_the_reproduce_line_of_a_subcommand_is_a_command_that_runs_it(monkeypatc
 
     from loadtest import common
 
-    monkeypatch.setattr(common, "INVOKED_AS", "loadtest trace-overhead")
-    monkeypatch.setattr("sys.argv", ["python -m loadtest trace-overhead", "--modes", "off,on x"])
+    monkeypatch.setattr(common, "INVOKED_AS", "loadtest markov")
+    monkeypatch.setattr("sys.argv", ["python -m loadtest markov", "--sections", "paper,m3 x"])
     line = common.command()
     assert shlex.split(line) == [
-        "python", "-m", "loadtest", "trace-overhead", "--modes", "off,on x"
+        "python", "-m", "loadtest", "markov", "--sections", "paper,m3 x"
     ]  # fmt: skip
 
 
@@ -61,6 +61,31 @@ def test_docs_benchmarks_lists_every_subcommand_with_its_command() -> None:
         if line.startswith("| `")
     }
     assert set(rows) == set(BENCHMARKS)
-    for name, (module, _) in BENCHMARKS.items():
+    for name, bench in BENCHMARKS.items():
         assert f"`python -m loadtest {name}" in rows[name], name
-        assert f"`{module.replace('.', '/')}.py`" in rows[name], name
+        assert f"`{bench.module.replace('.', '/')}.py`" in rows[name], name
+
+
+def test_list_says_what_each_benchmark_needs(capsys) -> None:
+    from loadtest.__main__ import list_benchmarks
+
+    listing = list_benchmarks()
+    for name, bench in BENCHMARKS.items():
+        assert f"  {name} " in listing and f"needs: {bench.needs}" in listing
+
+
+def test_the_programs_are_named_as_they_are_run() -> None:
+    """``--help`` names ``python -m loadtest`` and ``python -m loadtest <name>``, not the
+    file's name."""
+    for path in LOADTEST.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "ArgumentParser":
+                rel = path.relative_to(LOADTEST.parent).with_suffix("")
+                module = ".".join(rel.parts)
+                names = [n for n, b in BENCHMARKS.items() if b.module == module]
+                if module in NOT_BENCHMARKS - {"loadtest.__main__"}:
+                    continue
+                want = f"python -m loadtest {names[0]}" if names else "python -m loadtest"
+                prog = [k.value.value for k in node.keywords if k.arg == "prog"]
+                assert prog == [want], (module, prog)

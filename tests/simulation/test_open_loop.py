@@ -11,7 +11,6 @@ import random
 
 import pytest
 
-from loadtest import markov_open_loop
 from tokenrouter_ray.simulation.backend import calibrate_sleep_bias
 from tokenrouter_ray.simulation.loads import ClosedLoop, StepLoadTrace, poisson_arrivals
 from tokenrouter_ray.simulation.validate import (
@@ -61,7 +60,7 @@ def test_open_loop_moderate_load_without_a_timeout(tables: tuple[list[int], ...]
     assert len(m.tpot_s) >= 0.9 * m.arrivals_in_window
     assert m.max_active > 1  # N did move
     # how close rate, mean N and TPOT come to the birth-death model is timing (a loaded
-    # host is slower than the profile): `python -m loadtest.markov_open_loop` reports it
+    # host is slower than the profile): docs/user-guide/tuning.md records it
     prediction, _ = open_loop_predictions(profile, tables, rate, tokens, max_n=24,
                                                requests=3000)  # fmt: skip
     assert prediction.mean_active > 1 and prediction.mean_tpot_s > 0
@@ -71,7 +70,7 @@ def test_step_load_follows_the_client_count(tables: tuple[list[int], ...]) -> No
     """8 clients, then 2, then 8 (1.5 s each, no safety net): after each step the models see
     the new N (the scheduler's threshold follows), every phase commits tokens, and no launch
     waited for a deadline. How close each phase's rate comes to its prediction is timing:
-    the benchmark reports it (``python -m loadtest.markov_open_loop --parts step``)."""
+    docs/user-guide/tuning.md records it."""
     profile = paper_r2r()
     seen: list[tuple[int, int]] = []
 
@@ -124,13 +123,3 @@ def test_settle_time_on_a_made_up_trace() -> None:
     first, left, _ = settle_time(trace, 1, reference=40.0, tolerance=0.1, window_s=0.5)
     assert first == pytest.approx(0.70) and left is None
     assert trace.rate(0.0, 2.0) == pytest.approx(100.0)
-
-
-def test_cli_step_part_prints_targets(capsys: pytest.CaptureFixture[str]) -> None:
-    """The step part alone (references: the prediction), short phases, real time."""
-    markov_open_loop.main(["--parts", "step", "--phase-s", "1", "--time-scale", "1"])
-    out = capsys.readouterr().out
-    assert "command:" in out and "load average" in out
-    assert "| 16 → 4 |" in out and "| 4 → 16 |" in out
-    assert "(<= 2 s)" in out and ("PASS" in out or "MISS" in out)
-    assert "summary: step" in out

@@ -126,8 +126,8 @@ def test_two_large_replicas_run_the_tuners_choice_on_the_simulated_runtime() -> 
     """Paper setting (6 / 27.9 ms, p = 0.35), N = 4, two large replicas: admissible
     B_large = 1, 2, and the tuner picks one. Both run on the simulated runtime with each
     large replica stepping batches of its own, and at B_large = 2 the threshold defers on
-    them. (Whether the choice also measures best in tokens/s is the benchmark's question:
-    ``python -m loadtest markov-replicas`` prints it as a PASS / MISS target.)"""
+    them. (Whether the choice also measures best in tokens/s is a measurement, not a test:
+    docs/user-guide/tuning.md records it.)"""
     profile = paper_r2r()
     tuner = ThresholdSolver(MODELS, concurrencies=[4], grain_ms=0.1, fixed={"small": 1},
                            replicas={"large": 2})  # fmt: skip

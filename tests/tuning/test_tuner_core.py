@@ -218,7 +218,7 @@ def test_tuner_follows_a_routing_shift_on_the_simulated_runtime() -> None:
         assert chosen >= 0.98 * best_large(profile, n), (profile.route_prob, table[n])
     assert new[n] < old[n]  # less escalation: the large model should wait for fewer
     # (Whether the chosen thresholds also win in wall-clock tokens/s is a benchmark's
-    # question, not a test's: ``python -m loadtest markov-validate`` measures the model
+    # question, not a test's: ``python -m loadtest markov --sections validate`` measures the model
     # against the simulated runtime.)
 
 

@@ -99,7 +99,7 @@ class PeerInbox:
 
     A threaded actor (methods run in a small thread pool; a condition variable wakes the
     waiting `take`), not an async one: it measured ~15 % lower one-way latency on this
-    hop (p50 1.33-1.53 ms vs 1.59-1.80 ms through the inbox, `loadtest.handoff_bench`).
+    hop (p50 1.33-1.53 ms vs 1.59-1.80 ms through the inbox; docs/benchmarks/README.md).
     """
 
     def __init__(self) -> None:

@@ -4,8 +4,8 @@ The exact chain (``markov.py``) has one replica per model and grows as N²; a ca
 needs T(n) for every n up to hundreds, for many replica vectors. This module predicts it
 with a mean-value model of the same system, checked against the exact chain (one replica)
 and the Monte Carlo chain (replicas, ``montecarlo.monte_carlo_bound``) in
-tests/tuning/test_capacity.py, and against the served simulation by
-``python -m loadtest plan-check``.
+tests/tuning/test_capacity.py, and against the simulated runtime (docs/user-guide/scaling.md,
+"Measured").
 
 **Closed system, n requests** (``closed_point``). A request at model i steps there, then
 moves to j with ``p_ij`` and commits ``c_ij`` tokens. With ``nu`` the stationary

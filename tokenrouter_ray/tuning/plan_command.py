@@ -8,7 +8,7 @@ the scheduler's ``max_num_seqs``), GPUs per replica and the targets (``--utilisa
 ``--tpot-ms``). Output: the plan of ``tuning/capacity.py`` (a table, or JSON with
 ``--json``): replicas, GPUs, rows per step, utilisation and busy share per model, the
 predicted mean time per output token, and the thresholds the prediction assumes.
-``python -m loadtest plan-check`` runs the served simulation at a plan and compares.
+docs/user-guide/scaling.md compares a plan with the simulated runtime.
 """
 
 from __future__ import annotations

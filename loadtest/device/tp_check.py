@@ -1,37 +1,11 @@
-"""Tensor parallelism: what it costs rank 0 to drive its workers, and (on GPUs) a TP check.
-
-CPU figure (issue 15's target): per decode step at batch 16 on a demo-sized model (a
-random-weight Qwen3 shaped like SmolLM2-135M: 30 layers, hidden 576, 8 heads of 72 with 4
-KV heads so it splits over 2 ranks, vocab 49152), the time rank 0 spends sending the step to
-its workers (encoding the frame + one socket send per worker) as a share of the TP step;
-target <= 5 %. Printed next to it: the frame size, the TP and one-rank step times, and rank
-0's whole time outside the forward (schedule, prepare incl. the send, sample, commit).
-
-    .venv/bin/python -m loadtest.tp_bench                     # CPU, batch 16, TP 2 vs 1
-    .venv/bin/python -m loadtest.tp_bench --batch 16 --steps 40 --context 256
-
-Every rank runs ``--threads`` torch threads (default 1, TP=1 included: on a shared 2-core
-machine a 2-thread process slows down several-fold when other work competes for the cores),
-so TP=2 uses two cores where TP=1 uses one; the control share is the figure.
-
-GPU check (needs two GPUs, skipped with the reason otherwise): ``check_tp(tmp, report)``
-has the shape of ``loadtest/device/gpu_check.py``'s checks, so that script can call it:
-``check_tp(tmp_dir, report)`` returns True/False (None: skipped) and fills
-``report["tp"]`` with greedy-token agreement and max |logit difference| of TP=2 vs TP=1 in
-float64, and bf16 decode step times at batch 1/8/32 for both. Standalone, and as a CPU dry
-run on a small shape (this is how it was checked here; no machine with two GPUs yet):
-
-    .venv/bin/python -m loadtest.tp_bench --gpu-check
-    .venv/bin/python -m loadtest.tp_bench --gpu-check --device cpu
-"""
+"""Tensor parallel check for the device check (``gpu_check``'s ``tensor_parallel``): TP=k
+against TP=1 on a random-weight Qwen3 shaped like the demo model, greedy tokens and logits in
+float64, then bf16 decode step times. ``device="cpu"`` with a small shape dry-runs it."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,7 +29,6 @@ DEMO_SHAPE = dict(
     max_position_embeddings=2048,
     tie_word_embeddings=True,
 )
-CONTROL_TARGET = 0.05
 
 
 def build_model(path: Path, dtype: torch.dtype = torch.float32, **shape: Any) -> str:
@@ -113,33 +86,6 @@ def decode_steps(
     }
 
 
-def cpu_bench(args: argparse.Namespace) -> dict[str, Any]:
-    cores = torch.get_num_threads()
-    report: dict[str, Any] = {
-        "batch": args.batch,
-        "context": args.context,
-        "threads_per_rank": args.threads,
-        "layers": args.layers,
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_model(Path(tmp) / "demo_sized", num_hidden_layers=args.layers)
-        for tp in (1, args.tp):
-            torch.set_num_threads(args.threads)  # workers inherit this count
-            engine = make_engine(path, tp, "cpu", "float32")
-            try:
-                report[f"tp{tp}"] = decode_steps(
-                    engine, args.batch, args.context, args.steps, DEMO_SHAPE["vocab_size"]
-                )
-            finally:
-                engine.close()
-        torch.set_num_threads(cores)
-    tp = report[f"tp{args.tp}"]
-    report["control_share"] = tp["control_ms"] / tp["step_ms"]
-    report["overhead_share"] = tp["overhead_ms"] / tp["step_ms"]
-    return report
-
-
-# --------------------------------------------------------------------------- GPU check
 def check_tp(
     tmp: Path,
     report: dict[str, Any],
@@ -195,47 +141,3 @@ def check_tp(
         finally:
             engine.close()
     return bool(out["tokens_equal"])
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--layers", type=int, default=DEMO_SHAPE["num_hidden_layers"])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--gpu-check", action="store_true", help="run check_tp on CUDA")
-    parser.add_argument(
-        "--device", default="cuda", help="--gpu-check on cpu: a dry run on a small shape"
-    )
-    parser.add_argument("--out", type=Path, help="also write the JSON report here")
-    args = parser.parse_args(argv)
-    if args.gpu_check:
-        report: dict[str, Any] = {}
-        with tempfile.TemporaryDirectory() as tmp:
-            if args.device == "cpu":
-                small = {"num_hidden_layers": 2, "vocab_size": 512}
-                ok = check_tp(Path(tmp), report, args.tp, "cpu", small, (1, 4), steps=3)
-            else:
-                ok = check_tp(Path(tmp), report, args.tp)
-        print(json.dumps(report, indent=2))
-        print("tp", {None: "SKIP", True: "PASS", False: "FAIL"}[ok])
-    else:
-        report = cpu_bench(args)
-        tp = report[f"tp{args.tp}"]
-        print(json.dumps(report, indent=2))
-        print(
-            f"TP={args.tp} batch {args.batch}: control {tp['control_ms']:.3f} ms of a "
-            f"{tp['step_ms']:.1f} ms step = {100 * report['control_share']:.2f} % "
-            f"(target <= {100 * CONTROL_TARGET:.0f} %), frame {tp['frame_bytes']} B; "
-            f"rank 0 outside its forward: {100 * report['overhead_share']:.1f} %; "
-            f"TP=1 step {report['tp1']['step_ms']:.1f} ms"
-        )
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""Every ``python -m loadtest`` benchmark at its tiniest size, as a user runs it: a subprocess
+``python -m loadtest <name> <its registry entry's smoke arguments>``, so a benchmark that no
+longer runs (a changed signature, a removed helper) fails here rather than on the next person
+who needs it. Each run must exit 0 and print the command that reproduces it; a benchmark with
+targets prints them PASS / MISS (a MISS is a figure, not a failure). Figures are not asserted.
+
+Markers follow what a run starts: ``ray`` (it starts Ray Serve in its own process), ``demo``
+(it loads the demo build), ``slow`` (tens of seconds or more on two cores). The ``serve``
+benchmark gets a stand-in server here: a chat app in a thread of this process that writes
+a fixed filler, on a free port."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from loadtest.__main__ import BENCHMARKS
+from tests.net import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY = {"host", "front-floor", "autoscale"}
+DEMO = {"router-bound", "speculative"}
+SLOW = RAY | DEMO | {"gpu-check"}
+# what each prints besides the reproduce line: its targets, or its table
+PRINTS = {
+    "serve": "tok/s",
+    "host": "PASS|MISS",
+    "front-floor": "PASS|MISS",
+    "autoscale": "PASS|MISS",
+    "markov": "optimum per N",
+    "router-bound": "PASS|MISS",
+    "speculative": "PASS|MISS",
+    "gpu-check": "exact",
+}
+# the reproduce line's prefix, as each benchmark prints it
+REPRODUCE = ("command:", "reproduce:", "# python -m loadtest", "python -m loadtest")
+
+
+def marks(name: str) -> list[pytest.MarkDecorator]:
+    out = []
+    if name in RAY:
+        out.append(pytest.mark.ray)
+    if name in DEMO:
+        out.append(pytest.mark.demo)
+    if name in SLOW:
+        out.append(pytest.mark.slow)
+    return out
+
+
+def test_every_benchmark_has_a_smoke_run_and_says_what_it_needs() -> None:
+    assert set(PRINTS) == set(BENCHMARKS)
+    for name, bench in BENCHMARKS.items():
+        assert bench.smoke and bench.needs, name
+
+
+def stand_in_server() -> object:
+    """An OpenAI-style chat server that streams four-character pieces of a filler."""
+    from loadtest.baselines.api import Answer, ChatRequest, ThreadServer, chat_app
+
+    async def generate(req: ChatRequest, answer: Answer) -> AsyncIterator[str]:
+        answer.prompt_tokens = 8
+        for _ in range(req.max_tokens or 16):
+            answer.completion_tokens += 1
+            answer.tokens_per_model["small"] = answer.completion_tokens
+            yield "word"
+
+    return ThreadServer("stand-in", chat_app(generate, "stand-in"), free_port())
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=marks(n)) for n in BENCHMARKS], ids=list(BENCHMARKS)
+)
+def test_benchmark_runs_at_its_tiniest_size(name: str, tmp_path: Path) -> None:
+    if name in DEMO:
+        from tokenrouter_ray.demo import built_artifact
+
+        built_artifact("large")  # the demo build is there (prepare-demo), or this says so
+    server = stand_in_server() if name == "serve" else None
+    try:
+        fill = {"{port}": str(free_port()), "{out}": str(tmp_path),
+                "{url}": server.url + "/v1" if server else ""}  # fmt: skip
+        argv = []
+        for arg in BENCHMARKS[name].smoke:
+            for key, value in fill.items():
+                arg = arg.replace(key, value)
+            argv.append(arg)
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        run = subprocess.run(
+            [sys.executable, "-m", "loadtest", name, *argv],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        if server is not None:
+            server.stop()
+    out = run.stdout
+    assert run.returncode == 0, f"{name}: {run.returncode}\n{out[-3000:]}\n{run.stderr[-3000:]}"
+    assert f"loadtest {name}" in out and any(p in out for p in REPRODUCE), out[-2000:]
+    assert any(p in out for p in PRINTS[name].split("|")), out[-2000:]
