@@ -117,11 +117,16 @@ def overview(prefix: str) -> dict[str, Any]:
                         q.rate("tokenrouter_peer_rejected_total", ["model", "reason"]),
                         "{{model}}: peer frame rejected ({{reason}})",
                     ),
+                    target(
+                        q.rate("tokenrouter_requests_moved_total", ["reason"]),
+                        "requests moved off a replica ({{reason}})",
+                    ),
                 ],
                 "short",
                 "Model errors (step_failed, bad_message) and ingress errors "
                 "(<OpenAI type>_<HTTP status>, request_failed, protocol_error); peer-channel "
-                "frames rejected by authentication.",
+                "frames rejected by authentication; requests re-created on another replica "
+                "(drain: scale-down or update; lost).",
                 width=24,
             ),
         ],

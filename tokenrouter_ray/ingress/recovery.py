@@ -39,12 +39,14 @@ class Recovery:
         endpoints_for: Callable[[str], dict[str, str]],
         timeout_s: float,
         poll_s: float = 0.1,
+        recreated: Callable[[int], None] | None = None,
     ) -> None:
         self.core = core
         self.missing = missing  # models without a live replica now
         self.endpoints_for = endpoints_for  # rid -> the replica of each non-entry model
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self.recreated = recreated  # told how many requests each recovery re-created
         self.log: list[dict[str, Any]] = []
         self._lost: set[str] = set()
         self._task: asyncio.Task | None = None
@@ -82,6 +84,8 @@ class Recovery:
                 {"lost": lost, "recreated": n, "waited_s": round(loop.time() - started, 3)}
             )
             logger.warning("ingress: lost %s, re-created %d requests", lost, n)
+            if n > 0 and self.recreated is not None:
+                self.recreated(n)
 
     async def stop(self) -> None:
         if self._task is not None:

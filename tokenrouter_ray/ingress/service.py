@@ -157,7 +157,10 @@ class IngressService:
                 channel, self._entry, peers.all, self.metrics, self.timeout_s, prefill_at
             )
         self.core = core
-        self.recovery = Recovery(self.core, peers.missing, self._replace, timeout_s=self.timeout_s)
+        self.recovery = Recovery(
+            self.core, peers.missing, self._replace, timeout_s=self.timeout_s,
+            recreated=lambda n: self.metrics.requests_moved("lost", n),
+        )  # fmt: skip
         names = cfg.model_names
         self.server = IngressServer(
             self.core,
@@ -355,6 +358,8 @@ class IngressService:
             self.moves.append(
                 {"left": endpoint, "moved": n, "took_s": round(time.monotonic() - started, 3)}
             )
+            if n > 0:
+                self.metrics.requests_moved("drain", n)
             del self.moves[:-20]
 
         task = asyncio.get_running_loop().create_task(move(), name=f"move-off-{endpoint}")

@@ -243,6 +243,13 @@ REQUESTS = _counter(
 PROMPT_TOKENS_TOTAL = _counter(
     "tokenrouter_prompt_tokens_total", "Prompt tokens of the requests ended."
 )
+REQUESTS_MOVED = _counter(
+    "tokenrouter_requests_moved_total",
+    "Requests re-created on another replica of their model from their committed tokens, by "
+    "reason: drain (the replica left on purpose: scale-down, rolling update), lost (it "
+    "died, or a handoff found it gone).",
+    "reason",
+)
 INGRESS_ACTIVE_REQUESTS = _gauge(
     "tokenrouter_ingress_active_requests", "Requests the ingress holds right now."
 )
@@ -389,6 +396,7 @@ DEFINITIONS: tuple[MetricDef, ...] = (
     PEER_REJECTED,
     REQUESTS,
     PROMPT_TOKENS_TOTAL,
+    REQUESTS_MOVED,
     INGRESS_ACTIVE_REQUESTS,
     TTFT_SECONDS,
     INTER_TOKEN_SECONDS,

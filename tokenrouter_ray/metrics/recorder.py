@@ -152,6 +152,10 @@ class Metrics:
     def ingress_active(self, num_active: int) -> None:
         self._set(m.INGRESS_ACTIVE_REQUESTS, num_active)
 
+    def requests_moved(self, reason: str, n: int) -> None:
+        """``n`` requests re-created on another replica (``REQUESTS_MOVED``'s reasons)."""
+        self._inc(m.REQUESTS_MOVED, n, reason)
+
     def first_token(self, seconds: float) -> None:
         self._observe(m.TTFT_SECONDS, seconds)
 
