@@ -175,3 +175,103 @@ def test_served_escalation_equals_the_reference(
         if meta is not None:
             assert meta["tokens_per_model"] == want.counts, where
             assert meta["handoffs"] == want.handoffs, where
+
+
+# ---- the demo's own R2R default, with the real demo pair ----------------------------------
+
+DEMO_OVERRIDES = [
+    "models=demo_pair",
+    "policy=r2r_demo",
+    "transport=zmq_ipc",
+    "quality_monitor.sample_rate=0",
+    # float64 on both sides: the reference's full-context forwards and the server's paged
+    # ones then agree far below any router score or logit gap the answers depend on
+    "models.small.dtype=float64",
+    "models.large.dtype=float64",
+    "models.small.num_cpus=0.5",
+    "models.large.num_cpus=0.5",
+]
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 plus 7?",
+]
+DEMO_TOKENS = 20
+
+
+@pytest.mark.slow
+@pytest.mark.demo
+def test_served_demo_r2r_equals_the_reference(serve_app) -> None:
+    """The demo pair with its trained R2R router, as ``conf/local.yaml`` composes it: every
+    preset, a request's own threshold and a cap, streamed and not, equal the sequential
+    reference run with the same router."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenrouter_ray.app_config import compose_config
+    from tokenrouter_ray.engine.request import SamplingParams
+    from tokenrouter_ray.reference import reference_generate
+    from tokenrouter_ray.routing.policy import build_policy
+
+    cfg = compose_config(DEMO_OVERRIDES)
+    names = list(cfg.model_names)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.models[names[-1]].path)
+    presets = dict(cfg.policy.presets)
+    assert set(presets) == {"high", "balanced", "fast"}
+    cases = [  # (question, the request's `routing`, streamed)
+        (0, {"quality": "high"}, False),
+        (1, {"quality": "balanced"}, True),
+        (2, {"quality": "fast"}, False),
+        (0, {"quality": "fast"}, True),
+        (1, {"threshold": presets["balanced"]}, False),
+        (2, {"quality": "fast", "max_large_share": 0.2}, False),
+    ]
+    models = [
+        (n, AutoModelForCausalLM.from_pretrained(cfg.models[n].path, dtype=torch.float64).eval())
+        for n in names
+    ]
+    policy = build_policy(cfg.policy.name, cfg.policy.options, names, tokenizer)
+    references = []
+    for index, routing, _ in cases:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": DEMO_QUESTIONS[index]}],
+            add_generation_prompt=True, tokenize=True,
+        )  # fmt: skip
+        prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+        threshold = presets.get(routing.get("quality"), routing.get("threshold"))
+        sampling = SamplingParams(
+            temperature=0.0, max_tokens=DEMO_TOKENS, route_thresholds=(float(threshold),)
+        )
+        ref = reference_generate(
+            models, policy, prompt, sampling, seed=0, max_share=routing.get("max_large_share")
+        )
+        references.append((tokenizer.decode(ref.token_ids, skip_special_tokens=True), ref))
+    assert sum(ref.handoffs for _, ref in references) > 5  # real routing on real models
+    assert any(ref.counts.get("small") for _, ref in references)
+
+    with serve_app(DEMO_OVERRIDES, "exact-demo") as base:
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
+
+        def call(case) -> tuple[str, dict | None]:
+            index, routing, stream = case
+            args = dict(
+                model="tokenrouter", max_tokens=DEMO_TOKENS, temperature=0,
+                messages=[{"role": "user", "content": DEMO_QUESTIONS[index]}],
+                extra_body={"routing": routing},
+            )  # fmt: skip
+            if not stream:
+                response = client.chat.completions.create(**args)
+                return response.choices[0].message.content, response.model_extra["routing"]
+            chunks = client.chat.completions.create(stream=True, **args)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), None
+
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            got = list(pool.map(call, cases))
+    for (index, routing, stream), (text, ref), (served, meta) in zip(
+        cases, references, got, strict=True
+    ):
+        where = f"question {index}, routing {routing}, streamed {stream}"
+        assert served == text, where
+        if meta is not None:
+            assert meta["tokens_per_model"] == ref.counts, where
+            assert meta["handoffs"] == ref.handoffs, where
