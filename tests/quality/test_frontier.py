@@ -116,3 +116,29 @@ def test_check_sim_runs_each_point_at_each_step_time_scale() -> None:
     for r in rows:
         assert r["predicted_tok_s"] == pytest.approx(want)
         assert r["measured_tok_s"] > 0 and r["ratio"] == r["measured_tok_s"] / want
+
+
+@pytest.mark.parametrize(
+    ("dev_correct", "test_correct", "holds"),
+    [(30, 28, True), (30, 12, False), (12, 30, False)],
+)
+def test_the_choice_holds_when_its_dev_accuracy_lies_in_the_test_splits_interval(
+    dev_correct, test_correct, holds
+) -> None:
+    """calibrate's verdict on the test split: the chosen point "holds" when the accuracy it
+    was chosen at (dev) lies inside the test split's Wilson 95 % interval, both ways; it is
+    printed as the verdict line."""
+    from tokenrouter_ray.quality.calibrate import _holds, format_choice
+    from tokenrouter_ray.quality.frontier import FrontierPoint
+    from tokenrouter_ray.quality.stats import wilson_interval
+
+    def point(correct: int) -> FrontierPoint:
+        return FrontierPoint(0.3, 40, correct, correct / 40, wilson_interval(correct, 40),
+                             0.5, 1.0, {"small->large": 0.3, "large->small": 1.0})  # fmt: skip
+
+    dev, test = point(dev_correct), point(test_correct)
+    assert _holds(dev, test) is holds
+    chosen = {"holds": holds, "override": {"config": "policy.options.threshold=0.3",
+              "request": {"routing": {"threshold": 0.3}}}}  # fmt: skip
+    verdict = format_choice(chosen, dev, test, None)
+    assert ("yes" if holds else "NO") in verdict
