@@ -12,7 +12,7 @@ Prints, with wall-clock timings on this machine:
    chain on every admissible B where exact is computable (worst relative error), and the
    Monte Carlo sweep time for N up to 16.
 4. ``validate`` (not in the default sections, about 4 minutes): the model against
-   ``LocalRuntime`` over simulated engines (the real scheduler, sub-servers and protocol,
+   ``LocalRuntime`` over simulated engines (the real scheduler, model replicas and protocol,
    steps that sleep for the profiled time), every admissible B_large per N, measured vs
    predicted tokens/s and whether the predicted best is within 2 % of the measured best.
 

@@ -65,8 +65,8 @@ def run(pair_dirs: dict[str, str]) -> dict:
                 "registry": registry,
                 "completions": completions,
                 "handoffs": runtime.handoffs,
-                "num_blocks": {s.name: s.engine.kv.pool.num_blocks for s in runtime.subservers},
-                "schedulers": {s.name: s.engine.scheduler for s in runtime.subservers},
+                "num_blocks": {s.name: s.engine.kv.pool.num_blocks for s in runtime.model_replicas},
+                "schedulers": {s.name: s.engine.scheduler for s in runtime.model_replicas},
             }
 
     return asyncio.run(go())

@@ -345,7 +345,7 @@ def test_cli_url_against_a_served_app(served_chain_dirs, tmp_path: Path, capsys)
     async def go() -> tuple[int, dict[str, Any]]:
         policy = build_policy("entropy", {"threshold": 0.45}, MODELS)
         async with LocalRuntime(chain_engines(served_chain_dirs, MODELS), policy) as runtime:
-            entry = [runtime.subservers[0].endpoint]
+            entry = [runtime.model_replicas[0].endpoint]
             server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
             ingress.core, ingress.server = runtime.ingress, server
             sock = socket.socket()

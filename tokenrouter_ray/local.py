@@ -1,4 +1,4 @@
-"""``LocalRuntime``: M model sub-servers and an ingress in one process and one event loop,
+"""``LocalRuntime``: M model replicas and an ingress in one process and one event loop,
 wired by in-process channels (the same code the Ray Serve deployments run over ZeroMQ or
 Ray). Used by tests, benchmarks and anyone routing on one machine without Ray.
 
@@ -55,7 +55,7 @@ class LocalRuntime:
         self.channel_type = channel_type
         # Default: prometheus-client on its global registry, labelled with the policy.
         self.metrics = metrics if metrics is not None else Metrics(policy=policy.name)
-        self.subservers: list[Replica] = []
+        self.model_replicas: list[Replica] = []
         self.ingress: IngressCore | None = None
         self._ids = itertools.count()
         # model -> its replicas' endpoints; what the placement chooses from
@@ -94,10 +94,10 @@ class LocalRuntime:
                 metrics=self.metrics,
             )
             await server.start()
-            self.subservers.append(server)
+            self.model_replicas.append(server)
         channel = self.channel_type("ingress", "0", directory, hub)
         await channel.start()
-        endpoints = [s.endpoint for s in self.subservers]
+        endpoints = [s.endpoint for s in self.model_replicas]
         self.ingress = IngressCore(
             channel,
             lambda: endpoints[0],
@@ -131,23 +131,23 @@ class LocalRuntime:
         """Stop one replica the way Serve's scale-down does (``ModelServer._leave``): drain
         it (its requests move to the model's other replicas), then stop its loops. Returns
         how many requests were still on it when it stopped (0: nothing lost)."""
-        server = next(s for s in self.subservers if s.endpoint == endpoint)
+        server = next(s for s in self.model_replicas if s.endpoint == endpoint)
         left = await server.drain(timeout_s)
         await server.stop()
         return left
 
     async def stop(self) -> None:
-        """Every sub-server's loops first (nothing sends after this), then the ingress, then
+        """Every model replica's loops first (nothing sends after this), then the ingress, then
         the channels: a channel closed while a peer still runs makes that peer's last sends
         fail ("nothing is bound at ...") at every teardown."""
-        for server in self.subservers:
+        for server in self.model_replicas:
             await server.stop()
         if self.ingress is not None:
             await self.ingress.stop()
             await self.ingress.channel.close()
-        for server in self.subservers:
+        for server in self.model_replicas:
             await server.channel.close()
-        self.subservers = []
+        self.model_replicas = []
 
     async def complete(
         self,
@@ -195,11 +195,11 @@ class LocalRuntime:
         every model's gauges say so (an idle step thread sets them within ``STATE_PERIOD_S``
         of its last step)."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while any(s.holds_anything or s.gauges_stale for s in self.subservers):
+        while any(s.holds_anything or s.gauges_stale for s in self.model_replicas):
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError("models still hold requests")
             await asyncio.sleep(0.01)
 
     @property
     def handoffs(self) -> list[HandoffRecord]:
-        return [h for s in self.subservers for h in s.handoff_log]
+        return [h for s in self.model_replicas for h in s.handoff_log]

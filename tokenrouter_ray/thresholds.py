@@ -29,7 +29,7 @@ class ThresholdTable:
     """One model's deferred-launch thresholds, indexed by the active-request count N.
 
     Immutable and hashable. The one type thresholds have from the solver to the scheduler
-    (tuner answer, Ray, sub-server, engine): ``table[n]`` is entry n as written, ``at(n)``
+    (tuner answer, Ray, model replica, engine): ``table[n]`` is entry n as written, ``at(n)``
     the lookup rule. A table equals another table, or a list or tuple, with the same values
     (a config's ``batch_thresholds``, a JSON body's list). At a JSON edge it is a list
     (``to_list``); ``json_hook`` is the ``enc_hook`` that writes it so.

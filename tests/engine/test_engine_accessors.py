@@ -1,4 +1,4 @@
-"""What the sub-server and model server read of an engine, through its public surface:
+"""What the model replica and model server read of an engine, through its public surface:
 ``holds`` / ``get_request`` / ``request_ids`` / ``step_requests``, ``active_requests``,
 ``status()``, and the per-row facts a collected ``StepResult`` carries for the policy."""
 

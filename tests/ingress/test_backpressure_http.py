@@ -98,7 +98,7 @@ def test_clients_that_never_read_are_cut_and_a_slow_reader_is_exact(served_chain
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
         async with LocalRuntime(chain_engines(served_chain_dirs, TWO), policy) as runtime:
             want = await runtime.complete(slow_prompt, SamplingSpec(temperature=0.0, max_tokens=60))
-            entry = [runtime.subservers[0].endpoint]
+            entry = [runtime.model_replicas[0].endpoint]
             server = IngressServer(
                 runtime.ingress, tokenizer, SERVED, entries=lambda: entry,
                 backpressure=Backpressure(BUFFER_TOKENS, STALL_S),
@@ -146,7 +146,7 @@ def test_clients_that_never_read_are_cut_and_a_slow_reader_is_exact(served_chain
                 sampler.cancel()
                 http.should_exit = True
                 await serving
-            pools = [s.engine.kv.pool for s in runtime.subservers]
+            pools = [s.engine.kv.pool for s in runtime.model_replicas]
             return {
                 "slow": texts_of(dechunk(slow)).get(0, ""),
                 "want": want.token_ids,

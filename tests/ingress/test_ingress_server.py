@@ -1,7 +1,7 @@
 """The whole OpenAI flow on CPU without Ray: the official ``openai`` client -> the real
 FastAPI app of deployments/ingress.py (over ASGI, in-process) -> ``IngressServer``
 (admission, entry load-balancing, one loop per choice) -> ``IngressCore`` -> two model
-sub-servers with tiny real models (``LocalRuntime``), and back. Ray Serve LLM tests its
+model replicas with tiny real models (``LocalRuntime``), and back. Ray Serve LLM tests its
 server the same way, with the engine injected."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def run_flow(dirs: dict[str, str], body: Any) -> Any:
     async def go() -> Any:
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
         async with LocalRuntime(chain_engines(dirs, TWO), policy) as runtime:
-            entry = [runtime.subservers[0].endpoint]
+            entry = [runtime.model_replicas[0].endpoint]
             server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
             ingress.core, ingress.server = runtime.ingress, server
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # as Serve
@@ -52,7 +52,7 @@ def run_flow(dirs: dict[str, str], body: Any) -> Any:
                 result = await body(client, runtime, server)
             await runtime.wait_idle()
             assert all(s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
-                       for s in runtime.subservers)  # fmt: skip
+                       for s in runtime.model_replicas)  # fmt: skip
             assert runtime.ingress.num_active == 0 and not any(server.entry_load.values())
             return result
 
@@ -142,7 +142,7 @@ def test_a_choice_cancelled_before_it_ever_ran_is_still_closed(served_chain_dirs
     async def go() -> None:
         policy = build_policy("bernoulli", {"p": 0.5}, TWO)
         async with LocalRuntime(chain_engines(served_chain_dirs, TWO), policy) as rt:
-            entry = rt.subservers[0].endpoint
+            entry = rt.model_replicas[0].endpoint
             server = IngressServer(rt.ingress, tokenizer, SERVED, entries=lambda: [entry])
             body = {"model": SERVED, "prompt": [1, 2, 3], "max_tokens": 100, "n": 3}
             limits = RequestLimits(max_model_len=256, vocab_size=128)
@@ -155,6 +155,6 @@ def test_a_choice_cancelled_before_it_ever_ran_is_still_closed(served_chain_dirs
             await asyncio.gather(*tasks, return_exceptions=True)
             assert rt.ingress.num_active == 0 and server.entry_load == {entry: 0}
             await rt.wait_idle()
-            assert all(not s.engine.requests for s in rt.subservers)
+            assert all(not s.engine.requests for s in rt.model_replicas)
 
     asyncio.run(go())

@@ -46,7 +46,7 @@ def run_flow(dirs: dict[str, str], body: Any) -> Any:
     async def go() -> Any:
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
         async with LocalRuntime(chain_engines(dirs, TWO), policy) as runtime:
-            entry = [runtime.subservers[0].endpoint]
+            entry = [runtime.model_replicas[0].endpoint]
             server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
             ingress.core, ingress.server = runtime.ingress, server
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -57,9 +57,9 @@ def run_flow(dirs: dict[str, str], body: Any) -> Any:
                 result = await body(client, http, runtime)
             await runtime.wait_idle()
             assert all(s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
-                       for s in runtime.subservers)  # fmt: skip
+                       for s in runtime.model_replicas)  # fmt: skip
             assert runtime.ingress.num_active == 0 and not any(server.entry_load.values())
-            assert all(not s.engine.requests for s in runtime.subservers)
+            assert all(not s.engine.requests for s in runtime.model_replicas)
             return result
 
     try:

@@ -62,10 +62,10 @@ def test_a_draining_replica_moves_every_request_and_outputs_stay_exact(chain_dir
     async def go() -> None:
         want = await undisturbed(chain_dirs, batch)
         async with replicated(chain_dirs, 1, 2) as rt:
-            for server in rt.subservers:
+            for server in rt.model_replicas:
                 slow(server, 0.01)  # long enough that the drain lands mid-generation
             leaving = endpoint_name("large", "1")
-            server = next(s for s in rt.subservers if s.endpoint == leaving)
+            server = next(s for s in rt.model_replicas if s.endpoint == leaving)
             tasks = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in batch]
             while not server.tracked:
                 await asyncio.sleep(0.002)
@@ -81,7 +81,7 @@ def test_a_draining_replica_moves_every_request_and_outputs_stay_exact(chain_dir
             moved = sum(c.recreated for c in got)
             assert moved >= len({rid.split("~")[0] for rid in held})
             assert moved < len(batch) or len(held) == len(batch)  # only those that could be there
-            others = [s for s in rt.subservers if s is not server]
+            others = [s for s in rt.model_replicas if s is not server]
             await asyncio.sleep(0.1)
             assert all(
                 s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks and not s.tracked
@@ -102,7 +102,7 @@ def test_drain_tells_the_ingresses_it_has_heard_from_and_waits_for_nothing_idle(
         async with replicated(chain_dirs, 1, 2) as rt:
             await rt.complete_all(prompts(2), SPEC)  # the ingress's ACTIVE counts arrive
             await rt.wait_idle()
-            leaving = rt.subservers[-1]
+            leaving = rt.model_replicas[-1]
             seen: list[tuple[str, MsgKind]] = []
             real = leaving.channel.send
 
@@ -138,7 +138,7 @@ def test_a_handoff_to_a_replica_that_left_recreates_the_request_exactly(chain_di
         want = await undisturbed(chain_dirs, batch)
         async with replicated(chain_dirs, 1, 2) as rt:
             gone = endpoint_name("large", "1")
-            server = next(s for s in rt.subservers if s.endpoint == gone)
+            server = next(s for s in rt.model_replicas if s.endpoint == gone)
             await server.stop()
             await server.channel.close()
             reports: list[tuple[str, str]] = []

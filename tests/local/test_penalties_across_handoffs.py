@@ -40,7 +40,7 @@ def run_local(policy, engines, spec: SamplingSpec):
         async with LocalRuntime(engines, policy, InProcChannel) as runtime:
             results = await asyncio.wait_for(runtime.complete_all(prompts(), spec), 120)
             await runtime.wait_idle()
-            pools = [s.engine.kv.pool for s in runtime.subservers]
+            pools = [s.engine.kv.pool for s in runtime.model_replicas]
             assert all(p.num_free_blocks == p.num_blocks for p in pools)  # no leaked KV
             return results
 

@@ -33,7 +33,7 @@ def all_free(runtime: LocalRuntime) -> bool:
         s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
         and not s.engine.requests
         and not s.tracked
-        for s in runtime.subservers
+        for s in runtime.model_replicas
     )
 
 
@@ -77,7 +77,7 @@ def test_replayed_stale_and_post_finished_messages_change_nothing(chain_dirs) ->
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy, RecordingChannel) as rt:
             first = await asyncio.wait_for(rt.complete([9, 8, 7, 6], SPEC, "r"), 60)
             await rt.wait_idle()
-            servers = {s.endpoint: s for s in rt.subservers}
+            servers = {s.endpoint: s for s in rt.model_replicas}
             replay = [(dst, msgs) for dst, msgs in RecordingChannel.sent if dst in servers]
             assert any(m.kind == MsgKind.HANDOFF for _, msgs in replay for m in msgs)
             # Every message of the finished request again, newest first (reordered, stale,
@@ -106,7 +106,7 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_the_model_keeps_serv
 
     async def go() -> None:
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
-            runner = rt.subservers[0].engine.runner
+            runner = rt.model_replicas[0].engine.runner
             real = runner.launch
             calls = {"n": 0}
 
@@ -150,7 +150,7 @@ def test_replicas_record_the_statistics_the_tuner_needs(chain_dirs) -> None:
     async def go() -> dict:
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
             done = await asyncio.wait_for(rt.complete_all([[1, 2], [3, 4, 5]], SPEC), 60)
-            snaps = {s.name: [s.stats.snapshot()] for s in rt.subservers}
+            snaps = {s.name: [s.stats.snapshot()] for s in rt.model_replicas}
             return snaps, done
 
     snaps, done = asyncio.run(go())

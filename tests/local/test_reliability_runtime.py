@@ -64,7 +64,7 @@ def test_an_unreachable_or_unknown_peer_fails_only_its_request(chain_dirs) -> No
 
     async def go() -> None:
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy, metrics=metrics) as rt:
-            small = rt.subservers[0]
+            small = rt.model_replicas[0]
             real = small.pick_endpoint
 
             def ghost(model: str, rid: str) -> str:
@@ -88,7 +88,7 @@ def test_an_unreachable_or_unknown_peer_fails_only_its_request(chain_dirs) -> No
             assert fine.finish_reason == "length" and len(fine.token_ids) == SPEC.max_tokens
             await rt.wait_idle()
             assert all_free(rt)
-            assert all(s.alive for s in rt.subservers)
+            assert all(s.alive for s in rt.model_replicas)
             assert errors("small", "send_failed") >= 1  # the ghost
             assert errors("small", "request_failed") >= 1  # no replica to hand to
             assert errors("ingress", "model") == 2  # both ended with the model's error
@@ -119,7 +119,7 @@ def test_a_failing_route_fails_its_batch_not_the_loop(chain_dirs, caplog) -> Non
             assert len(failed) == 1 and "policy bug" in failed[0].error
             assert "step failed" not in caplog.text
             await rt.wait_idle()
-            assert all_free(rt) and all(s.alive for s in rt.subservers)
+            assert all_free(rt) and all(s.alive for s in rt.model_replicas)
             again = await asyncio.wait_for(rt.complete([4, 5], SPEC), 60)
             assert len(again.token_ids) == SPEC.max_tokens
 
@@ -131,7 +131,7 @@ def test_a_stalled_model_ends_the_request_at_its_deadline(chain_dirs) -> None:
 
     async def go() -> None:
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
-            runner = rt.subservers[1].engine.runner
+            runner = rt.model_replicas[1].engine.runner
             real = runner.launch
 
             def stalled(out, timings):  # type: ignore[no-untyped-def]
@@ -194,7 +194,7 @@ def test_models_free_requests_whose_ingress_is_gone_after_the_deadline(
 
     async def go() -> None:
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
-            runner = rt.subservers[1].engine.runner
+            runner = rt.model_replicas[1].engine.runner
             real = runner.launch
 
             def slow(out, timings):  # type: ignore[no-untyped-def]
@@ -209,7 +209,7 @@ def test_models_free_requests_whose_ingress_is_gone_after_the_deadline(
             for i in range(4):  # the ingress dies: nobody will ever abort them
                 live = rt.ingress.live.pop(f"orphan{i}")
                 rt.ingress._wire.pop(live.wire_rid)
-            assert any(s.tracked for s in rt.subservers)
+            assert any(s.tracked for s in rt.model_replicas)
             await rt.wait_idle(timeout=10)
             assert all_free(rt)
             runner.launch = real
@@ -242,7 +242,7 @@ def test_only_requests_assigned_to_a_lost_replica_are_recreated(chain_dirs) -> N
 
 
 def slow_steps(rt: LocalRuntime, seconds: float) -> None:
-    for server in rt.subservers:
+    for server in rt.model_replicas:
         runner = server.engine.runner
 
         def slow(out, timings, real=runner.launch):  # type: ignore[no-untyped-def]
@@ -264,7 +264,7 @@ def test_a_copy_the_ingress_no_longer_holds_is_aborted_on_every_model(chain_dirs
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
             slow_steps(rt, 0.04)  # 40 ms steps: its context limit is many seconds away
             await rt.ingress.submit("stale", [1, 2, 3], spec, timeout_s=600)
-            while not all(s.tracked for s in rt.subservers):  # on both models
+            while not all(s.tracked for s in rt.model_replicas):  # on both models
                 await asyncio.sleep(0.005)
             live = rt.ingress.live.pop("stale")  # the ingress forgets it
             rt.ingress._wire.pop(live.wire_rid)
@@ -287,7 +287,7 @@ def test_copies_on_a_replica_that_stalled_past_its_lease_are_aborted(chain_dirs)
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
             want = await rt.complete_all(batch, SPEC)
             await rt.wait_idle()
-            small, large = rt.subservers
+            small, large = rt.model_replicas
             armed, stalled = threading.Event(), threading.Event()
             real = large.engine.runner.launch
 

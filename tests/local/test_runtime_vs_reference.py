@@ -54,7 +54,7 @@ def run_local(
             spec = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED)
             results = await asyncio.wait_for(runtime.complete_all(prompts(n), spec), 120)
             await runtime.wait_idle()
-            pools = [s.engine.kv.pool for s in runtime.subservers]
+            pools = [s.engine.kv.pool for s in runtime.model_replicas]
             assert all(p.num_free_blocks == p.num_blocks for p in pools)  # no leaked KV
             return results, runtime.handoffs
 
@@ -208,9 +208,9 @@ def run_waves(policy, engines, waves: list[list[list[int]]]):
             for wave in waves:
                 results += await asyncio.wait_for(runtime.complete_all(wave, spec), 120)
                 await runtime.wait_idle()
-            pools = [s.engine.kv.pool for s in runtime.subservers]
+            pools = [s.engine.kv.pool for s in runtime.model_replicas]
             assert all(p.num_free_blocks == p.num_blocks for p in pools)  # no leaked KV
-            return results, [s.engine.kv.prefix_cache_hits for s in runtime.subservers]
+            return results, [s.engine.kv.prefix_cache_hits for s in runtime.model_replicas]
 
     return asyncio.run(go())
 
@@ -282,7 +282,7 @@ def run_local_each(policy, engines, specs: list[SamplingSpec], caps=None):
             )
             results = await asyncio.wait_for(asyncio.gather(*work), 120)
             await runtime.wait_idle()
-            pools = [s.engine.kv.pool for s in runtime.subservers]
+            pools = [s.engine.kv.pool for s in runtime.model_replicas]
             assert all(p.num_free_blocks == p.num_blocks for p in pools)  # no leaked KV
             return list(results)
 
@@ -375,7 +375,7 @@ def test_a_request_served_alone_is_that_models_own_answer(
             routed = [runtime.complete(p, spec) for p in prompts()]
             done = await asyncio.wait_for(asyncio.gather(*alone_results, *routed), 120)
             await runtime.wait_idle()
-            pools = [s.engine.kv.pool for s in runtime.subservers]
+            pools = [s.engine.kv.pool for s in runtime.model_replicas]
             assert all(p.num_free_blocks == p.num_blocks for p in pools)  # no leaked KV
             return done, runtime.handoffs
 

@@ -82,7 +82,7 @@ def run(policy, engines, batch, spec: SamplingSpec):
             results = await asyncio.wait_for(runtime.complete_all(batch, spec), 300)
             await runtime.wait_idle()
             assert all(s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
-                       for s in runtime.subservers)  # fmt: skip
+                       for s in runtime.model_replicas)  # fmt: skip
             return results
 
     return asyncio.run(go())

@@ -162,7 +162,7 @@ def run_served_flow(
 
     async def go() -> Any:
         async with LocalRuntime(chain_engines(dirs, models), build_policy(*policy, models)) as rt:
-            entry = [rt.subservers[0].endpoint]
+            entry = [rt.model_replicas[0].endpoint]
             server = IngressServer(rt.ingress, tokenizer, SERVED, lambda: entry, models=models)
             ingress.core, ingress.server = rt.ingress, server
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -174,7 +174,7 @@ def run_served_flow(
             await rt.wait_idle()
             assert rt.ingress.num_active == 0
             assert all(s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
-                       for s in rt.subservers)  # fmt: skip
+                       for s in rt.model_replicas)  # fmt: skip
             return result
 
     try:

@@ -1,6 +1,6 @@
 """Tools and reasoning with real (tiny, random-weight) Qwen3 models that hand a request back
 and forth: the official ``openai`` client -> the real FastAPI app over ASGI ->
-``IngressServer`` -> two model sub-servers (``LocalRuntime``). What reaches the models is
+``IngressServer`` -> two model replicas (``LocalRuntime``). What reaches the models is
 the chat template's rendering with the tools, and the served message is exactly the
 reasoning / tool-call parse of the tokens the models wrote (the runtime's own answer to
 the same prompt), streamed or not."""
@@ -47,7 +47,7 @@ def test_tools_and_reasoning_with_real_models(tmp_path: Path) -> None:
         engines = [(n, make_engine(dirs[n], num_blocks=512)) for n in TWO]
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
         async with LocalRuntime(engines, policy) as runtime:
-            entry = [runtime.subservers[0].endpoint]
+            entry = [runtime.model_replicas[0].endpoint]
             server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
             ingress.core, ingress.server = runtime.ingress, server
             prompt = tokenizer.apply_chat_template(

@@ -159,12 +159,12 @@ async def until(condition: Callable[[], bool], timeout_s: float = 60) -> None:
 
 async def fault(rt: Any, kind: str, **kw: Any) -> None:
     """A fault on every model's engine, on its step thread (``stall``: slower steps)."""
-    for s in rt.subservers:
+    for s in rt.model_replicas:
         await s.call(lambda s=s: s.engine.inject_fault(kind, **kw))
 
 
 def kv_free(rt: Any) -> bool:
-    pools = [s.engine.kv.pool for s in rt.subservers]
+    pools = [s.engine.kv.pool for s in rt.model_replicas]
     return all(pool.num_free_blocks == pool.num_blocks for pool in pools)
 
 

@@ -1,6 +1,6 @@
 """Structured outputs and forced tool calls through the whole OpenAI flow, with real tiny
 random-weight Qwen3 models that hand each request back and forth: the official ``openai``
-client -> the real FastAPI app over ASGI -> ``IngressServer`` -> two model sub-servers
+client -> the real FastAPI app over ASGI -> ``IngressServer`` -> two model replicas
 (``LocalRuntime``). A random-weight model writes valid JSON, a valid call or one of the
 choices only because every model masks its logits with the request's grammar."""
 
@@ -103,7 +103,7 @@ def serve(dirs: dict[str, str], body: Callable[[openai.AsyncOpenAI, Any], Awaita
         engines = [(n, make_engine(dirs[n], num_blocks=512)) for n in TWO]
         policy = build_policy("bernoulli", {"p": 0.35}, TWO)  # hands off every few tokens
         async with LocalRuntime(engines, policy) as runtime:
-            entry = [runtime.subservers[0].endpoint]
+            entry = [runtime.model_replicas[0].endpoint]
             server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
             ingress.core, ingress.server = runtime.ingress, server
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

@@ -59,7 +59,7 @@ def serve(dirs: dict[str, str], body: Callable[[str], Awaitable[Any]]) -> Any:
     async def go() -> Any:
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
         async with LocalRuntime(chain_engines(dirs, TWO), policy) as runtime:
-            entry = [runtime.subservers[0].endpoint]
+            entry = [runtime.model_replicas[0].endpoint]
             server = IngressServer(runtime.ingress, tokenizer, SERVED, lambda: entry, models=TWO)
             ingress.core, ingress.server = runtime.ingress, server
             listener = socket.socket()

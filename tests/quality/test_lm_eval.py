@@ -169,7 +169,7 @@ def test_lm_eval_cli_runs_a_local_task_against_the_server(served_chain_dirs, tmp
     async def go() -> tuple[dict[str, tuple[int, str]], int]:
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
         async with LocalRuntime(chain_engines(served_chain_dirs, TWO), policy) as runtime:
-            entry = [runtime.subservers[0].endpoint]
+            entry = [runtime.model_replicas[0].endpoint]
             server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
             ingress.core, ingress.server = runtime.ingress, server
             listener = socket.socket()

@@ -1,4 +1,4 @@
-"""A replica's info and status (``replica/status.py``): built from a running sub-server
+"""A replica's info and status (``replica/status.py``): built from a running model replica
 without Ray, typed across the process boundary (pickled, as Ray sends them), and written as
 the JSON the stats route has always served."""
 

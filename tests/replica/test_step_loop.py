@@ -196,7 +196,7 @@ def test_messages_apply_while_a_step_runs_and_wait_for_it_when_they_concern_its_
 
     async def go() -> None:
         async with LocalRuntime(engines, build_policy("never", None, models)) as rt:
-            server = rt.subservers[0]
+            server = rt.model_replicas[0]
             tasks = [asyncio.ensure_future(rt.complete([1, 2, 3], spec)) for _ in range(3)]
             await asyncio.sleep(0.3)  # every request in the small model's batch
             late = asyncio.ensure_future(rt.complete([4, 5], spec))  # arrives mid-step

@@ -183,7 +183,7 @@ async def test_zmq_tcp_binds_configured_port_and_host() -> None:
 
 @pytest.mark.asyncio
 async def test_inproc_receiver_on_another_thread() -> None:
-    """The local runtime may run sub-servers on their own loops: frames cross threads."""
+    """The local runtime may run model replicas on their own loops: frames cross threads."""
     import threading
 
     directory, hub = InMemoryDirectory(), InProcHub()

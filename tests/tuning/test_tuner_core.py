@@ -1,5 +1,5 @@
 """The live tuner (TunerCore): replica reports -> profile -> thresholds pushed back, and end to end
-on the simulation backend (the real scheduler, sub-servers and protocol at profiled step
+on the simulation backend (the real scheduler, model replicas and protocol at profiled step
 times) with the traffic changing under it."""
 
 from __future__ import annotations

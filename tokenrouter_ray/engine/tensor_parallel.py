@@ -1,6 +1,6 @@
 """Tensor parallelism: one model over ``k`` ranks, driven by rank 0's engine.
 
-Rank 0 is the model's sub-server: its ``Engine`` owns the scheduler, the block tables and
+Rank 0 is the model's replica: its ``Engine`` owns the scheduler, the block tables and
 the sampling; its runner is a ``TensorParallelRunner``. Ranks 1..k-1 are workers
 (``run_worker``): they hold their shard of the weights and the KV of their heads, and only
 run forwards. Every step, rank 0 encodes the step's inputs as one small int64 frame

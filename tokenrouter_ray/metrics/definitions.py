@@ -136,7 +136,7 @@ ROUTE_SECONDS = _histogram(
     "policy",
 )
 
-# ------------------------------------------------------------------ model sub-servers
+# ------------------------------------------------------------------ model replicas
 BATCH_SIZE = _histogram(
     "tokenrouter_batch_size", "Requests in one forward step.", BATCH_BUCKETS, "model"
 )

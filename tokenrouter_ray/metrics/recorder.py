@@ -1,6 +1,6 @@
 """``Metrics``: the typed recording calls the runtime makes, over any backend.
 
-Sub-servers, the ingress core and the deployments call these methods at the few places
+Model replicas, the ingress core and the deployments call these methods at the few places
 where something happens (a step, a commit, a handoff, a message, a request's end); the
 method turns it into ``inc``/``set``/``observe`` on the definitions in ``definitions.py``,
 with the served model name appended as the ``model_name`` label. One ``Metrics`` is cheap (a
@@ -57,7 +57,7 @@ class Metrics:
     def _observe(self, metric: m.MetricDef, value: float, *labels: str) -> None:
         self.backend.observe(metric, value, (*labels, self.model_name))
 
-    # -------------------------------------------------------------- sub-servers
+    # -------------------------------------------------------------- model replicas
     def handoffs(self, src: str, dst: str, sizes: Sequence[int]) -> None:
         """Handoffs from ``src`` to ``dst`` (one step's), the suffix length of each."""
         self._inc(m.HANDOFFS, len(sizes), src, dst, self.policy)

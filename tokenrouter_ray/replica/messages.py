@@ -1,11 +1,11 @@
 """The messages one model replica puts on the wire for its requests.
 
-``Messages`` builds every ``PeerReq`` a sub-server sends about a request it holds: the
+``Messages`` builds every ``PeerReq`` a model replica sends about a request it holds: the
 HANDOFF to the next model (carrying only the suffix that model has not seen, the sampling
 parameters on its first visit there, and the request's route state), COMMIT and FINISHED to
 the request's ingress, and FINISHED to every other model holding it. It reads and advances
 the request's ``Tracked`` record (anchors, handoff sequence, the replica chosen for each
-model) but never touches the engine: the sub-server decides, this module writes it down.
+model) but never touches the engine: the model replica decides, this module writes it down.
 The handoffs it built are kept in ``log`` (tests, benchmarks).
 """
 

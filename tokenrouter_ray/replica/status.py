@@ -136,7 +136,7 @@ class ReplicaStatus(msgspec.Struct):
     deferred_timeouts: int  # launches forced by max_defer_s
     kv_blocks_used: int
     kv_blocks_total: int
-    alive: bool  # the sub-server's loops run
+    alive: bool  # the model replica's loops run
     address: str  # the channel's address
     peer_rejected: dict[str, int]  # frames the channel refused, by reason
     steps: int

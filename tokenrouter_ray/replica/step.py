@@ -266,7 +266,7 @@ class Replica:
         ``max_step_s`` (a wedged device), or ``max_failed_steps`` steps in a row failed (a
         sticky device error). ``now``: the monotonic time to judge at (default: now)."""
         if not self.alive:
-            return f"sub-server stopped: {self.dead_tasks()}"
+            return f"model replica stopped: {self.dead_tasks()}"
         since = self.step_since
         now = time.monotonic() if now is None else now
         if since is not None and now - since > max_step_s:

@@ -1,4 +1,4 @@
-"""Per-request routing state a sub-server keeps, and how it travels as ``RouteState``.
+"""Per-request routing state a model replica keeps, and how it travels as ``RouteState``.
 
 ``Tracked`` has every field of ``RouteState`` under the same name (and a test checks it), so
 the two conversions below are written once, by field name. The owner of a request (the

@@ -1,7 +1,7 @@
 """The real runtime on simulated models: capacity planning and checks of the throughput model.
 
 ``backend`` is a model backend that computes nothing (``SimRunner`` sleeps for a profiled
-step time) under the production engine, scheduler, sub-servers and protocol, wired by
+step time) under the production engine, scheduler, model replicas and protocol, wired by
 ``LocalRuntime``; ``ClosedLoop`` and ``measure_closed_loop`` drive it. ``validate`` sweeps
 thresholds on it and sets the measured throughput beside the Markov model's prediction
 (``loadtest/markov_validate.py``), and also measures the tuned thresholds closed loop,

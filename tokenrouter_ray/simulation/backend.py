@@ -1,4 +1,4 @@
-"""A simulated model backend: the real engine, scheduler, sub-servers and protocol, no network.
+"""A simulated model backend: the real engine, scheduler, model replicas and protocol, no network.
 
 ``SimRunner`` stands in for ``ModelRunner``: a step launched on it takes the profiled step time
 of the batch it was given (``ModelProfile.step_time_ms(batch size)`` times ``time_scale``) and
@@ -16,7 +16,7 @@ its token unless the position escalates, the large model then writes that one to
 hands back. ``check_supported`` rejects anything else.
 
 Data-parallel replicas: ``ClosedLoop(..., replicas=(1, 2))`` runs model i as ``R_i``
-sub-servers (``ReplicatedRuntime``), each with its own scheduler applying the model's
+model replicas (``ReplicatedRuntime``), each with its own scheduler applying the model's
 thresholds to the requests it holds, so a model with R replicas runs up to R batches at once.
 
 The loads that drive it (closed loop, open loop, stepped load) and their measurements live
@@ -74,7 +74,7 @@ class SimRunner:
 
     ``step_seconds(batch)`` gives the step duration for a batch of that many requests (all
     scheduled requests count, sampling or not). ``launch`` starts a step on a simulated
-    device and returns at once; the sub-server's step loop does its host work meanwhile and
+    device and returns at once; the model replica's step loop does its host work meanwhile and
     then waits (sleeps) for the rest of the step, so the step period is
     max(step time, host work on the critical path), as on a GPU.
     The OS timer oversleeps (timer slack, wake-up latency: ~0.1-0.3 ms on a busy machine),
@@ -347,7 +347,7 @@ class ReplicatedRuntime(LocalRuntime):
     """``LocalRuntime`` with several data-parallel replicas per model, as Serve runs them.
 
     ``replicas`` maps a model to its engines (one per replica). Every replica is its own
-    sub-server with its own scheduler and thresholds; a request keeps its replica of each
+    model replica with its own scheduler and thresholds; a request keeps its replica of each
     model (its KV lives there). ``assignment`` says who picks it:
 
     - ``"placement"`` (default): production's rule (ingress/placement.py, what the Serve
@@ -405,10 +405,10 @@ class ReplicatedRuntime(LocalRuntime):
                     self.models, index, engine, self.policy, channel, pick, metrics=self.metrics
                 )
                 await server.start()
-                self.subservers.append(server)
+                self.model_replicas.append(server)
         channel = self.channel_type("ingress", "0", directory, hub)
         await channel.start()
-        endpoints = [s.endpoint for s in self.subservers]
+        endpoints = [s.endpoint for s in self.model_replicas]
         turn = itertools.count()
         entries = self.replicas[self.models[0]]  # drained ones leave it (``on_drain``)
 

@@ -322,7 +322,7 @@ class ClosedLoop:
 
     @property
     def servers(self) -> list[Any]:
-        return self.runtime.subservers
+        return self.runtime.model_replicas
 
     def set_escalation(self, q: float) -> None:
         """Change p(small->large) of the running policy (a shift in the traffic)."""

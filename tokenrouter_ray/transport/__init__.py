@@ -1,6 +1,6 @@
 """Peer channels: how `PeerReq` frames travel between the ingress and the model replicas.
 
-`base` defines the interface (`PeerChannel`, `Directory`); `inproc` wires sub-servers in one
+`base` defines the interface (`PeerChannel`, `Directory`); `inproc` wires model replicas in one
 process; `zmq_channel` uses ZeroMQ (ipc:// on a node, tcp:// across nodes); `unix_channel` the
 kernel's SOCK_SEQPACKET sockets on one node, without ZeroMQ's I/O threads; `ray_channel`
 uses Ray actor calls and is imported explicitly (it is the only module here importing Ray).

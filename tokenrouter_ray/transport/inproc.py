@@ -1,4 +1,4 @@
-"""In-process peer channel: several model sub-servers wired together in one process.
+"""In-process peer channel: several model replicas wired together in one process.
 
 An `InProcHub` is the "network": it maps inproc:// addresses to the receivers' frame queues.
 `send` encodes the batch (so sender and receiver never share mutable lists) and puts the

@@ -8,7 +8,7 @@ command sweeps the free thresholds, prints the predicted throughput of every B a
 one (a table, or JSON with ``--json``), and with ``--thresholds-out`` writes the per-model
 threshold lists (index = active requests) a scheduler config takes.
 
-``simulate`` runs the real runtime (``LocalRuntime``: scheduler, sub-servers, protocol) on
+``simulate`` runs the real runtime (``LocalRuntime``: scheduler, model replicas, protocol) on
 simulated engines that sleep for the profiled step time (``sim_backend``), N requests in a
 closed loop, and prints the measured committed tokens/s next to the prediction, for
 capacity planning. It supports two-model escalate-once routing (small -> large with

@@ -2,7 +2,7 @@
 
 For each batch size ``b`` the engine prefills ``b`` requests of ``--prompt-len`` random
 tokens, runs ``--warmup`` decode steps, then times ``--steps`` more (execute + commit, what a
-sub-server's step costs) and keeps the median. The result is the ``models`` section of the
+model replica's step costs) and keeps the median. The result is the ``models`` section of the
 profile file ``tune``, ``simulate`` and the live tuner read (docs/user-guide/tuning.md); routing
 probabilities and commits can be added inline (``--route-prob``, ``--commit``) or later on
 ``tune``'s command line.

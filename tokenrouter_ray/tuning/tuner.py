@@ -2,7 +2,7 @@
 
 ``TunerCore`` is the tuner without Ray: the core of the tuner deployment
 (``deployments/tuner.py``) and of ``drive_local`` (the same loop over a ``LocalRuntime``'s
-sub-servers); both run ``run_tuner``, the one tuner loop. Every model replica reports its
+model replicas); both run ``run_tuner``, the one tuner loop. Every model replica reports its
 ``WindowSnapshot`` (``tuning/window.py``) each ``period_s`` and gets back the
 ``ThresholdTable`` it should run with (replicas pull; the tuner never needs to reach a
 replica).
@@ -339,7 +339,7 @@ async def drive_local(
     stop: asyncio.Event,
     on_decision: Callable[[TunerDecision], None] | None = None,
 ) -> None:
-    """The tuner loop over in-process replicas (a ``LocalRuntime``'s ``subservers``): it
+    """The tuner loop over in-process replicas (a ``LocalRuntime``'s ``model_replicas``): it
     pulls their windows and pushes the thresholds back each period (both through each
     replica's call queue)."""
     servers = list(servers)

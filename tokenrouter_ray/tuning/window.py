@@ -1,6 +1,6 @@
 """One replica's live routing and step-time statistics, the input of the threshold tuner.
 
-Every sub-server keeps a ``WindowStats``: over a sliding window, every request leaving a step
+Every model replica keeps a ``WindowStats``: over a sliding window, every request leaving a step
 on model i is a move i -> j (j = i when it stays) with the tokens it committed, and every
 step adds (batch size, seconds) and the active-request count N it ran under, and every
 HANDOFF applied here from another model adds its transit (seconds from its building at the
