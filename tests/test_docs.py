@@ -173,9 +173,29 @@ def test_documented_cli_commands_parse() -> None:
 CHEAP_COMMANDS = ("tune", "plan", "config")  # seconds, no server, no model
 
 
+def help_examples() -> list[tuple[Path, str]]:
+    """The example lines of every command's help (its epilog), continuations joined."""
+    import argparse
+
+    from tokenrouter_ray.cli import build_parser
+
+    found, pending = [], [build_parser()]
+    while pending:
+        parser = pending.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending += list(action.choices.values())
+        for line in (parser.epilog or "").replace("\\\n", " ").splitlines():
+            line = " ".join(line.split())
+            if line.startswith("tokenrouter-ray "):
+                found.append((ROOT / "tokenrouter_ray" / "cli.py", line))
+    return found
+
+
 def documented_commands() -> list[tuple[Path, str]]:
-    """Every ``tokenrouter-ray ...`` command the pages show: code blocks and inline code."""
-    found = []
+    """Every ``tokenrouter-ray ...`` command the pages show (code blocks and inline code) and
+    every example in the commands' own help."""
+    found = help_examples()
     for page in PAGES:
         inline = re.findall(r"`(tokenrouter-ray [^`]+)`", page.read_text())
         for line in [*command_lines(page), *inline]:

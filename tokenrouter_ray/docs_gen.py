@@ -205,6 +205,7 @@ def _command(name: str, help_: str, parser: argparse.ArgumentParser, out: list[s
         a
         for a in parser._actions
         if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+        and a.help != argparse.SUPPRESS  # a deprecated spelling: not documented
     ]
     if actions:
         out.append("| argument | default | help |\n|---|---|---|")

@@ -23,7 +23,12 @@ from typing import Any
 from tokenrouter_ray.cli import deprecated_alias
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
-from tokenrouter_ray.tuning.commands import _add_statistics, _int_list, build_profile
+from tokenrouter_ray.tuning.commands import (
+    _add_statistics,
+    _int_list,
+    add_concurrency_levels,
+    build_profile,
+)
 from tokenrouter_ray.tuning.profile import RoutingProfile
 
 
@@ -42,17 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
         epilog="example (the paper's step times, 35 % escalation, B = 1..3 on the large model):"
         "\n  tokenrouter-ray simulate --step-ms small=6.0,large=27.9 --route-prob "
-        "small:large=0.35 \\\n      --concurrency-levels 4,16 --batch-thresholds large=1-3",
+        "small:small=0.65,small:large=0.35,large:small=1 \\\n"
+        "      --concurrency-levels 4,16 --batch-thresholds large=1-3",
     )
     _add_statistics(parser)
-    levels = parser.add_argument(
-        "--concurrency-levels",
-        dest="concurrency",
-        metavar="N,...",
-        default="4",
-        help="active-request counts N to run, e.g. 1,4,16 or 1-16",
-    )
-    deprecated_alias(parser, "--concurrency", levels)
+    add_concurrency_levels(parser, "4", "to run")
     batch = parser.add_argument(
         "--batch-thresholds",
         dest="thresholds",

@@ -62,6 +62,18 @@ def _add_statistics(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_concurrency_levels(parser: argparse.ArgumentParser, default: str, purpose: str) -> None:
+    """``--concurrency-levels N,...`` (``args.concurrency``; ``--concurrency`` deprecated)."""
+    levels = parser.add_argument(
+        "--concurrency-levels",
+        dest="concurrency",
+        metavar="N,...",
+        default=default,
+        help=f"active-request counts N {purpose}, e.g. 1,4,16 or 1-16",
+    )
+    deprecated_alias(parser, "--concurrency", levels)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "tune",
@@ -72,17 +84,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--step-ms order (or the profile's order); requests enter at the first one."
         ),
         epilog="example (the paper's step times, 35 % of positions escalated):\n"
-        "  tokenrouter-ray tune --step-ms small=6.0,large=27.9 --route-prob small:large=0.35",
+        "  tokenrouter-ray tune --step-ms small=6.0,large=27.9 \\\n"
+        "      --route-prob small:small=0.65,small:large=0.35,large:small=1",
     )
     _add_statistics(parser)
-    levels = parser.add_argument(
-        "--concurrency-levels",
-        dest="concurrency",
-        metavar="N,...",
-        default="1,2,4,8,16",
-        help="active-request counts N to tune for, e.g. 1,2,4 or 1-16",
-    )
-    deprecated_alias(parser, "--concurrency", levels)
+    add_concurrency_levels(parser, "1,2,4,8,16", "to tune for")
     parser.add_argument("--fix", help="thresholds held fixed, e.g. small=1")
     parser.add_argument(
         "--replicas",
