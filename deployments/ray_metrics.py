@@ -206,10 +206,17 @@ class RayBackend:
         return series
 
     def inc(self, metric: MetricDef, value: float, labels: Labels) -> None:
-        if value > 0:  # Ray refuses non-positive increments
+        if value > 0:
             self.counts.add((metric.name, labels), value)
             if self._flusher is None:
                 self._start_flusher()
+        elif value == 0 and (metric.name, labels) not in self._series:
+            # A series that exists before its first event (a rate of 0, not no data). Ray's
+            # public ``inc`` refuses 0; its Cython record takes it.
+            try:
+                self._series_of(metric, labels, "inc")(0.0)
+            except ValueError:
+                pass  # a Ray without those internals: the series appears at its first event
 
     def set(self, metric: MetricDef, value: float, labels: Labels) -> None:
         self._series_of(metric, labels, "set")(value)

@@ -134,6 +134,8 @@ class IngressService:
         self.channel = channel
         self.peers = peers
         self.metrics = metrics if metrics is not None else Metrics()
+        for reason in ("drain", "lost"):  # both series exist before the first move
+            self.metrics.requests_moved(reason, 0)
         self.tokenizer = tokenizer
         self.generation_defaults = (
             generation_defaults if generation_defaults is not None else generation_defaults_of(cfg)
