@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import contextlib
 import functools
 import logging
 import threading
@@ -213,10 +214,8 @@ class RayBackend:
         elif value == 0 and (metric.name, labels) not in self._series:
             # A series that exists before its first event (a rate of 0, not no data). Ray's
             # public ``inc`` refuses 0; its Cython record takes it.
-            try:
+            with contextlib.suppress(ValueError):  # a Ray without those internals
                 self._series_of(metric, labels, "inc")(0.0)
-            except ValueError:
-                pass  # a Ray without those internals: the series appears at its first event
 
     def set(self, metric: MetricDef, value: float, labels: Labels) -> None:
         self._series_of(metric, labels, "set")(value)
