@@ -20,7 +20,11 @@ from pydantic import (
 from tokenrouter_ray.engine.config import SDPA_BACKEND_HELP, SdpaBackend
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 from tokenrouter_ray.errors import UserFacingError
-from tokenrouter_ray.quality.settings import QualityMonitorSpec, QualityTargetSpec
+from tokenrouter_ray.quality.settings import (
+    QualityMonitorSpec,
+    QualityTargetSpec,
+    SpeedBypassSpec,
+)
 from tokenrouter_ray.thresholds import ThresholdTable, check_tables
 
 # The Hydra configs: package data (in a checkout, tokenrouter_ray/conf links to ../conf).
@@ -508,6 +512,12 @@ class TunerSpec(_Strict):
         "cheapest preset (or the top model alone) whose live agreement meets it "
         "(docs/user-guide/quality.md). null: they take policy.alone or the policy's own "
         "threshold.",
+    )
+    speed_bypass: SpeedBypassSpec | None = Field(
+        None,
+        description="Serve requests without `routing` by the top model alone at the load "
+        "levels where that is measured faster than routing (docs/user-guide/quality.md). "
+        "null: they are routed whenever their quality rung routes.",
     )
     min_tokens_per_s: float | None = Field(
         None, gt=0, description="SLO: per-request speed; caps admitted concurrency."

@@ -230,9 +230,9 @@ def test_every_dashboard_query_returns_data(
     overrides = [
         *demo_overrides(),
         f"served_model_name={SERVED}",
-        # every request routed (the demo's default serves the large model alone): the
-        # routing, handoff and small-model panels need routed traffic
-        "policy.alone=null",
+        # every request routed (the demo's default serves the large model alone where that
+        # is faster): the routing, handoff and small-model panels need routed traffic
+        "tuner.speed_bypass=null",
         # preemptions: a few KV blocks on the small model
         f"models.small.memory_budget_gb={small_kv_budget_gb()}",
         f"models.small.max_model_len={SMALL_KV_BLOCKS * BLOCK}",

@@ -170,7 +170,12 @@ def test_a_model_alone_and_a_capped_share_through_the_api(served_chain_dirs) -> 
 
         spec = SamplingSpec(temperature=0.0, max_tokens=16, seed=3, route_thresholds=(0.0,))
         ids, routing = await ask({"model": "large"})
-        assert routing == {"tokens_per_model": {"large": 16}, "handoffs": 0, "mode": "alone"}
+        assert routing == {
+            "tokens_per_model": {"large": 16},
+            "handoffs": 0,
+            "mode": "alone",
+            "reason": "request",
+        }
         alone = await runtime.complete(PROMPT, spec, alone="large")
         assert ids == alone.token_ids
         ids, routing = await ask({"quality": "high", "max_large_share": 0.25})

@@ -195,6 +195,7 @@ def test_values_variant(render_values: Callable[..., Objects]) -> None:
     assert kinds(objects) == ["Ingress", "NetworkPolicy", "RayService", "Secret"]
     overrides = serve_config(objects)["applications"][0]["args"]["overrides"]
     assert overrides[5:] == [
+        "tuner.speed_bypass={}",  # on by default (speedBypass)
         "transport.zmq.port_range=[6000,6007]",
         "transport.zmq.curve=true",  # on by default
         "tuner.period_s=5",

@@ -39,6 +39,7 @@ def test_completion_parses_with_the_openai_client_types() -> None:
         "tokens_per_model": {"small": 2, "large": 5},
         "handoffs": 3,
         "mode": "routed",
+        "reason": None,
     }
     assert parsed.choices[1].model_extra["routing"]["tokens_per_model"] == {"large": 4}
 

@@ -56,7 +56,7 @@ def client_for(body: bytes) -> openai.OpenAI:
 def test_sse_event_framing() -> None:
     assert sse_event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
     assert sse_event(RoutingInfo(handoffs=1)) == (
-        b'data: {"tokens_per_model":{},"handoffs":1,"mode":"routed"}\n\n'
+        b'data: {"tokens_per_model":{},"handoffs":1,"mode":"routed","reason":null}\n\n'
     )
 
 
@@ -109,6 +109,7 @@ def test_chat_stream_sequence_with_usage() -> None:
         "tokens_per_model": {"large": 1},
         "handoffs": 1,
         "mode": "routed",
+        "reason": None,
     }
     last = chunks[-1]
     assert last.choices == [] and last.usage.total_tokens == 9
@@ -255,6 +256,7 @@ def test_merged_choice_streams_order_and_early_close() -> None:
         "tokens_per_model": {"small": 5},
         "handoffs": 1,
         "mode": "routed",
+        "reason": None,
     }
     for index, words in ((0, "abc"), (1, "xy")):
         mine = [f["choices"][0] for f in frames[:-2] if f["choices"] and

@@ -270,8 +270,13 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
 
     @app.get("/v1/tokenrouter/quality")
     async def quality_status() -> dict[str, Any]:
-        """Live quality: sampled answers scored by the top model (quality/live.py)."""
-        return service.quality.status()
+        """Live quality: sampled answers scored by the top model (quality/live.py), and
+        the speed bypass's choice per load level (quality/speed.py)."""
+        bypass = service.server.bypass
+        return {
+            **service.quality.status(),
+            "speed_bypass": None if bypass is None else bypass.status(),
+        }
 
     @app.get("/v1/tokenrouter/tuner")
     async def tuner_status() -> Any:

@@ -49,6 +49,7 @@ from tokenrouter_ray.openai.sse import (
 from tokenrouter_ray.openai.token_reports import TokenText
 from tokenrouter_ray.openai.validation import PreparedRequest
 from tokenrouter_ray.quality.live import LiveQuality
+from tokenrouter_ray.quality.speed import SpeedBypass
 from tokenrouter_ray.transport.base import endpoint_model
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,8 @@ class IngressServer:
         self.entry_total: dict[str, int] = {}  # choices ever sent per entry replica
         # live quality (quality/live.py): finished choices offered for scoring; None: off
         self.quality: LiveQuality | None = None
+        # the speed bypass (quality/speed.py): routed or the top model alone; None: off
+        self.bypass: SpeedBypass | None = None
         # one placement rule for every model's replica (ingress/placement.py): the entry's
         # from ``entries()``; with ``replicas_of`` (model -> its live endpoints), the other
         # models' too (without it, ``endpoints_for`` or the models themselves pick them)
@@ -194,14 +197,26 @@ class IngressServer:
     def follow_target(self, prepared: PreparedRequest) -> PreparedRequest:
         """A request that asked for no ``routing`` takes the quality target's operating
         point (``tuner.quality_target``: a preset's thresholds, or the top model alone);
-        any other is left as it is."""
+        where that point routes, the speed bypass (``tuner.speed_bypass``) may serve it by
+        the top model alone instead. Any other request is left as it is."""
+        sampling = prepared.sampling
         target = self.quality.target if self.quality is not None else None
-        if target is None or not prepared.sampling.route_default:
+        bypass = self.bypass
+        if not sampling.route_default or (target is None and bypass is None):
             return prepared
-        thresholds, alone = target.routing()
+        thresholds, alone, why = sampling.route_thresholds, sampling.route_alone, sampling.route_why
+        if target is not None:
+            thresholds, alone = target.routing()
+            why = "quality" if alone is not None else None
+        level = None
+        if bypass is not None and alone is None:
+            mode, why, level = bypass.choose(self.core.num_active + 1)
+            if mode == "alone":
+                thresholds, alone = (), bypass.top
         sampling = dataclasses.replace(
-            prepared.sampling, route_thresholds=thresholds, route_alone=alone, route_default=False
-        )
+            sampling, route_thresholds=thresholds, route_alone=alone, route_default=False,
+            route_why=why, route_level=level,
+        )  # fmt: skip
         return dataclasses.replace(prepared, sampling=sampling)
 
     async def respond(
@@ -365,8 +380,11 @@ class IngressServer:
         assert done is not None  # only this finally or the task's done callback close it
         if done.error is not None:
             raise choice_error(done)
+        sampling = prepared.sampling
+        if self.bypass is not None and sampling.route_level is not None:
+            mode = "routed" if sampling.route_alone is None else "alone"
+            self.bypass.observe(mode, sampling.route_level, done.e2e_s or 0.0, len(done.token_ids))
         if self.quality is not None:
-            sampling = prepared.sampling
             self.quality.offer(rid, prepared.prompt_token_ids, done.token_ids,
                                sampling.route_thresholds, sampling.route_alone)  # fmt: skip
         last = writer.end(done.writers, done.infos)

@@ -45,6 +45,7 @@ from tokenrouter_ray.openai.errors import NotFoundError
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.quality.live import LiveQuality, Scorer
+from tokenrouter_ray.quality.speed import SpeedBypass
 from tokenrouter_ray.quality.target import QualityTarget
 from tokenrouter_ray.transport.base import PeerChannel
 
@@ -195,6 +196,8 @@ class IngressService:
                 cfg.tuner.quality_target, cfg.policy.preset_thresholds(), names[-1]
             )
         self.server.quality = self.quality if self.quality.sample_rate > 0 else None
+        if cfg.tuner.speed_bypass is not None and len(names) > 1:
+            self.server.bypass = SpeedBypass(cfg.tuner.speed_bypass, names[-1])
         self._slo: asyncio.Task | None = None
         self.core.on_drain = self.on_drain
         self.core.on_peer_lost = self.on_peer_lost

@@ -138,7 +138,10 @@ class ChoiceWriter:
             n, done.writers, self.models(done.writers), done.ttft_s, done.mean_itl_s,
             done.e2e_s, done.handoffs, done.summary,
         )  # fmt: skip
-        routing = RoutingInfo.of(metrics, done.handoffs, self.sampling.route_alone is not None)
+        sampling = self.sampling
+        routing = RoutingInfo.of(
+            metrics, done.handoffs, sampling.route_alone is not None, sampling.route_why
+        )
         text, details = detok.text, self.details_left
         if parser is None:
             return ChoiceResult(self.index, text, reason, n, routing, metrics, details)

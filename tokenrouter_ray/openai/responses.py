@@ -68,28 +68,38 @@ class RoutingInfo(BaseModel):
         description="routed: the routing policy chose a model at every position; alone: one "
         "model served the request by itself (`routing.model`, or the server's policy.alone).",
     )
+    reason: str | None = Field(
+        None,
+        description="Why this mode: request (its `routing`), config (the server's "
+        "policy.alone), quality (the quality target's operating point), speed (the faster "
+        "mode at this load, tuner.speed_bypass), learning or explore (the speed bypass "
+        "measuring a mode); null: the policy's default routing.",
+    )
 
     @classmethod
-    def of(cls, metrics: RequestMetrics, handoffs: int, alone: bool = False) -> RoutingInfo:
+    def of(
+        cls, metrics: RequestMetrics, handoffs: int, alone: bool = False, reason: str | None = None
+    ) -> RoutingInfo:
         """A choice's routing, from the one count of its tokens per writer (its metrics':
         the tokens of the response, so a stop string's cut is not counted)."""
         counts = {m: n for m, n in metrics.tokens_per_model.items() if n}
-        return cls(tokens_per_model=counts, handoffs=handoffs, mode="alone" if alone else "routed")
+        mode = "alone" if alone else "routed"
+        return cls(tokens_per_model=counts, handoffs=handoffs, mode=mode, reason=reason)
 
     @classmethod
     def merge(cls, infos: Iterable[RoutingInfo | None]) -> RoutingInfo:
         """The sum over choices."""
         tokens: dict[str, int] = {}
         handoffs = 0
-        mode = "routed"
+        mode, reason = "routed", None
         for info in infos:
             if info is None:
                 continue
             handoffs += info.handoffs
-            mode = info.mode  # every choice of a request is served the same way
+            mode, reason = info.mode, info.reason  # a request's choices are served alike
             for name, count in info.tokens_per_model.items():
                 tokens[name] = tokens.get(name, 0) + count
-        return cls(tokens_per_model=tokens, handoffs=handoffs, mode=mode)
+        return cls(tokens_per_model=tokens, handoffs=handoffs, mode=mode, reason=reason)
 
 
 class PromptTokensDetails(BaseModel):

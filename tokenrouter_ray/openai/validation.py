@@ -192,6 +192,10 @@ class SamplingOptions:
     route_alone: str | None = None  # the model serving it alone (bypass); None: routed
     route_max_share: float | None = None  # cap on the top model's share of the output
     route_default: bool = True  # asked for no `routing`: a quality target may choose it
+    # why it is served routed or alone: request, config (policy.alone), quality (the quality
+    # target's rung), speed / learning / explore (the speed bypass, quality/speed.py)
+    route_why: str | None = None
+    route_level: int | None = None  # the speed bypass's load level; None: not its request
 
     @property
     def reports_tokens(self) -> bool:
@@ -498,7 +502,14 @@ def _sampling(
         route_alone=_route_alone(request.routing, limits),
         route_max_share=None if request.routing is None else request.routing.max_large_share,
         route_default=request.routing is None,
+        route_why=_route_why(request.routing, limits),
     )
+
+
+def _route_why(routing: RoutingRequest | None, limits: RequestLimits | None) -> str | None:
+    if routing is not None:
+        return "request"
+    return "config" if limits is not None and limits.alone is not None else None
 
 
 def _route_alone(routing: RoutingRequest | None, limits: RequestLimits | None) -> str | None:

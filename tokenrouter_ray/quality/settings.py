@@ -88,3 +88,32 @@ class QualityMonitorSpec(_Strict):
         200, ge=1, description="Scored answers per operating point the status route averages."
     )
     timeout_s: float = Field(60.0, gt=0, description="Longest wait for one scoring.")
+
+
+class SpeedBypassSpec(_Strict):
+    """``tuner.speed_bypass``: requests that ask for no ``routing`` are served by the top
+    model alone at the load levels where that is measured faster than routing
+    (tokenrouter_ray/quality/speed.py). Each ingress replica measures it from the requests it
+    serves; it does not need the tuner deployment."""
+
+    explore_every: int = Field(
+        20,
+        ge=0,
+        description="Every this many requests at a load level, one is served in the slower "
+        "mode, so a change is seen (0: never; its cost is at most 1/explore_every of the gap).",
+    )
+    min_samples: int = Field(
+        4, ge=1, description="Requests measured in each mode at a load level before it decides."
+    )
+    margin: float = Field(
+        0.05, ge=0, lt=1, description="Hysteresis: how much faster the other mode must be."
+    )
+    window: int = Field(
+        32, ge=1, description="Recent requests per mode and load level the means read."
+    )
+    min_tokens: int = Field(
+        4, ge=1, description="Shorter answers are not measured (their time is mostly prefill)."
+    )
+    start: Literal["routed", "alone"] = Field(
+        "alone", description="The mode a load level's first request gets while it learns."
+    )

@@ -93,6 +93,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - transport={{ .Values.transport.name }}
 - placement={{ .Values.placement }}
 - tuner={{ .Values.tuner }}
+{{- if .Values.speedBypass }}
+- tuner.speed_bypass={}
+{{- end }}
 {{- if eq .Values.transport.name "zmq_tcp" }}
 - transport.zmq.port_range=[{{ .Values.transport.zmqPorts.first }},{{ .Values.transport.zmqPorts.last }}]
 {{- if .Values.transport.curve }}

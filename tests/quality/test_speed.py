@@ -1,0 +1,77 @@
+"""The speed bypass's rule (quality/speed.py): learn both modes per load level, serve the
+faster, switch back only past the margin, explore a share."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenrouter_ray.quality.settings import SpeedBypassSpec
+from tokenrouter_ray.quality.speed import SpeedBypass, load_level
+
+
+def serve(bypass: SpeedBypass, active: int, ms_per_token: dict[str, float], n: int) -> list[str]:
+    """``n`` requests at ``active``, each finished at its mode's speed: the modes served."""
+    modes = []
+    for _ in range(n):
+        mode, _why, level = bypass.choose(active)
+        bypass.observe(mode, level, ms_per_token[mode] * 64 / 1e3, 64)
+        modes.append(mode)
+    return modes
+
+
+def test_load_levels_are_powers_of_two() -> None:
+    assert [load_level(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16)] == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+
+
+def test_learns_both_modes_then_serves_the_faster_per_load_level() -> None:
+    spec = SpeedBypassSpec(explore_every=0, min_samples=3)
+    bypass = SpeedBypass(spec, "large")
+    # at load 1 the top model alone is faster; at load 8 routing is
+    first = serve(bypass, 1, {"routed": 30.0, "alone": 20.0}, 6)
+    assert sorted(first) == ["alone"] * 3 + ["routed"] * 3  # learning: both, alternately
+    assert first[0] == "alone"  # the configured start
+    assert serve(bypass, 1, {"routed": 30.0, "alone": 20.0}, 20) == ["alone"] * 20
+    serve(bypass, 8, {"routed": 10.0, "alone": 20.0}, 6)
+    assert serve(bypass, 8, {"routed": 10.0, "alone": 20.0}, 20) == ["routed"] * 20
+    status = bypass.status()
+    assert [(lv["load"], lv["mode"]) for lv in status["levels"]] == [
+        ("1", "alone"),
+        ("8-15", "routed"),
+    ]
+    assert status["levels"][0]["alone_ms_per_token"] == pytest.approx(20.0)
+
+
+def test_switches_only_past_the_margin() -> None:
+    spec = SpeedBypassSpec(explore_every=0, min_samples=2, margin=0.1, window=4)
+    bypass = SpeedBypass(spec, "large")
+    serve(bypass, 1, {"routed": 30.0, "alone": 20.0}, 4)
+    assert bypass.choose(1)[0] == "alone"
+    # routed becomes 5 % faster than alone: inside the margin, alone stays
+    for _ in range(4):
+        bypass.observe("routed", 0, 19.0 * 64 / 1e3, 64)
+    assert bypass.choose(1)[0] == "alone"
+    # 25 % faster: it takes over, and the move is listed with both means
+    for _ in range(4):
+        bypass.observe("routed", 0, 15.0 * 64 / 1e3, 64)
+    assert bypass.choose(1)[:2] == ("routed", "speed")
+    (move,) = [m for m in bypass.status()["moves"] if m["from"] is not None]
+    assert (move["from"], move["to"]) == ("alone", "routed")
+    # at the first mean at least 10 % under alone's 20 ms
+    assert move["routed_ms_per_token"] <= 18.0 < 19.0
+    assert move["alone_ms_per_token"] == pytest.approx(20.0)
+
+
+def test_explores_the_slower_mode_every_nth_request() -> None:
+    spec = SpeedBypassSpec(explore_every=10, min_samples=2)
+    bypass = SpeedBypass(spec, "large")
+    serve(bypass, 1, {"routed": 30.0, "alone": 20.0}, 4)
+    whys = [bypass.choose(1)[:2] for _ in range(30)]
+    assert [k for k, w in enumerate(whys) if w[1] == "explore"] == [9, 19, 29]
+    assert {w for w in whys if w[1] == "explore"} == {("routed", "explore")}
+
+
+def test_short_answers_are_not_measured() -> None:
+    bypass = SpeedBypass(SpeedBypassSpec(min_tokens=4), "large")
+    bypass.observe("alone", 0, 1.0, 3)
+    bypass.observe("alone", 0, 0.0, 64)
+    assert bypass.status()["levels"] == []
