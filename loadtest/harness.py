@@ -28,7 +28,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import openai
@@ -250,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per level")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="unmeasured requests per mode before each level's measured ones (a server that "
+        "learns, e.g. the speed bypass, has learned by then)",
+    )
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="short_chat")
     parser.add_argument(
         "--stop-at-eos", action="store_true", help="let answers end early (no ignore_eos)"
@@ -284,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                 ignore_eos=not args.stop_at_eos,
                 routing=routing,
             )
+            if args.warmup:
+                warm = replace(spec, max_requests=args.warmup)
+                asyncio.run(run_load(args.url, warm, args.model, f"C={c} {mode} warm-up"))
             r = asyncio.run(run_load(args.url, spec, model=args.model, desc=f"C={c} {mode}"))
             levels.setdefault(c, {})[mode] = r["tok_s"]
             ttft, itl, e2e = (
@@ -306,4 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     if tuner.status_code == 200:
         status = tuner.json()
         print(f"tuner: {status['decisions']} periods, thresholds {status['thresholds']}")
+    quality = httpx.get(f"{args.url}/tokenrouter/quality", timeout=30)
+    bypass = quality.json().get("speed_bypass") if quality.status_code == 200 else None
+    for level in (bypass or {}).get("levels", []):
+        means = ", ".join(
+            f"{m} {level[f'{m}_ms_per_token']:.1f} ms/token"
+            for m in ("routed", "alone")
+            if level[f"{m}_ms_per_token"] is not None
+        )
+        print(f"speed bypass at load {level['load']}: {level['mode']} ({means})")
     return 0

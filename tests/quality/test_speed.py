@@ -24,15 +24,22 @@ def test_load_levels_are_powers_of_two() -> None:
 
 
 def test_learns_both_modes_then_serves_the_faster_per_load_level() -> None:
-    spec = SpeedBypassSpec(explore_every=0, min_samples=3)
+    spec = SpeedBypassSpec(explore_every=4, min_samples=3)
     bypass = SpeedBypass(spec, "large")
-    # at load 1 the top model alone is faster; at load 8 routing is
-    first = serve(bypass, 1, {"routed": 30.0, "alone": 20.0}, 6)
-    assert sorted(first) == ["alone"] * 3 + ["routed"] * 3  # learning: both, alternately
-    assert first[0] == "alone"  # the configured start
-    assert serve(bypass, 1, {"routed": 30.0, "alone": 20.0}, 20) == ["alone"] * 20
-    serve(bypass, 8, {"routed": 10.0, "alone": 20.0}, 6)
-    assert serve(bypass, 8, {"routed": 10.0, "alone": 20.0}, 20) == ["routed"] * 20
+    slow_routing = {"routed": 30.0, "alone": 20.0}
+    # nothing decided: both modes, alternately, starting alone (the configured start)
+    first = serve(bypass, 1, slow_routing, 6)
+    assert first == ["alone", "routed"] * 3
+    # decided at load 1: alone, and every 4th request explores routing
+    assert serve(bypass, 1, slow_routing, 8) == ["alone"] * 3 + ["routed"] + ["alone"] * 3 + [
+        "routed"
+    ]
+    # load 8 starts from load 1's choice, measures routing by its explorations, and moves
+    # to it once both modes have 3 requests there: routing is faster at this load
+    fast_routing = {"routed": 10.0, "alone": 20.0}
+    start = serve(bypass, 8, fast_routing, 12)
+    assert start[:4] == ["alone"] * 3 + ["routed"]
+    assert serve(bypass, 8, fast_routing, 4) == ["routed"] * 3 + ["alone"]
     status = bypass.status()
     assert [(lv["load"], lv["mode"]) for lv in status["levels"]] == [
         ("1", "alone"),

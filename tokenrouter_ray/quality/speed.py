@@ -11,10 +11,12 @@ active requests at admission, in powers of two: 1, 2-3, 4-7, ...).
 
 Per load level:
 
-- until both modes have ``min_samples`` requests, the less measured one serves the next
-  request (learning);
-- then the faster mode serves, by its mean time per token over the last ``window``
-  requests; the other takes over only once it is faster by ``margin`` (hysteresis);
+- once both modes have ``min_samples`` requests there, the faster mode serves, by its mean
+  time per token over the last ``window`` requests; the other takes over only once it is
+  faster by ``margin`` (hysteresis);
+- before that, the mode the nearest decided load level serves (the direction changes
+  slowly with load), measured here as it serves; with no level decided yet, the less
+  measured mode serves the next request (learning, at the start only);
 - every ``explore_every``-th request goes to the other mode, so a change in traffic or
   load is seen (its cost is at most 1/``explore_every`` of the gap between the two). The
   count, not a draw: two requests in a row are never both explorations.
@@ -77,19 +79,26 @@ class SpeedBypass:
         ``explore``."""
         level = load_level(active)
         state = self._level(level)
-        if state.mode is None:
-            short = [m for m in MODES if len(state.times[m]) < self.spec.min_samples]
-            if short:
-                # the less measured mode; a tie goes to the configured start
-                mode = min(short, key=lambda m: (state.counts[m], m != self.spec.start))
-                return mode, "learning", level
+        if state.mode is None and all(len(state.times[m]) >= self.spec.min_samples for m in MODES):
             self._decide(level, state)
-        assert state.mode is not None
+        mode = state.mode if state.mode is not None else self._nearest(level)
+        if mode is None:
+            # the less measured mode; a tie goes to the configured start
+            short = [m for m in MODES if len(state.times[m]) < self.spec.min_samples]
+            mode = min(short, key=lambda m: (state.counts[m], m != self.spec.start))
+            return mode, "learning", level
         state.served += 1
         every = self.spec.explore_every
         if every and state.served % every == 0:
-            return _other(state.mode), "explore", level
-        return state.mode, "speed", level
+            return _other(mode), "explore", level
+        return mode, "speed", level
+
+    def _nearest(self, level: int) -> str | None:
+        """The mode of the decided load level nearest ``level`` (the lower on a tie)."""
+        decided = [k for k, s in self.levels.items() if s.mode is not None]
+        if not decided:
+            return None
+        return self.levels[min(decided, key=lambda k: (abs(k - level), k))].mode
 
     def observe(self, mode: str, level: int, seconds: float, tokens: int) -> None:
         """A request this guard placed, finished: ``tokens`` output tokens ``seconds`` after
