@@ -128,3 +128,38 @@ def test_the_direct_port_serves_the_same_api_and_cuts_clients_that_stop_reading(
     assert stats["active_requests"] == 0  # ... and their 32 choices freed everywhere
     # the ingress held at most its bound for them: 8 tokens per choice (and a chunk's worth)
     assert peak <= 2 * 16 * (8 + 8)
+
+
+def test_speed_bypass_routes_where_routing_is_faster_and_bypasses_where_it_is_not(
+    serve_app,
+) -> None:
+    """The speed bypass on the served simulation at the paper's step times (6.0 ms small,
+    27.9 ms large): with p = 0.35 routing is faster and default requests settle routed; with
+    p = 0.95 the top model alone is, and they settle on it. Each response says which mode and
+    why; the status route lists the decision with both means."""
+    bypass = "tuner.speed_bypass={min_samples: 2, explore_every: 0}"
+    for p, faster in ((0.35, "routed"), (0.95, "alone")):
+        overrides = [*sim_overrides("paper"), f"policy.options.p={p}", bypass]
+        with serve_app(overrides, f"sim-bypass-{faster}") as base:
+            client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+
+            def ask() -> dict:
+                reply = client.completions.create(
+                    model="tokenrouter", prompt="Plan a trip.", max_tokens=48,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                return reply.model_extra["routing"]
+
+            learning = [ask() for _ in range(4)]  # nothing decided: both modes, in turn
+            assert [(r["mode"], r["reason"]) for r in learning] == [
+                ("alone", "learning"), ("routed", "learning"),
+            ] * 2  # fmt: skip
+            decided = [ask() for _ in range(3)]
+            assert {(r["mode"], r["reason"]) for r in decided} == {(faster, "speed")}
+            if faster == "alone":
+                assert all(r["handoffs"] == 0 for r in decided)
+            status = httpx.get(base.removesuffix("/v1") + "/v1/tokenrouter/quality", timeout=10)
+            (level,) = status.json()["speed_bypass"]["levels"]
+            assert (level["load"], level["mode"]) == ("1", faster)
+            slower = "alone" if faster == "routed" else "routed"
+            assert level[f"{faster}_ms_per_token"] < level[f"{slower}_ms_per_token"]
