@@ -143,7 +143,7 @@ def test_speed_bypass_routes_where_routing_is_faster_and_bypasses_where_it_is_no
         with serve_app(overrides, f"sim-bypass-{faster}") as base:
             client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
 
-            def ask() -> dict:
+            def ask(client: openai.OpenAI = client) -> dict:
                 reply = client.completions.create(
                     model="tokenrouter", prompt="Plan a trip.", max_tokens=48,
                     extra_body={"ignore_eos": True},
