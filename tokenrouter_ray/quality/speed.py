@@ -143,10 +143,7 @@ class SpeedBypass:
             levels.append({
                 "load": _level_name(level),
                 "mode": state.mode,
-                **{
-                    f"{m}_ms_per_token": (None if state.mean(m) is None else state.mean(m) * 1e3)
-                    for m in MODES
-                },
+                **{f"{m}_ms_per_token": _ms(state.mean(m)) for m in MODES},
                 "measured": dict(state.counts),
             })  # fmt: skip
         return {
@@ -156,6 +153,10 @@ class SpeedBypass:
             "levels": levels,
             "moves": list(self.history),
         }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def _other(mode: str) -> str:
