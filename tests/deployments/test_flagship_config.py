@@ -90,7 +90,9 @@ def save_tiny_qwen3(path: Path, tokenizer_dir: Path, layers: int, seed: int) -> 
     return model
 
 
-def calibrated_r2r_router(small: torch.nn.Module, tokenizer_dir: Path, path: Path) -> Path:
+def calibrated_r2r_router(
+    small: torch.nn.Module, tokenizer_dir: Path, path: Path
+) -> tuple[Path, float]:
     """A router in R2R's checkpoint layout for the tiny pair, its recorded threshold the
     median score over the small model's own greedy answer: some tokens go to each model."""
     from transformers import AutoTokenizer
@@ -111,27 +113,31 @@ def calibrated_r2r_router(small: torch.nn.Module, tokenizer_dir: Path, path: Pat
     tokens = out.sequences[0, prompt.shape[1] :]  # (T,)
     with torch.no_grad():
         scores = torch.sigmoid(ref(hidden, tokens, logits.topk(100, dim=-1).values)).squeeze(-1)
-    return save_r2r_checkpoint(path, ref, with_table=False, threshold=float(scores.median()))
+    threshold = float(scores.median())
+    return save_r2r_checkpoint(path, ref, with_table=False, threshold=threshold), threshold
 
 
 @pytest.fixture(scope="module")
-def flagship_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def flagship_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from tokenrouter_ray.demo import prepare_demo
 
     demo = Path(prepare_demo(quiet=True))
     root = tmp_path_factory.mktemp("flagship")
     small = save_tiny_qwen3(root / "small", demo, layers=1, seed=1)
     save_tiny_qwen3(root / "large", demo, layers=2, seed=2)
-    published = calibrated_r2r_router(small, demo, root / "r2r_router.pt")
+    published, threshold = calibrated_r2r_router(small, demo, root / "r2r_router.pt")
     routers = root / "routers"
     routers.mkdir()
     out = routers / "r2r.safetensors"
     assert main(["import-router", "--format", "r2r", str(published), "--out", str(out)]) == 0
-    return {"small": str(root / "small"), "large": str(root / "large"), "routers": str(routers)}
+    return {
+        "small": str(root / "small"), "large": str(root / "large"), "routers": str(routers),
+        "threshold": threshold,
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def flagship(serve_http: str, flagship_paths: dict[str, str]) -> Iterator[str]:
+def flagship(serve_http: str, flagship_paths: dict[str, Any]) -> Iterator[str]:
     """The file's application, built as ``serve run`` builds it, under /flagship."""
     import os
 
@@ -161,19 +167,25 @@ def flagship(serve_http: str, flagship_paths: dict[str, str]) -> Iterator[str]:
 
 
 @pytest.mark.demo
-def test_flagship_streams_an_answer_from_both_models_across_nodes(flagship: str) -> None:
+def test_flagship_streams_an_answer_from_both_models_across_nodes(
+    flagship: str, flagship_paths: dict[str, Any]
+) -> None:
+    """A request routed at the router's recorded threshold. (One without ``routing`` is the
+    speed bypass's to serve routed or by the large model alone, tested on its own.)"""
     from ray import serve
 
     client = openai.OpenAI(base_url=flagship, api_key="none", max_retries=0, timeout=300)
+    routed = {"routing": {"threshold": flagship_paths["threshold"]}}
     stream = client.chat.completions.create(
         model="tokenrouter", messages=QUESTION, max_tokens=24, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, extra_body=routed,
     )  # fmt: skip
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = chunks[-1].usage
     routing = chunks[-1].model_extra["routing"]
     assert usage.completion_tokens > 0 and text
+    assert (routing["mode"], routing["reason"]) == ("routed", "request"), routing
     per_model = routing["tokens_per_model"]
     assert sum(per_model.values()) == usage.completion_tokens
     assert per_model.get("small", 0) > 0 and per_model.get("large", 0) > 0, routing
