@@ -74,9 +74,6 @@ def test_the_direct_port_serves_the_same_api_and_cuts_clients_that_stop_reading(
     seen: two such clients' ``n=16`` streams are cut and freed, while Serve's proxy would
     have taken all of it (docs/user-guide/reliability.md, backpressure)."""
     import socket
-    import time
-
-    from tests.ingress.test_backpressure_http import http_post, small_socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -90,13 +87,7 @@ def test_the_direct_port_serves_the_same_api_and_cuts_clients_that_stop_reading(
     ]
     with serve_app(overrides, "sim-direct") as base:
         direct = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{direct}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(direct)
         body = {"model": "tokenrouter", "messages": [{"role": "user", "content": "Hi there."}],
                 "max_tokens": 24, "temperature": 0}  # fmt: skip
         proxied = httpx.post(f"{base}/chat/completions", json=body, timeout=30)
@@ -106,10 +97,74 @@ def test_the_direct_port_serves_the_same_api_and_cuts_clients_that_stop_reading(
         assert text == proxied.json()["choices"][0]["message"]["content"]
         assert text == expected_text(own.json()["usage"]["prompt_tokens"], 24)
 
-        long_body = {"model": "tokenrouter", "prompt": "once upon", "max_tokens": 4000,
-                     "n": 16, "stream": True, "temperature": 0, "ignore_eos": True}  # fmt: skip
-        t0 = time.monotonic()
-        stuck = [small_socket(port) for _ in range(2)]
+        stats, peak = stall_two_readers("127.0.0.1", port, base)
+    assert stats["client_stalls"] >= 2  # both cut ...
+    assert stats["active_requests"] == 0  # ... and their 32 choices freed everywhere
+    # the ingress held at most its bound for them: 8 tokens per choice (and a chunk's worth)
+    assert peak <= 2 * 16 * (8 + 8)
+
+
+def test_the_charts_default_front_cuts_a_client_that_stops_reading(serve_app) -> None:
+    """The Helm chart's default values route clients to the ingress replicas' own port
+    (``directPort``): its ingress overrides, served on the simulated pair (the pod's own
+    address, here the Ray node's; a free port instead of 8001, and a short stall limit),
+    cut two clients that stop reading and free what they held."""
+    import socket
+
+    import ray
+    import yaml
+
+    from tests.k8s import manifests
+
+    (rayservice,) = [o for o in manifests.render() if o["kind"] == "RayService"]
+    (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    front = [o for o in app["args"]["overrides"] if o.startswith("ingress.")]
+    assert "ingress.direct_port=8001" in front and "ingress.direct_host=null" in front
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    keep = [o for o in front if not o.startswith(("ingress.direct_port=", "ingress.resources="))]
+    overrides = [
+        *sim_overrides("zero"),
+        *keep,  # the chart's: one replica, bound to the node's own address
+        f"ingress.direct_port={port}",
+        "ingress.stream_buffer_tokens=8",
+        "ingress.client_stall_s=1",
+    ]
+    with serve_app(overrides, "sim-chart-front") as base:
+        wait_healthy(f"http://{host}:{port}")
+        stats, _ = stall_two_readers(host, port, base)
+    assert stats["client_stalls"] >= 2 and stats["active_requests"] == 0
+
+
+def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
+
+
+def stall_two_readers(host: str, port: int, base: str) -> tuple[dict, int]:
+    """Two raw-socket clients send an ``n=16`` stream of 4,000 tokens each to ``host:port``
+    and never read; waits until the ingress has cut both and holds nothing (at most 90 s).
+    Returns the last stats and the most tokens buffered for clients meanwhile."""
+    import time
+
+    from tests.ingress.test_backpressure_http import http_post, small_socket
+
+    long_body = {"model": "tokenrouter", "prompt": "once upon", "max_tokens": 4000,
+                 "n": 16, "stream": True, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    t0 = time.monotonic()
+    stuck = [small_socket(port, host) for _ in range(2)]
+    try:
         for sock in stuck:
             sock.sendall(http_post("/v1/completions", long_body))  # then never read
         stats_url = base.removesuffix("/v1") + "/v1/tokenrouter/stats"
@@ -122,12 +177,10 @@ def test_the_direct_port_serves_the_same_api_and_cuts_clients_that_stop_reading(
                 break
             time.sleep(0.2)
         print(f"direct port: cut after {time.monotonic() - t0:.1f} s, peak {peak} tokens buffered")
+    finally:
         for sock in stuck:
             sock.close()
-    assert stats["client_stalls"] >= 2  # both cut ...
-    assert stats["active_requests"] == 0  # ... and their 32 choices freed everywhere
-    # the ingress held at most its bound for them: 8 tokens per choice (and a chunk's worth)
-    assert peak <= 2 * 16 * (8 + 8)
+    return stats, peak
 
 
 def test_speed_bypass_routes_where_routing_is_faster_and_bypasses_where_it_is_not(

@@ -34,11 +34,11 @@ def http_post(path: str, body: dict[str, Any]) -> bytes:
     return head.encode() + data
 
 
-def small_socket(port: int) -> socket.socket:
+def small_socket(port: int, host: str = "127.0.0.1") -> socket.socket:
     """A client socket whose receive buffer is small, so the server's send blocks soon."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
+    sock.connect((host, port))
     return sock
 
 

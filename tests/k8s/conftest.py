@@ -52,9 +52,21 @@ def k8s_objects() -> Objects:
     return objects
 
 
+DIRECT_PORT_OVERRIDES = [  # the chart's own: its ingress replicas on the `ingress` pods
+    "ingress.num_replicas=1",
+    "ingress.resources={tokenrouter_ingress:1}",
+    "ingress.direct_port=8001",
+    "ingress.direct_host=null",
+]
+
+
 @pytest.fixture(scope="session")
 def conf_serve_config() -> dict[str, Any]:
-    return yaml.safe_load(manifests.CONF.read_text())
+    """What the chart's default values deploy: conf/r2r_cross_node.yaml, with the direct
+    port's overrides after the file's own (directPort is on by default)."""
+    config = yaml.safe_load(manifests.CONF.read_text())
+    config["applications"][0]["args"]["overrides"] += DIRECT_PORT_OVERRIDES
+    return config
 
 
 @pytest.fixture

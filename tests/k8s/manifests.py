@@ -34,6 +34,7 @@ FILE_BY_KIND = {
     "RayService": "rayservice.yaml",
     "NetworkPolicy": "networkpolicy.yaml",
     "Ingress": "ingress.yaml",
+    "Service": "direct-service.yaml",
     "PodMonitor": "podmonitor.yaml",
     "PrometheusRule": "prometheusrule.yaml",
 }

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tests.k8s import manifests, tools
+from tests.k8s.conftest import DIRECT_PORT_OVERRIDES
 from tests.k8s.manifests import only
 
 Objects = list[dict[str, Any]]
@@ -67,6 +68,7 @@ def test_default_render_is_the_cross_node_layout(default_render: Objects) -> Non
         "PrometheusRule",
         "RayService",
         "Secret",
+        "Service",  # the direct port's (test_chart_direct_port.py)
     ]
     dashboards = sorted(k for o in default_render if o["kind"] == "ConfigMap" for k in o["data"])
     assert dashboards == sorted(p.name for p in (manifests.K8S / "dashboards").glob("*.json"))
@@ -105,7 +107,7 @@ def test_one_gpu_worker_group_per_model(default_render: Objects) -> None:
     cluster = only(default_render, "RayService")["spec"]["rayClusterConfig"]
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     expected = {"small": (1, "tokenrouter_small"), "large": (1, "tokenrouter_large")}
-    assert set(groups) == set(expected)
+    assert set(groups) == {*expected, "ingress"}  # the direct port's CPU-only group
     for name, (gpus, node_resource) in expected.items():
         group = groups[name]
         assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 1
@@ -124,13 +126,16 @@ def test_one_gpu_worker_group_per_model(default_render: Objects) -> None:
         ]
 
 
-def test_ingress_targets_the_serve_service(default_render: Objects) -> None:
-    rayservice = only(default_render, "RayService")
-    backend = only(default_render, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]
+def test_ingress_targets_the_serve_service_without_the_direct_port(
+    render_values: Callable[..., Objects],
+) -> None:
+    values = manifests.default_values()
+    values["directPort"]["enabled"] = False
+    objects = render_values(values)
+    rayservice = only(objects, "RayService")
+    backend = only(objects, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]
     assert backend["service"]["name"] == f"{rayservice['metadata']['name']}-serve-svc"
-    assert (
-        backend["service"]["port"]["number"] == serve_config(default_render)["http_options"]["port"]
-    )
+    assert backend["service"]["port"]["number"] == serve_config(objects)["http_options"]["port"]
 
 
 def test_pod_monitor_scrapes_every_ray_pod(default_render: Objects) -> None:
@@ -192,16 +197,17 @@ def test_values_variant(render_values: Callable[..., Objects]) -> None:
     values["models"][2]["worker"]["nodeSelector"] = {"nvidia.com/gpu.product": "NVIDIA-H100"}
     objects = render_values(values)
 
-    assert kinds(objects) == ["Ingress", "NetworkPolicy", "RayService", "Secret"]
+    assert kinds(objects) == ["Ingress", "NetworkPolicy", "RayService", "Secret", "Service"]
     overrides = serve_config(objects)["applications"][0]["args"]["overrides"]
     assert overrides[5:] == [
         "tuner.speed_bypass={}",  # on by default (speedBypass)
         "transport.zmq.port_range=[6000,6007]",
         "transport.zmq.curve=true",  # on by default
+        *DIRECT_PORT_OVERRIDES,  # on by default (directPort)
         "tuner.period_s=5",
     ]
     groups = only(objects, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-    assert [g["groupName"] for g in groups] == ["small", "medium", "large"]
+    assert [g["groupName"] for g in groups] == ["small", "medium", "large", "ingress"]
     assert groups[2]["template"]["spec"]["nodeSelector"] == {
         "nvidia.com/gpu.product": "NVIDIA-H100"
     }

@@ -31,6 +31,6 @@ def test_api_keys_from_an_existing_secret(render_values: Callable[..., Objects])
     values = manifests.default_values()
     values["apiKeys"] = {"existingSecret": "tokenrouter-api-keys", "key": "keys"}
     found = [api_key_env(c) for c in containers(render_values(values))]
-    assert len(found) == 3  # the head and one worker group per model
+    assert len(found) == 4  # the head, one worker group per model, the direct port's
     ref = {"secretKeyRef": {"name": "tokenrouter-api-keys", "key": "keys"}}
     assert all(env == [{"name": "TOKENROUTER_API_KEYS", "valueFrom": ref}] for env in found)

@@ -41,8 +41,12 @@ INGRESS = {"maxReplicas": 3, "targetUtilisation": 0.5}
 
 
 def scaled_values(**autoscaling: Any) -> dict[str, Any]:
+    """The default values with ``autoscaling`` set; an autoscaled ingress goes behind Serve's
+    proxy (the direct port's pods fix the ingress replica count)."""
     values = manifests.default_values()
     values["autoscaling"].update(autoscaling)
+    if autoscaling.get("ingress") is not None:
+        values["directPort"]["enabled"] = False
     return values
 
 
@@ -128,8 +132,8 @@ def test_the_bounds_reach_the_app_and_serve(scaled_render: Objects) -> None:
     # the ingress: its bounds, the app's defaults for the keys left out
     assert cfg.ingress.autoscaling == AutoscalingSpec(max_replicas=3, target_utilisation=0.5)
     assert ingress_options(cfg)["autoscaling_config"]["max_replicas"] == 3
-    # the rest of the app is the default layout's
-    default = compose_config(overrides(manifests.render()))
+    # the rest of the app is the default layout's behind Serve's proxy
+    default = compose_config(overrides(manifests.render("--set", "directPort.enabled=false")))
     changed = {"models": {"large": {"autoscaling"}}, "ingress": {"autoscaling"}}
     assert cfg.model_dump(exclude=changed) == default.model_dump(exclude=changed)
 
@@ -222,8 +226,8 @@ def test_the_ingress_alone_adds_no_node_autoscaler(render_values: Callable[..., 
     cfg = app_config(objects)
     assert cfg.ingress.autoscaling == AutoscalingSpec(max_replicas=4)
     assert ingress_options(cfg)["ray_actor_options"] == {"num_cpus": 0}
-    default = cluster(manifests.render())
-    assert cluster(objects)["workerGroupSpecs"] == default["workerGroupSpecs"]
+    proxied = cluster(manifests.render("--set", "directPort.enabled=false"))
+    assert cluster(objects)["workerGroupSpecs"] == proxied["workerGroupSpecs"]
 
 
 def test_set_flags_work(helm: Path) -> None:
@@ -233,6 +237,8 @@ def test_set_flags_work(helm: Path) -> None:
     objects = manifests.render(
         "--set",
         "autoscaling.models.large.maxReplicas=4",
+        "--set",
+        "directPort.enabled=false",
         "--set-json",
         'autoscaling.ingress={"maxReplicas": 2, "targetUtilisation": 0.5}',
         helm=helm,

@@ -1,5 +1,4 @@
-"""The chart's direct port (docs/deployment/kubernetes.md, "The direct port"): off by default;
-enabled,
+"""The chart's direct port (docs/deployment/kubernetes.md, "The direct port"), on by default:
 the ingress replicas' own port (`ingress.direct_port`) reaches the app, the replicas can run
 only on the pods of the `ingress` worker group and fill each of them, the Service in front of
 the port selects exactly those pods, a pod is ready only while its replicas answer there, the
@@ -68,16 +67,24 @@ def groups(objects: Objects) -> dict[str, dict[str, Any]]:
     return found
 
 
-def test_off_by_default(default_render: Objects) -> None:
-    assert not [o for o in default_render if o["kind"] == "Service"]
-    assert set(groups(default_render)) == {"head", "small", "large"}
-    assert not [o for o in overrides(default_render) if o.startswith("ingress.")]
+def test_on_by_default_and_off_when_asked(
+    default_render: Objects, render_values: Callable[..., Objects]
+) -> None:
     cfg = app_config(default_render)
+    assert cfg.ingress.direct_port == 8001 and cfg.ingress.direct_host is None
+    assert only(default_render, "Service")["metadata"]["name"].endswith("-direct")
+    values = manifests.default_values()
+    values["directPort"]["enabled"] = False
+    proxied = render_values(values)
+    assert not [o for o in proxied if o["kind"] == "Service"]
+    assert set(groups(proxied)) == {"head", "small", "large"}
+    assert not [o for o in overrides(proxied) if o.startswith("ingress.")]
+    cfg = app_config(proxied)
     assert cfg.ingress.direct_port is None and cfg.ingress.resources == {}
-    for name, template in pod_templates(only(default_render, "RayService")).items():
+    for name, template in pod_templates(only(proxied, "RayService")).items():
         assert "direct" not in ports(template), name
         assert "readinessProbe" not in template["spec"]["containers"][0], name  # KubeRay's own
-    backend = only(default_render, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]
+    backend = only(proxied, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]
     assert backend["service"]["name"].endswith("-serve-svc")
 
 
@@ -309,7 +316,7 @@ def test_a_pod_is_ready_only_while_its_replicas_answer_on_the_port(
         assert has_probe == (name == "ingress"), name
 
 
-def test_the_docs_command_turns_it_on(helm: Path) -> None:
+def test_the_docs_command_turns_it_off(helm: Path) -> None:
     from tests.k8s.test_docs_commands import DOCS, find, section_commands
 
     commands = section_commands(DOCS, "## The direct port (`directPort`)")
@@ -318,5 +325,6 @@ def test_the_docs_command_turns_it_on(helm: Path) -> None:
     flags = [f for f in upgrade[4:] if f != "--reuse-values"]  # not a `helm template` flag
     objects = manifests.render(*flags, helm=helm)
     backend = only(objects, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]
-    assert backend["service"]["name"] == only(objects, "Service")["metadata"]["name"]
-    assert app_config(objects).ingress.direct_port == 8001
+    assert backend["service"]["name"].endswith("-serve-svc")
+    assert not [o for o in objects if o["kind"] == "Service"]
+    assert app_config(objects).ingress.direct_port is None

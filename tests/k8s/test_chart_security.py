@@ -49,6 +49,7 @@ def test_network_policy_opens_ray_and_zmq_to_the_release_only(default_render: Ob
         *((p, p) for p in (rp["gcs"], rp["dashboard"], rp["client"], rp["nodeManager"])),
         *((p, p) for p in (rp["objectManager"], rp["runtimeEnvAgent"])),
         *((p, p) for p in (rp["dashboardAgentGrpc"], rp["dashboardAgentListen"], 8000, 8080)),
+        (8001, 8001),  # the direct port (on by default)
         (rp["minWorker"], rp["maxWorker"]),
         (zmq["first"], zmq["last"]),
     }
@@ -64,7 +65,7 @@ def test_network_policy_opens_ray_and_zmq_to_the_release_only(default_render: Ob
         "applications"
     ][0]["args"]["overrides"]
     assert f"transport.zmq.port_range=[{zmq['first']},{zmq['last']}]" in overrides
-    assert tcp_ports(controller) == {(8000, 8000)}
+    assert tcp_ports(controller) == {(8000, 8000), (8001, 8001)}
     assert controller["from"][0]["namespaceSelector"] == {
         "matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}
     }

@@ -29,7 +29,7 @@ def test_haproxy_front_on_every_ray_container(render_values: Callable[..., Objec
     values = manifests.default_values()
     values["serveFront"] = "haproxy"
     found = [front_env(c) for c in containers(render_values(values))]
-    assert len(found) == 3  # the head and one worker group per model
+    assert len(found) == 4  # the head, one worker group per model, the direct port's
     assert all(env == [{"name": HAPROXY, "value": "1"}] for env in found)
 
 

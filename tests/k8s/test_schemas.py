@@ -29,7 +29,14 @@ def assert_valid(objects: Objects) -> None:
 
 def test_k8s_objects_are_valid(k8s_objects: Objects) -> None:
     kinds = {obj["kind"] for obj in k8s_objects}
-    assert kinds == {"RayService", "Ingress", "PodMonitor", "PrometheusRule", "NetworkPolicy"}
+    assert kinds == {
+        "RayService",
+        "Ingress",
+        "PodMonitor",
+        "PrometheusRule",
+        "NetworkPolicy",
+        "Service",
+    }
     assert_valid(k8s_objects)
 
 
