@@ -205,7 +205,13 @@ def main() -> None:
         help="tuned app overrides (default: conf/local.yaml's)",
     )
     parser.add_argument("--serve-port", type=int, default=18230)
-    parser.add_argument("--port-base", type=int, default=18220)
+    parser.add_argument(
+        "--port-base",
+        type=int,
+        default=None,
+        help="the baselines' servers on this port and the next four (stock small, stock "
+        "large, dispatcher, step-sync, speculative); default: free ports",
+    )
     parser.add_argument("--out", default="loadtest-results")
     parser.add_argument(
         "--render",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ import httpx
 from loadtest.baselines.api import ServerProcess, ThreadServer, python_module, start_server
 from loadtest.baselines.stock import launch_stock, wait_stock
 from loadtest.common import ServeDeploy
+
+PORT_OFFSETS = {"stock_small": 0, "stock_large": 1, "dispatcher": 2, "step_sync": 3,
+                "speculative": 4}  # fmt: skip
 
 
 @dataclass
@@ -44,7 +48,8 @@ class Bench:
     deploy: ServeDeploy  # (overrides, app name) -> context manager yielding the v1 URL
     log_dir: str
     policy_apps: dict[str, list[str]] = field(default_factory=dict)  # r2r / rstitch overrides
-    port_base: int = 18220  # stock small, stock large, dispatcher, step-sync, speculative: +0..+4
+    # stock small, stock large, dispatcher, step-sync, speculative: +0..+4; None: free ports
+    port_base: int | None = None
     dtype: str = "auto"
     memory_budget_gb: float = 1.5
     in_process: bool = False  # baseline servers on threads here (tests), not processes
@@ -53,6 +58,19 @@ class Bench:
     predeployed: dict[str, contextlib.AbstractContextManager[str]] = field(default_factory=dict)
     _stock_ready: bool = False
     _tokenizer: Any = None
+    _ports: dict[str, int] = field(default_factory=dict)
+
+    def port(self, server: str) -> int:
+        """The port of a baseline ``server`` (``PORT_OFFSETS``): ``port_base`` plus its offset,
+        or a port the OS reports free now, the same for the whole run."""
+        if server not in self._ports:
+            if self.port_base is None:
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    self._ports[server] = sock.getsockname()[1]
+            else:
+                self._ports[server] = self.port_base + PORT_OFFSETS[server]
+        return self._ports[server]
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of a text with the pair's tokenizer (no special tokens)."""
@@ -81,7 +99,7 @@ class Bench:
         would take CPU from the measurements)."""
         if not self.stock:  # both at once: their start-ups overlap
             models = {"small": self.small_dir, "large": self.large_dir}
-            ports = {"small": self.port_base, "large": self.port_base + 1}
+            ports = {"small": self.port("stock_small"), "large": self.port("stock_large")}
             self.stock = launch_stock(models, ports, self.log_dir)
             self._stock_ready = False
 
@@ -208,7 +226,7 @@ def process(server: ServerProcess | ThreadServer) -> Iterator[str]:
 
 
 def step_sync_server(bench: Bench, models: list[str], name: str) -> ServerProcess | ThreadServer:
-    port = bench.port_base + 3
+    port = bench.port("step_sync")
     if bench.in_process:
         from loadtest.baselines import step_sync
 
@@ -233,7 +251,7 @@ def step_sync_server(bench: Bench, models: list[str], name: str) -> ServerProces
 def dispatcher(
     bench: Bench, urls: dict[str, str], p: float, name: str
 ) -> ServerProcess | ThreadServer:
-    port = bench.port_base + 2
+    port = bench.port("dispatcher")
     if bench.in_process:
         from loadtest.baselines.dispatcher import build_app
 
@@ -261,7 +279,7 @@ def dispatcher_server(bench: Bench) -> ServerProcess | ThreadServer:
 
 def speculative_server(bench: Bench) -> ServerProcess | ThreadServer:
     """transformers' assisted generation (small drafts, large verifies), batch 1."""
-    port = bench.port_base + 4
+    port = bench.port("speculative")
     if bench.in_process:
         from loadtest.baselines.speculative import build_app
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,6 @@ from loadtest.systems import SYSTEMS, Bench
 from tests.deployments.conftest import tiny_overrides
 from tokenrouter_ray.app_config import compose_config
 
-PORT_BASE = int(os.environ.get("TOKENROUTER_TEST_LOADTEST_PORT", "18240"))
 ROUTED = ["tokenrouter", "eager_async", "step_sync", "std_serving"]
 TINY = PRESETS["tiny"]
 IMPORTED = time.monotonic()  # the session's fixtures (Ray, the tiny models) start after this
@@ -99,7 +97,6 @@ def tiny_run(
         app_overrides=overrides,
         deploy=background_deploy(serve_http),
         log_dir=str(out),
-        port_base=PORT_BASE,
         dtype="float64",
         memory_budget_gb=0.25,
         in_process=True,
