@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,6 +20,7 @@ import openai
 import pytest
 
 from loadtest.host_path import sim_overrides
+from tests.waiting import wait_for
 from tokenrouter_ray.simulation.served import sim_answer
 
 pytestmark = pytest.mark.slow
@@ -54,16 +54,6 @@ def deploy(config: dict[str, Any]) -> None:
     from ray.serve.schema import ServeDeploySchema
 
     serve_start().deploy_apps(ServeDeploySchema.model_validate(config))
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = READY_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def large_replicas() -> int:
@@ -125,7 +115,7 @@ def streams_through(base: str, change: Callable[[], None]) -> list[tuple[str, st
     with ThreadPoolExecutor(STREAMS) as pool:
         futures = [pool.submit(one, i) for i in range(STREAMS)]
         wait_for(lambda: all(e.is_set() for e in started) or any(f.done() for f in futures),
-                 "every stream's first token")  # fmt: skip
+                 READY_S, "every stream's first token")  # fmt: skip
         assert not any(f.done() for f in futures), "a stream ended before the update"
         change()
         return [f.result() for f in futures]
@@ -136,7 +126,7 @@ def rolling_app(serve_http: str) -> Iterator[str]:
     from ray import serve
 
     deploy(serve_config({}))
-    wait_for(lambda: large_replicas() == 2, "the app with two large replicas")
+    wait_for(lambda: large_replicas() == 2, READY_S, "the app with two large replicas")
     try:
         yield f"{serve_http}/{APP}/v1"
     finally:
@@ -160,7 +150,7 @@ def test_rolling_update_then_scale_down_with_streams_in_flight(rolling_app: str)
     rolled = streams_through(base, lambda: deploy(serve_config(new_options)))
     for text, finish, prompt_tokens in rolled:
         assert finish == "length" and text == sim_answer(prompt_tokens, TOKENS)
-    wait_for(lambda: large_replicas() == 2, "two replicas of the large model's new version")
+    wait_for(lambda: large_replicas() == 2, READY_S, "the large model's two new replicas")
     after_roll = moved_entries(base)
     assert after_roll and all(e["moved"] >= 0 for e in after_roll), after_roll
     assert sum(e["moved"] for e in after_roll) > 0, after_roll
@@ -169,12 +159,12 @@ def test_rolling_update_then_scale_down_with_streams_in_flight(rolling_app: str)
     shrunk = streams_through(base, lambda: deploy(serve_config({**new_options, "num_replicas": 1})))
     for text, finish, prompt_tokens in shrunk:
         assert finish == "length" and text == sim_answer(prompt_tokens, TOKENS)
-    wait_for(lambda: large_replicas() == 1, "one large replica")
+    wait_for(lambda: large_replicas() == 1, READY_S, "one large replica")
     moves = moved_entries(base)
     assert len(moves) > len(after_roll) and moves[-1]["moved"] > 0, moves
     assert stats(base)["active_requests"] == 0
 
     # What was moved reaches Prometheus (Ray exports every few seconds).
     moved = sum(e["moved"] for e in moves)
-    wait_for(lambda: drained_counter(ports) - before >= moved, f"{moved} drained requests "
-             "in Ray's metrics export", timeout_s=90.0)  # fmt: skip
+    wait_for(lambda: drained_counter(ports) - before >= moved, 90.0,
+             f"{moved} drained requests in Ray's metrics export")  # fmt: skip
