@@ -142,6 +142,33 @@ def test_the_readmes_first_example_answers_right_and_presets_trade_it(served) ->
     assert bad.value.body["param"] == "routing.model"
 
 
+def test_the_default_holds_the_large_models_accuracy_on_held_out_capitals(served) -> None:
+    """The repo's capitals set, test split (held out from every calibration), greedy, four
+    requests in flight: the default's accuracy lies within the Wilson 95 % interval of the
+    large model alone (``routing.model = large``), whatever mode the speed bypass serves
+    each request in."""
+    import asyncio
+
+    from tokenrouter_ray.quality.builtin import capitals
+    from tokenrouter_ray.quality.evaluate import run_eval
+    from tokenrouter_ray.quality.tasks import split_items
+
+    items = split_items(capitals(), "test")
+
+    def accuracy(extra_body: dict | None):
+        return asyncio.run(run_eval(f"{BASE}/v1", "tokenrouter", items, concurrency=4,
+                                    max_tokens=32, extra_body=extra_body, progress=False,
+                                    label="x"))  # fmt: skip
+
+    large = accuracy({"routing": {"model": "large"}})
+    default = accuracy(None)
+    assert large.failures == default.failures == 0
+    low, high = large.interval
+    print(f"capitals test split: default {default.correct}/{default.n}, large alone "
+          f"{large.correct}/{large.n} [{low:.2f}, {high:.2f}]")  # fmt: skip
+    assert low <= default.accuracy <= high, (default.accuracy, large.interval)
+
+
 def test_sigterm_shuts_down_cleanly(served) -> None:
     served.send_signal(signal.SIGTERM)
     assert served.wait(timeout=120) is not None
