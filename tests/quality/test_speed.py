@@ -82,3 +82,15 @@ def test_short_answers_are_not_measured() -> None:
     bypass.observe("alone", 0, 1.0, 3)
     bypass.observe("alone", 0, 0.0, 64)
     assert bypass.status()["levels"] == []
+
+
+def test_status_shows_the_predicted_ratio_beside_the_measured_one() -> None:
+    bypass = SpeedBypass(SpeedBypassSpec(explore_every=0, min_samples=2), "large")
+    serve(bypass, 1, {"routed": 30.0, "alone": 20.0}, 4)
+    serve(bypass, 5, {"routed": 10.0, "alone": 20.0}, 4)
+    predicted = ({1: 30.0, 4: 150.0, 16: 600.0}, {1: 40.0, 4: 100.0, 16: 640.0})  # tok/s per N
+    levels = {lv["load"]: lv["routed_over_alone"] for lv in bypass.status(predicted)["levels"]}
+    assert levels["1"] == {"measured": pytest.approx(20 / 30, abs=1e-3), "predicted": 0.75}
+    # a level reads the prediction at its lowest N (4 for 4-7), or the nearest predicted
+    assert levels["4-7"] == {"measured": 2.0, "predicted": 1.5}
+    assert bypass.status()["levels"][0]["routed_over_alone"]["predicted"] is None

@@ -122,3 +122,25 @@ def test_three_models_past_the_exact_range_use_monte_carlo() -> None:
         combo = tuple(int(part.split("=")[1]) for part in label.split(","))
         exact = throughput(profile, n, combo).throughput
         assert scores[label] == pytest.approx(exact, rel=0.05)  # the issue's bound
+
+
+def test_each_solve_predicts_routed_and_alone_and_later_decisions_carry_it() -> None:
+    """Per N: routed tokens/s at the thresholds in force (the Markov model's score for
+    them) and the top model alone (N rows per step at its step time for N rows); the
+    decisions that solve nothing keep the latest prediction for the speed bypass."""
+    tuner = ThresholdSolver(MODELS, concurrencies=[1, 8], fixed={"small": 1}, grain_ms=0.5)
+    first = tuner.decide(build_profile(observed(0.35), MODELS, 0.5))
+    assert first.solved and set(first.predicted_alone) == {1, 8}
+    for n in (1, 8):
+        label = f"small=1,large={first.thresholds['large'][n]}"
+        assert first.predicted_routed[n] == pytest.approx(first.predicted[n][label])
+    large_ms = {1: 28.5, 8: 32.0}  # observed(): 28 ms + 0.5 ms per row
+    for n, ms in large_ms.items():
+        assert first.predicted_alone[n] == pytest.approx(n * 1e3 / ms, rel=1e-3)
+    second = tuner.decide(build_profile(observed(0.35, seed=1), MODELS, 0.5))  # arrived?
+    quiet = tuner.decide(build_profile(observed(0.35, seed=2), MODELS, 0.5))
+    assert second.solved and not quiet.solved
+    assert quiet.predicted_routed == second.predicted_routed
+    assert quiet.predicted_alone == second.predicted_alone
+    shown = quiet.to_json()["predicted_alone_tokens_per_s"]
+    assert shown["8"] == round(second.predicted_alone[8], 3)

@@ -275,7 +275,9 @@ def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
         bypass = service.server.bypass
         return {
             **service.quality.status(),
-            "speed_bypass": None if bypass is None else bypass.status(),
+            "speed_bypass": None
+            if bypass is None
+            else bypass.status(await service.tuner_prediction()),
         }
 
     @app.get("/v1/tokenrouter/tuner")

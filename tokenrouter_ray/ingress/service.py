@@ -296,6 +296,18 @@ class IngressService:
             "models": models,
         }
 
+    async def tuner_prediction(self) -> tuple[dict[int, float], dict[int, float]] | None:
+        """The tuner's latest predicted tokens/s per N, routed and by the top model alone
+        (None: no tuner, no solve yet, or it did not answer in time)."""
+        if self.tuner_status_of is None:
+            return None
+        try:
+            status = await asyncio.wait_for(self.tuner_status_of(), timeout=STATUS_TIMEOUT_S)
+        except Exception:
+            return None
+        last = status.last
+        return (last.predicted_routed, last.predicted_alone) if last.predicted_alone else None
+
     async def tuner_status(self) -> Any:
         if self.tuner_status_of is None:
             raise NotFoundError("The threshold tuner is not enabled (set `tuner=live`).")

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from tokenrouter_ray.quality.settings import SpeedBypassSpec
 
 HISTORY = 100  # mode changes the status route lists
+# The tuner's prediction per N: (routed tokens/s, alone tokens/s)
+Prediction = tuple[dict[int, float], dict[int, float]]
 MODES = ("routed", "alone")
 
 
@@ -135,16 +137,24 @@ class SpeedBypass:
         })  # fmt: skip
         state.mode = mode
 
-    def status(self) -> dict[str, Any]:
-        """The ``speed_bypass`` part of ``GET /v1/tokenrouter/quality``."""
+    def status(self, predicted: Prediction | None = None) -> dict[str, Any]:
+        """The ``speed_bypass`` part of ``GET /v1/tokenrouter/quality``; with the tuner's
+        latest ``predicted`` tokens/s per N (routed, alone), each level also shows the
+        routed / alone throughput ratio the Markov model predicts at its lowest N beside
+        the one measured (the alone mean over the routed mean time per token)."""
         levels = []
         for level in sorted(self.levels):
             state = self.levels[level]
+            routed, alone = state.mean("routed"), state.mean("alone")
             levels.append({
                 "load": _level_name(level),
                 "mode": state.mode,
                 **{f"{m}_ms_per_token": _ms(state.mean(m)) for m in MODES},
                 "measured": dict(state.counts),
+                "routed_over_alone": {
+                    "measured": None if not (routed and alone) else round(alone / routed, 3),
+                    "predicted": _predicted_ratio(predicted, 1 << level),
+                },
             })  # fmt: skip
         return {
             "top": self.top,
@@ -153,6 +163,18 @@ class SpeedBypass:
             "levels": levels,
             "moves": list(self.history),
         }
+
+
+def _predicted_ratio(predicted: Prediction | None, n: int) -> float | None:
+    """Routed over alone tokens/s at the predicted N nearest ``n`` (None: no prediction)."""
+    if not predicted:
+        return None
+    routed, alone = predicted
+    common = [k for k in routed if k in alone and alone[k] > 0]
+    if not common:
+        return None
+    nearest = min(common, key=lambda k: (abs(k - n), k))
+    return round(routed[nearest] / alone[nearest], 3)
 
 
 def _ms(seconds: float | None) -> float | None:

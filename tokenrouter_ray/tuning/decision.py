@@ -66,6 +66,12 @@ class TunerDecision(msgspec.Struct):
     route_prob: dict[Pair, float] | None = None  # the profile it was decided from, if any
     plan: ScalingPlan | None = None  # replicas per model (models with autoscaling)
     transit_ms: dict[Pair, float] | None = None  # ... and its time between models
+    # The latest solve's prediction per N (carried by the decisions that do not solve):
+    # tokens/s routed at the thresholds in force, and served by the top model alone
+    # (N requests per step at its step time for N rows). The speed bypass shows them
+    # beside what it measures (quality/speed.py).
+    predicted_routed: dict[int, float] = {}
+    predicted_alone: dict[int, float] = {}
 
     def with_routes(
         self,
@@ -89,6 +95,12 @@ class TunerDecision(msgspec.Struct):
                 for n, scores in self.predicted.items()
             },
             "max_concurrency": self.max_concurrency,
+            "predicted_routed_tokens_per_s": {
+                str(n): round(v, 3) for n, v in self.predicted_routed.items()
+            },
+            "predicted_alone_tokens_per_s": {
+                str(n): round(v, 3) for n, v in self.predicted_alone.items()
+            },
         }
         if self.route_prob is not None:
             out["route_prob"] = {f"{a}->{b}": round(p, 4) for (a, b), p in self.route_prob.items()}

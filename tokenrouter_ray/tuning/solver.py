@@ -27,6 +27,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from msgspec.structs import replace
 
 from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
 from tokenrouter_ray.tuning.decision import TunerDecision
@@ -123,7 +124,7 @@ class ThresholdSolver:
             changed = clamped != self.thresholds
             self.thresholds = clamped
             why = "too few observations" + ("; lowered to stay deadlock-free" if changed else "")
-            self.last = TunerDecision(self.thresholds, changed, why)
+            self.last = self._carry(TunerDecision(self.thresholds, changed, why))
             return self.last
         if (
             not force
@@ -131,7 +132,9 @@ class ThresholdSolver:
             and not self.replicas_changed
             and not self.drifted(profile)
         ):
-            self.last = TunerDecision(self.thresholds, False, "statistics within the drift bound")
+            self.last = self._carry(
+                TunerDecision(self.thresholds, False, "statistics within the drift bound")
+            )
             return self.last
         self.last_profile = profile
         self.replicas_changed = False
@@ -168,10 +171,24 @@ class ThresholdSolver:
                 if max(predicted[n].values()) / n >= self.min_tokens_per_s
             ]
             cap = max(meets, default=min(self.concurrencies))
+        top_model = profile.models[-1]  # the chain's top: what the speed bypass serves alone
         self.last = TunerDecision(
-            tables, changed, "; ".join(reasons) or "current thresholds best", predicted, cap, True
-        )
+            tables, changed, "; ".join(reasons) or "current thresholds best", predicted, cap, True,
+            predicted_routed={
+                n: predicted[n].get(_label(self.models, [new[m][n] for m in self.models]), 0.0)
+                for n in self.concurrencies
+            },
+            predicted_alone={n: n * 1e3 / top_model.step_time_ms(n) for n in self.concurrencies},
+        )  # fmt: skip
         return self.last
+
+    def _carry(self, decision: TunerDecision) -> TunerDecision:
+        """``decision`` with the latest solve's per-N prediction (it solved nothing)."""
+        return replace(
+            decision,
+            predicted_routed=self.last.predicted_routed,
+            predicted_alone=self.last.predicted_alone,
+        )
 
     def _best(
         self, profile: RoutingProfile, n: int, current: tuple[int, ...]
