@@ -9,6 +9,8 @@ import openai
 
 from loadtest.host_path import main as host_main
 from loadtest.host_path import run_served, sim_overrides
+from tests.net import free_port
+from tests.waiting import wait_for
 from tokenrouter_ray.simulation.served import sim_answer as expected_text
 
 
@@ -73,11 +75,7 @@ def test_the_direct_port_serves_the_same_api_and_cuts_clients_that_stop_reading(
     proxy does (same text, its own X-Request-Id), and there a client that never reads is
     seen: two such clients' ``n=16`` streams are cut and freed, while Serve's proxy would
     have taken all of it (docs/user-guide/reliability.md, backpressure)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     overrides = [
         *sim_overrides("zero"),
         f"ingress.direct_port={port}",
@@ -191,8 +189,9 @@ def test_speed_bypass_routes_where_routing_is_faster_and_bypasses_where_it_is_no
     p = 0.95 the top model alone is, and they settle on it. Each response says which mode and
     why; the status route lists the decision with both means."""
     bypass = "tuner.speed_bypass={min_samples: 2, explore_every: 0}"
+    tuner = ["tuner=live", "tuner.period_s=0.5"]  # its prediction, shown beside the measured
     for p, faster in ((0.35, "routed"), (0.95, "alone")):
-        overrides = [*sim_overrides("paper"), f"policy.options.p={p}", bypass]
+        overrides = [*sim_overrides("paper"), f"policy.options.p={p}", bypass, *tuner]
         with serve_app(overrides, f"sim-bypass-{faster}") as base:
             client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
 
@@ -216,3 +215,16 @@ def test_speed_bypass_routes_where_routing_is_faster_and_bypasses_where_it_is_no
             assert (level["load"], level["mode"]) == ("1", faster)
             slower = "alone" if faster == "routed" else "routed"
             assert level[f"{faster}_ms_per_token"] < level[f"{slower}_ms_per_token"]
+            # the tuner's Markov model, from the live routing and step times, predicts the
+            # same side: routed faster at p = 0.35, slower at p = 0.95
+
+            def ratio(base: str = base) -> dict | None:
+                ask()  # traffic for the tuner's window
+                url = base.removesuffix("/v1") + "/v1/tokenrouter/quality"
+                (level,) = httpx.get(url, timeout=10).json()["speed_bypass"]["levels"]
+                found = level["routed_over_alone"]
+                return found if found["predicted"] is not None else None
+
+            both = wait_for(ratio, 120.0, "the tuner's prediction on the status route")
+            assert (both["measured"] > 1) == (faster == "routed"), both
+            assert (both["predicted"] > 1) == (faster == "routed"), both
