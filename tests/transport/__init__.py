@@ -39,5 +39,9 @@ async def recv_n(channel: PeerChannel, n: int, timeout_s: float = 10.0) -> list[
     return batches
 
 
-async def wait_for(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    await wait_until(cond, timeout_s)
+async def wait_for(
+    cond: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition"
+) -> None:
+    """``tests.waiting.wait_until`` under the name these tests have always used (one home
+    for waiting: tests/waiting.py)."""
+    await wait_until(cond, timeout_s, what)

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 import ray
 
-from tests.transport import handoff, recv_n
+from tests.transport import handoff, recv_n, wait_for
 from tokenrouter_ray.protocol import PeerReq
 from tokenrouter_ray.transport import ChannelClosed, PeerUnreachableError, UnknownPeerError
 from tokenrouter_ray.transport.ray_channel import RayChannel, RayDirectory, RayHost
@@ -138,19 +138,21 @@ async def test_close_is_clean(directory: RayDirectory) -> None:
     await channel.start()
     inbox_name = channel.address.split(":", 3)[3]
     pending = asyncio.create_task(channel.recv())
-    await asyncio.sleep(0.05)
+    queue = channel._queue._queue  # the frame queue's asyncio.Queue
+    await wait_for(lambda: bool(queue._getters), 20, "recv waiting on the empty queue")
     await channel.close()
     with pytest.raises(ChannelClosed):
         await asyncio.wait_for(pending, 2.0)
     assert await directory.get("closing/0") is None
-    for _ in range(50):  # the inbox actor goes away
+
+    def inbox_gone() -> bool:
         try:
             ray.get_actor(inbox_name, namespace="tokenrouter")
         except ValueError:
-            break
-        await asyncio.sleep(0.1)
-    else:
-        pytest.fail("inbox actor still alive after close")
+            return True
+        return False
+
+    await wait_for(inbox_gone, 30, "the inbox actor going away after close")
 
 
 async def test_a_heartbeat_renews_its_lease_and_lists_everyone_in_one_call(

@@ -198,7 +198,7 @@ class DeviceWork:
         return time.monotonic() >= self.at
 
     def synchronize(self) -> None:
-        time.sleep(max(0.0, self.at - time.monotonic()))
+        time.sleep(max(0.0, self.at - time.monotonic()))  # blocks until the device is done
 
 
 @pytest.mark.asyncio
@@ -245,7 +245,11 @@ async def test_junk_is_paced_without_putting_the_thread_to_sleep() -> None:
         try:
             for _ in range(60):
                 await rogue.send(b"\x00" * 8)
-            await asyncio.sleep(0.2)
+            # the junk is queued ahead of the honest frame (the waker's first wait reads
+            # without a signal, so this look at the socket takes nothing from it)
+            assert large._pull_now is not None
+            pull = large._pull_now
+            await wait_for(lambda: pull.getsockopt(zmq.EVENTS) & zmq.POLLIN, 30, "the junk queued")
             source = large.receive_inline()
             assert source is not None
             got: list[int] = []

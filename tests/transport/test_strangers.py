@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import zmq
@@ -38,6 +39,13 @@ def rogue(address: str, curve: CurveKeys | None = None) -> zmq.asyncio.Socket:
     return sock
 
 
+def queued(channel: ZmqChannel) -> bool:
+    """A frame waits on ``channel``'s socket (nobody reads it yet: its first ``recv`` or
+    read takes it without waiting for a signal)."""
+    assert channel._pull_now is not None
+    return bool(channel._pull_now.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+
 @pytest.mark.asyncio
 async def test_a_queued_junk_flood_is_drained_while_the_loop_keeps_running() -> None:
     n = 16 * YIELD_EVERY
@@ -45,7 +53,11 @@ async def test_a_queued_junk_flood_is_drained_while_the_loop_keeps_running() -> 
         sock = rogue(large.address)
         for i in range(n):
             await sock.send(junk(i))
-        await asyncio.sleep(0.5)  # the flood is queued at the receiver before anyone reads
+        await wait_for(lambda: queued(large), 30, "the flood reaching the receiver")
+        # The rest of the flood comes across behind its first frame meanwhile (libzmq's I/O
+        # thread; nothing says when the last one is in): the test's premise, not a condition
+        # the checks below need (a flood still arriving makes the loop run all the more).
+        await asyncio.sleep(0.5)
         seen: list[int] = []
 
         async def ticker() -> None:  # what decode, heartbeats and health checks need
@@ -128,7 +140,10 @@ async def test_curve_refuses_strangers_in_the_handshake(transport: str) -> None:
         await small.send("large/0", [handoff(0)])
         await small.send("large/0", [handoff(1)])
         got = await recv_n(large, 2)
-        await asyncio.sleep(0.3)
+        # A negative check: had a stranger's connection been accepted, its frames (sent
+        # before the honest ones) would be read now. None may come within the window.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(large.recv(), 0.3)
         for sock in strangers:
             sock.close()
     assert [m.handoff_seq for b in got for m in b] == [0, 1]
@@ -145,11 +160,15 @@ async def test_only_bad_mac_frames_mean_a_key_mismatch_until_one_verifies() -> N
     ):
         receiving = asyncio.ensure_future(recv_n(large, 1, timeout_s=30))
         assert large.key_mismatch_s() == 0.0
-        for seq in range(3):
+        await stale.send("large/0", [handoff(0)])
+        await wait_for(lambda: large.rejected["bad_mac"] == 1, 30, "the first bad frame")
+        first_seen = time.monotonic()  # the mismatch began no later than this
+        for seq in (1, 2):
+            await asyncio.sleep(0.1)  # the stale peer goes on sending for a while
             await stale.send("large/0", [handoff(seq)])
-            await asyncio.sleep(0.1)
-        await wait_for(lambda: large.rejected["bad_mac"] == 3)
-        assert large.key_mismatch_s() >= 0.15
+        await wait_for(lambda: large.rejected["bad_mac"] == 3, 30, "three bad frames")
+        lasted = time.monotonic() - first_seen
+        assert lasted >= 0.2 and large.key_mismatch_s() >= lasted
         assert large.key_mismatch_s(recent_s=0.0) == 0.0  # no bad frame that recent
         await good.send("large/0", [handoff(0)])
         await receiving
@@ -182,7 +201,8 @@ async def test_honest_frames_pass_a_flood_that_is_examined_at_the_paced_rate() -
         sock = rogue(large.address)
         for i in range(n):
             await sock.send(junk(i))
-        await asyncio.sleep(0.2)
+        await wait_for(lambda: queued(large), 30, "the flood reaching the receiver")
+        await asyncio.sleep(0.2)  # more of it comes across meanwhile (the premise, as above)
         t0 = asyncio.get_running_loop().time()
         receiving = asyncio.ensure_future(recv_n(large, 20, timeout_s=60))
         for seq in range(20):

@@ -180,11 +180,14 @@ async def test_a_signal_nobody_reads_does_not_spin_the_loop() -> None:
         loop.add_reader(large.fileno(), counted)
         for seq in range(1, 4):
             await small.send("large/0", [handoff(seq)])
+        await wait_for(lambda: calls >= 1, 20, "the loop's callback taking the readiness")
+        # A negative check: a loop spinning on the readiness would call back thousands of
+        # times in this window; it must not call again (a later frame may still land).
         await asyncio.sleep(0.3)
         assert 1 <= calls <= 3, calls
         assert seqs(await recv_n(large, 3, 5.0)) == [1, 2, 3]
         waiting = asyncio.ensure_future(large.recv())
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: large._waiter is not None, 20, "recv waiting for a signal")
         assert not waiting.done()  # nothing queued: it waits
         await small.send("large/0", [handoff(4)])
         assert seqs([await asyncio.wait_for(waiting, 5.0)]) == [4]

@@ -153,7 +153,7 @@ async def test_a_channel_receives_one_way_only() -> None:
     directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
     async with ZmqChannel("large", "0", directory, config) as large:
         receiving = asyncio.ensure_future(large.recv())
-        await asyncio.sleep(0.05)
+        await wait_for(large._loop_watching, 20, "recv watching the socket")
         assert not large.start_receiver(lambda batch: None, "large-receiver")
         receiving.cancel()
     closed = ZmqChannel("large", "1", directory, config)
