@@ -11,6 +11,7 @@ import time
 
 from tests.local.test_protocol_runtime import all_free
 from tests.tiny_models import chain_engines
+from tests.waiting import wait_until
 from tokenrouter_ray.ingress.recovery import Recovery
 from tokenrouter_ray.protocol import MsgKind, SamplingSpec
 from tokenrouter_ray.routing.policy import build_policy
@@ -46,7 +47,7 @@ def slow(server, seconds: float) -> None:  # type: ignore[no-untyped-def]
     runner, real = server.engine.runner, server.engine.runner.launch
 
     def launch(out, timings):  # type: ignore[no-untyped-def]
-        time.sleep(seconds)
+        time.sleep(seconds)  # a slower device step
         return real(out, timings)
 
     runner.launch = launch
@@ -67,8 +68,7 @@ def test_a_draining_replica_moves_every_request_and_outputs_stay_exact(chain_dir
             leaving = endpoint_name("large", "1")
             server = next(s for s in rt.model_replicas if s.endpoint == leaving)
             tasks = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in batch]
-            while not server.tracked:
-                await asyncio.sleep(0.002)
+            await wait_until(lambda: bool(server.tracked), 60, "requests on the leaving replica")
             held = set(server.tracked)
             left = await rt.drain(leaving, timeout_s=30)
             assert left == 0 and not server.tracked
@@ -82,10 +82,14 @@ def test_a_draining_replica_moves_every_request_and_outputs_stay_exact(chain_dir
             assert moved >= len({rid.split("~")[0] for rid in held})
             assert moved < len(batch) or len(held) == len(batch)  # only those that could be there
             others = [s for s in rt.model_replicas if s is not server]
-            await asyncio.sleep(0.1)
-            assert all(
-                s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks and not s.tracked
-                for s in others
+            await wait_until(  # the finished requests' state leaves the other replicas too
+                lambda: all(
+                    s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
+                    and not s.tracked
+                    for s in others
+                ),
+                30,
+                "the other replicas freeing every request",
             )
 
     asyncio.run(go())
@@ -115,8 +119,9 @@ def test_drain_tells_the_ingresses_it_has_heard_from_and_waits_for_nothing_idle(
             assert await leaving.drain(timeout_s=30) == 0
             assert time.monotonic() - t0 < 5
             assert (rt.ingress.channel.name, MsgKind.DRAIN) in seen
-            await asyncio.sleep(0.05)
-            assert leaving.endpoint not in rt.replicas["large"]
+            await wait_until(  # the ingress applies the DRAIN
+                lambda: leaving.endpoint not in rt.replicas["large"], 30, "the replica unlisted"
+            )
             got = await rt.complete_all(prompts(3), SPEC)  # served by the replicas left
             assert all(c.error is None for c in got)
             assert not leaving.tracked

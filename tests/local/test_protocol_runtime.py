@@ -7,6 +7,7 @@ import asyncio
 from typing import ClassVar
 
 from tests.tiny_models import chain_engines
+from tests.waiting import wait_until
 from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import MsgKind, SamplingSpec, decode_batch
 from tokenrouter_ray.routing.policy import build_policy
@@ -17,15 +18,47 @@ SPEC = SamplingSpec(temperature=0.0, max_tokens=60, seed=3)
 
 
 class RecordingChannel(InProcChannel):
-    """Keeps every frame it sent; HANDOFF frames are delivered late (a slow network)."""
+    """Keeps every frame it sent, and counts those received; HANDOFF frames are delivered
+    late (a slow network)."""
 
     sent: ClassVar[list[tuple[str, list]]] = []
+    received: ClassVar[int] = 0
 
     async def _send_frame(self, dst, msgs) -> None:
         RecordingChannel.sent.append((dst.name, list(msgs)))
         if any(m.kind == MsgKind.HANDOFF for m in msgs):
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # the simulated network's delay
         await super()._send_frame(dst, msgs)
+
+    async def recv(self) -> list:
+        batch = await super().recv()
+        RecordingChannel.received += 1  # (its receiver hands it on before it next yields)
+        return batch
+
+
+async def quiet(runtime: LocalRuntime) -> None:
+    """Until every message delivered so far was applied and what that sent has arrived,
+    and a round of that sent nothing new. Two calls through each step thread: calls run
+    first in a turn, so the second runs after the turn that applied what was delivered
+    before the first, and posted what that produced."""
+    while True:
+        before = len(RecordingChannel.sent)
+        for server in runtime.model_replicas:
+            for _ in range(2):
+                await server.call(lambda: None)
+        await wait_until(
+            lambda: (
+                RecordingChannel.received == len(RecordingChannel.sent)
+                and not any(
+                    s.mailbox.sending or s.mailbox._handed != s.mailbox._finished
+                    for s in runtime.model_replicas
+                )
+            ),
+            30,
+            "every frame sent received",
+        )
+        if len(RecordingChannel.sent) == before:
+            return
 
 
 def all_free(runtime: LocalRuntime) -> bool:
@@ -47,8 +80,8 @@ def test_abort_mid_handoff_frees_kv_everywhere(chain_dirs) -> None:
             rids = [f"a{i}" for i in range(6)]
             for i, rid in enumerate(rids):
                 await ingress.submit(rid, [i + 1] * (i + 3), SPEC)
-            while len(rt.handoffs) < 20:  # requests are bouncing between the models
-                await asyncio.sleep(0.005)
+            # requests are bouncing between the models
+            await wait_until(lambda: len(rt.handoffs) >= 20, 60, "20 handoffs")
             in_flight = [
                 m.rid
                 for _, msgs in RecordingChannel.sent[-6:]
@@ -73,7 +106,7 @@ def test_replayed_stale_and_post_finished_messages_change_nothing(chain_dirs) ->
     policy = build_policy("bernoulli", {"p": 0.35}, TWO)
 
     async def go() -> None:
-        RecordingChannel.sent = []
+        RecordingChannel.sent, RecordingChannel.received = [], 0
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy, RecordingChannel) as rt:
             first = await asyncio.wait_for(rt.complete([9, 8, 7, 6], SPEC, "r"), 60)
             await rt.wait_idle()
@@ -84,7 +117,7 @@ def test_replayed_stale_and_post_finished_messages_change_nothing(chain_dirs) ->
             # and after FINISHED): nothing may come back to life.
             for dst, msgs in reversed(replay):
                 servers[dst].deliver(decode_batch_roundtrip(msgs))
-            await asyncio.sleep(0.2)
+            await asyncio.wait_for(quiet(rt), 60)  # whatever they would set off, done
             await rt.wait_idle()
             assert all_free(rt)
             again = await asyncio.wait_for(rt.complete([9, 8, 7, 6], SPEC, "r2"), 60)

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from tests.local.test_protocol_runtime import all_free
 from tests.tiny_models import chain_engines
+from tests.waiting import wait_until
 from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.metrics import Metrics, PrometheusBackend
 from tokenrouter_ray.protocol import SamplingSpec
@@ -29,6 +30,11 @@ def prompts(n: int) -> list[list[int]]:
     return [[(5 * i + j) % 120 + 1 for j in range(3 + i % 5)] for i in range(n)]
 
 
+def committed(rt: LocalRuntime) -> int:
+    """Tokens the ingress has committed for the requests it holds."""
+    return sum(len(live.log.tokens) for live in rt.ingress.live.values())
+
+
 def test_random_cancellations_free_every_model_and_leave_the_others_exact(chain_dirs) -> None:
     policy = build_policy("bernoulli", {"p": 0.4}, TWO)
     keep = prompts(4)
@@ -41,7 +47,7 @@ def test_random_cancellations_free_every_model_and_leave_the_others_exact(chain_
             kept = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in keep]
             doomed = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in prompts(120)]
             for task in rng.sample(doomed, len(doomed)):  # cancel in random order and moments
-                await asyncio.sleep(rng.random() * 0.01)
+                await asyncio.sleep(rng.random() * 0.01)  # a random moment, by design
                 task.cancel()
             got = await asyncio.wait_for(asyncio.gather(*kept), 120)
             await asyncio.gather(*doomed, return_exceptions=True)
@@ -135,7 +141,7 @@ def test_a_stalled_model_ends_the_request_at_its_deadline(chain_dirs) -> None:
             real = runner.launch
 
             def stalled(out, timings):  # type: ignore[no-untyped-def]
-                time.sleep(1.5)
+                time.sleep(1.5)  # a step three times the request's deadline
                 return real(out, timings)
 
             runner.launch = stalled
@@ -166,8 +172,7 @@ def test_recreated_requests_reproduce_the_undisturbed_greedy_output(chain_dirs, 
         engines = chain_engines(chain_dirs, TWO, prefix_caching=caching)  # nothing cached yet
         async with LocalRuntime(engines, policy) as rt:
             tasks = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in batch]
-            while sum(len(live.log.tokens) for live in rt.ingress.live.values()) < 60:
-                await asyncio.sleep(0.002)
+            await wait_until(lambda: committed(rt) >= 60, 60, "60 tokens committed")
             hits_before = sum(e.kv.prefix_cache_hits for _, e in engines)  # ~0: fresh
             recreated = await rt.ingress.recreate(reason="test")
             assert recreated > 0
@@ -202,14 +207,17 @@ def test_models_free_requests_whose_ingress_is_gone_after_the_deadline(
                 return real(out, timings)
 
             runner.launch = slow
+            # (a deadline that leaves the models holding them long enough to be seen)
             for i in range(4):
-                await rt.ingress.submit(f"orphan{i}", [1, 2, 3 + i], spec, timeout_s=0.5)
-            await asyncio.sleep(0.3)
+                await rt.ingress.submit(f"orphan{i}", [1, 2, 3 + i], spec, timeout_s=2.0)
             rt.ingress._abort_orphan = lambda msg: None  # a dead ingress answers nothing
             for i in range(4):  # the ingress dies: nobody will ever abort them
                 live = rt.ingress.live.pop(f"orphan{i}")
                 rt.ingress._wire.pop(live.wire_rid)
-            assert any(s.tracked for s in rt.model_replicas)
+                live.timer.cancel()  # (its deadline's timer dies with it)
+            await wait_until(
+                lambda: any(s.tracked for s in rt.model_replicas), 20, "the requests on a model"
+            )
             await rt.wait_idle(timeout=10)
             assert all_free(rt)
             runner.launch = real
@@ -229,8 +237,7 @@ def test_only_requests_assigned_to_a_lost_replica_are_recreated(chain_dirs) -> N
             for i, p in enumerate(batch):
                 await rt.ingress.submit(f"a{i}", p, SPEC, endpoints=assigned)
             results = [asyncio.ensure_future(rt.ingress.result(f"a{i}")) for i in range(4)]
-            while sum(len(live.log.tokens) for live in rt.ingress.live.values()) < 30:
-                await asyncio.sleep(0.002)
+            await wait_until(lambda: committed(rt) >= 30, 60, "30 tokens committed")
             assert await rt.ingress.recreate(lost={endpoint_name("large", "9")}) == 0
             assert await rt.ingress.recreate(lost={endpoint_name("large", "0")}) > 0
             got = await asyncio.wait_for(asyncio.gather(*results), 120)
@@ -264,8 +271,9 @@ def test_a_copy_the_ingress_no_longer_holds_is_aborted_on_every_model(chain_dirs
         async with LocalRuntime(chain_engines(chain_dirs, TWO), policy) as rt:
             slow_steps(rt, 0.04)  # 40 ms steps: its context limit is many seconds away
             await rt.ingress.submit("stale", [1, 2, 3], spec, timeout_s=600)
-            while not all(s.tracked for s in rt.model_replicas):  # on both models
-                await asyncio.sleep(0.005)
+            await wait_until(  # on both models
+                lambda: all(s.tracked for s in rt.model_replicas), 60, "the request on both"
+            )
             live = rt.ingress.live.pop("stale")  # the ingress forgets it
             rt.ingress._wire.pop(live.wire_rid)
             live.timer.cancel()
@@ -295,24 +303,26 @@ def test_copies_on_a_replica_that_stalled_past_its_lease_are_aborted(chain_dirs)
                 if armed.is_set() and out.chunks:  # the first step with rows once armed
                     armed.clear()
                     stalled.set()  # mid-step, holding its rows: it stops answering
-                while stalled.is_set():
+                while stalled.is_set():  # (a polling loop: until the test releases it)
                     time.sleep(0.01)
                 return real(out, timings)
 
             large.engine.runner.launch = stalling
             tasks = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in batch]
-            while sum(len(live.log.tokens) for live in rt.ingress.live.values()) < 20:
-                await asyncio.sleep(0.002)
+            await wait_until(lambda: committed(rt) >= 20, 60, "20 tokens committed")
             # Stalled from its own step thread: a stall set from here could land after the
             # large model had handed its rows back, and then it would hold none.
             armed.set()
-            while not stalled.is_set():
-                await asyncio.sleep(0.002)
+            await wait_until(stalled.is_set, 60, "the large replica stalled")
             every = rt.ingress.all_endpoints
             rt.ingress.all_endpoints = lambda: [small.endpoint]  # its lease ran out
             old = set(rt.ingress._wire)
             assert await rt.ingress.recreate(lost={large.endpoint}) > 0
-            await asyncio.sleep(0.2)
+            await wait_until(  # the re-created copies run on the small model meanwhile
+                lambda: bool((set(rt.ingress._wire) - old) & set(small.tracked)),
+                60,
+                "the re-created copies on the small model",
+            )
             assert old & set(large.tracked)  # it still holds old incarnations
             rt.ingress.all_endpoints = every  # its heartbeat registers it again
             stalled.clear()
