@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.waiting import wait_until
+from tokenrouter_ray.ingress import core as ingress_module
 from tokenrouter_ray.ingress.core import IngressCore
 from tokenrouter_ray.protocol import MsgKind, PeerReq, SamplingSpec
 from tokenrouter_ray.replica import requests as requests_module
@@ -72,7 +74,7 @@ class Cluster:
     def truth(self) -> int:
         return sum(core.num_active for core in self.ingresses)
 
-    async def settled(self, timeout_s: float = 2.0) -> float:
+    async def settled(self, timeout_s: float = 20.0) -> float:
         """Seconds until every model replica's N (and its scheduler's) equals the truth."""
         start = time.monotonic()
         while True:
@@ -88,8 +90,6 @@ def test_every_model_replica_tracks_the_global_count(monkeypatch: pytest.MonkeyP
     """Each arrival and completion reaches every replica by itself: the periodic refresh is
     switched off, so only the per-change publish can deliver the count (``settled`` fails
     after its timeout otherwise)."""
-    from tokenrouter_ray.ingress import core as ingress_module
-
     monkeypatch.setattr(ingress_module, "ACTIVE_REFRESH_S", 3600.0)
 
     async def go() -> None:
@@ -134,9 +134,13 @@ def _recording(core: IngressCore) -> list[PeerReq]:
     return sent
 
 
-def test_a_burst_of_arrivals_sends_at_most_one_active_frame_per_endpoint() -> None:
+def test_a_burst_of_arrivals_sends_at_most_one_active_frame_per_endpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Eight arrivals at once: each endpoint learns the final 8, by one ACTIVE at most; the
-    entry endpoint, told 8 by the last NEW, gets none."""
+    entry endpoint, told 8 by the last NEW, gets none. (The periodic refresh is switched
+    off: a slow run must not see its ACTIVEs among the per-change ones counted here.)"""
+    monkeypatch.setattr(ingress_module, "ACTIVE_REFRESH_S", 3600.0)
 
     async def go() -> tuple[dict[str, list[int]], str, list[int], int]:
         async with Cluster() as cluster:
@@ -162,9 +166,13 @@ def test_a_burst_of_arrivals_sends_at_most_one_active_frame_per_endpoint() -> No
     assert len(actives) == n_servers - 1 and all(v == [8] for v in actives.values())
 
 
-def test_a_completion_and_the_next_arrival_send_no_active_frame() -> None:
+def test_a_completion_and_the_next_arrival_send_no_active_frame(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A closed loop's completion followed at once by the next arrival leaves the count
-    where it was: no endpoint is told anything; a completion alone reaches every one."""
+    where it was: no endpoint is told anything; a completion alone reaches every one. (The
+    periodic refresh is switched off, as above.)"""
+    monkeypatch.setattr(ingress_module, "ACTIVE_REFRESH_S", 3600.0)
 
     async def go() -> tuple[list[PeerReq], list[PeerReq], list[int]]:
         async with Cluster() as cluster:
@@ -176,7 +184,10 @@ def test_a_completion_and_the_next_arrival_send_no_active_frame() -> None:
             a.release("r0")
             await a.submit("r1", [1, 2], LONG)  # ... and the client's next request
             await cluster.settled()
-            await asyncio.sleep(0.05)  # past the coalescing window
+            # past the coalescing window: its timer fired (and found nothing changed) ...
+            await wait_until(lambda: a._publish_timer is None, 20, "the coalescing timer")
+            # ... and a negative check: a few turns of the loop for a send it set off to show
+            await asyncio.sleep(0.05)
             swapped = [m for m in sent if m.kind == MsgKind.ACTIVE]
             sent.clear()
             a.abort_nowait("r1")
@@ -191,29 +202,40 @@ def test_a_completion_and_the_next_arrival_send_no_active_frame() -> None:
 
 
 def test_a_silent_ingress_stops_counting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(requests_module, "INGRESS_SILENCE_S", 0.3)
+    """b goes silent: every model replica drops its count; a, which keeps refreshing its own
+    well inside the silence (as production's 1 s refresh does inside 10 s), keeps its
+    entry, its count and its request throughout."""
+    monkeypatch.setattr(ingress_module, "ACTIVE_REFRESH_S", 0.1)
+    monkeypatch.setattr(requests_module, "INGRESS_SILENCE_S", 1.5)
 
-    async def go() -> list[int]:
+    async def go() -> tuple[list[int], list[list[str]], list[str], bool]:
         async with Cluster() as cluster:
             a, b = cluster.ingresses
             await a.submit("a", [1, 2], LONG)
             await b.submit("b", [1, 2], LONG)
             await cluster.settled()
             await b.stop()  # b's replica dies: its count of 1 is never refreshed
-            await asyncio.sleep(2.5)  # a keeps refreshing its own count every second
+            await wait_until(
+                lambda: all(b.channel.name not in s.active.ingresses() for s in cluster.servers),
+                30,
+                "every model replica dropping the silent ingress",
+            )
             seen = [s.active_requests for s in cluster.servers]
+            heard = [s.active.ingresses() for s in cluster.servers]
+            kept = any("a" in s.tracked for s in cluster.servers)  # not ended as orphaned
             await a.abort("a")
             a.release("a")
-            return seen
+            return seen, heard, [a.channel.name], kept
 
-    assert asyncio.run(go()) == [1, 1, 1]
+    seen, heard, live, kept = asyncio.run(go())
+    assert seen == [1, 1, 1]  # b's 1 is gone, a's 1 counts
+    assert heard == [live] * 3  # the live ingress's entry survived on every replica
+    assert kept
 
 
 def test_models_end_the_requests_of_a_silent_ingress(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tokenrouter_ray.ingress import core as ingress_module
-
     monkeypatch.setattr(ingress_module, "ACTIVE_REFRESH_S", 0.1)  # a live ingress: 10 per s
-    monkeypatch.setattr(requests_module, "INGRESS_SILENCE_S", 0.6)
+    monkeypatch.setattr(requests_module, "INGRESS_SILENCE_S", 1.5)
 
     async def go() -> tuple[bool, bool]:
         async with Cluster() as cluster:
@@ -225,9 +247,13 @@ def test_models_end_the_requests_of_a_silent_ingress(monkeypatch: pytest.MonkeyP
             assert a.health_problem() is None and b.health_problem() is None
             await b.stop()  # b's replica dies: nobody will read request b again
             assert "stopped" in (b.health_problem() or "")  # what its check_health raises
-            await asyncio.sleep(2.0)
-            gone = all("b" not in s.tracked and "b" not in s.engine.requests
-                       for s in cluster.servers)  # fmt: skip
+
+            def b_gone() -> bool:
+                return all("b" not in s.tracked and "b" not in s.engine.requests
+                           for s in cluster.servers)  # fmt: skip
+
+            await wait_until(b_gone, 30, "request b ended on every model")
+            gone = b_gone()
             kept = any("a" in s.tracked for s in cluster.servers)  # a's request goes on
             await a.abort("a")
             a.release("a")
