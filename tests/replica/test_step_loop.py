@@ -10,6 +10,7 @@ import math
 import threading
 import time
 
+from tests.waiting import wait_until
 from tokenrouter_ray.replica.step import STATE_PERIOD_S
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.tuning.examples import paper_r2r
@@ -20,6 +21,21 @@ def slow_profile(ms: float = 5.0) -> RoutingProfile:
     p = paper_r2r()
     models = (ModelProfile.constant("small", ms), ModelProfile.constant("large", ms))
     return RoutingProfile(models, p.route_prob, p.commit, p.grain_ms)
+
+
+def leavers_checked(seq: list[tuple[str, str, set[str], int]], strict: bool = False) -> int:
+    """How many (rows that left after a step, the batch launched right after it on that
+    model with no step of the other model in between) pairs ``seq`` holds; ``strict``:
+    assert that no such batch holds a row that left."""
+    checked = 0
+    seq = list(seq)  # (the step threads append to it)
+    for model in {name for name, *_ in seq}:
+        mine = [e for e in seq if e[0] == model]
+        for (_, kind, rids, n), (_, next_kind, next_rids, n_next) in itertools.pairwise(mine):
+            if kind == "leaving" and next_kind == "batch" and rids and n_next == n:
+                assert not (strict and rids & next_rids)
+                checked += 1
+    return checked
 
 
 def test_reports_overlap_the_next_forward_and_leavers_skip_the_next_batch() -> None:
@@ -56,7 +72,12 @@ def test_reports_overlap_the_next_forward_and_leavers_skip_the_next_batch() -> N
                     return real(out, timings)
 
                 server.report, server.commit, runner.launch = report, commit, launch
-            await asyncio.sleep(1.5)
+            # as long as it takes to see the evidence the checks below need (and some more)
+            await wait_until(
+                lambda: len(reports) > 200 and leavers_checked(seq) > 40,
+                60,
+                "200 reports and 40 leaving rows checked",
+            )
             servers = list(loop.servers)
         assert len(reports) > 50
         # whenever there was work, the next step was launched before the last was reported
@@ -64,14 +85,7 @@ def test_reports_overlap_the_next_forward_and_leavers_skip_the_next_batch() -> N
         assert sum(in_flight for in_flight, _ in reports) > len(reports) / 2
         # a row that left after step t is not in the batch launched right after, whenever
         # the other model launched no step in between (so none of them can be back yet)
-        checked = 0
-        for model in {name for name, *_ in seq}:
-            mine = [e for e in seq if e[0] == model]
-            for (_, kind, rids, n), (_, next_kind, next_rids, n_next) in itertools.pairwise(mine):
-                if kind == "leaving" and next_kind == "batch" and rids and n_next == n:
-                    assert not rids & next_rids
-                    checked += 1
-        assert checked > 10
+        assert leavers_checked(seq, strict=True) > 10
         for server in servers:
             profile = server.profile
             assert profile.steps > 0 and profile.critical_s > 0
@@ -135,7 +149,7 @@ def test_the_watchdog_sees_a_wedged_step_and_a_run_of_failed_steps() -> None:
         async with loop:
             small = loop.servers[0]
             runner, real = small.engine.runner, small.engine.runner.launch
-            await asyncio.sleep(0.2)
+            await wait_until(lambda: small.profile.steps >= 20, 60, "the small model stepping")
             healthy = small.health_problem(max_step_s=0.5, max_failed_steps=3)
             entered, release = threading.Event(), threading.Event()
 
@@ -156,10 +170,7 @@ def test_the_watchdog_sees_a_wedged_step_and_a_run_of_failed_steps() -> None:
 
             runner.launch = broken
             release.set()  # the wedged step ends, then every step fails
-            for _ in range(1000):
-                if small.failed_in_row >= 3:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: small.failed_in_row >= 3, 60, "three failed steps")
             failing = small.health_problem(max_step_s=60, max_failed_steps=3)
             del runner.launch
         return healthy, stuck, failing
@@ -198,12 +209,18 @@ def test_messages_apply_while_a_step_runs_and_wait_for_it_when_they_concern_its_
         async with LocalRuntime(engines, build_policy("never", None, models)) as rt:
             server = rt.model_replicas[0]
             tasks = [asyncio.ensure_future(rt.complete([1, 2, 3], spec)) for _ in range(3)]
-            await asyncio.sleep(0.3)  # every request in the small model's batch
+            await wait_until(  # every request in the small model's batch
+                lambda: len(small.scheduler.running) == 3, 60, "three requests running"
+            )
             late = asyncio.ensure_future(rt.complete([4, 5], spec))  # arrives mid-step
             for task in tasks:
-                await asyncio.sleep(0.013)
+                await asyncio.sleep(0.013)  # spread over a 40 ms step, by design
                 task.cancel()  # the ingress ABORTs it everywhere: mid-step here
-            await asyncio.sleep(0.3)
+            await wait_until(  # the three ABORTs applied, and the late request running
+                lambda: len(aborts) >= 3 and len(small.scheduler.running) == 1,
+                60,
+                "the aborts applied and the late request running",
+            )
             late.cancel()
             await asyncio.gather(*tasks, late, return_exceptions=True)
             await rt.wait_idle()
