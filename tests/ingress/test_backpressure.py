@@ -9,14 +9,19 @@ import time
 
 import pytest
 
+from tests.waiting import wait_until
 from tokenrouter_ray.ingress.backpressure import Backpressure, StreamGate
 
 
 class Clock:
+    """Seconds that move only when the test says so; counts its reads."""
+
     def __init__(self) -> None:
         self.now = 100.0
+        self.reads = 0
 
     def __call__(self) -> float:
+        self.reads += 1
         return self.now
 
 
@@ -85,29 +90,41 @@ def test_a_full_choice_waits_until_the_client_takes_a_chunk() -> None:
         g.produced(0, 1)
         g.produced(0, 1)
         waiter = asyncio.create_task(g.wait_for_room(0))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # one turn: the waiter runs up to its wait (or returns)
         assert not waiter.done()
         g.sending()
         g.sent([0])
-        await asyncio.wait_for(waiter, 1)
+        await asyncio.wait_for(waiter, 20)
 
     asyncio.run(go())
 
 
 def test_watch_returns_once_the_rule_fires_and_not_before() -> None:
+    """On a clock the test drives (the watcher's own waits are real time: a quarter stall
+    time at most, 50 ms here)."""
+
     async def go() -> None:
-        g = StreamGate(1, Backpressure(1, 0.2))
+        clock = Clock()
+        g = StreamGate(1, Backpressure(1, 0.2), clock)
         watcher = asyncio.create_task(g.watch())
         g.produced(0, 1)
         g.sending()
-        await asyncio.sleep(0.1)
+        clock.now += 0.1
+        reads = clock.reads
+        # the watcher looked at the blocked writer half a stall time in: not stalled
+        await wait_until(lambda: clock.reads > reads, 20, "the watcher checking")
+        assert not watcher.done()
         g.sent([0])  # took it in time
+        clock.now += 0.3
+        # A negative check: with nothing waiting for the client no time is a stall; a few
+        # of the watcher's wake-ups (50 ms each) for it to fire wrongly
         await asyncio.sleep(0.3)
         assert not watcher.done() and g.stalled_at is None
         g.produced(0, 1)
         g.sending()  # and now it stops reading
-        await asyncio.wait_for(watcher, 2)
-        assert g.stalled_at is not None
+        clock.now += 0.25  # past the stall time
+        await asyncio.wait_for(watcher, 20)
+        assert g.stalled_at == clock.now
 
     asyncio.run(go())
 
@@ -127,6 +144,8 @@ def test_watch_neither_spins_past_a_deadline_nor_wakes_per_frame() -> None:
         watcher = asyncio.create_task(g.watch())
         g.produced(0, 1)
         g.sending()  # blocked from now on, with room left: not stalled
+        # By design: three stall times pass with the writer blocked (the window in which
+        # a watcher spinning past its deadline would read the clock thousands of times)
         await asyncio.sleep(0.6)
         assert not watcher.done()
         for _ in range(2000):  # a fast reader: frame after frame
@@ -134,7 +153,7 @@ def test_watch_neither_spins_past_a_deadline_nor_wakes_per_frame() -> None:
             g.produced(0, 1)
             g.sending()
         g.sent([0])
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # (a negative check: the watcher's reads in this window too)
         assert not watcher.done() and reads[0] < 2000 + 2000 + 100
         watcher.cancel()
 

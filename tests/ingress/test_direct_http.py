@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
+from tests.waiting import wait_until
 from tokenrouter_ray.ingress.direct_http import DirectHttp
 
 CHUNK = b"x" * 1024
@@ -56,8 +58,15 @@ def test_two_servers_share_a_port_and_a_non_reading_client_stops_production() ->
             sock.setblocking(False)
             await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", first.port))
             sock.send(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")  # then never read
-            await asyncio.sleep(1.0)
-            held = produced[0]
+            await wait_until(lambda: produced[0] > 0, 30, "the stream producing")
+            # until the sockets are full: no chunk produced for half a second
+            deadline = time.monotonic() + 60
+            held = -1
+            while produced[0] != held:
+                assert time.monotonic() < deadline, "production never stopped"
+                held = produced[0]
+                await asyncio.sleep(0.5)
+            # A negative check: held, it stays held
             await asyncio.sleep(1.0)
             assert produced[0] == held  # production waits for the client
             assert held < 5_000  # a few MB at most, in socket buffers: not the 100 MB

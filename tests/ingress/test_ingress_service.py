@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.openai.ingress_app import FakeChannel, FakeCore, FakePeers, fake_config
+from tests.waiting import wait_until
 from tokenrouter_ray.ingress.http_app import build_app
 from tokenrouter_ray.ingress.service import IngressService
 from tokenrouter_ray.metrics import Metrics
@@ -91,11 +92,12 @@ def test_the_slo_cap_follows_the_tuner_and_stops_with_the_service() -> None:
     async def go() -> None:
         assert s.cap.limit == 64
         await s.start()
-        while len(polls) < 5:
-            await asyncio.sleep(0.001)
+        await wait_until(lambda: len(polls) >= 5, 20, "five polls of the tuner")
         assert s.cap.limit == 2  # ceil(3 / 2): this replica's share
         await s.stop()
         n = len(polls)
+        assert s._slo is not None and s._slo.done()
+        # A negative check besides: ten of its periods, and no poll
         await asyncio.sleep(0.01)
         assert len(polls) == n  # the loop stopped with the service
 
@@ -111,6 +113,7 @@ def test_without_slo_mode_the_tuner_is_not_polled() -> None:
 
     async def go() -> None:
         await s.start()
+        # A negative check: ten of the tuner's periods, in which nothing may poll it
         await asyncio.sleep(0.01)
         assert s._slo is None and s.cap.limit == 256
         await s.stop()
@@ -257,17 +260,15 @@ def test_a_request_ended_by_an_unreachable_peer_is_recreated_once_the_peer_has_l
 
     async def go() -> None:
         s.on_peer_lost("r1", "r1", "large#0", "peer large#0 unreachable")
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn: the settling task starts
         assert core.recreated == [] and core.failed == []  # still listed: settling
         peers.by_model["large"] = ["large#1"]  # its lease ran out
-        while s._moving:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: not s._moving, 20, "the settling done")
         await s.recovery.wait()
         assert core.recreated == [{"large#0"}] and core.failed == []
 
         s.on_peer_lost("r2", "r2~1", "large#1", "peer large#1 unreachable")
-        while s._moving:  # listed throughout: alive
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: not s._moving, 20, "the settling done")  # listed throughout
         assert core.failed == [("r2~1", "peer large#1 unreachable")]
         assert core.recreated == [{"large#0"}]
 

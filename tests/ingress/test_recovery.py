@@ -10,6 +10,7 @@ import contextlib
 from tests.local.test_protocol_runtime import all_free
 from tests.local.test_reliability_runtime import TWO, prompts
 from tests.tiny_models import chain_engines
+from tests.waiting import wait_until
 from tokenrouter_ray.ingress.recovery import AdmissionCap, Recovery
 from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
@@ -33,10 +34,13 @@ def test_recovery_waits_for_a_replica_then_recreates_exactly(chain_dirs) -> None
                 rt.ingress, lambda: sorted(gone), lambda rid: {"large": large}, timeout_s=30
             )
             tasks = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in batch]
-            while sum(len(live.log.tokens) for live in rt.ingress.live.values()) < 30:
-                await asyncio.sleep(0.002)
+            await wait_until(
+                lambda: sum(len(live.log.tokens) for live in rt.ingress.live.values()) >= 30,
+                60,
+                "30 tokens committed",
+            )
             recovery.lost({large})
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # the large model stays gone this long (by design)
             assert recovery.running and recovery.log == []  # waiting for a replica
             assert any(not live.done for live in rt.ingress.live.values())
             gone.clear()
@@ -72,7 +76,7 @@ def test_admission_cap_is_the_configured_one_or_the_tuners_share() -> None:
             answer = answers.pop(0) if answers else None
             if answer is None:
                 task.cancel()
-                await asyncio.sleep(3600)
+                await asyncio.sleep(3600)  # never returns: cancelled just above
             if isinstance(answer, Exception):
                 raise answer
             return answer

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from tests.waiting import wait_until
 from tokenrouter_ray.ingress.core import TokenChunks
 
 
@@ -53,7 +54,8 @@ def test_an_unstreamed_reader_waits_for_the_end_even_with_tokens_queued() -> Non
         chunks.each_chunk = False
         chunks.put_nowait([7])
         waiting = asyncio.create_task(chunks.get())
-        await asyncio.sleep(0.01)
+        # the reader waits (had it been woken by the queued tokens, it would have returned)
+        await wait_until(lambda: chunks._waiter is not None or waiting.done(), 20, "get waiting")
         early = waiting.done()
         chunks.put_nowait(None)  # an abort or a failure ends it the same way
         assert await asyncio.wait_for(waiting, 5) == [7]
@@ -66,7 +68,7 @@ def test_a_cancelled_reader_leaves_no_waiter_behind() -> None:
     async def run() -> None:
         chunks = TokenChunks()
         task = asyncio.create_task(chunks.get())
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn: the reader starts waiting
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
