@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from tests.waiting import wait_until
 from tokenrouter_ray.simulation.backend import calibrate_sleep_bias
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import check_admissible, is_admissible
@@ -140,6 +141,10 @@ def test_two_large_replicas_run_the_tuners_choice_on_the_simulated_runtime() -> 
         loop = ClosedLoop(profile, 4, (1, b), time_scale=2.0, sleep_bias_s=bias, seed=3,
                           max_tokens=4096, replicas=(1, 2))  # fmt: skip
         async with loop:
+            # under way on every large replica, then a warm-up by design (as the simulate
+            # CLI's --warmup-s): the batches settle before the measured window
+            await wait_until(lambda: all(r.stats.steps > 0 for r in loop.model_runners[1]), 60,
+                             "every large replica stepping")  # fmt: skip
             await asyncio.sleep(0.5)
             result = await loop.measure(2.5, (1, b))
         # each large replica ran batches of its own (up to two large batches at once)

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.waiting import wait_until
 from tokenrouter_ray.cli import main as cli_main
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import ThresholdTable
@@ -246,6 +247,16 @@ def test_the_simulated_runtime_measures_at_least_its_network_delay() -> None:
     async def run() -> tuple[dict, RoutingProfile | None]:
         loop = ClosedLoop(paper_r2r(), 4, (1, 1), max_defer_s=float("inf"), transit_s=0.003)
         async with loop:
+            # handoffs under way both ways, then a warm-up by design (as the simulate CLI's
+            # --warmup-s) before the measured window
+            await wait_until(
+                lambda: (
+                    {("small", "large"), ("large", "small")}
+                    <= set(loop.backend.snapshot()["handoffs"])
+                ),
+                60,
+                "handoffs both ways",
+            )
             await asyncio.sleep(0.3)
             measured = await loop.measure(1.0, (1, 1))
             core = TunerCore(["small", "large"], TunerSpec(min_moves=1), clock=lambda: 0)
