@@ -57,6 +57,23 @@ BENCHMARKS: dict[str, Benchmark] = {
         "a running server (--url)",
         ("--url", "{url}", "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4"),
     ),
+    "quality-target": Benchmark(
+        "loadtest.quality_target",
+        "the quality target's operating point over time as the prompt mix shifts (plot)",
+        "a running server (--url) with tuner.quality_target",
+        (
+            "--url",
+            "{url}",
+            "--phases",
+            "chat=2,capitals=2",
+            "--max-tokens",
+            "4",
+            "--poll-s",
+            "0.1",
+            "--out",
+            "{out}",
+        ),
+    ),
     "host": Benchmark(
         "loadtest.host_path",
         "the runtime's host path on simulated models, in process and served (= --preset host)",

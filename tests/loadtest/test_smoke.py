@@ -6,8 +6,8 @@ targets prints them PASS / MISS (a MISS is a figure, not a failure). Figures are
 
 Markers follow what a run starts: ``ray`` (it starts Ray Serve in its own process), ``demo``
 (it loads the demo build), ``slow`` (tens of seconds or more on two cores). The ``serve``
-benchmark gets a stand-in server here: a chat app in a thread of this process that writes
-a fixed filler, on a free port."""
+and ``quality-target`` benchmarks get a stand-in server here: a chat app in a thread of this
+process that writes a fixed filler, on a free port."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ PRINTS = {
     "router-bound": "PASS|MISS",
     "speculative": "PASS|MISS",
     "gpu-check": "exact",
+    "quality-target": "rung moves",
 }
 # the reproduce line's prefix, as each benchmark prints it
 REPRODUCE = ("command:", "reproduce:", "# python -m loadtest", "python -m loadtest")
@@ -80,7 +81,7 @@ def test_benchmark_runs_at_its_tiniest_size(name: str, tmp_path: Path) -> None:
         from tokenrouter_ray.demo import built_artifact
 
         built_artifact("large")  # the demo build is there (prepare-demo), or this says so
-    server = stand_in_server() if name == "serve" else None
+    server = stand_in_server() if name in ("serve", "quality-target") else None
     try:
         fill = {"{port}": str(free_port()), "{out}": str(tmp_path),
                 "{url}": server.url + "/v1" if server else ""}  # fmt: skip
