@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from tests.net import free_port
 
@@ -73,6 +74,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.ray)
         if names & DEMO_FIXTURES or item.nodeid.startswith(DEMO_TESTS):
             item.add_marker(pytest.mark.demo)
+
+
+# Property tests draw the same examples on every run (no example database either): a test
+# cannot pass on one run and fail on the next by what it happened to draw.
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.load_profile("deterministic")
+
+
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    """Every test starts from the same random state (``random``, numpy, torch): a test that
+    draws without a generator of its own draws the same numbers on every run, in any
+    order."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="session", autouse=True)
