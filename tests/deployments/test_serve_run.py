@@ -6,53 +6,67 @@ from __future__ import annotations
 import signal
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
 import yaml
 
-from tests.deployments.serve_process import kill_serve_run, start_serve_run
+from tests.deployments.serve_process import PortTaken, kill_serve_run, start_serve_run
 from tests.net import free_port
 from tokenrouter_ray.config import CONF_DIR
 
 pytestmark = pytest.mark.demo
-# conf/local.yaml as shipped, on free ports instead of its 8000 (the ingress's own port,
-# the API users call) and 8010 (Serve's proxy, the same API)
-DIRECT, PROXIED = free_port(), free_port()
-BASE = f"http://127.0.0.1:{DIRECT}"
-PROXY = f"http://127.0.0.1:{PROXIED}"
 
 
-def local_yaml_on_free_ports(directory) -> object:
+@dataclass
+class Served:
+    """``serve run conf/local.yaml`` as shipped, on free ports instead of its 8000 (the
+    ingress's own port, the API users call) and 8010 (Serve's proxy, the same API)."""
+
+    proc: subprocess.Popen
+    base: str
+    proxy: str
+
+
+def local_yaml_on(directory, direct: int, proxied: int) -> object:
     conf = yaml.safe_load((CONF_DIR / "local.yaml").read_text())
-    conf["http_options"]["port"] = PROXIED
+    conf["http_options"]["port"] = proxied
     overrides = conf["applications"][0]["args"]["overrides"]
     assert "ingress.direct_port=8000" in overrides and conf["http_options"]["port"]
-    overrides[overrides.index("ingress.direct_port=8000")] = f"ingress.direct_port={DIRECT}"
+    overrides[overrides.index("ingress.direct_port=8000")] = f"ingress.direct_port={direct}"
     path = directory / "local.yaml"
     path.write_text(yaml.safe_dump(conf))
     return path
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
-    directory = tmp_path_factory.mktemp("serve")
-    log = directory / "serve.log"
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     # a launch-time override (TOKENROUTER_OVERRIDES), after the config's tuner.grain_ms=2.0
     env = {"TOKENROUTER_OVERRIDES": "tuner.grain_ms=2.5"}
-    proc = start_serve_run(local_yaml_on_free_ports(directory), log, f"{BASE}/v1/models", env)
-    yield proc
+    for attempt in range(3):  # ports are chosen just before the start; taken ones are redrawn
+        directory = tmp_path_factory.mktemp("serve")
+        direct, proxied = free_port(), free_port()
+        base = f"http://127.0.0.1:{direct}"
+        config = local_yaml_on(directory, direct, proxied)
+        try:
+            proc = start_serve_run(config, directory / "serve.log", f"{base}/v1/models", env)
+            break
+        except PortTaken:
+            if attempt == 2:
+                raise
+    yield Served(proc, base, f"http://127.0.0.1:{proxied}")
     kill_serve_run(proc)
 
 
 def test_models_endpoint(served) -> None:
-    models = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none").models.list()
+    models = openai.OpenAI(base_url=f"{served.base}/v1", api_key="none").models.list()
     assert [m.id for m in models.data] == ["tokenrouter"]
     # 8000 is the ingress's own port (conf/local.yaml); Serve's proxy serves the same app
-    proxied = openai.OpenAI(base_url=f"{PROXY}/v1", api_key="none").models.list()
+    proxied = openai.OpenAI(base_url=f"{served.proxy}/v1", api_key="none").models.list()
     assert [m.id for m in proxied.data] == ["tokenrouter"]
-    tuner = httpx.get(f"{BASE}/v1/tokenrouter/tuner", timeout=30).json()  # on by default
+    tuner = httpx.get(f"{served.base}/v1/tokenrouter/tuner", timeout=30).json()  # on by default
     assert sorted(tuner["thresholds"]) == ["large", "small"] and tuner["spec"]["enabled"]
     assert tuner["spec"]["grain_ms"] == 2.5  # TOKENROUTER_OVERRIDES reached the app
 
@@ -60,7 +74,7 @@ def test_models_endpoint(served) -> None:
 def test_chat_and_completions_streaming_and_not(served) -> None:
     """Streamed text equals the whole response's, routed (a preset) and served by the large
     model alone. (A default request's mode is the speed bypass's to choose per request.)"""
-    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="none", max_retries=0, timeout=120)
     question = [{"role": "user", "content": "What is the capital of France?"}]
     routed = {"routing": {"quality": "high"}}
     chat = client.chat.completions.create(
@@ -92,9 +106,9 @@ def test_chat_and_completions_streaming_and_not(served) -> None:
     assert completion.usage.completion_tokens == 8
 
 
-def bypass_level_one() -> dict | None:
+def bypass_level_one(base: str) -> dict | None:
     """The speed bypass's state at load 1 (one request at a time), from the status route."""
-    status = httpx.get(f"{BASE}/v1/tokenrouter/quality", timeout=30).json()["speed_bypass"]
+    status = httpx.get(f"{base}/v1/tokenrouter/quality", timeout=30).json()["speed_bypass"]
     return next((lv for lv in status["levels"] if lv["load"] == "1"), None)
 
 
@@ -104,7 +118,7 @@ def test_the_readmes_first_example_answers_right_and_presets_trade_it(served) ->
     the demo pair is slower than its large model): right, with no handoff, the answer
     ``routing.model = large`` gives. The ``fast`` preset routes, and hands part of the
     answer to the small model; an unknown model is a 400 naming the field."""
-    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="none", max_retries=0, timeout=120)
     question = [{"role": "user", "content": "What is the capital of France?"}]
 
     def ask(routing: dict | None) -> tuple[str, dict]:
@@ -118,7 +132,7 @@ def test_the_readmes_first_example_answers_right_and_presets_trade_it(served) ->
     # default requests until load 1 has measured both modes and decided (min_samples 4
     # each; the decision is taken by the request after the last measured one)
     for _ in range(12):
-        level = bypass_level_one()
+        level = bypass_level_one(served.base)
         if level is not None and level["mode"] is not None:
             break
         client.completions.create(
@@ -156,7 +170,7 @@ def test_the_default_holds_the_large_models_accuracy_on_held_out_capitals(served
     items = split_items(capitals(), "test")
 
     def accuracy(extra_body: dict | None):
-        return asyncio.run(run_eval(f"{BASE}/v1", "tokenrouter", items, concurrency=4,
+        return asyncio.run(run_eval(f"{served.base}/v1", "tokenrouter", items, concurrency=4,
                                     max_tokens=32, extra_body=extra_body, progress=False,
                                     label="x"))  # fmt: skip
 
@@ -170,7 +184,7 @@ def test_the_default_holds_the_large_models_accuracy_on_held_out_capitals(served
 
 
 def test_sigterm_shuts_down_cleanly(served) -> None:
-    served.send_signal(signal.SIGTERM)
-    assert served.wait(timeout=120) is not None
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(timeout=120) is not None
     with pytest.raises(httpx.HTTPError):
-        httpx.get(f"{BASE}/v1/models", timeout=2)
+        httpx.get(f"{served.base}/v1/models", timeout=2)
