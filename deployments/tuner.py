@@ -29,7 +29,7 @@ from tokenrouter_ray.tuning.decision import TunerAnswer, TunerDecision, TunerSta
 from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.scaling import ReplicaPlanner, ScalingSpec
 from tokenrouter_ray.tuning.tuner import TunerCore, run_tuner
-from tokenrouter_ray.tuning.window import WindowSnapshot
+from tokenrouter_ray.replica.window import WindowSnapshot
 
 logger = logging.getLogger("ray.serve")
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from tokenrouter_ray import demo
+from tokenrouter_ray.demo.large import prepare_demo
 from tokenrouter_ray.cli import main
 
 
 def test_prepare_demo_is_idempotent(capsys) -> None:
-    path = demo.prepare_demo(quiet=True)  # built once per machine, then cached
+    path = prepare_demo(quiet=True)  # built once per machine, then cached
     stamp = (path / "config.json").stat().st_mtime
     assert main(["prepare-demo", "--quiet"]) == 0
     printed = capsys.readouterr().out.split()

@@ -19,15 +19,14 @@ from transformers import (
 
 from tests.tiny_models import TINY as TINY_SHAPE
 from tests.tiny_models import tiny_model
+from tokenrouter_ray.demo.artifacts import Recipe, read_build_info
 from tokenrouter_ray.demo.small import (
     TEMPLATES,
     TOPICS,
-    Recipe,
     Sample,
     chat_prompts,
     distill,
     make_small_model,
-    read_build_info,
     split_topics,
     teacher_samples,
 )
@@ -137,7 +136,7 @@ def test_heldout_prompts_are_disjoint_from_training_prompts() -> None:
 @pytest.fixture(scope="module")
 def demo_pair() -> tuple[Path, Path]:
     """(large, small) directories; builds the small model once if it is not cached."""
-    from tokenrouter_ray.demo import prepare_demo
+    from tokenrouter_ray.demo.large import prepare_demo
     from tokenrouter_ray.demo.small import prepare_small_model
 
     large = prepare_demo(quiet=True)

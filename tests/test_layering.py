@@ -14,6 +14,9 @@ interpreters.
   interpreter imports each of their modules and looks at ``sys.modules``).
 - Ray is imported only in ``deployments/`` and ``tokenrouter_ray/transport/ray*``.
 - ``config.py`` imports no ``tuning/`` module.
+- The server never imports an offline tool (``TOOLS``: the CLI, the demo build, the eval
+  harness, the planner and simulator commands, traceview, dashboards generation), and
+  ``replica/`` nothing from ``tuning/``.
 
 Imports under ``if TYPE_CHECKING:`` never run and are not counted, except by the circle
 rule. A rule that cannot hold
@@ -198,6 +201,76 @@ def test_the_app_config_imports_no_tuning_module() -> None:
     names = runtime_imports((PACKAGE / "config.py").read_text())
     found = {"tokenrouter_ray.config": {n for n in names if n.startswith("tokenrouter_ray.tuning")}}
     assert violations("config", found) == {}
+
+
+# The offline tools: commands a user runs beside the server, clients of it or of its
+# configs. The server (engine, replicas, ingress, transports, routing, the tuner, live
+# quality, the simulated engines a config can serve) never imports one of them; a tool may
+# import the server.
+TOOLS = (
+    "tokenrouter_ray.cli",
+    "tokenrouter_ray.docs_gen",
+    "tokenrouter_ray.dashboards",
+    "tokenrouter_ray.traceview",
+    "tokenrouter_ray.demo.commands",
+    "tokenrouter_ray.demo.large",
+    "tokenrouter_ray.demo.small",
+    "tokenrouter_ray.demo.router",
+    "tokenrouter_ray.quality.builtin",
+    "tokenrouter_ray.quality.calibrate",
+    "tokenrouter_ray.quality.commands",
+    "tokenrouter_ray.quality.evaluate",
+    "tokenrouter_ray.quality.frontier",
+    "tokenrouter_ray.quality.judge",
+    "tokenrouter_ray.quality.scorers",
+    "tokenrouter_ray.quality.task_files",
+    "tokenrouter_ray.quality.tasks",
+    "tokenrouter_ray.simulation.commands",
+    "tokenrouter_ray.simulation.loads",
+    "tokenrouter_ray.simulation.validate",
+    "tokenrouter_ray.tuning.commands",
+    "tokenrouter_ray.tuning.examples",
+    "tokenrouter_ray.tuning.plan_command",
+    "tokenrouter_ray.tuning.simulate",
+    "tokenrouter_ray.tuning.step_times",
+)
+
+
+def is_tool(module: str) -> bool:
+    return any(module == t or module.startswith(t + ".") for t in TOOLS)
+
+
+def test_every_tool_named_exists() -> None:
+    modules = set(modules_under())
+    assert [t for t in TOOLS if t not in modules] == []
+
+
+def test_the_server_imports_no_offline_tool() -> None:
+    """The server sits below its tools: no server module (or ``deployments/``) imports a
+    tool, lazily or not, so a replica or the ingress never loads the demo build, the eval
+    harness or the planner."""
+    paths = {
+        **modules_under(),
+        **{module_name(p): p for p in sorted((ROOT / "deployments").rglob("*.py"))},
+    }
+    found = {
+        mod: {n for n in runtime_imports(path.read_text()) if is_tool(n)}
+        for mod, path in paths.items()
+        if not is_tool(mod)
+    }
+    assert violations("tools", found) == {}
+
+
+def test_a_replica_imports_nothing_of_the_tuner() -> None:
+    """The statistics window a replica records into is the replica's (``replica/window.py``);
+    the tuner reads its snapshots, the replica never imports ``tuning/``."""
+    found = {
+        mod: {
+            n for n in runtime_imports(path.read_text()) if n.startswith("tokenrouter_ray.tuning")
+        }
+        for mod, path in modules_under("replica").items()
+    }
+    assert violations("replica-tuner", found) == {}
 
 
 def test_ray_is_imported_only_in_deployments_and_ray_transports() -> None:

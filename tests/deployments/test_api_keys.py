@@ -23,7 +23,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 def http() -> Iterator[TestClient]:
     from transformers import AutoTokenizer
 
-    from tokenrouter_ray.demo import prepare_demo
+    from tokenrouter_ray.demo.large import prepare_demo
 
     app, _ = ingress_app(AutoTokenizer.from_pretrained(prepare_demo(quiet=True)))
     with TestClient(app, raise_server_exceptions=False) as client:

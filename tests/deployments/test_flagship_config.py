@@ -119,7 +119,7 @@ def calibrated_r2r_router(
 
 @pytest.fixture(scope="module")
 def flagship_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from tokenrouter_ray.demo import prepare_demo
+    from tokenrouter_ray.demo.large import prepare_demo
 
     demo = Path(prepare_demo(quiet=True))
     root = tmp_path_factory.mktemp("flagship")

@@ -80,6 +80,6 @@ def greedy_reference(model: torch.nn.Module, prompt: list[int], n: int) -> list[
 @pytest.fixture(scope="session")
 def demo_model_dir() -> str:
     """The real SmolLM2-135M-Instruct, built once and cached (scripts/test.sh prepares it)."""
-    from tokenrouter_ray.demo import prepare_demo
+    from tokenrouter_ray.demo.large import prepare_demo
 
     return str(prepare_demo(quiet=True))

@@ -17,7 +17,7 @@ import pytest
 def demo_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from tokenrouter_ray.demo import prepare_demo
+    from tokenrouter_ray.demo.large import prepare_demo
 
     return AutoTokenizer.from_pretrained(prepare_demo(quiet=True))
 

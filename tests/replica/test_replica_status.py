@@ -19,7 +19,7 @@ from tokenrouter_ray.replica.status import (
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.tuning.examples import paper_r2r
-from tokenrouter_ray.tuning.window import WindowSnapshot
+from tokenrouter_ray.replica.window import WindowSnapshot
 
 STATUS_KEYS = [
     "model", "endpoint", "pid", "requests", "tracked", "waiting", "running", "pending",

@@ -21,7 +21,7 @@ from tokenrouter_ray.tuning.replicas import binding
 from tokenrouter_ray.tuning.search import candidates, resolve_method, sweep
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec
-from tokenrouter_ray.tuning.window import WindowStats
+from tokenrouter_ray.replica.window import WindowStats
 
 MODELS = ["small", "large"]
 SMALL_MC = MonteCarloConfig(replicas=32, warmup_events=200, events=1500, seed=1)

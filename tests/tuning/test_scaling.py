@@ -11,7 +11,7 @@ from tokenrouter_ray.tuning.capacity import Load, plan
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.scaling import ReplicaPlanner, ScalingSpec, offered_load
 from tokenrouter_ray.tuning.tuner import TunerCore
-from tokenrouter_ray.tuning.window import WindowSnapshot, WindowStats
+from tokenrouter_ray.replica.window import WindowSnapshot, WindowStats
 
 SIM = ["models=sim_paper", "policy=bernoulli"]
 SCALED = [

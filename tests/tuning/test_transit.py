@@ -28,7 +28,7 @@ from tokenrouter_ray.tuning.search import evaluate, sweep
 from tokenrouter_ray.tuning.simulate import simulate
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec
-from tokenrouter_ray.tuning.window import WindowStats
+from tokenrouter_ray.replica.window import WindowStats
 
 FAST = settings(max_examples=25, deadline=None, database=None)
 

@@ -19,7 +19,7 @@ from tokenrouter_ray.tuning.decision import TunerDecision, TunerStatus
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec, drive_local, fill_step_times
-from tokenrouter_ray.tuning.window import WindowStats
+from tokenrouter_ray.replica.window import WindowStats
 
 MODELS = ["small", "large"]
 

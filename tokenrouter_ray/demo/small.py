@@ -35,7 +35,12 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from tokenrouter_ray.demo.cache import cache_dir, is_prepared
+from tokenrouter_ray.demo.artifacts import (  # the build's readers, which serving needs too
+    BUILD_FILE,
+    Recipe,
+    is_current,
+    small_model_dir,
+)
 from tokenrouter_ray.prompts import TOPICS
 
 if TYPE_CHECKING:
@@ -43,7 +48,6 @@ if TYPE_CHECKING:
 
     from tokenrouter_ray.engine.engine import Engine
 
-BUILD_FILE = "tokenrouter_build.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -67,29 +71,6 @@ TEMPLATES = (
     "Write a product description inspired by {t}.",
     "What questions should I ask an expert on {t}?",
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """Everything that decides the small model; a cached build is reused only if it matches."""
-
-    exit_layer: int = 8  # k: large-model layers copied exactly and frozen
-    extra_layers: int = 2  # m: the next layers, initialized from the large model and trained
-    train_prompts: int = 960
-    eval_prompts: int = 64
-    max_tokens: int = 64  # answer length, training and held-out alike
-    heldout_every: int = 5  # every 5th topic is held out from training
-    epochs: int = 4
-    lr: float = 3e-3
-    batch_seqs: int = 4
-    top_k: int = 64  # teacher log-probs kept per position
-    negatives: int = 2048  # random vocabulary rows added to each batch's softmax
-    hard_weight: float = 1.0  # extra cross-entropy on the teacher's greedy token
-    seed: int = 0
-
-    @property
-    def num_layers(self) -> int:
-        return self.exit_layer + self.extra_layers
 
 
 @dataclass
@@ -369,27 +350,6 @@ def agreement(
 
 
 # --------------------------------------------------------------------------- build
-def small_model_dir(large_dir: Path | str, recipe: Recipe = Recipe()) -> Path:
-    return cache_dir() / f"{Path(large_dir).name}-exit{recipe.exit_layer}"
-
-
-def read_build_info(path: Path | str) -> dict | None:
-    try:
-        return json.loads((Path(path) / BUILD_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def is_current(target: Path, recipe: Recipe = Recipe()) -> bool:
-    """Whether ``target`` holds a finished build of ``recipe``."""
-    info = read_build_info(target)
-    return (
-        is_prepared(target)
-        and info is not None
-        and info.get("recipe") == dataclasses.asdict(recipe)
-    )
-
-
 def prepare_small_model(
     large_dir: Path | str, force: bool = False, quiet: bool = False, recipe: Recipe = Recipe()
 ) -> Path:

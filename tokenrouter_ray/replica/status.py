@@ -21,7 +21,7 @@ import msgspec
 
 from tokenrouter_ray.host_gc import collector_stats
 from tokenrouter_ray.thresholds import ThresholdTable, json_hook
-from tokenrouter_ray.tuning.window import WindowSnapshot
+from tokenrouter_ray.replica.window import WindowSnapshot
 
 if TYPE_CHECKING:
     from tokenrouter_ray.replica.profile import HostProfile

@@ -77,7 +77,7 @@ from tokenrouter_ray.routing.policy import (
 )
 from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.transport.base import PeerChannel
-from tokenrouter_ray.tuning.window import WindowSnapshot, WindowStats
+from tokenrouter_ray.replica.window import WindowSnapshot, WindowStats
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import Engine

@@ -41,7 +41,7 @@ from tokenrouter_ray.simulation.backend import (
 )
 from tokenrouter_ray.thresholds import ThresholdTable, check_admissible
 from tokenrouter_ray.tuning.profile import RoutingProfile
-from tokenrouter_ray.tuning.window import WindowSnapshot
+from tokenrouter_ray.replica.window import WindowSnapshot
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def _model_args(args: argparse.Namespace) -> dict[str, str]:
 
     models: dict[str, str] = {}
     if args.demo:
-        from tokenrouter_ray.demo import prepare_demo
+        from tokenrouter_ray.demo.large import prepare_demo
         from tokenrouter_ray.demo.small import prepare_small_model
 
         large = prepare_demo(quiet=True)

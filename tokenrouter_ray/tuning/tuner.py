@@ -3,7 +3,7 @@
 ``TunerCore`` is the tuner without Ray: the core of the tuner deployment
 (``deployments/tuner.py``) and of ``drive_local`` (the same loop over a ``LocalRuntime``'s
 model replicas); both run ``run_tuner``, the one tuner loop. Every model replica reports its
-``WindowSnapshot`` (``tuning/window.py``) each ``period_s`` and gets back the
+``WindowSnapshot`` (``replica/window.py``) each ``period_s`` and gets back the
 ``ThresholdTable`` it should run with (replicas pull; the tuner never needs to reach a
 replica).
 Each period the core merges the fresh reports into a ``RoutingProfile`` (``build_profile``)
@@ -56,7 +56,7 @@ from tokenrouter_ray.tuning.profile import (
 )
 from tokenrouter_ray.tuning.scaling import ReplicaPlanner
 from tokenrouter_ray.tuning.solver import ThresholdSolver
-from tokenrouter_ray.tuning.window import WindowSnapshot
+from tokenrouter_ray.replica.window import WindowSnapshot
 
 logger = logging.getLogger(__name__)
 
