@@ -33,4 +33,4 @@ echo "test.sh: demo models ready ($((SECONDS - mark)) s)" >&2
 # failure that depends on it reproduces with PYTHONHASHSEED=<seed> ./scripts/test.sh.
 export PYTHONHASHSEED="${PYTHONHASHSEED:-$((RANDOM * 32768 + RANDOM))}"
 echo "test.sh: PYTHONHASHSEED=$PYTHONHASHSEED" >&2
-exec "$VENV/bin/python" -m pytest "$@"
+exec "$VENV/bin/python" -m pytest --durations=30 "$@"
