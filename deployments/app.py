@@ -114,7 +114,7 @@ def ingress_options(cfg: AppConfig) -> dict[str, Any]:
     if cfg.ingress.resources:
         actor["resources"] = dict(cfg.ingress.resources)
     options: dict[str, Any] = {
-        "max_queued_requests": cfg.ingress.max_queued_requests,  # issue 26
+        "max_queued_requests": cfg.ingress.max_queued_requests,
         "ray_actor_options": actor,
     }
     if cfg.ingress.autoscaling is not None:

@@ -53,7 +53,7 @@ def engine_config(cfg: AppConfig, name: str) -> EngineConfig:
         memory_budget_bytes=int(spec.memory_budget_gb * 2**30),
         max_model_len=spec.max_model_len,
         sdpa_backend=spec.sdpa_backend,
-        tensor_parallel=spec.tensor_parallel,  # issue 15
+        tensor_parallel=spec.tensor_parallel,
         scheduler=cfg.scheduler_for(name),
     )
 
@@ -91,7 +91,7 @@ class ModelServer:
         self.spec = cfg.models[model]
         index = cfg.model_names.index(model)
         self._left = False  # drained and leaving: no more heartbeats
-        # tensor parallel (issue 15): ranks 1..k-1 are actors in this replica's placement group
+        # tensor parallel: ranks 1..k-1 are actors in this replica's placement group
         launcher = RayWorkerLauncher() if cfg.models[model].tensor_parallel > 1 else None
         self.engine = await asyncio.to_thread(build_engine, cfg, model, launcher)
         needs_tokenizer = policy_class(cfg.policy.name).needs_tokenizer
@@ -225,10 +225,10 @@ class ModelServer:
             raise RuntimeError(f"{self.model}: {problem}")
         if not self.peers.refreshing:
             raise RuntimeError(f"{self.model}: endpoint heartbeat stopped")
-        bad_mac_s = getattr(self.channel, "key_mismatch_s", lambda: 0.0)()  # issue 26
+        bad_mac_s = getattr(self.channel, "key_mismatch_s", lambda: 0.0)()
         if bad_mac_s > self.bad_mac_unhealthy_s:
             raise RuntimeError(f"{self.model}: every peer frame bad_mac for {bad_mac_s:.0f} s")
-        self.engine.check_health()  # tensor parallel (issue 15): every worker rank is alive
+        self.engine.check_health()  # tensor parallel: every worker rank is alive
 
     async def inject_fault(self, kind: str, count: int = 1, seconds: float = 0.0) -> None:
         """Chaos hook: ``step`` makes the next ``count`` forward steps raise; ``stall``
@@ -267,6 +267,6 @@ class ModelServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._tuning
         await self.server.stop()
-        self.engine.close()  # tensor parallel (issue 15): stop the worker ranks
+        self.engine.close()  # tensor parallel: stop the worker ranks
         await self.peers.stop()
         await self.channel.close()

@@ -1,4 +1,4 @@
-"""The threshold tuner as a one-replica Serve deployment (DESIGN.md §4, live re-solve).
+"""The threshold tuner as a one-replica Serve deployment (live re-solve, docs/user-guide/tuning.md).
 
 Model replicas call ``report(model, replica, snapshot)`` every ``tuner.period_s`` with their
 sliding-window statistics (a ``WindowSnapshot``) and adopt the ``ThresholdTable`` it returns
@@ -24,12 +24,12 @@ from ray import serve
 
 from deployments.ray_metrics import ray_metrics
 from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.replica.window import WindowSnapshot
 from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.tuning.decision import TunerAnswer, TunerDecision, TunerStatus
 from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.scaling import ReplicaPlanner, ScalingSpec
 from tokenrouter_ray.tuning.tuner import TunerCore, run_tuner
-from tokenrouter_ray.replica.window import WindowSnapshot
 
 logger = logging.getLogger("ray.serve")
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from tokenrouter_ray import demo
-from tokenrouter_ray.demo.large import prepare_demo
 from tokenrouter_ray.cli import main
+from tokenrouter_ray.demo.large import prepare_demo
 
 
 def test_prepare_demo_is_idempotent(capsys) -> None:

@@ -276,6 +276,34 @@ def test_no_process_words(page: Path) -> None:
     assert not hits, f"{page.relative_to(ROOT)}:\n" + "\n".join(hits)
 
 
+SOURCE_DIRS = (
+    "tokenrouter_ray",
+    "deployments",
+    "conf",
+    "scripts",
+    "charts",
+    "k8s",
+    "loadtest",
+    "tests",
+)
+SOURCE_SUFFIXES = {".py", ".yaml", ".yml", ".sh", ".json", ".toml", ".txt", ".tpl"}
+
+
+def test_no_process_words_in_code_or_comments() -> None:
+    """Code, comments and configs say what and why, not when or by whom: no round or issue
+    numbers, no files outside the repository (this file, which holds the pattern, aside)."""
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r}"
+        for folder in SOURCE_DIRS
+        for path in sorted((ROOT / folder).rglob("*"))
+        if path.suffix in SOURCE_SUFFIXES and path != Path(__file__) and path.is_file()
+        and "results.json" not in path.name
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        for m in PROCESS_WORDS.finditer(line)
+    ]  # fmt: skip
+    assert not hits, "\n".join(hits)
+
+
 def test_github_slug() -> None:
     assert github_slug("The direct port (`directPort`)") == "the-direct-port-directport"
     assert github_slug("Sampling defaults (generation_config.json)") == (

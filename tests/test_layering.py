@@ -36,7 +36,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tokenrouter_ray"
 
-# (rule, module) -> why it may break the rule this session. Empty: every rule holds.
+# (rule, module) -> why it may break the rule. Empty: every rule holds.
 ALLOWED: dict[tuple[str, str], str] = {}
 
 

@@ -401,7 +401,7 @@ def test_by_destination_keeps_first_seen_order_and_message_order() -> None:
 
 
 def test_route_thresholds_travel_with_the_sampling_and_are_checked_on_decode() -> None:
-    """A request's own routing threshold(s) (issue 36) ride in ``SamplingSpec``; a frame with
+    """A request's own routing threshold(s) ride in ``SamplingSpec``; a frame with
     one outside [0, 1], NaN or not a number is refused, not run."""
     spec = SamplingSpec(max_tokens=4, route_thresholds=(0.25, 1.0))
     m = PeerReq("r", "ingress/0", "small/0", MsgKind.NEW, 0, [1], sampling=spec)

@@ -388,7 +388,7 @@ def test_cli_url_against_a_served_app(served_chain_dirs, tmp_path: Path, capsys)
     if "routing_trace" not in traced["choices"][0]:
         assert rc == 2 and "the server did not return a routing trace" in captured.err
         assert "Traceback" not in captured.err and not out.with_suffix(".html").exists()
-        pytest.skip("the server does not return routing_trace yet (issue 16 part 1)")
+        pytest.skip("the server does not return routing_trace yet")
     assert rc == 0, captured.err
     trace = traced["choices"][0]["routing_trace"]
     routing = traced["choices"][0]["routing"]

@@ -640,7 +640,7 @@ class AppConfig(_Strict):
         return SchedulerConfig(**merged)
 
     def _check_deadlock_free(self) -> None:
-        """sum_i R_i (B_i(N) - 1) < N for every active count N (DESIGN.md §4,
+        """sum_i R_i (B_i(N) - 1) < N for every active count N (docs/user-guide/tuning.md,
         ``thresholds.check_tables``): every one of the R_i replicas of model i applies B_i(N)
         to the requests placed on it; R_i is num_replicas, or autoscaling's max_replicas
         (the configured tables must hold at any count the autoscaler may set; the live

@@ -1,7 +1,7 @@
 """The peer protocol: the `PeerReq` message, its codec, and the rules a receiver applies.
 
 Owns what travels between the ingress and the model replicas and the few rules that make it
-correct without a global barrier (DESIGN.md §3):
+correct without a global barrier (docs/design/architecture.md, "The request lifecycle"):
 
 - `PeerReq` is the only message type. It leaves a process as bytes from `encode` /
   `encode_batch` (msgpack, positional; `by_destination` groups a step's messages into
@@ -45,32 +45,12 @@ or `SamplingSpec` without a version bump (older receivers ignore trailing elemen
 other change (removing, reordering, retyping a field) bumps the version, and a receiver
 rejects versions it does not speak with `ProtocolError`.
 
-v2: `RouteState` and `FinishSummary` replaced the string keys runtime state rode under in
-`extras` ("ingress", "prompt_len", "anchors", "endpoints", "counts", "handoffs",
-"deadline", "error"); `extras` holds policy extras only. `SamplingSpec` is the engine's
-`SamplingParams` (min_p, min_tokens and repetition_penalty, never applied, are gone).
-
-v3: `MsgKind.ACTIVE` (an ingress's count of active requests, about no request) and
-`active_requests` became optional: only an ingress sets it (0 included), models never do.
-
-Still v3, optional fields appended (issue 16; no field changed meaning, so no bump: a
-v3 peer without them decodes these frames and simply reports nothing new):
-`SamplingSpec.logprobs` / `.trace` (what a request asked to have reported per token),
-`PeerReq.token_info` (on COMMIT: one `TokenInfo` per committed token, only for those
-requests), the per-request metrics in `RouteState` (`queue_s`, `pending_s`,
-`pending_since`, `peer_bytes`, `dropped`, and `drops`: proposals dropped at the position
-the receiver fills next) and their totals in `FinishSummary`.
-Issue 28: `SamplingSpec.presence_penalty`, `.frequency_penalty`, `.repetition_penalty`,
-`.min_p`, `.logit_bias`, `.min_tokens` (defaults: off; an older peer ignores them, so a
-deployment must not mix versions while requests use them).
-Issue 40: `MsgKind.DRAIN` (a new kind, about no request: a peer without it rejects the
-frame, and the leaving replica's requests then recover when its lease ends, as before).
-Issue 36: `SamplingSpec.route_thresholds` (a request's own routing threshold; default:
-the policy's). It rides in the sampling, not in `RouteState`: it never changes, and the
-sampling already reaches every model a request visits (and a re-created NEW).
-`RouteState.alone` and `.max_share` (appended): the model that serves the request alone
-(single-model bypass), and the request's cap on the top model's share; an older peer would
-route it without them.
+v2: typed `RouteState` and `FinishSummary` instead of string keys in `extras`.
+v3: `MsgKind.ACTIVE` (an ingress's active-request count); `active_requests` optional.
+Optional fields appended since, without a bump (a peer without them ignores them, so a
+deployment must not mix builds while requests use them): per-token reports and per-request
+metrics, the sampling penalties, `logit_bias` and `min_tokens`, `MsgKind.DRAIN`, a
+request's own `route_thresholds`, `RouteState.alone` and `.max_share`.
 """
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -183,7 +163,7 @@ class PeerReq(msgspec.Struct, array_like=True, frozen=True, tag=PROTOCOL_VERSION
     (FINISHED to the ingress); `extras` are the routing policy's own (``Send.extras``).
     `active_requests` is set by an ingress only (on NEW and ACTIVE): how many requests it
     holds right now, 0 included. Each model keeps the latest count per ingress endpoint
-    (`src`) and uses their sum as the global N of its launch thresholds (issue 14).
+    (`src`) and uses their sum as the global N of its launch thresholds.
     `sent_at` is `time.time_ns()` when the message was built: a wall clock, so one-way
     latency can be measured across processes and (clock sync permitting) across nodes.
     `token_info` rides on COMMITs of requests that asked for logprobs or a routing trace:
@@ -298,7 +278,7 @@ def decode_batch(data: bytes | bytearray | memoryview) -> list[PeerReq]:
 class RequestLedger:
     """A receiver's memory of which messages it has acted on, per request id.
 
-    Rules (DESIGN.md §3), all in `accept`:
+    Rules (docs/design/architecture.md, "The request lifecycle"), all in `accept`:
     - a message is acted on only if its `handoff_seq` is newer than the highest one held for
       its rid: duplicates, stale and reordered older messages are ignored;
     - FINISHED / ABORT are accepted once per rid, whatever their `handoff_seq` (a terminal

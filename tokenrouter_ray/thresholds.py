@@ -1,4 +1,4 @@
-"""Deferred-launch thresholds: the one home of their rules (DESIGN.md §4).
+"""Deferred-launch thresholds: the one home of their rules (docs/user-guide/tuning.md).
 
 A model launches a step only once at least ``B`` requests are runnable on it, ``B`` read
 from its ``ThresholdTable`` at ``N``, the global number of active requests. Three rules,

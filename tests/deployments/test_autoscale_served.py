@@ -1,4 +1,4 @@
-"""Both models autoscale on the served simulation (issue 40 item 5), at a tiny size: an
+"""Both models autoscale on the served simulation, at a tiny size: an
 open-loop ramp (``loadtest/autoscale.py``) holds at its top until Serve has added replicas
 of both models (their plan from the tuner, through the replicas' custom metric and this
 project's policy), then stops; both come back to their minimum, the replicas being removed

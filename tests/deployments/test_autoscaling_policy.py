@@ -1,4 +1,4 @@
-"""Autoscaling's config and policies without a cluster (issue 40 item 1): the config keys
+"""Autoscaling's config and policies without a cluster: the config keys
 map onto Serve's own ``AutoscalingConfig`` (validated by Serve's model, the policy
 importable and built with its kwargs as Serve's controller does), and the policies follow
 the plan, or the replicas' load when no plan is fresh."""

@@ -1,4 +1,4 @@
-"""Orphan copies on the served app (issue 26 item 6): one of two large-model replicas is
+"""Orphan copies on the served app: one of two large-model replicas is
 frozen past its directory lease; the ingress re-creates its requests on the other, and when
 the frozen one runs again the old incarnations it still holds are aborted. Real Ray Serve,
 ZeroMQ ipc, tiny models, the official openai client (docs/user-guide/reliability.md)."""

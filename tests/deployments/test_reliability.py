@@ -221,7 +221,7 @@ def cancel_scenario(app: str, served_chain_dirs: dict[str, str]) -> None:
 
 
 def test_overload_is_429_with_retry_after_and_frees_everything(app: str) -> None:
-    """Past max_active_requests a request waits in the short admission queue (issue 26),
+    """Past max_active_requests a request waits in the short admission queue,
     then is refused with 429 and Retry-After (no slot frees: the small model is stalled);
     once the stall clears, every admitted request completes and nothing is left held."""
     codes: list[tuple[int, str | None]] = []
@@ -473,7 +473,7 @@ def test_killed_replica_requests_are_recreated_and_the_app_serves_on(
     print(f"kill -> all {len(batch)} done {done_s}; recoveries {recoveries}; health {healthy_s}")
 
 
-# ------------------------------------------------------------------ issue 26: strangers
+# ---------------------------------------------------------------------------- strangers
 def timed_greedy(api: openai.OpenAI, batch: list[list[int]], max_tokens: int) -> tuple:
     def run(prompt: list[int]) -> list[int]:
         out = api.completions.create(

@@ -35,7 +35,7 @@ def test_served_greedy_equals_local_runtime(transport, serve_app, served_chain_d
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # 8 concurrent clients
             got = list(pool.map(call, prompts()))
-        traced = client.completions.create(  # issue 16: trace, logprobs, metrics over Serve
+        traced = client.completions.create(  # trace, logprobs, metrics over Serve
             model="tokenrouter", prompt=prompts()[3], max_tokens=24, temperature=0,
             logprobs=2, extra_body={"routing_trace": True},
         )  # fmt: skip

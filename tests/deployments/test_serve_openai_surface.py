@@ -1,4 +1,4 @@
-"""The OpenAI surface of issue 28 on a real Serve app (local Ray cluster): the entry model's
+"""The OpenAI sampling surface on a real Serve app (local Ray cluster): the entry model's
 generation_config.json defaults (repetition_penalty included) reach the models, the sampling
 parity fields (penalties, logit_bias, min_tokens) reach every model over ZeroMQ and give the
 local runtime's tokens, X-Request-Id comes back, and the extra endpoints answer through

@@ -1,5 +1,5 @@
 """A guard that records every device read and synchronous host-to-device copy a block of
-engine code asks for, on CPU (issue 39): used by tests/engine/test_no_host_sync.py around
+engine code asks for, on CPU: used by tests/engine/test_no_host_sync.py around
 ``Engine.launch``, the window between a step's launch and its collect.
 
 On CPU every tensor lives on the host, so the guard judges what the code *asks for*, the

@@ -2,7 +2,7 @@
 runs (graphs "on" = the static path eagerly; the flagship shapes at toy sizes), flash-attn
 reports SKIP with its reason, a failing check is recorded with its traceback, the rest still
 run, and the benchmark is skipped; a spent time budget skips what is left and names it in
-the ``--only`` rerun line; the benchmark has a seeded sampled row (issue 39)."""
+the ``--only`` rerun line; the benchmark has a seeded sampled row."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""What the CUDA path depends on, checked on CPU (issue 18): warm-up and capture touch only
+"""What the CUDA path depends on, checked on CPU: warm-up and capture touch only
 the scratch block, flash-attn is chosen only where it can run, the folded GQA attention
 equals SDPA's own, sliding-window and soft-capped attention match transformers' eager
 attention, dynamic RoPE keeps a model off the static path, buckets are capped and ordered
 for capture, the activation reserve grows with what a step can hold, and the SDPA kernels
-are chosen by the config (issue 39)."""
+are chosen by the config."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Between ``launch`` and ``collect`` nothing reads the device and nothing copies host values
-synchronously, for every kind of row (issue 39).
+synchronously, for every kind of row.
 
 On CPU every tensor lives on the host, so the guard (tests/engine/host_sync_guard.py) is
 defined on what the code asks for while ``Engine.launch`` runs (the runner on its CUDA

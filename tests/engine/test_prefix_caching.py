@@ -272,7 +272,7 @@ def test_model_spec_turns_caching_off() -> None:
 def test_a_prefill_only_request_leaves_its_blocks_cached_and_samples_nothing(
     tiny_llama_dir, reference_model, chunk
 ) -> None:
-    """``Engine.prefill`` (a prompt prefilled where a handoff will take it, issue 38): it
+    """``Engine.prefill`` (a prompt prefilled where a handoff will take it): it
     samples no token, ends once computed, and the request that then arrives with the prompt
     first (plus tokens it has not seen) computes only what is past the cached blocks; its
     greedy output equals generate's."""

@@ -1,4 +1,4 @@
-"""The sampler's noise is a counter-based stream of (seed, position) (issue 39): splitmix64
+"""The sampler's noise is a counter-based stream of (seed, position): splitmix64
 bit for bit, one row's the same alone or in any batch, Exp(1)-distributed, and drawn
 without any ``torch.Generator``."""
 

@@ -1,4 +1,4 @@
-"""The ``routing`` request extension end to end (issue 36): the official ``openai`` client ->
+"""The ``routing`` request extension end to end: the official ``openai`` client ->
 the real FastAPI app over ASGI -> ``IngressServer`` -> two tiny real models
 (``LocalRuntime``). A bad value is a 400 naming the field and leaves nothing behind; a
 preset routes exactly as its configured threshold does; the config's presets reach the

@@ -1,4 +1,4 @@
-"""The chart against strangers on the pod network (issue 26, docs/deployment/kubernetes.md "Threat
+"""The chart against strangers on the pod network (docs/deployment/kubernetes.md "Threat
 model"): a default-on NetworkPolicy that opens Ray's ports and the ZeroMQ range to this
 release's pods only, the Serve port to the ingress controller; no dashboard on every
 interface; a ClusterIP-only head service; non-root, read-only pods; one peer secret."""

@@ -1,5 +1,5 @@
-"""A replica that leaves on purpose (Serve's scale-down, a rolling update) drains first
-(issue 40 item 3): it tells the ingress, which stops placing requests there and re-creates
+"""A replica that leaves on purpose (Serve's scale-down, a rolling update) drains first:
+it tells the ingress, which stops placing requests there and re-creates
 every request that may be on it on the model's other replicas from its committed sequence;
 the old copies are ABORTed there, so its KV empties before it stops. Nothing fails, hangs
 or changes: greedy output equals an undisturbed run."""

@@ -175,8 +175,8 @@ def test_out_of_vocabulary_prompt_is_refused_without_harm(chain_dirs) -> None:
 
 
 def test_replicas_record_the_statistics_the_tuner_needs(chain_dirs) -> None:
-    from tokenrouter_ray.tuning.tuner import build_profile
     from tokenrouter_ray.replica.window import Tally
+    from tokenrouter_ray.tuning.tuner import build_profile
 
     policy = build_policy("bernoulli", {"p": 0.35}, TWO)
 

@@ -262,7 +262,7 @@ def slow_steps(rt: LocalRuntime, seconds: float) -> None:
 def test_a_copy_the_ingress_no_longer_holds_is_aborted_on_every_model(chain_dirs) -> None:
     """A model still committing for a request the ingress forgot (a submission cancelled
     after its NEW was queued, say) is stopped by its next COMMIT: on every model, including
-    one where the copy only waits paused (issue 26: an ABORT to the sender alone left such a
+    one where the copy only waits paused (an ABORT to the sender alone would leave such a
     copy held for good over the Ray transport)."""
     policy = build_policy("bernoulli", {"p": 0.3}, TWO)
     spec = SamplingSpec(temperature=0.0, max_tokens=10_000, seed=3, ignore_eos=True)

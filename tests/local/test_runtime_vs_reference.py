@@ -112,7 +112,7 @@ def test_handoffs_send_only_the_unseen_suffix(chain_dirs) -> None:
 def test_prompts_prefilled_at_admission_change_no_token(
     name, chain_dirs, chain_reference_models
 ) -> None:
-    """``prefill_at`` (``models.large.prefill_at_admission``, issue 38): every prompt is
+    """``prefill_at`` (``models.large.prefill_at_admission``): every prompt is
     also prefilled on the large model at admission. Outputs equal the reference, nothing
     leaks, and the large model's first visits found the prompts' blocks in its cache (with
     ``never`` it is the cost alone: prompts prefilled and never used)."""
@@ -252,7 +252,7 @@ def test_prefix_caching_equals_reference(name, caching, chain_dirs, chain_refere
         assert hits[-1] > 0  # first visits of handoffs hit on the last model too
 
 
-# Per-request routing thresholds (the API's ``routing`` field; issue 36): rows with different
+# Per-request routing thresholds (the API's ``routing`` field): rows with different
 # thresholds share every batch. None: the policy's configured value.
 THRESHOLD_POLICIES = [n for n in CASES if n not in ("never", "always")]
 OVERRIDES: list[tuple[float, ...]] = [(), (0.0,), (1.0,), (), (0.3,), (0.6,), (0.05,), (0.95,)]

@@ -1,5 +1,5 @@
-"""Per-token reports and per-request metrics through the whole OpenAI flow (issue 16 parts
-1, 3, 4): the official ``openai`` client -> the real FastAPI app over ASGI ->
+"""Per-token reports and per-request metrics through the whole OpenAI flow: the
+official ``openai`` client -> the real FastAPI app over ASGI ->
 ``IngressServer`` -> ``LocalRuntime`` on two tiny real-architecture models.
 
 - ``routing_trace``: every output token with its writer and the router's score, and the

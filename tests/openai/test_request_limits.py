@@ -1,4 +1,4 @@
-"""Server limits on what one request may ask for (issue 26): each past-limit request is a 400
+"""Server limits on what one request may ask for: each past-limit request is a 400
 ``limit_exceeded`` naming the limit, the counts checked on the decoded body before the
 schema builds anything; an oversized body is a 413 envelope."""
 

@@ -1,5 +1,5 @@
 """EleutherAI's lm-evaluation-harness runs against this server, offline, as a user runs it
-(issue 36 item 5; the recipe: docs/user-guide/lm-eval.md): the ``lm_eval`` CLI in a subprocess,
+(the recipe: docs/user-guide/lm-eval.md): the ``lm_eval`` CLI in a subprocess,
 with no
 tokenizer on the client, on a local two-item generate_until task (JSONL + YAML through
 ``--include_path``), once with ``--model local-chat-completions`` (``--apply_chat_template``,

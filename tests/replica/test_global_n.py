@@ -1,4 +1,4 @@
-"""Every model replica knows the true global N (issue 14 part 1): with two ingress replicas
+"""Every model replica knows the true global N: with two ingress replicas
 and two replicas of the large model, each model's N follows arrivals and completions at
 both ingresses, down to 0, within a message delay; a silent (dead) ingress stops counting."""
 

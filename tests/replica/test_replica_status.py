@@ -16,10 +16,10 @@ from tokenrouter_ray.replica.status import (
     replica_info,
     replica_status,
 )
+from tokenrouter_ray.replica.window import WindowSnapshot
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.tuning.examples import paper_r2r
-from tokenrouter_ray.replica.window import WindowSnapshot
 
 STATUS_KEYS = [
     "model", "endpoint", "pid", "requests", "tracked", "waiting", "running", "pending",

@@ -1,6 +1,6 @@
 """The threshold tuner's step table and the step-time metric read ``StepTimings.total``:
 on the device path the forward's device time once, the host's queuing in ``launch`` never
-added (issue 39). The engine runs its CUDA launch/collect path on CPU with stand-in events
+added. The engine runs its CUDA launch/collect path on CPU with stand-in events
 that report a fixed device time while the host's queuing is made long."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-request routing thresholds in a batch (issue 36): ``RouteBatch.thresholds`` is the
+"""Per-request routing thresholds in a batch: ``RouteBatch.thresholds`` is the
 configured float when no row overrides (no tensor, no copy), else one threshold per row;
 ``row_threshold`` picks a request's value per escalation level; bernoulli's host path and
 device path agree with overrides; every built-in policy's ``threshold_levels`` is what the

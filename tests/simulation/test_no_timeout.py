@@ -1,4 +1,4 @@
-"""The launch rule alone keeps every admitted request moving (issue 14, part 2): with
+"""The launch rule alone keeps every admitted request moving (part 2): with
 ``max_defer_s = inf`` (no safety net) and admissible per-N thresholds, runs on the simulation
 backend never stall; the safety net, when it does fire, is counted."""
 

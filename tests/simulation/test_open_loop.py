@@ -1,4 +1,4 @@
-"""Open-loop and step load on the simulation backend (issue 14 part 5): Poisson arrivals keep
+"""Open-loop and step load on the simulation backend: Poisson arrivals keep
 N moving and every request finishes with no safety net; the client count steps and the
 models follow; the measurement helpers (arrival schedule, settle time) on hand-made input."""
 

@@ -107,7 +107,7 @@ async def test_a_broken_replica_stops_heartbeating() -> None:
 
 @pytest.mark.asyncio
 async def test_an_excluded_endpoint_stays_out_while_listed_and_is_lost_once_gone() -> None:
-    """A replica that drains (issue 40): the ingress's peer book excludes it at once, a
+    """A replica that drains: the ingress's peer book excludes it at once, a
     refresh does not list it again while its lease lasts, and it is reported lost only when
     it has left the directory."""
     directory = InMemoryDirectory()

@@ -1,4 +1,4 @@
-"""The capacity model and the replica plan (issue 40 item 4): the mean-value T(n) against the
+"""The capacity model and the replica plan: the mean-value T(n) against the
 exact chain (one replica per model) and the Monte Carlo chain (replicas, row caps), the
 open-loop prediction, and the plan's choices: within its targets, minimal, bounded, and
 the ratio of large to small replicas following the routing."""

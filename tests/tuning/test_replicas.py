@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from tests.waiting import wait_until
+from tokenrouter_ray.replica.window import WindowStats
 from tokenrouter_ray.simulation.backend import calibrate_sleep_bias
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import check_admissible, is_admissible
@@ -21,7 +22,6 @@ from tokenrouter_ray.tuning.replicas import binding
 from tokenrouter_ray.tuning.search import candidates, resolve_method, sweep
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec
-from tokenrouter_ray.replica.window import WindowStats
 
 MODELS = ["small", "large"]
 SMALL_MC = MonteCarloConfig(replicas=32, warmup_events=200, events=1500, seed=1)

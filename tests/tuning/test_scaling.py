@@ -1,4 +1,4 @@
-"""The live replica plan (issue 40 item 2): the offered load read from the replicas'
+"""The live replica plan: the offered load read from the replicas'
 windows, the plan the tuner makes from them for every model together, what it answers
 each model, and when a plan stops counting (the statistics stopped)."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from tokenrouter_ray.app_config import compose_config
+from tokenrouter_ray.replica.window import WindowSnapshot, WindowStats
 from tokenrouter_ray.tuning.capacity import Load, plan
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.scaling import ReplicaPlanner, ScalingSpec, offered_load
 from tokenrouter_ray.tuning.tuner import TunerCore
-from tokenrouter_ray.replica.window import WindowSnapshot, WindowStats
 
 SIM = ["models=sim_paper", "policy=bernoulli"]
 SCALED = [

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
+from tokenrouter_ray.replica.window import Tally, WindowStats
 from tokenrouter_ray.thresholds import is_admissible
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 from tokenrouter_ray.tuning.tuner import build_profile
-from tokenrouter_ray.replica.window import Tally, WindowStats
 
 MODELS = ["small", "large"]
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from tests.waiting import wait_until
 from tokenrouter_ray.cli import main as cli_main
+from tokenrouter_ray.replica.window import WindowStats
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.tuning import search
@@ -28,7 +29,6 @@ from tokenrouter_ray.tuning.search import evaluate, sweep
 from tokenrouter_ray.tuning.simulate import simulate
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec
-from tokenrouter_ray.replica.window import WindowStats
 
 FAST = settings(max_examples=25, deadline=None, database=None)
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tokenrouter_ray.replica.window import WindowStats
 from tokenrouter_ray.simulation.backend import calibrate_sleep_bias
 from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
@@ -19,7 +20,6 @@ from tokenrouter_ray.tuning.decision import TunerDecision, TunerStatus
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec, drive_local, fill_step_times
-from tokenrouter_ray.replica.window import WindowStats
 
 MODELS = ["small", "large"]
 

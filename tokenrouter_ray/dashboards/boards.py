@@ -192,7 +192,7 @@ def routing(prefix: str) -> dict[str, Any]:
                 ],
                 "percentunit",
                 "Handoffs i → j divided by tokens committed on i: the p_ij of the "
-                "throughput model (DESIGN.md §4).",
+                "throughput model (docs/user-guide/tuning.md).",
             ),
             timeseries(
                 "Routing fraction ρ by model",

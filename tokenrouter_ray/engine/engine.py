@@ -121,8 +121,8 @@ class Engine:
     ) -> Request | None:
         """Compute the KV of ``token_ids`` and end: no token is sampled, and the full blocks
         stay in the prefix cache, where a request that later arrives with these tokens first
-        (a handoff's first visit) finds them (issue 38: a prompt prefilled on the model it
-        will be handed to, beside the entry model's prefill). ``sampling`` only lends its
+        (a handoff's first visit) finds them (a prompt prefilled on the model it will be
+        handed to, beside the entry model's prefill). ``sampling`` only lends its
         ``cache_salt`` (the blocks are shared with requests of the same salt). None, and
         nothing queued, without prefix caching or when every full block is cached already."""
         if not self.kv.enable_caching:

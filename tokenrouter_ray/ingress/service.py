@@ -291,7 +291,7 @@ class IngressService:
             "moved_off": self.moves[-20:],  # requests moved off replicas that drained
             "stream_buffered_tokens": self.server.buffered_tokens,  # not yet taken by clients
             "client_stalls": self.server.client_stalls,  # streams cut: client stopped reading
-            "orphans_aborted": self.core.orphans_aborted,  # copies told to stop (issue 26)
+            "orphans_aborted": self.core.orphans_aborted,  # copies told to stop
             "stored_responses": self.responses.store.stats(),  # the Responses API's store
             "models": models,
         }

@@ -27,9 +27,9 @@ from tokenrouter_ray.replica.active_count import INGRESS_SILENCE_S, ActiveCount
 from tokenrouter_ray.replica.messages import Messages
 from tokenrouter_ray.replica.profile import HostProfile
 from tokenrouter_ray.replica.tracking import Tracked
+from tokenrouter_ray.replica.window import WindowStats
 from tokenrouter_ray.routing.policy import Policy, RequestView
 from tokenrouter_ray.transport.base import endpoint_model
-from tokenrouter_ray.replica.window import WindowStats
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import Engine

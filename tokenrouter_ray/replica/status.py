@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from tokenrouter_ray.host_gc import collector_stats
-from tokenrouter_ray.thresholds import ThresholdTable, json_hook
 from tokenrouter_ray.replica.window import WindowSnapshot
+from tokenrouter_ray.thresholds import ThresholdTable, json_hook
 
 if TYPE_CHECKING:
     from tokenrouter_ray.replica.profile import HostProfile

@@ -66,6 +66,7 @@ from tokenrouter_ray.replica.profile import HostProfile
 from tokenrouter_ray.replica.requests import Requests
 from tokenrouter_ray.replica.tracking import Tracked
 from tokenrouter_ray.replica.waker import FrameWaker
+from tokenrouter_ray.replica.window import WindowSnapshot, WindowStats
 from tokenrouter_ray.routing.policy import (
     Policy,
     RequestView,
@@ -77,7 +78,6 @@ from tokenrouter_ray.routing.policy import (
 )
 from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.transport.base import PeerChannel
-from tokenrouter_ray.replica.window import WindowSnapshot, WindowStats
 
 if TYPE_CHECKING:
     from tokenrouter_ray.engine.engine import Engine

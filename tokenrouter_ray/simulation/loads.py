@@ -29,6 +29,7 @@ from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.metrics.latency import token_gaps
 from tokenrouter_ray.metrics.recorder import Metrics
 from tokenrouter_ray.protocol import SamplingSpec
+from tokenrouter_ray.replica.window import WindowSnapshot
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.simulation.backend import (
     CountingBackend,
@@ -41,7 +42,6 @@ from tokenrouter_ray.simulation.backend import (
 )
 from tokenrouter_ray.thresholds import ThresholdTable, check_admissible
 from tokenrouter_ray.tuning.profile import RoutingProfile
-from tokenrouter_ray.replica.window import WindowSnapshot
 
 
 @dataclass(frozen=True)

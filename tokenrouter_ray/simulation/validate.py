@@ -277,7 +277,7 @@ def summary_table(
     return "\n".join(lines)
 
 
-# ------------------------------------------- issue 14's targets: tuned table, open loop, steps
+# ----------------------------------------------------- targets: tuned table, open loop, steps
 CLOSED_TARGET = 0.05  # measured within 5 % of the prediction, closed loop, tuned B
 STEP_TOLERANCE = 0.10  # after a step in N: within 10 % of the new N's steady state ...
 STEP_LIMIT_S = 2.0  # ... within 2 s

@@ -1,4 +1,6 @@
-"""Predicted throughput of deferred batching: the exact Markov-chain model (DESIGN.md §4).
+"""Predicted throughput of deferred batching: the exact Markov-chain model.
+
+The model and its use: docs/user-guide/tuning.md.
 
 Input: a ``RoutingProfile`` (step times, routing and commit matrices, grain), the number of
 active requests N and the per-model thresholds B (model i launches only when idle with at

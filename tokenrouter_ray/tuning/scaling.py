@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tokenrouter_ray.config import AppConfig
+from tokenrouter_ray.replica.window import WindowSnapshot
 from tokenrouter_ray.tuning.capacity import Load, Targets, plan
 from tokenrouter_ray.tuning.decision import ScalingPlan
 from tokenrouter_ray.tuning.profile import RoutingProfile
-from tokenrouter_ray.replica.window import WindowSnapshot
 
 MIN_FINISHED = 5  # finished requests a window needs before their mean length is used
 

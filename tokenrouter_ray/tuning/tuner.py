@@ -46,6 +46,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from tokenrouter_ray.config import TunerSpec  # the app config's tuner section
+from tokenrouter_ray.replica.window import WindowSnapshot
 from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.tuning.decision import Pair, ScalingPlan, TunerDecision, TunerStatus
 from tokenrouter_ray.tuning.profile import (
@@ -56,7 +57,6 @@ from tokenrouter_ray.tuning.profile import (
 )
 from tokenrouter_ray.tuning.scaling import ReplicaPlanner
 from tokenrouter_ray.tuning.solver import ThresholdSolver
-from tokenrouter_ray.replica.window import WindowSnapshot
 
 logger = logging.getLogger(__name__)
 
