@@ -1,4 +1,4 @@
-"""The host-path benchmark's reporting pieces (issue 38 item 4): CPU per process from /proc,
+"""The host-path benchmark's reporting pieces: CPU per process from /proc,
 the median of applied-message latencies, and the served targets, on made-up inputs."""
 
 from __future__ import annotations
