@@ -14,7 +14,7 @@ import ray
 from tests.transport import handoff, recv_n, wait_for
 from tokenrouter_ray.protocol import PeerReq
 from tokenrouter_ray.transport import ChannelClosed, PeerUnreachableError, UnknownPeerError
-from tokenrouter_ray.transport.ray_channel import RayChannel, RayDirectory, RayHost
+from tokenrouter_ray.transport.ray_channel import RayChannel, RayDirectory
 
 pytestmark = pytest.mark.asyncio
 
@@ -23,20 +23,16 @@ NAMESPACE = "tokenrouter-tests"
 
 @ray.remote(num_cpus=0)
 class Echo:
-    """Hosts a RayChannel (inbox or direct mode) and sends every batch back to its source."""
+    """Hosts a RayChannel and sends every batch back to its source."""
 
-    def __init__(self, directory: RayDirectory, model: str, direct: bool) -> None:
-        self.directory, self.model, self.direct = directory, model, direct
+    def __init__(self, directory: RayDirectory, model: str) -> None:
+        self.directory, self.model = directory, model
 
     async def start(self) -> str:
-        host = RayHost.current("peer_deliver", NAMESPACE) if self.direct else None
-        self.channel = RayChannel(self.model, "0", self.directory, host=host)
+        self.channel = RayChannel(self.model, "0", self.directory)
         await self.channel.start()
         self.loop = asyncio.create_task(self.echo())
         return self.channel.address
-
-    async def peer_deliver(self, sender: str, n: int, frame: bytes) -> None:
-        self.channel.deliver(sender, n, frame)
 
     async def echo(self) -> None:
         async for batch in self.channel:
@@ -61,20 +57,17 @@ async def driver(directory: RayDirectory) -> AsyncIterator[RayChannel]:
     await channel.close()
 
 
-async def start_echo(directory: RayDirectory, model: str, direct: bool) -> Any:
+async def start_echo(directory: RayDirectory, model: str) -> Any:
     name = f"echo-{model}"
-    echo = Echo.options(name=name, namespace=NAMESPACE).remote(directory, model, direct)
+    echo = Echo.options(name=name, namespace=NAMESPACE).remote(directory, model)
     address = await echo.start.remote()
     assert address.startswith("ray-actor:")
     return echo
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["inbox", "direct"])
-async def test_round_trip_in_order_and_batched(
-    driver: RayChannel, directory: RayDirectory, direct: bool
-) -> None:
-    model = "large-direct" if direct else "large-inbox"
-    echo = await start_echo(directory, model, direct)
+async def test_round_trip_in_order_and_batched(driver: RayChannel, directory: RayDirectory) -> None:
+    model = "large"
+    echo = await start_echo(directory, model)
     dst = f"{model}/0"
     sent = [handoff(seq, src="driver/0", dst=dst) for seq in range(300)]
     for m in sent[:-3]:  # fast, un-awaited calls: the actor may run them out of order
@@ -97,7 +90,7 @@ async def test_a_destination_resolved_again_keeps_receiving(
 ) -> None:
     """After a failed delivery the channel forgets a destination and resolves it again: the
     frames sent then must arrive, not be taken for duplicates of the earlier sequence."""
-    echo = await start_echo(directory, "again", direct=False)
+    echo = await start_echo(directory, "again")
     dst = "again/0"
     first = [handoff(seq, src="driver/0", dst=dst) for seq in range(5)]
     for m in first:
@@ -122,7 +115,7 @@ async def test_unknown_destination(driver: RayChannel) -> None:
 
 
 async def test_dead_peer_is_reported(directory: RayDirectory) -> None:
-    echo = await start_echo(directory, "doomed", direct=True)
+    echo = await start_echo(directory, "doomed")
     async with RayChannel("sender", "0", directory, max_in_flight=1) as sender:
         await sender.send("doomed/0", [handoff(0)])
         ray.kill(echo)  # dies without unregistering

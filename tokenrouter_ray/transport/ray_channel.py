@@ -11,12 +11,9 @@ that called `send`: Ray cancels the calls a cancelled actor task made (Serve can
 request's task when its client disconnects), and one cancelled delivery would leave a gap
 the receiver waits on for ever (the ABORTs behind it never arrive).
 
-A mailbox is one of two things, chosen when the channel is built:
-- inbox mode (default; works inside Ray Serve replicas): `start()` creates a small async
-  `PeerInbox` actor pinned to this node; the channel long-polls it with `take()`. One extra
-  local hop per frame.
-- direct mode (`host=RayHost.current("method")`): the channel lives in a named async actor
-  whose method of that name forwards to `channel.deliver(sender, n, frame)`. No extra hop.
+A channel's mailbox is a small `PeerInbox` actor that `start()` creates pinned to this node
+(it works inside Ray Serve replicas, which cannot take calls of their own); the channel
+long-polls it with `take()`.
 
 `RayDirectory` is the directory as a named Ray actor, shared by every process of the
 cluster. Nothing here blocks the event loop: object refs are awaited, and the blocking
@@ -33,7 +30,6 @@ import logging
 import threading
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -71,31 +67,9 @@ def parse_actor_address(address: str) -> tuple[str, str, str]:
     return namespace, name, method
 
 
-@dataclass(frozen=True)
-class RayHost:
-    """The named actor a direct-mode channel lives in, and its delivery method."""
-
-    name: str
-    namespace: str
-    method: str
-
-    @classmethod
-    def current(cls, method: str, namespace: str | None = None) -> RayHost:
-        """The calling actor, which must be named. Call inside the actor.
-
-        Ray does not tell an actor its own namespace: pass the one it was created in unless
-        it is the job's namespace (the default).
-        """
-        ctx = ray.get_runtime_context()
-        name = ctx.get_actor_name()
-        if not name:
-            raise RuntimeError("direct mode needs a named actor; name it or use inbox mode")
-        return cls(name=name, namespace=namespace or ctx.namespace, method=method)
-
-
 @ray.remote(num_cpus=0, max_concurrency=4)
 class PeerInbox:
-    """A replica's mailbox actor (inbox mode): frames in by `deliver`, out by `take`.
+    """A replica's mailbox actor: frames in by `deliver`, out by `take`.
 
     A threaded actor (methods run in a small thread pool; a condition variable wakes the
     waiting `take`), not an async one: it measured ~15 % lower one-way latency on this
@@ -146,17 +120,14 @@ class RayChannel(PeerChannel):
         model: str,
         replica: str,
         directory: Directory,
-        host: RayHost | None = None,
         max_in_flight: int = 64,
     ) -> None:
         super().__init__(model, replica, directory)
-        self.host = host
         self.max_in_flight = max_in_flight
         self._sender_id = f"{self.name}#{uuid.uuid4().hex[:12]}"
         self._resolutions = itertools.count()  # numbers each target's own sender id
         self._queue: FrameQueue | None = None
-        self._order = InOrder()  # direct mode
-        self._inbox: Any = None  # inbox mode: PeerInbox handle
+        self._inbox: Any = None  # the PeerInbox actor's handle
         self._pump: asyncio.Task[None] | None = None
         self._targets: dict[str, _Target] = {}
         self._resolving: dict[str, asyncio.Task[_Target]] = {}
@@ -167,8 +138,6 @@ class RayChannel(PeerChannel):
         self._queue = FrameQueue()
         self._outbox = asyncio.Queue()
         self._sender = asyncio.create_task(self._send_loop(), name=f"{self.name}-sender")
-        if self.host is not None:
-            return actor_address(self.host.namespace, self.host.name, self.host.method)
         name = f"tokenrouter-inbox:{self.name}:{uuid.uuid4().hex[:8]}"
         here = ray.get_runtime_context().get_node_id()
         self._inbox = PeerInbox.options(
@@ -179,13 +148,6 @@ class RayChannel(PeerChannel):
         await self._inbox.ready.remote()
         self._pump = asyncio.create_task(self._pump_inbox(), name=f"{name}-pump")
         return actor_address(NAMESPACE, name, "deliver")
-
-    def deliver(self, sender: str, n: int, frame: bytes) -> None:
-        """Direct mode: the host actor's delivery method calls this on the channel's loop."""
-        if self._queue is None or self._closed:
-            return
-        for ready in self._order.push(sender, n, frame):
-            self._queue.put(ready)
 
     async def _pump_inbox(self) -> None:
         assert self._queue is not None
