@@ -19,7 +19,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tokenrouter_ray.ingress.core import Completion, IngressCore
+from tokenrouter_ray.ingress.core import IngressCore, RequestResult
 from tokenrouter_ray.ingress.placement import Placement
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import SamplingSpec
@@ -156,7 +156,7 @@ class LocalRuntime:
         request_id: str | None = None,
         alone: str | None = None,
         max_share: float | None = None,
-    ) -> Completion:
+    ) -> RequestResult:
         """One request to its end; ``alone``: served by that model by itself (bypass);
         ``max_share``: its cap on the top model's share (``capped_dst``)."""
         rid = request_id or f"local-{next(self._ids)}"
@@ -187,7 +187,7 @@ class LocalRuntime:
 
     async def complete_all(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
-    ) -> list[Completion]:
+    ) -> list[RequestResult]:
         return list(await asyncio.gather(*(self.complete(p, sampling) for p in prompts)))
 
     async def wait_idle(self, timeout: float = 30.0) -> None:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tokenrouter_ray.config import AppConfig
-from tokenrouter_ray.ingress.core import Completion
+from tokenrouter_ray.ingress.core import RequestResult
 from tokenrouter_ray.ingress.http_app import build_app
 from tokenrouter_ray.ingress.service import IngressService
 from tokenrouter_ray.metrics import Metrics
@@ -65,9 +65,9 @@ class FakeCore:
         """No writers or token reports here: traces name no model, logprobs are null."""
         return CommitLog(len(self.live[rid][0]))
 
-    def release(self, rid: str) -> Completion:
+    def release(self, rid: str) -> RequestResult:
         prompt, _ = self.live.pop(rid)
-        return Completion(rid, len(prompt), finish_reason="length", counts={"small": 1})
+        return RequestResult(rid, len(prompt), finish_reason="length", counts={"small": 1})
 
 
 class FakePeers:

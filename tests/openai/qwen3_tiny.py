@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from tokenrouter_ray.ingress.core import Completion
+from tokenrouter_ray.ingress.core import RequestResult
 from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, encode_batch
 
 TEMPLATE = (Path(__file__).parent / "qwen3_template.jinja").read_text()
@@ -119,10 +119,10 @@ class ScriptedCore:
     def commit_log(self, rid: str) -> CommitLog:
         return CommitLog(len(self.live[rid][0]))
 
-    def release(self, rid: str) -> Completion:
+    def release(self, rid: str) -> RequestResult:
         prompt, spec, out = self.live.pop(rid)
         full = len(self.tokenizer.encode(self.script(self.tokenizer.decode(prompt))))
         reason = "length" if full > spec.max_tokens else "stop"
-        done = Completion(rid, len(prompt), finish_reason=reason, counts={"small": len(out)})
+        done = RequestResult(rid, len(prompt), finish_reason=reason, counts={"small": len(out)})
         done.token_ids = list(out)
         return done

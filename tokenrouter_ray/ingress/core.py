@@ -83,7 +83,10 @@ SUPERSEDED_RESEND_S = 60.0  # superseded incarnations are ABORTed everywhere thi
 
 
 @dataclass
-class Completion:
+class RequestResult:
+    """A request's committed output, how it ended, and its metrics: what the ingress hands
+    the OpenAI layer (and `LocalRuntime` its caller) once the request is done."""
+
     request_id: str
     prompt_len: int
     token_ids: list[int] = field(default_factory=list)
@@ -156,7 +159,7 @@ class _Live:
         self.prompt = prompt
         self.sampling = sampling
         self.log = CommitLog(len(prompt))
-        self.completion = Completion(rid, len(prompt))
+        self.completion = RequestResult(rid, len(prompt))
         self.final_len: int | None = None
         self.aborted = False
         self.counts: dict[str, int] = {}  # committed tokens per model, as seen here
@@ -532,7 +535,7 @@ class IngressCore:
         task.add_done_callback(self._background.discard)
         return task
 
-    def release(self, rid: str) -> Completion:
+    def release(self, rid: str) -> RequestResult:
         """Forget a completed, failed or aborted request; its final record. Never awaits."""
         live = self.live.pop(rid)
         if live.timer is not None:
@@ -548,7 +551,7 @@ class IngressCore:
 
     @staticmethod
     def _finish_record(live: _Live) -> None:
-        """The request's metrics and per-token record, into its `Completion`."""
+        """The request's metrics and per-token record, into its `RequestResult`."""
         done, now = live.completion, time.monotonic()
         done.e2e_s = now - live.submitted_at
         if live.first_token_at is not None:
@@ -579,7 +582,7 @@ class IngressCore:
             self.metrics.error(INGRESS, "request_failed")
         self._active_changed()
 
-    async def result(self, rid: str) -> Completion:
+    async def result(self, rid: str) -> RequestResult:
         try:
             async for _ in self.stream(rid):
                 pass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenrouter_ray.ingress.backpressure import Backpressure, StreamGate
-from tokenrouter_ray.ingress.core import Completion, IngressCore
+from tokenrouter_ray.ingress.core import IngressCore, RequestResult
 from tokenrouter_ray.ingress.placement import Placement
 from tokenrouter_ray.metrics import INGRESS
 from tokenrouter_ray.openai.choice_update import ChoiceUpdate, ChoiceWriter
@@ -55,7 +55,7 @@ from tokenrouter_ray.transport.base import endpoint_model
 logger = logging.getLogger(__name__)
 
 
-def choice_error(done: Completion) -> OpenAIError:
+def choice_error(done: RequestResult) -> OpenAIError:
     """The OpenAI error a failed choice ends with."""
     if done.error_kind == "timeout":
         return RequestTimeoutError(f"The request timed out: {done.error}.")
@@ -434,7 +434,7 @@ class IngressServer:
         if gate is not None:
             gate.finished()
 
-    def close_choice(self, rid: str, entry: str) -> Completion | None:
+    def close_choice(self, rid: str, entry: str) -> RequestResult | None:
         """Abort (a no-op once complete) and release a choice, once; None if already."""
         if rid not in self.core.live:
             return None
