@@ -1,5 +1,6 @@
-"""The ingress side of the protocol: submit requests, assemble commits, abort, recover;
-and the OpenAI flow on top of it (admission, entry load-balancing, one loop per choice).
+"""The ingress side of the protocol: submit requests, assemble their commits, abort and
+recover them. The OpenAI flow on top (admission, one loop per choice) is
+``ingress/openai_server.py``.
 
 ``IngressCore`` is the single holder of each request's committed output. It sends NEW to
 the entry model, orders COMMITs from whichever model committed (``CommitLog``), completes a
