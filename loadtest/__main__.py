@@ -2,7 +2,6 @@
 
     python -m loadtest --preset quick                # demo pair, 2-core CPU, <= 10 minutes
     python -m loadtest --preset lengths              # 256- vs 1,024-token answers at N = 8
-    python -m loadtest --preset sim                  # the simulated ablation alone, ~30 s
     python -m loadtest --preset host                 # the host path (loadtest/host_path.py)
     python -m loadtest --preset paper --small DIR --large DIR --app-overrides ...   # GPU
     python -m loadtest list                          # every other benchmark, one line each
@@ -36,17 +35,17 @@ from loadtest.systems import Bench
 @dataclass(frozen=True)
 class Benchmark:
     """One ``python -m loadtest <name>``: the module whose ``main(argv)`` runs it, what it
-    measures, what it needs to run, and its arguments at the tiniest size (``{port}``: a free
-    port, ``{out}``: a scratch directory, ``{url}``: a running server's v1 URL), which the
-    smoke test (tests/loadtest/test_smoke.py) runs for every entry."""
+    measures, what it needs to run, and its arguments at the tiniest size as a shell would
+    split them (``{port}``: a free port, ``{out}``: a scratch directory, ``{url}``: a running
+    server's v1 URL), which the smoke test (tests/loadtest/test_smoke.py) runs for every
+    entry."""
 
     module: str
     what: str
     needs: str
-    smoke: tuple[str, ...] = ()
+    smoke: str
 
 
-NOTHING = "nothing (simulated models)"
 SERVE = "nothing: starts Ray Serve here (simulated models)"
 DEMO = "the demo build (tokenrouter-ray prepare-demo)"
 
@@ -55,102 +54,45 @@ BENCHMARKS: dict[str, Benchmark] = {
         "loadtest.harness",
         "closed-loop levels against an app that is already running",
         "a running server (--url)",
-        ("--url", "{url}", "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4"),
+        "--url {url} --concurrency 1,2 --requests 2 --max-tokens 4",
     ),
     "quality-target": Benchmark(
         "loadtest.quality_target",
         "the quality target's operating point over time as the prompt mix shifts (plot)",
         "a running server (--url) with tuner.quality_target",
-        (
-            "--url",
-            "{url}",
-            "--phases",
-            "chat=2,capitals=2",
-            "--max-tokens",
-            "4",
-            "--poll-s",
-            "0.1",
-            "--out",
-            "{out}",
-        ),
+        "--url {url} --phases chat=2,capitals=2 --max-tokens 4 --poll-s 0.1 --out {out}",
     ),
     "host": Benchmark(
         "loadtest.host_path",
         "the runtime's host path on simulated models, in process and served (= --preset host)",
         SERVE,
-        (
-            "--levels",
-            "2",
-            "--window-s",
-            "0.3",
-            "--warmup-s",
-            "0.1",
-            "--open-loop-loads",
-            "",
-            "--transit-ms",
-            "0,1",
-            "--served-levels",
-            "1",
-            "--served-systems",
-            "paper eager",
-            "--max-tokens",
-            "8",
-            "--port",
-            "{port}",
-        ),
+        "--levels 2 --window-s 0.3 --warmup-s 0.1 --open-loop-loads '' --served-levels 1 "
+        "--served-systems 'paper eager' --max-tokens 8 --port {port}",
     ),
     "front-floor": Benchmark(
         "loadtest.front_floor",
         "the first streamed line through Serve's front vs bare uvicorn, at idle (the floor)",
         "nothing: starts Ray Serve here (--front haproxy: HAProxy)",
-        ("--gaps-ms", "0", "--requests", "3", "--rounds", "1", "--port", "{port}"),
+        "--gaps-ms 0 --requests 3 --rounds 1 --port {port}",
     ),
     "autoscale": Benchmark(
         "loadtest.autoscale",
         "autoscaling on the served simulation: an open-loop ramp up and back down",
         SERVE,
-        (
-            "--peak-rps",
-            "2",
-            "--up-s",
-            "1",
-            "--hold-s",
-            "1",
-            "--down-s",
-            "1",
-            "--idle-s",
-            "1",
-            "--tokens",
-            "8",
-            "--port",
-            "{port}",
-            "--out",
-            "{out}",
-        ),
-    ),
-    "markov": Benchmark(
-        "loadtest.markov_bench",
-        "the deferred-batching throughput model; --sections validate: vs the simulated runtime",
-        NOTHING,
-        ("--smoke",),
+        "--peak-rps 2 --up-s 1 --hold-s 1 --down-s 1 --idle-s 1 --tokens 8 --port {port} "
+        "--out {out}",
     ),
     "router-bound": Benchmark(
         "loadtest.router_bound",
         "what a router could reach on a task set: the oracle bound vs R2R and entropy",
         DEMO,
-        ("--limit", "2", "--max-tokens", "4"),
-    ),
-    "speculative": Benchmark(
-        "loadtest.baselines.speculative",
-        "stock speculative decoding (lossless) beside the large model alone",
-        f"{DEMO}; --vllm: a GPU with vLLM",
-        ("--prompts", "1", "--max-tokens", "4", "--out", "{out}/speculative.json"),
+        "--limit 2 --max-tokens 4",
     ),
     "gpu-check": Benchmark(
         "loadtest.device.gpu_check",
         "the prepared device check (docs/deployment/gpu-check.md)",
         "a GPU (--device cpu: a dry run here)",
-        ("--device", "cpu", "--only", "exact", "--skip-bench", "--out", "{out}/gpu.json"),
+        "--device cpu --only exact --skip-bench --out {out}/gpu.json",
     ),
 }
 
@@ -212,7 +154,6 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--time-limit", type=float, default=None, help="seconds per level")
     parser.add_argument("--p", type=float, default=0.35, help="bernoulli routing probability")
-    parser.add_argument("--no-sim", action="store_true", help="skip the simulated ablation")
     parser.add_argument("--small", default=None, help="small model dir (default: the demo's)")
     parser.add_argument("--large", default=None, help="large model dir (default: the demo's)")
     parser.add_argument(
@@ -226,8 +167,8 @@ def main() -> None:
         "--port-base",
         type=int,
         default=None,
-        help="the baselines' servers on this port and the next four (stock small, stock "
-        "large, dispatcher, step-sync, speculative); default: free ports",
+        help="the baselines' servers on this port and the next three (stock small, stock "
+        "large, dispatcher, step-sync); default: free ports",
     )
     parser.add_argument("--out", default="loadtest-results")
     parser.add_argument(
@@ -252,8 +193,6 @@ def main() -> None:
         preset = replace(preset, systems=args.systems.split(","))
     if args.concurrency:
         preset = replace(preset, concurrency=[int(n) for n in args.concurrency.split(",")])
-    if args.no_sim:
-        preset = replace(preset, sim=False)
     if args.max_tokens:
         preset = replace(preset, max_tokens=args.max_tokens)
     if args.time_limit:

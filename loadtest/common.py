@@ -1,8 +1,8 @@
 """What more than one benchmark in ``loadtest/`` uses: the machine line and the command that
 reproduces a run (the two header lines every benchmark prints), demo prompts, the one
-percentile rule and a deploy function for a Serve app on a Ray cluster started here. Every
-import that pulls in torch or Ray happens inside the function that needs it. The load
-generator is ``loadtest/harness.py``."""
+percentile rule, a free port, waiting for a server's route, and Ray Serve started here with a
+deploy function for an app on it. Every import that pulls in torch or Ray happens inside the
+function that needs it. The load generator is ``loadtest/harness.py``."""
 
 from __future__ import annotations
 
@@ -11,12 +11,10 @@ import math
 import os
 import platform
 import shlex
+import socket
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    pass
 
 # (overrides, app name) -> a context manager that yields the app's v1 URL
 ServeDeploy = Callable[[list[str], str], contextlib.AbstractContextManager[str]]
@@ -64,6 +62,40 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, timeout_s: float = 180.0) -> None:
+    """Until ``GET url`` answers 200 (a server starting, an app deploying: Serve answers 404
+    until the app's route is up, 503 while its replicas start)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
+def start_serve(http_port: int, num_cpus: int = 8) -> None:
+    """A Ray cluster in this process with Serve's HTTP on ``http_port``, unless one runs."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        # Ray starts its workers at nice 15; the baselines run at 0. On a machine shared
+        # with other work that would starve the served app, so every system gets 0.
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+
+
 def ray_serve_deploy(http_port: int) -> ServeDeploy:
     """A deploy function on a Ray cluster started here on first use (Serve HTTP on
     ``http_port``): ``with deploy(overrides, name) as url`` runs the app of ``overrides``
@@ -71,17 +103,11 @@ def ray_serve_deploy(http_port: int) -> ServeDeploy:
 
     @contextlib.contextmanager
     def deploy(overrides: list[str], name: str) -> Iterator[str]:
-        import ray
         from ray import serve
 
         from deployments.app import build_app
 
-        if not ray.is_initialized():
-            # Ray starts its workers at nice 15; the baselines run at 0. On a machine shared
-            # with other work that would starve the served app, so every system gets 0.
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-            serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        start_serve(http_port)
         serve.run(build_app({"overrides": overrides}), name=name, route_prefix=f"/{name}")
         url = f"http://127.0.0.1:{http_port}/{name}/v1"
         try:

@@ -7,12 +7,12 @@ port is), probed alternately by the bare HTTP client of the first-token probes.
     python -m loadtest front-floor --front haproxy    # Serve's HAProxy ingress vs uvicorn
 
 Each request is a streamed chat completion's POST; the app reads the body and streams one
-content line, then ``[DONE]``. The probe (``ttft_probe.first_token_client``, the bare
+content line, then ``[DONE]``. The probe (``raw_http.first_token_client``, the bare
 client the targets of ``loadtest host`` read) times the first content line, idle
 ``--gaps-ms`` before each request, as a first-token probe is while the device works.
 
 What the front adds over uvicorn is Serve's own cost per request, which no app behind it can
-cut. Issue 38's first-token targets are 8 ms through Serve's port and 3 ms on the direct
+cut. The host path's first-token targets are 8 ms through Serve's port and 3 ms on the direct
 port, so they leave the front 5 ms: a front that adds more leaves the app's own 3 ms no
 room, and the target through that front measures the front.
 """
@@ -23,18 +23,16 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from loadtest.common import command, machine, percentile
-from loadtest.ttft_probe import first_token_client
+from loadtest.common import command, free_port, machine, percentile, start_serve, wait_ready
+from loadtest.raw_http import first_token_client
 
 SERVE_APP = "front-floor"  # the app's name and route prefix on Serve's port
 FRONT_BUDGET_MS = 8.0 - 3.0  # 8 ms through Serve's port, 3 ms on the direct port
@@ -99,25 +97,6 @@ async def probe(url: str, requests: int, gap_s: float) -> list[float]:
     return sorted(times)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, timeout_s: float = 120.0) -> None:
-    """Until ``url`` answers a chat request (a server starting, an app deploying)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            asyncio.run(probe(url, 1, 0.0))
-            return
-        except (OSError, RuntimeError, asyncio.TimeoutError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
 @contextlib.contextmanager
 def uvicorn_server() -> Iterator[str]:
     """The app under uvicorn in its own process (as the ingress's direct port serves)."""
@@ -128,7 +107,7 @@ def uvicorn_server() -> Iterator[str]:
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url)
+        wait_ready(f"{url}/health", timeout_s=120.0)
         yield url
     finally:
         server.terminate()
@@ -139,13 +118,9 @@ def uvicorn_server() -> Iterator[str]:
 def serve_floor(http_port: int) -> Iterator[str]:
     """The app as a Serve deployment on the Ray cluster of this process (started here, Serve
     on ``http_port``, when none is), reached through Serve's front; deleted on the way out."""
-    import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_worker_niceness", "0")  # as loadtest's served systems
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    start_serve(http_port, num_cpus=2)
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     @serve.ingress(make_app())
@@ -155,7 +130,7 @@ def serve_floor(http_port: int) -> Iterator[str]:
     serve.run(FrontFloor.bind(), name=SERVE_APP, route_prefix=f"/{SERVE_APP}")
     url = f"http://127.0.0.1:{http_port}/{SERVE_APP}"
     try:
-        wait_ready(url)
+        wait_ready(f"{url}/health", timeout_s=120.0)
         yield url
     finally:
         serve.delete(SERVE_APP)

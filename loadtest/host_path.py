@@ -9,10 +9,10 @@ all-1 thresholds and at the Markov model's best table, and for the ``zero`` prof
 steps), then an open loop at fractions of Eager-Async's throughput. **Served**
 (``conf/sim_paper.yaml``'s app on a local Ray cluster, streaming ``openai`` clients): tok/s,
 step periods, host phases, each process's CPU per token (``proc_cpu.py``), message latency
-and TTFT; ``... direct`` systems talk to the ingress's own port, ``... tuned`` ones use what
-the live tuner decides with the measured transit (``host_transit.py``). Targets (PASS /
-MISS, never a failure): in process here, served in ``host_targets.py``, ``--transit-ms``'s
-in ``host_transit.py``. docs/benchmarks/README.md, "Host path", says what each figure is.
+and TTFT (``raw_http.ttft_probe``); ``... direct`` systems talk to the ingress's own port,
+``... tuned`` ones use what the live tuner decides with the transit the all-ones run measured
+(``tuner_choice``). Targets (PASS / MISS, never a failure): in process here, served in
+``host_targets.py``. docs/benchmarks/README.md, "Host path", says what each figure is.
 """
 
 from __future__ import annotations
@@ -24,15 +24,11 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.common import command, machine, ray_serve_deploy
+from loadtest.common import ServeDeploy, command, machine, ray_serve_deploy, wait_ready
 from loadtest.host_targets import served_targets, via
-from loadtest.host_transit import SOLVE_GRAIN_MS, best_thresholds, run_transit_sweep, tuner_choice
-from loadtest.host_transit import targets as transit_targets
 from loadtest.proc_cpu import (
     HAPROXY_MANAGER_TITLE,
     HAPROXY_PROGRAM,
@@ -48,16 +44,44 @@ from loadtest.proc_cpu import (
     per_token_us,
     wake_cost_us,
 )
-from loadtest.ttft_probe import PROBE_ROUTING, ttft_probe
+from loadtest.raw_http import PROBE_ROUTING, ttft_probe
+from tokenrouter_ray.config import TunerSpec
 from tokenrouter_ray.replica.profile import latency_quantile_us
 from tokenrouter_ray.simulation.loads import ClosedLoop
-from tokenrouter_ray.thresholds import ThresholdTable
+from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.search import evaluate
+from tokenrouter_ray.tuning.solver import ThresholdSolver
 
-Q = 0.35  # p(small -> large), the paper's R2R setting
+SOLVE_GRAIN_MS = TunerSpec().grain_ms  # the live tuner's default grain
+
+
+def best_thresholds(profile: RoutingProfile, n: int) -> tuple[tuple[int, int], float]:
+    """The Markov model's best (B_small = 1, B_large) at N, and its predicted tok/s."""
+    best = ((1, 1), throughput(profile, n, (1, 1)).throughput)
+    for b in range(2, n + 1):
+        if not is_admissible(n, (1, b)):
+            break
+        value = throughput(profile, n, (1, b)).throughput
+        if value > best[1]:
+            best = ((1, b), value)
+    return best
+
+
+def tuner_choice(profile: RoutingProfile, n: int, max_rounds: int = 20) -> tuple[int, ...]:
+    """The live tuner's thresholds at N for a profile that holds still: ``ThresholdSolver``
+    (B_small fixed at 1, the tuner's default hysteresis and step bound) from all-ones,
+    decided again until it stops moving."""
+    spec = TunerSpec()
+    solver = ThresholdSolver(profile.names, concurrencies=[n], grain_ms=profile.grain_ms,
+                             fixed={profile.names[0]: 1}, min_gain=spec.min_gain,
+                             max_step=spec.max_step, drift=spec.drift)  # fmt: skip
+    for _ in range(max_rounds):
+        if not solver.decide(profile, force=True).changed:
+            break
+    return tuple(solver.thresholds[m][n] for m in profile.names)
 
 
 def zero_profile() -> RoutingProfile:
@@ -96,9 +120,8 @@ async def in_process_level(
     window_s: float,
     warmup_s: float,
     predicted: float | None,
-    transit_s: float = 0.0,
 ) -> Level:
-    loop = ClosedLoop(profile, n, thresholds, max_defer_s=float("inf"), transit_s=transit_s)
+    loop = ClosedLoop(profile, n, thresholds, max_defer_s=float("inf"))
     async with loop:
         await asyncio.sleep(warmup_s)
         before = [_host(s) for s in loop.servers]
@@ -277,9 +300,6 @@ def _print_level(level: Level) -> None:
 
 
 # ------------------------------------------------------------------------------- served
-SimDeploy = Callable[[list[str], str], AbstractContextManager[str]]
-
-
 PEER_TRANSPORTS = {"ipc": "transport=zmq_ipc", "unix": "transport=unix"}
 
 
@@ -322,7 +342,7 @@ def tuned_table(
     count moves below the level, and a table tuned at the level alone would run those
     moments eagerly; a few seconds of solving at N <= 32). With it (level -> ms a handoff
     took in the all-ones run there): what the live tuner decides at each level with that
-    transit priced in (``host_transit.tuner_choice``, grain 0.5 ms), filled between levels
+    transit priced in (``tuner_choice``, grain 0.5 ms), filled between levels
     as the tuner fills (``ThresholdTable.from_tuned``)."""
     routing = served_profile(profile)
     if transit_ms and any(n > 1 for n in transit_ms):
@@ -352,7 +372,7 @@ DIRECT_PORT = 18190  # "... direct": the clients talk to the ingress's own port 
 
 
 def run_served(
-    levels: list[int], window_s: float, max_tokens: int, deploy: SimDeploy,
+    levels: list[int], window_s: float, max_tokens: int, deploy: ServeDeploy,
     systems: tuple[str, ...] = SERVED_SYSTEMS, direct_port: int = DIRECT_PORT,
     client: str = "stream", front: str = "proxy", peer_transport: str = "ipc",
 ) -> list[dict[str, Any]]:  # fmt: skip
@@ -377,9 +397,9 @@ def run_served(
         with deploy(overrides, name) as base:
             url = base.removesuffix("/v1")
             client_url = f"http://127.0.0.1:{direct_port}" if direct else url
-            asyncio.run(_wait_ready(url))
+            wait_ready(f"{url}/health")
             if direct:  # the ingress's own port answers once its replica started it
-                asyncio.run(_wait_ready(client_url))
+                wait_ready(f"{client_url}/health")
             for n in levels:
                 if table is not None and table[n] == 1:  # tuned is all-1: the eager run's
                     eager = system.replace(" tuned", " eager")
@@ -417,21 +437,6 @@ def _window_host(h0: dict[str, Any], h1: dict[str, Any]) -> dict[str, float]:
             out[phase] = (mean * n1 - p0.get(phase, 0.0) * n0) / steps if steps else 0.0
     out["rows"] = (h1.get("rows", 0) - h0.get("rows", 0)) / steps if steps else 0.0
     return out
-
-
-async def _wait_ready(url: str, timeout_s: float = 180.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient() as client:
-        while time.monotonic() < deadline:
-            try:
-                if (await client.get(f"{url}/health", timeout=2)).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(f"{url} did not become healthy")
 
 
 async def _stats(url: str) -> dict[str, Any]:
@@ -698,13 +703,6 @@ def main(argv: list[str] | None = None) -> int:
         "--served-systems", default=",".join(SERVED_SYSTEMS), help="comma list of served systems"
     )
     parser.add_argument(
-        "--transit-ms",
-        default="",
-        help="also run all-ones and tuned (without and with the transit in the model) in "
-        "process with every frame delayed this long (comma list, e.g. 0,1,3; loadtest/"
-        "host_transit.py)",
-    )
-    parser.add_argument(
         "--client", choices=CLIENTS, default="stream",
         help="served clients: streamed chat completions (an SSE chunk per token) or "
         "non-streamed completions",
@@ -734,9 +732,6 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(open_loop_level(paper_r2r(), load, args.window_s, args.warmup_s))
         for load in loads
     ]
-    transits = [float(x) for x in args.transit_ms.split(",") if x]
-    sweep = run_transit_sweep([n for n in levels if n > 1], transits, args.window_s,
-                              args.warmup_s) if transits else []  # fmt: skip
     served: list[dict[str, Any]] = []
     if not args.no_served:
         served_levels = [int(x) for x in args.served_levels.split(",")]
@@ -747,13 +742,12 @@ def main(argv: list[str] | None = None) -> int:
                             client=args.client, front=args.front,
                             peer_transport=args.peer_transport)  # fmt: skip
     print("\n# targets (PASS / MISS; they never fail the run)")
-    for name, ok, detail in targets(in_process, served) + transit_targets(sweep):
+    for name, ok, detail in targets(in_process, served):
         print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"in_process": [x.__dict__ for x in in_process], "served": served,
-                       "open_loop": open_loop, "transit_sweep": sweep},
-                      f, indent=1, default=str)  # fmt: skip
+                       "open_loop": open_loop}, f, indent=1, default=str)  # fmt: skip
     return 0
 
 

@@ -18,12 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 REFERENCE = "large_alone"
-ONE_MODEL = {
-    "large_alone": 1.0,
-    "large_stock": 1.0,
-    "speculative": 1.0,  # the large model verifies every token
-    "small_alone": 0.0,
-}  # large's share
+ONE_MODEL = {"large_alone": 1.0, "large_stock": 1.0, "small_alone": 0.0}  # large's share
 
 
 def agreement(tokens: Sequence[int], reference: Sequence[int]) -> tuple[float, float, int]:

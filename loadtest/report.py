@@ -15,7 +15,6 @@ from typing import Any
 
 from loadtest.prediction import predict, prediction_lines
 from loadtest.quality import quality_table
-from loadtest.sim_ablation import sim_lines
 from tokenrouter_ray.metrics.latency import token_gaps
 
 TARGET_N = 8
@@ -73,8 +72,8 @@ def targets(result: dict[str, Any], n: int | None = None) -> list[str]:
     """The issue's targets on this run, each PASS / MISS / n/a with its figures, at N = 8
     (or the largest N the run measured)."""
     rows = result["rows"]
-    if not rows:  # the sim preset: no served system
-        return sim_lines(result["sim"]) if result.get("sim") else []
+    if not rows:
+        return []
     measured = {r["concurrency"] for r in rows if r["mode"] == "closed"}
     if n is None:
         n = TARGET_N if TARGET_N in measured or not measured else max(measured)
@@ -114,8 +113,6 @@ def targets(result: dict[str, Any], n: int | None = None) -> list[str]:
         out.append(f"{verdict} deferred-timeout count: {sum(timeouts)} (target 0)")
     else:
         out.append("n/a  deferred-timeout count: the app does not report it")
-    if result.get("sim"):
-        out += sim_lines(result["sim"])
     return out
 
 

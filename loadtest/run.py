@@ -1,9 +1,8 @@
 """A benchmark run: presets, the sweep over systems and loads, and the results it writes.
 
 A preset fixes the workload, the closed-loop client counts N, the open-loop rates, the
-output-length sweep and the per-level bounds. ``run_bench`` runs the simulated ablation
-first where the preset asks for it (``loadtest.sim_ablation``), then brings each system up
-once, measures every level on it (closed loop over N, then open loop over the rates, then
+output-length sweep and the per-level bounds. ``run_bench`` brings each system up once,
+measures every level on it (closed loop over N, then open loop over the rates, then
 the output-length sweep where the preset asks for it), and tears it down; then it scores
 every system's answers against the large model alone (``loadtest.quality``). The result is a
 plain dict that ``loadtest.report`` turns into JSON, Markdown and plots.
@@ -49,18 +48,17 @@ class Preset:
     stock_warm: tuple[int, int] = (8, 48)  # stock servers' warm-up: concurrent requests, tokens
     early_stock: bool = False  # start the stock servers at once (CI: overlaps start-ups)
     early_apps: bool = False  # deploy every Serve app at once (CI, non-blocking deploys)
-    sim: bool = False  # run the simulated ablation (loadtest.sim_ablation) first
 
 
 QUALITY_ONLY = ["r2r", "rstitch"]  # speed next to quality, at N = 8 only
 
 PRESETS: dict[str, Preset] = {
-    # The demo pair on a 2-core CPU in <= 10 minutes: the simulated ablation (~30 s), every
-    # system at N = 1 and 8 with 64-token answers (one request per client, so every answer
-    # is complete and scored against the large model alone; a level is capped at 60 s, which
-    # only the stock-server systems reach), R2R and R-Stitch at N = 8 only, and 256-token
-    # answers at N = 8 for tokenrouter (the target's 256 vs 1,024 comparison, with Std.
-    # Serving's loss, is the `lengths` preset).
+    # The demo pair on a 2-core CPU in <= 10 minutes: every system at N = 1 and 8 with
+    # 64-token answers (one request per client, so every answer is complete and scored
+    # against the large model alone; a level is capped at 60 s, which only the stock-server
+    # systems reach), R2R and R-Stitch at N = 8 only, and 256-token answers at N = 8 for
+    # tokenrouter (the target's 256 vs 1,024 comparison, with Std. Serving's loss, is the
+    # `lengths` preset).
     "quick": Preset(
         concurrency=[1, 8],
         max_tokens=64,
@@ -73,7 +71,6 @@ PRESETS: dict[str, Preset] = {
         warmup_tokens=8,
         settle_s=1.0,
         stock_warm=(8, 16),
-        sim=True,
     ),
     # The output-length target on the demo pair: N = 8, 256- and 1,024-token answers, one
     # request per client, tokenrouter and Std. Serving only.
@@ -89,8 +86,6 @@ PRESETS: dict[str, Preset] = {
         warmup_tokens=8,
         settle_s=1.0,
     ),
-    # The simulated ablation alone (paper step times, tuned vs Eager-Async at N = 8).
-    "sim": Preset(concurrency=[], systems=[], sim=True),
     # The GPU sweep: same code, bigger N and lengths, open loop too.
     "paper": Preset(
         concurrency=[1, 4, 8, 16, 32, 64],
@@ -101,7 +96,6 @@ PRESETS: dict[str, Preset] = {
         requests_per_client=8,
         time_limit_s=300.0,
         system_concurrency={s: [8] for s in QUALITY_ONLY},
-        sim=True,
     ),
     # The CI smoke run: a few requests, 8 tokens, every system (R-Stitch as the quality
     # system: the tiny models have no trained R2R router).
@@ -234,19 +228,6 @@ def run_bench(bench: Bench, preset: Preset, progress: bool = True) -> dict[str, 
     bench.stock_warm = preset.stock_warm
     if preset.early_stock and {"std_serving", "large_stock"} & set(preset.systems):
         bench.launch_stock()
-    if preset.sim:
-        from loadtest.sim_ablation import sim_ablation, sim_lines
-
-        if progress:
-            print(f"[{time.perf_counter() - t0:6.0f} s] simulated ablation", flush=True)
-        t_sys = time.perf_counter()
-        try:
-            result["sim"] = sim_ablation()
-            if progress:
-                print("\n".join(f"  {line}" for line in sim_lines(result["sim"])), flush=True)
-        except Exception as exc:
-            errors["sim"] = f"{type(exc).__name__}: {exc}"
-        walls["sim"] = time.perf_counter() - t_sys
     try:
         if preset.early_apps:
             t_sys = time.perf_counter()

@@ -21,8 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
-import socket
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +29,9 @@ import httpx
 
 from loadtest.baselines.api import ServerProcess, ThreadServer, python_module, start_server
 from loadtest.baselines.stock import launch_stock, wait_stock
-from loadtest.common import ServeDeploy
+from loadtest.common import ServeDeploy, free_port, wait_ready
 
-PORT_OFFSETS = {"stock_small": 0, "stock_large": 1, "dispatcher": 2, "step_sync": 3,
-                "speculative": 4}  # fmt: skip
+PORT_OFFSETS = {"stock_small": 0, "stock_large": 1, "dispatcher": 2, "step_sync": 3}
 
 
 @dataclass
@@ -48,7 +45,7 @@ class Bench:
     deploy: ServeDeploy  # (overrides, app name) -> context manager yielding the v1 URL
     log_dir: str
     policy_apps: dict[str, list[str]] = field(default_factory=dict)  # r2r / rstitch overrides
-    # stock small, stock large, dispatcher, step-sync, speculative: +0..+4; None: free ports
+    # stock small, stock large, dispatcher, step-sync: +0..+3; None: free ports
     port_base: int | None = None
     dtype: str = "auto"
     memory_budget_gb: float = 1.5
@@ -65,9 +62,7 @@ class Bench:
         or a port the OS reports free now, the same for the whole run."""
         if server not in self._ports:
             if self.port_base is None:
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", 0))
-                    self._ports[server] = sock.getsockname()[1]
+                self._ports[server] = free_port()
             else:
                 self._ports[server] = self.port_base + PORT_OFFSETS[server]
         return self._ports[server]
@@ -176,7 +171,9 @@ def serve_app(bench: Bench, overrides: list[str], name: str) -> Iterator[str]:
     """The app ``name`` (deployed now, or taken from ``predeploy``), deleted on exit."""
     early = bench.predeployed.pop(name, None)
     with early if early is not None else bench.deploy(overrides, name) as url:
-        wait_ready(url)  # a deploy may return before the app's route answers
+        # a deploy may return before the app's route answers; several apps starting side
+        # by side on two busy cores have taken more than 5 minutes (a start is not timed)
+        wait_ready(f"{url}/models", timeout_s=900.0)
         yield url
 
 
@@ -277,29 +274,6 @@ def dispatcher_server(bench: Bench) -> ServerProcess | ThreadServer:
     return dispatcher(bench, {"small": small.url, "large": large.url}, bench.p, "dispatcher")
 
 
-def speculative_server(bench: Bench) -> ServerProcess | ThreadServer:
-    """transformers' assisted generation (small drafts, large verifies), batch 1."""
-    port = bench.port("speculative")
-    if bench.in_process:
-        from loadtest.baselines.speculative import build_app
-
-        app = build_app(bench.small_dir, bench.large_dir, dtype=bench.dtype)
-        return ThreadServer("speculative", app, port)
-    argv = python_module(
-        "loadtest.baselines.speculative",
-        "--serve",
-        "--small",
-        bench.small_dir,
-        "--large",
-        bench.large_dir,
-        "--dtype",
-        bench.dtype,
-        "--port",
-        str(port),
-    )
-    return start_server("speculative", argv, port, bench.log_dir)
-
-
 @contextlib.contextmanager
 def stock_alone(bench: Bench, which: str) -> Iterator[str]:
     """A stock server behind the dispatcher, which never hands off."""
@@ -328,10 +302,6 @@ SYSTEMS: dict[str, tuple[str, Callable[[Bench], contextlib.AbstractContextManage
     ),
     "large_stock": ("large alone (stock server)", lambda b: stock_alone(b, "large")),
     "std_serving": ("Std. Serving", lambda b: process(dispatcher_server(b))),
-    "speculative": (
-        "speculative (transformers assisted, batch 1)",
-        lambda b: process(speculative_server(b)),
-    ),
 }
 
 
@@ -352,16 +322,3 @@ def app_status(url: str) -> dict[str, Any]:
             if timeouts and all(t is not None for t in timeouts):
                 out["deferred_timeouts"] = sum(timeouts)
     return out
-
-
-def wait_ready(url: str, timeout_s: float = 900.0) -> None:
-    """Until ``GET {url}/models`` answers 200 (Serve answers 404 until the app's route is
-    up, 503 while its replicas start). Several apps starting side by side on two busy
-    cores have taken more than 5 minutes; a start is not what a benchmark times."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/models", timeout=5).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout_s} s")

@@ -1,4 +1,3 @@
 """The systems the comparison measures tokenrouter against, each an OpenAI-style chat server
-(``api.py``, shared): Step-Sync and one model alone (``step_sync.py``), stock servers
-(``stock.py``) glued by a per-token dispatcher (``dispatcher.py``), and stock speculative
-decoding (``speculative.py``, also a benchmark of its own)."""
+(``api.py``, shared): Step-Sync and one model alone (``step_sync.py``), and stock servers
+(``stock.py``) glued by a per-token dispatcher (``dispatcher.py``)."""

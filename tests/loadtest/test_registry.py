@@ -43,11 +43,11 @@ def test_the_reproduce_line_of_a_subcommand_is_a_command_that_runs_it(monkeypatc
 
     from loadtest import common
 
-    monkeypatch.setattr(common, "INVOKED_AS", "loadtest markov")
-    monkeypatch.setattr("sys.argv", ["python -m loadtest markov", "--sections", "paper,m3 x"])
+    monkeypatch.setattr(common, "INVOKED_AS", "loadtest host")
+    monkeypatch.setattr("sys.argv", ["python -m loadtest host", "--served-systems", "zero x"])
     line = common.command()
     assert shlex.split(line) == [
-        "python", "-m", "loadtest", "markov", "--sections", "paper,m3 x"
+        "python", "-m", "loadtest", "host", "--served-systems", "zero x"
     ]  # fmt: skip
 
 
