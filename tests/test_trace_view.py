@@ -11,7 +11,6 @@ import itertools
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.net import serve_asgi
 from tokenrouter_ray.cli import main
 from tokenrouter_ray.traceview import TraceError, render_html, trace_from_json
 from tokenrouter_ray.traceview.model import alpha_of, hex_to_rgb, model_colours, parse_text, shade
@@ -325,7 +325,6 @@ def test_cli_url_against_a_served_app(served_chain_dirs, tmp_path: Path, capsys)
     """`trace --url` over real HTTP: uvicorn serving deployments/ingress.py's app ->
     IngressServer -> LocalRuntime on the tiny chain. A response without a trace (not asked
     for, or a server without the feature) is one clear error; with one, both files."""
-    uvicorn = pytest.importorskip("uvicorn")
     import openai
     from transformers import AutoTokenizer
 
@@ -348,14 +347,8 @@ def test_cli_url_against_a_served_app(served_chain_dirs, tmp_path: Path, capsys)
             entry = [runtime.model_replicas[0].endpoint]
             server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
             ingress.core, ingress.server = runtime.ingress, server
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-            http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-            serving = asyncio.create_task(http.serve(sockets=[sock]))
-            try:
-                while not http.started:
-                    await asyncio.sleep(0.02)
+            async with serve_asgi(app, log_level="warning") as port:
+                url = f"http://127.0.0.1:{port}/v1"
                 rc = await asyncio.to_thread(main, [
                     "trace", "--url", url, "--model", SERVED, "--prompt", prompt,
                     "--max-tokens", "12", "--temperature", "0", "--out", str(out),
@@ -367,9 +360,6 @@ def test_cli_url_against_a_served_app(served_chain_dirs, tmp_path: Path, capsys)
                         model=SERVED, max_tokens=12, temperature=0,
                         messages=[{"role": "user", "content": prompt}],
                     )  # fmt: skip
-            finally:
-                http.should_exit = True
-                await serving
             await runtime.wait_idle()
             return rc, plain.model_dump()
 

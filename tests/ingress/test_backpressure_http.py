@@ -13,8 +13,7 @@ import socket
 import time
 from typing import Any
 
-import pytest
-
+from tests.net import serve_asgi
 from tokenrouter_ray.ingress.backpressure import Backpressure
 from tokenrouter_ray.protocol import SamplingSpec
 
@@ -79,7 +78,6 @@ def slow_read(port: int, body: dict[str, Any], pause_s: float) -> bytes:
 
 
 def test_clients_that_never_read_are_cut_and_a_slow_reader_is_exact(served_chain_dirs) -> None:
-    uvicorn = pytest.importorskip("uvicorn")
     from transformers import AutoTokenizer
 
     from tests.openai.ingress_app import SERVED, ingress_app
@@ -104,48 +102,39 @@ def test_clients_that_never_read_are_cut_and_a_slow_reader_is_exact(served_chain
                 backpressure=Backpressure(BUFFER_TOKENS, STALL_S),
             )  # fmt: skip
             ingress.core, ingress.server = runtime.ingress, server
-            listener = socket.socket()
-            # accepted sockets inherit it: the kernel's send buffer stays small (autotuned,
+            # accepted sockets inherit the listener's small send buffer: the kernel's (autotuned,
             # it could absorb megabytes of a non-reading client's stream before any send
-            # blocks; that is the kernel's bound, not the ingress's)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
-            listener.bind(("127.0.0.1", 0))
-            port = listener.getsockname()[1]
-            http = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
-            serving = asyncio.create_task(http.serve(sockets=[listener]))
-            peak = {"buffered": 0, "active": 0}
+            # blocks; that is the kernel's bound, not the ingress's) stays out of the way
+            async with serve_asgi(app, send_buffer=8192) as port:
+                peak = {"buffered": 0, "active": 0}
 
-            async def sample() -> None:
-                while True:
-                    peak["buffered"] = max(peak["buffered"], server.buffered_tokens)
-                    peak["active"] = max(peak["active"], runtime.ingress.num_active)
-                    await asyncio.sleep(0.01)
+                async def sample() -> None:
+                    while True:
+                        peak["buffered"] = max(peak["buffered"], server.buffered_tokens)
+                        peak["active"] = max(peak["active"], runtime.ingress.num_active)
+                        await asyncio.sleep(0.01)
 
-            sampler = asyncio.create_task(sample())
-            try:
-                while not http.started:
-                    await asyncio.sleep(0.02)
-                long_body = {"model": SERVED, "prompt": [7, 8, 9], "max_tokens": LONG, "n": N,
-                             "stream": True, "temperature": 0, "ignore_eos": True}  # fmt: skip
-                stuck = [small_socket(port) for _ in range(2)]
-                for sock in stuck:
-                    sock.sendall(http_post("/v1/completions", long_body))  # then never read
-                slow_body = {"model": SERVED, "prompt": slow_prompt, "max_tokens": 60,
-                             "stream": True, "temperature": 0}  # fmt: skip
-                t0 = time.monotonic()
-                slow = await asyncio.to_thread(slow_read, port, slow_body, 0.01)
-                deadline = time.monotonic() + 60
-                while server.client_stalls < 2 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-                cut_after_s = time.monotonic() - t0
-                await runtime.wait_idle()
-                held_while_open = runtime.ingress.num_active  # the stuck sockets still open
-                for sock in stuck:
-                    sock.close()
-            finally:
-                sampler.cancel()
-                http.should_exit = True
-                await serving
+                sampler = asyncio.create_task(sample())
+                try:
+                    long_body = {"model": SERVED, "prompt": [7, 8, 9], "max_tokens": LONG, "n": N,
+                                 "stream": True, "temperature": 0, "ignore_eos": True}  # fmt: skip
+                    stuck = [small_socket(port) for _ in range(2)]
+                    for sock in stuck:
+                        sock.sendall(http_post("/v1/completions", long_body))  # then never read
+                    slow_body = {"model": SERVED, "prompt": slow_prompt, "max_tokens": 60,
+                                 "stream": True, "temperature": 0}  # fmt: skip
+                    t0 = time.monotonic()
+                    slow = await asyncio.to_thread(slow_read, port, slow_body, 0.01)
+                    deadline = time.monotonic() + 60
+                    while server.client_stalls < 2 and time.monotonic() < deadline:
+                        await asyncio.sleep(0.05)
+                    cut_after_s = time.monotonic() - t0
+                    await runtime.wait_idle()
+                    held_while_open = runtime.ingress.num_active  # the stuck sockets still open
+                    for sock in stuck:
+                        sock.close()
+                finally:
+                    sampler.cancel()
             pools = [s.engine.kv.pool for s in runtime.model_replicas]
             return {
                 "slow": texts_of(dechunk(slow)).get(0, ""),

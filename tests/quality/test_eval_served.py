@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.net import serve_asgi
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.quality.evaluate import SystemResult, run_eval
 from tokenrouter_ray.quality.task_files import write_tasks
@@ -42,7 +42,6 @@ ITEMS = [*GOOD[:2], TOO_LONG, *GOOD[2:], CHAT]
 
 def serve(dirs: dict[str, str], body: Callable[[str], Awaitable[Any]]) -> Any:
     """``body(base_url)`` against the ingress app served by uvicorn on a free port."""
-    uvicorn = pytest.importorskip("uvicorn")
     from transformers import AutoTokenizer
 
     from tests.openai.ingress_app import SERVED, ingress_app
@@ -62,18 +61,8 @@ def serve(dirs: dict[str, str], body: Callable[[str], Awaitable[Any]]) -> Any:
             entry = [runtime.model_replicas[0].endpoint]
             server = IngressServer(runtime.ingress, tokenizer, SERVED, lambda: entry, models=TWO)
             ingress.core, ingress.server = runtime.ingress, server
-            listener = socket.socket()
-            listener.bind(("127.0.0.1", 0))
-            port = listener.getsockname()[1]
-            http = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
-            serving = asyncio.create_task(http.serve(sockets=[listener]))
-            try:
-                while not http.started:
-                    await asyncio.sleep(0.02)
+            async with serve_asgi(app) as port:
                 result = await body(f"http://127.0.0.1:{port}/v1")
-            finally:
-                http.should_exit = True
-                await serving
             await runtime.wait_idle()
             assert runtime.ingress.num_active == 0
             return result

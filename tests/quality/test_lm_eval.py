@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -143,9 +142,9 @@ def check_outputs(out: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.slow  # two lm_eval processes (about 5 s of imports each) + the runtime
 def test_lm_eval_cli_runs_a_local_task_against_the_server(served_chain_dirs, tmp_path) -> None:
-    uvicorn = pytest.importorskip("uvicorn")
     from transformers import AutoTokenizer
 
+    from tests.net import serve_asgi
     from tests.openai.ingress_app import SERVED, ingress_app
     from tests.tiny_models import chain_engines
     from tokenrouter_ray.ingress.openai_server import IngressServer
@@ -172,16 +171,8 @@ def test_lm_eval_cli_runs_a_local_task_against_the_server(served_chain_dirs, tmp
             entry = [runtime.model_replicas[0].endpoint]
             server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
             ingress.core, ingress.server = runtime.ingress, server
-            listener = socket.socket()
-            listener.bind(("127.0.0.1", 0))
-            port = listener.getsockname()[1]
-            config = uvicorn.Config(counting, log_level="critical", lifespan="off")
-            http = uvicorn.Server(config)
-            serving = asyncio.create_task(http.serve(sockets=[listener]))
             runs = {}
-            try:
-                while not http.started:
-                    await asyncio.sleep(0.02)
+            async with serve_asgi(counting) as port:
                 # each CLI runs in its own process while this loop serves its requests
                 for path, command in lm_eval_commands(port, tasks, out).items():
                     proc = await asyncio.create_subprocess_exec(
@@ -192,9 +183,6 @@ def test_lm_eval_cli_runs_a_local_task_against_the_server(served_chain_dirs, tmp
                     runs[path] = proc.returncode, log.decode(errors="replace")
                 await runtime.wait_idle()
                 active = runtime.ingress.num_active
-            finally:
-                http.should_exit = True
-                await serving
             return runs, active
 
     try:
