@@ -9,24 +9,13 @@ import time
 
 import pytest
 
+from tests.clock import FakeClock
 from tests.waiting import wait_until
 from tokenrouter_ray.ingress.backpressure import Backpressure, StreamGate
 
 
-class Clock:
-    """Seconds that move only when the test says so; counts its reads."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.reads = 0
-
-    def __call__(self) -> float:
-        self.reads += 1
-        return self.now
-
-
-def gate(n: int = 2, tokens: int = 4, stall_s: float = 10.0) -> tuple[StreamGate, Clock]:
-    clock = Clock()
+def gate(n: int = 2, tokens: int = 4, stall_s: float = 10.0) -> tuple[StreamGate, FakeClock]:
+    clock = FakeClock(start=100.0)
     return StreamGate(n, Backpressure(tokens, stall_s), clock), clock
 
 
@@ -104,7 +93,7 @@ def test_watch_returns_once_the_rule_fires_and_not_before() -> None:
     time at most, 50 ms here)."""
 
     async def go() -> None:
-        clock = Clock()
+        clock = FakeClock(start=100.0)
         g = StreamGate(1, Backpressure(1, 0.2), clock)
         watcher = asyncio.create_task(g.watch())
         g.produced(0, 1)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tests.clock import FakeClock
 from tokenrouter_ray import cli
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.errors import UserFacingError
@@ -32,26 +33,9 @@ def _two_models(small_ms: float, large_ms: float, q: float) -> RoutingProfile:
     )
 
 
-class FakeClock:
-    """An injected host clock: ``sleep`` advances it (by ``oversleep_s`` more than asked,
-    as a busy machine's timer does), nothing waits."""
-
-    def __init__(self, oversleep_s: float = 0.0) -> None:
-        self.now = 100.0
-        self.oversleep_s = oversleep_s
-        self.slept: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds + self.oversleep_s
-
-
 # ------------------------------------------------------------------------- SimRunner
 def test_sim_runner_step_result_shape() -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=100.0)
     # 2 ms per request in the batch
     engine = sim_engine(lambda b: 0.002 * b, num_blocks=64, clock=clock, sleep=clock.sleep)
     engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -83,7 +67,7 @@ def test_sim_runner_step_result_shape() -> None:
 def test_sim_runner_learns_the_timers_oversleep() -> None:
     """A timer that oversleeps by 1 ms: the sleep bias moves toward 1 ms step by step, so
     steps end at their profiled time again (injected clock: exact, no waiting)."""
-    clock = FakeClock(oversleep_s=0.001)
+    clock = FakeClock(start=100.0, oversleep_s=0.001)
     engine = sim_engine(lambda b: 0.010, num_blocks=64, clock=clock, sleep=clock.sleep)
     engine.add_request("a", [3], SamplingParams(max_tokens=60, ignore_eos=True))
     first = engine.execute()

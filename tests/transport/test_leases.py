@@ -6,27 +6,15 @@ from __future__ import annotations
 import pytest
 
 from deployments.peers import PeerBook
+from tests.clock import FakeClock
 from tests.waiting import wait_until
 from tokenrouter_ray.transport import InMemoryDirectory
 from tokenrouter_ray.transport.base import Endpoint
 
 
-class Clock:
-    """Monotonic seconds that move only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.mark.asyncio
 async def test_endpoints_expire_without_heartbeats() -> None:
-    clock = Clock()
+    clock = FakeClock()
     directory = InMemoryDirectory(ttl_s=0.2, clock=clock)
     await directory.register(Endpoint("large", "a", "ipc:///tmp/a"))
     assert [e.name for e in await directory.endpoints()] == ["large/a"]
@@ -40,7 +28,7 @@ async def test_endpoints_expire_without_heartbeats() -> None:
 
 @pytest.mark.asyncio
 async def test_a_stalled_directory_does_not_expire_everyone() -> None:
-    clock = Clock()
+    clock = FakeClock()
     directory = InMemoryDirectory(ttl_s=0.2, clock=clock)
     await directory.register(Endpoint("large", "a", "ipc:///tmp/a"))
     clock.sleep(0.3)  # nobody could reach the directory (its process stalled)
@@ -57,7 +45,7 @@ class CountingDirectory(InMemoryDirectory):
         return await super().heartbeat(endpoint)
 
 
-async def run_for(directory: CountingDirectory, clock: Clock, seconds: float) -> None:
+async def run_for(directory: CountingDirectory, clock: FakeClock, seconds: float) -> None:
     """Move the directory's clock on by ``seconds`` while a peer book refreshes: in steps
     of a sixth of a lease (a gap of half a lease between calls reads as a stalled
     directory), each followed by one of the book's refreshes. The book's own period is
@@ -72,7 +60,7 @@ async def run_for(directory: CountingDirectory, clock: Clock, seconds: float) ->
 
 @pytest.mark.asyncio
 async def test_peer_book_heartbeats_its_own_endpoint_and_reports_lost_ones() -> None:
-    clock = Clock()
+    clock = FakeClock()
     directory = CountingDirectory(ttl_s=0.3, clock=clock)
     small, dead = Endpoint("small", "s", "ipc:///tmp/s"), Endpoint("large", "d", "ipc:///tmp/d")
     await directory.register(small)
@@ -91,7 +79,7 @@ async def test_peer_book_heartbeats_its_own_endpoint_and_reports_lost_ones() -> 
 
 @pytest.mark.asyncio
 async def test_a_broken_replica_stops_heartbeating() -> None:
-    clock = Clock()
+    clock = FakeClock()
     directory = CountingDirectory(ttl_s=0.3, clock=clock)
     own = Endpoint("large", "b", "ipc:///tmp/b")
     healthy = {"ok": True}

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.clock import FakeClock
 from tokenrouter_ray.replica.window import WindowStats
 from tokenrouter_ray.simulation.backend import calibrate_sleep_bias
 from tokenrouter_ray.simulation.loads import ClosedLoop
@@ -22,14 +23,6 @@ from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
 from tokenrouter_ray.tuning.tuner import TunerCore, TunerSpec, drive_local, fill_step_times
 
 MODELS = ["small", "large"]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def window(p_large: float, moves: int = 400, large_batches: tuple[int, ...] = (1, 2, 4)) -> dict:
@@ -59,7 +52,7 @@ def test_unobserved_batch_sizes_follow_the_fitted_line() -> None:
 
 
 def test_replicas_pull_thresholds_and_stale_replicas_drop_out() -> None:
-    clock = Clock()
+    clock = FakeClock()
     spec = TunerSpec(period_s=1.0, concurrencies=[4, 8], fixed={"small": 1}, min_moves=20)
     auto = TunerCore(MODELS, spec, initial={"large": [1, 1, 1, 1, 2]}, clock=clock)
     assert auto.report("large", "r0", window(0.35)["large"]) == [1, 1, 1, 1, 2, 2, 2, 2, 2]
