@@ -11,14 +11,10 @@ from typing import Any
 
 import uvicorn
 
+from loadtest.common import free_port  # the one home, shared with the benchmarks
 from tests.waiting import wait_until
 
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["free_port", "serve_asgi"]
 
 
 @contextlib.asynccontextmanager
