@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.common import command, machine, ray_serve_deploy
+from loadtest.common import command, machine, ray_serve_deploy, wait_ready
 from tokenrouter_ray.simulation.served import sim_answer
 from tokenrouter_ray.tuning.capacity import Load, Targets, plan, predict
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
@@ -268,11 +268,9 @@ def run_ramp(
 ) -> RampResult:
     """Deploy the app with ``deploy(overrides, name)``, wait until it answers, run the ramp
     with the poller beside it, and keep polling through the idle phase."""
-    from loadtest.systems import wait_ready
-
     result = RampResult(ramp, tokens)
     with deploy(overrides if overrides is not None else ramp_overrides(), name) as url:
-        wait_ready(url)
+        wait_ready(f"{url}/models", timeout_s=900.0)
         stop = threading.Event()
         started = time.monotonic()
         poller = threading.Thread(
