@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.common import command, machine, ray_serve_deploy, wait_ready
+from loadtest.common import command, machine, pyplot, ray_serve_deploy, wait_ready
 from tokenrouter_ray.simulation.served import sim_answer
 from tokenrouter_ray.tuning.capacity import Load, Targets, plan, predict
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
@@ -367,12 +367,8 @@ def table(result: RampResult, bin_s: float = 10.0) -> list[dict[str, Any]]:
 
 
 def plot(result: RampResult, path: str) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ModuleNotFoundError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.5))
     times = [s.t for s in result.samples]

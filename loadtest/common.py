@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 # (overrides, app name) -> a context manager that yields the app's v1 URL
 ServeDeploy = Callable[[list[str], str], contextlib.AbstractContextManager[str]]
@@ -60,6 +61,20 @@ def percentile(values: Sequence[float], q: float) -> float:
         return math.nan
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or None (with a note) where matplotlib, the
+    optional ``bench`` extra, is not installed: the run's tables and JSON are written anyway."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install -e '.[bench]')")
+        return None
+    return plt
 
 
 def free_port() -> int:

@@ -26,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from loadtest.common import command, machine, pyplot
+
 PROMPT_SETS = ("chat", "capitals")
 
 
@@ -80,12 +82,8 @@ def send_phase(
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     polls = result["polls"]
     answers = [a for a in result["answers"] if a["status"] == 200]
@@ -183,6 +181,5 @@ def main(argv: list[str] | None = None) -> int:
     print("rung moves: " + (", ".join(f"{t:.0f}s -> {r}" for t, r in moves) or "none"))
     if polls and plot(result, out / "quality_target.png"):
         print(f"wrote {out / 'quality_target.png'}")
-    print(f"reproduce: python -m loadtest quality-target --url {args.url} --phases {args.phases} "
-          f"--concurrency {args.concurrency} --max-tokens {args.max_tokens}")  # fmt: skip
+    print(f"machine: {machine()}\nreproduce: {command()}")
     return 0

@@ -13,6 +13,7 @@ import math
 import os
 from typing import Any
 
+from loadtest.common import pyplot
 from loadtest.prediction import predict, prediction_lines
 from loadtest.quality import quality_table
 from tokenrouter_ray.metrics.latency import token_gaps
@@ -160,13 +161,8 @@ def length_lines(rows: list[dict[str, Any]], n: int) -> list[str]:
 
 def plots(result: dict[str, Any], prefix: str) -> list[str]:
     """PNG files written (empty, with a printed note, when matplotlib is missing)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plots skipped: matplotlib is not installed (pip install -e '.[bench]')")
+    plt = pyplot()
+    if plt is None:
         return []
     rows = result["rows"]
     written = []
