@@ -5,9 +5,12 @@ who needs it. Each run must exit 0 and print the command that reproduces it; a b
 targets prints them PASS / MISS (a MISS is a figure, not a failure). Figures are not asserted.
 
 Markers follow what a run starts: ``ray`` (it starts Ray Serve in its own process), ``demo``
-(it loads the demo build), ``slow`` (tens of seconds or more on two cores). The ``serve``
-and ``quality-target`` benchmarks get a stand-in server here: a chat app in a thread of this
-process that writes a fixed filler, on a free port."""
+(it loads the demo build), ``slow`` (tens of seconds or more on two cores). What stands in
+for what a benchmark needs: ``serve`` and ``quality-target`` (a running server) get a chat
+app in a thread of this process that writes a fixed filler, on a free port; ``gpu-check``
+(a GPU) runs its dry run on the CPU (``--device cpu``: every check at toy sizes);
+``router-bound`` runs on the demo build itself; ``host``, ``front-floor`` and ``autoscale``
+start Ray Serve on simulated models, as they do for a user."""
 
 from __future__ import annotations
 
