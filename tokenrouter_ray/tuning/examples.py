@@ -1,6 +1,6 @@
 """Reference profiles: the paper's R2R validation setting and a three-model escalation chain.
 
-Used by the benchmark (``loadtest/markov_bench.py``), the docs and the tests, so that all of
+Used by `tokenrouter-ray tune` and `simulate`, the docs and the tests, so that all of
 them talk about the same numbers.
 """
 
