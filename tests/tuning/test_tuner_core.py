@@ -211,8 +211,8 @@ def test_tuner_follows_a_routing_shift_on_the_simulated_runtime() -> None:
         assert chosen >= 0.98 * best_large(profile, n), (profile.route_prob, table[n])
     assert new[n] < old[n]  # less escalation: the large model should wait for fewer
     # (Whether the chosen thresholds also win in wall-clock tokens/s is a benchmark's
-
-
+    # question, not a test's: ``tokenrouter-ray simulate`` and the host benchmark measure
+    # the model against the simulated runtime.)
 
 
 def test_decisions_are_exported_as_metrics() -> None:
