@@ -56,9 +56,8 @@ class _SampledTensor:
     """``StepResult.sampled``: the runner's tensor of sampled tokens, or, from a runner that
     has its tokens on the host only (``None``: the simulated device), a CPU tensor built from
     ``token_ids`` the first time it is read. A policy that routes on the host never reads
-    it, and a tensor built on the step thread cost ~30 µs with the caches cold, where 1.2
-    in a warm loop: 3.5 % of the small replica's interpreter time at h200 N = 64 (py-spy),
-    for a tensor nobody read. (A descriptor of a dataclass field: ``__init__`` goes through
+    it, and building a tensor nobody reads costs the step thread tens of microseconds with
+    cold caches. (A descriptor of a dataclass field: ``__init__`` goes through
     ``__set__``; no default, so the field stays positional and required.)"""
 
     def __get__(self, obj: StepResult | None, owner: type | None = None) -> torch.Tensor:

@@ -638,8 +638,8 @@ class Replica:
         """Nothing launched: the threshold held runnable work back (``deferred``) or idle.
         The engine's gauges are set by ``idle``, at most every ``STATE_PERIOD_S``, not here:
         here is on the critical path of the step's messages (the HANDOFF of a request whose
-        first token escalated, the FINISHED of the last one: ~10 Ray gauge calls, 18 % of
-        the small replica's interpreter time at N = 1 under py-spy)."""
+        first token escalated, the FINISHED of the last one), and ~10 Ray gauge calls would
+        delay them."""
         self._state_stale = True
         if deferred and self._deferred_since is None:
             self._deferred_since = time.monotonic()

@@ -293,8 +293,7 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
             if frame is None:  # nothing queued: wait for the descriptor's signal. libzmq
                 # processed its pending commands before it said so, so the next frame to
                 # arrive signals the descriptor (ZeroMQ signals a change, not a level: a
-                # check of the socket's events here would only repeat that work, ~4 % of
-                # the ingress's CPU under py-spy)
+                # check of the socket's events here would only repeat that work)
                 await self._signalled()
                 continue
             batch, wait_s = self._accept(frame)
