@@ -74,7 +74,7 @@ def direct_record(instrument: Any, tags: dict[str, str], public: str) -> Callabl
     """One labelled series of a Ray instrument as a one-argument call: the tags merged with
     the instrument's default (Serve) tags and checked once, each value handed straight to the
     Cython metric. Ray's public call merges, type-checks and validates the tags on every
-    value (about 10 µs a call, measured; 2.7 µs direct). Falls back to the public method
+    value, several times the cost of the direct call. Falls back to the public method
     ``public`` (``inc``, ``set``, ``observe``) where a Ray version lacks these internals."""
     bound = getattr(instrument, public)
     if getattr(instrument, "_discard_metric", False):
@@ -118,7 +118,7 @@ class HistogramSeries:
         """Set the series' ``_bucket`` (one per ``le``, cumulative), ``_sum`` and ``_count``
         gauges to what it holds now (all of them, every time: Ray's agent drops a gauge
         not set again within two export intervals)."""
-        if self.setters is None:  # made once, here on the flusher: ~10 µs a gauge series
+        if self.setters is None:  # made once, here on the flusher (each costs a tag merge)
             buckets, total, count = gauges
             tags = dict(zip(self.metric.labels, self.labels, strict=True))
             self.setters = (
@@ -144,15 +144,15 @@ class RayBackend:
     Ray exports a process's metrics every ~10 s; what the runtime records is far more
     frequent (a histogram value per committed token at the ingress, a counter per step and
     handoff in a replica). So the cost per call is kept small, and off the threads that
-    record: counters are summed here, histogram values are queued (a deque append, ~0.1 µs),
+    record: counters are summed here, histogram values are queued (a deque append),
     and a daemon thread hands both to Ray once per ``flush_s`` (and on `flush`). Gauges go
     to Ray directly (last value wins; they are set far less often). Every series merges its
     tags once (`direct_record`).
 
     **Histograms are aggregated here, not in Ray.** A Ray histogram takes one value a call
-    and converts its tags on each (~3 µs with Serve's five; no call takes a count), and at
-    the ingress there is a value per token: handing each value to Ray was ~11 % of the
-    app's CPU per token at N = 64 (docs/benchmarks/README.md). So the flusher adds the
+    and converts its tags on each (no call takes a count), and at the ingress there is a
+    value per token: handing each value to Ray would be a large share of the app's CPU
+    per token under load. So the flusher adds the
     held values to a `HistogramSeries` (exact bucket counts, sum and count) and sets, per
     series, the gauges a Prometheus histogram is read from: ``<name>_bucket`` with ``le``
     (cumulative, ``le`` written as Ray's exporter writes it, ``+Inf`` last), ``<name>_sum``

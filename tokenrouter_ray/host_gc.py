@@ -4,10 +4,9 @@ replica): what it costs and how it is set (`GcSpec`, config ``gc``).
 A replica's heap after start-up is mostly long-lived (torch, transformers, Ray, the model's
 modules: about half a million objects), and the step loop allocates a few containers per
 row and message. At Python's default thresholds (700, 10, 10) that means a young collection
-every few milliseconds and, every few seconds, a full collection that walks the whole heap:
-measured on the in-process runtime at N = 64 (simulated models, 2-core Xeon), 9 µs of CPU
-per committed token went to the collector (~17 % of all), and each full collection stopped
-the step thread for ~240 ms. So, once a process has started:
+every few milliseconds and, every few seconds, a full collection that walks the whole heap
+and stops the step thread for hundreds of milliseconds (docs/design/architecture.md gives
+the measured cost). So, once a process has started:
 
 - ``gc.freeze()`` moves everything alive to a permanent generation that collections skip
   (what start-up built is not garbage);
@@ -15,8 +14,7 @@ the step thread for ~240 ms. So, once a process has started:
   are rarer and each finds most of what it would collect anyway (reference cycles are
   rare on the per-token path: messages and rows are freed by reference counting).
 
-Measured the same way: the collector's share fell to 0.3–0.4 µs per token and no full
-collection ran in the window. `collector_stats()` reports what the collector did since the
+`collector_stats()` reports what the collector did since the
 setting was applied (collections and seconds per generation, the longest pause).
 """
 

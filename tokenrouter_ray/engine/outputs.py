@@ -73,8 +73,8 @@ class _SampledTensor:
 
 
 def long_tensor(values: list[int]) -> torch.Tensor:
-    """``torch.tensor(values, dtype=torch.long)`` through a packed buffer: ~1.3 µs for 40
-    values where ``torch.tensor`` walks the list in ~4.6."""
+    """``torch.tensor(values, dtype=torch.long)`` through a packed buffer, several times
+    faster than ``torch.tensor`` walking the list element by element."""
     import torch
 
     if not values:

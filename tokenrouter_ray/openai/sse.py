@@ -19,8 +19,8 @@ in its choice, that choice's ``metrics``; the usage chunk, when sent, carries ``
 summed over choices. A request that asked for ``logprobs`` or a ``routing_trace`` gets, in
 each chunk's choice, those of the tokens whose text the chunk carries (the finish chunk:
 the rest). Chunks are built as dicts (the typed reports' ``to_dict``) and encoded with
-msgspec's JSON encoder (no pydantic on the per-token path; ~0.5 µs a chunk where
-`json.dumps` took ~4.4). It writes the same JSON values: floats in their shortest
+msgspec's JSON encoder (no pydantic on the per-token path, and several times faster
+than `json.dumps`). It writes the same JSON values: floats in their shortest
 round-trip form (``0.00001`` where `json.dumps` wrote ``1e-05``), and a non-finite float
 as ``null`` (valid JSON, where `json.dumps` wrote ``-Infinity``).
 """

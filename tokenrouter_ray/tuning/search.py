@@ -37,9 +37,9 @@ from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.replicas import replica_counts
 
 AUTO_EXACT_MAX_N = 8  # with 3+ models, exact chains past this N reach 10^5..10^6 states
-# with a transit, ``auto`` gives up the exact chain past this many states (the paper's
-# profile at grain 0.5 ms and 2 ms transit: 73k states at N = 32, built and solved in 1.3 s;
-# 238k at N = 48 in 10 s; N = 64 did not finish in 15 min)
+# with a transit, ``auto`` gives up the exact chain past this many states: the chain's
+# build and solve time grows faster than its state count, from about a second here to
+# minutes at a few times this size
 TRANSIT_MAX_STATES = 150_000
 
 
