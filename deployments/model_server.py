@@ -42,18 +42,14 @@ logger = logging.getLogger("ray.serve")
 
 
 def engine_config(cfg: AppConfig, name: str) -> EngineConfig:
+    """Model ``name``'s section as its engine's config: its ``EngineOptions`` as they stand,
+    and what serving derives from the rest (device, budget in bytes, merged scheduler)."""
     spec = cfg.models[name]
     return EngineConfig(
+        **spec.engine_options(),
         model=spec.path,
-        gguf_file=spec.gguf_file,
-        dtype=spec.dtype,
         device="cuda" if spec.num_gpus > 0 else "cpu",
-        block_size=spec.block_size,
-        prefix_caching=spec.prefix_caching,
         memory_budget_bytes=int(spec.memory_budget_gb * 2**30),
-        max_model_len=spec.max_model_len,
-        sdpa_backend=spec.sdpa_backend,
-        tensor_parallel=spec.tensor_parallel,
         scheduler=cfg.scheduler_for(name),
     )
 

@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from tokenrouter_ray.engine.config import SDPA_BACKEND_HELP, SdpaBackend
+from tokenrouter_ray.engine.config import EngineOptions
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.quality.settings import (
@@ -109,7 +109,12 @@ class AutoscalingSpec(_Strict):
         return self.initial_replicas if self.initial_replicas is not None else self.min_replicas
 
 
-class ModelSpec(_Strict):
+class ModelSpec(EngineOptions):
+    """One model: what its engine takes as written (dtype, KV blocks, longest sequence,
+    prefix caching, attention kernels, tensor parallel: engine/config.py ``EngineOptions``,
+    which this extends), then its checkpoint and how Serve runs it (resources, replicas,
+    watchdog, memory budget, scheduler overrides)."""
+
     path: str = Field(description="HF causal-LM directory or hub id (`sim` with `sim` set).")
     sim: SimSpec | None = Field(
         None, description="Serve a simulated model of this profile instead of a checkpoint."
@@ -123,16 +128,8 @@ class ModelSpec(_Strict):
     max_failed_steps: int = Field(
         3, ge=1, description="Watchdog: this many failed steps in a row fail the health check."
     )
-    gguf_file: str | None = Field(None, description="GGUF file inside `path`, if any.")
-    dtype: str = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
     num_gpus: float = Field(0, ge=0, description="GPUs per replica (0: CPU).")
     num_cpus: float = Field(1, ge=0, description="CPUs reserved per replica.")
-    tensor_parallel: int = Field(
-        1,
-        ge=1,
-        description="Ranks one replica spans (one GPU each with num_gpus > 0; CPU processes "
-        "otherwise), all on one node; must divide the model's attention and KV heads.",
-    )
     num_replicas: int = Field(
         1,
         ge=1,
@@ -154,10 +151,6 @@ class ModelSpec(_Strict):
     resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources: pins the model to nodes."
     )
-    block_size: int = Field(16, ge=1, description="Tokens per KV block.")
-    prefix_caching: bool = Field(
-        True, description="Automatic prefix caching (EngineConfig.prefix_caching); false: off."
-    )
     prefill_at_admission: int | None = Field(
         None,
         ge=1,
@@ -170,8 +163,6 @@ class ModelSpec(_Strict):
     memory_budget_gb: float = Field(
         2.0, gt=0, description="Weights + KV budget per replica (per rank with tensor_parallel)."
     )
-    max_model_len: int | None = Field(None, ge=2, description="Longest sequence.")
-    sdpa_backend: SdpaBackend = Field("efficient", description=SDPA_BACKEND_HELP)
     scheduler: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the shared scheduler settings."
     )
