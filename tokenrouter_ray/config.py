@@ -25,6 +25,7 @@ from tokenrouter_ray.quality.settings import (
     QualityTargetSpec,
     SpeedBypassSpec,
 )
+from tokenrouter_ray.routing import threshold_levels
 from tokenrouter_ray.thresholds import ThresholdTable, check_tables
 
 # The Hydra configs: package data (in a checkout, tokenrouter_ray/conf links to ../conf).
@@ -207,11 +208,6 @@ class ModelSpec(EngineOptions):
         return self
 
 
-# Built-in policies whose decision thresholds a request cannot set, or sets per level
-# (routing/policy.py ``Policy.threshold_levels`` says the same; tests/routing checks).
-THRESHOLDLESS_POLICIES = frozenset({"never", "always"})
-PER_LEVEL_POLICIES = frozenset({"escalation"})
-
 PresetValue = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 
@@ -237,10 +233,9 @@ class PolicySpec(_Strict):
 
     def threshold_levels(self, num_models: int) -> int:
         """How many thresholds a request's ``routing.threshold`` may give (besides one for
-        every level): 0 for a policy without one, ``num_models - 1`` for escalation, else 1."""
-        if self.name in THRESHOLDLESS_POLICIES:
-            return 0
-        return num_models - 1 if self.name in PER_LEVEL_POLICIES else 1
+        every level): 0 for a policy without one, ``num_models - 1`` for escalation, else 1
+        (routing/__init__.py ``THRESHOLDS``, torch-free)."""
+        return threshold_levels(self.name, num_models)
 
     def preset_thresholds(self) -> dict[str, tuple[float, ...]]:
         """Every preset as the ``SamplingSpec.route_thresholds`` it stands for."""

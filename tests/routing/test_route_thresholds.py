@@ -1,8 +1,9 @@
 """Per-request routing thresholds in a batch: ``RouteBatch.thresholds`` is the
 configured float when no row overrides (no tensor, no copy), else one threshold per row;
 ``row_threshold`` picks a request's value per escalation level; bernoulli's host path and
-device path agree with overrides; every built-in policy's ``threshold_levels`` is what the
-ingress (config.py ``PolicySpec.threshold_levels``) assumes."""
+device path agree with overrides; how many thresholds each policy takes is declared once
+(routing/__init__.py ``THRESHOLDS``), and both a built policy and the ingress's
+``PolicySpec`` read it."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import torch
 
 from tokenrouter_ray.config import PolicySpec
 from tokenrouter_ray.engine.outputs import StepResult
-from tokenrouter_ray.routing import load_builtin_policies
+from tokenrouter_ray.routing import THRESHOLDS, load_builtin_policies, threshold_levels
 from tokenrouter_ray.routing.baselines import SCALAR_ROWS
 from tokenrouter_ray.routing.policy import (
     POLICIES,
+    Policy,
     RouteBatch,
     build_policy,
     row_threshold,
@@ -86,13 +88,17 @@ def test_bernoulli_host_path_equals_device_path_with_overrides(size: int) -> Non
                 assert host[row] == int(p)  # p = 0 never escalates, p = 1 always
 
 
-def test_threshold_levels_match_the_ingress_view() -> None:
+def test_threshold_levels_are_declared_once() -> None:
     load_builtin_policies()
-    for name, cls in POLICIES.items():
-        for models in range(cls.min_models, (cls.max_models or 4) + 1):
-            names = [f"m{i}" for i in range(models)]
-            options = {"thresholds": [0.3] * (models - 1)} if name == "escalation" else {}
-            if name == "glimprouter":
-                options = {"step_end_token_ids": [1]}
-            policy = cls(cls.Config(**options), names)
-            assert policy.threshold_levels == PolicySpec(name=name).threshold_levels(models), name
+    assert set(THRESHOLDS) <= set(POLICIES)  # it names registered policies only
+    takes = {name: threshold_levels(name, 4) for name in POLICIES}
+    assert takes == {
+        name: {"never": 0, "always": 0, "escalation": 3}.get(name, 1) for name in POLICIES
+    }
+    # no policy class says it again: the base class's property reads the declaration
+    assert [name for name, cls in POLICIES.items() if "threshold_levels" in vars(cls)] == []
+    assert "threshold_levels" in vars(Policy)
+    escalation = build_policy("escalation", {"thresholds": [0.3, 0.4]}, ["s", "m", "l"])
+    assert escalation.threshold_levels == 2 == PolicySpec(name="escalation").threshold_levels(3)
+    never = build_policy("never", {}, ["s", "l"])
+    assert never.threshold_levels == 0 == PolicySpec(name="never").threshold_levels(2)

@@ -35,10 +35,6 @@ class Never(EscalateOnce):
     def escalate_host(self, batch: RouteBatch) -> list[bool]:
         return [False] * batch.size
 
-    @property
-    def threshold_levels(self) -> int:
-        return 0
-
 
 @register_policy
 class Always(EscalateOnce):
@@ -49,10 +45,6 @@ class Always(EscalateOnce):
 
     def escalate_host(self, batch: RouteBatch) -> list[bool]:
         return [True] * batch.size
-
-    @property
-    def threshold_levels(self) -> int:
-        return 0
 
 
 SCALAR_ROWS = 24  # up to this many rows, per-row Python draws beat one numpy pass

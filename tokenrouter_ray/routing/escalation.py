@@ -50,10 +50,6 @@ class Escalation(Policy):
                 f"got {config.thresholds}"
             )
 
-    @property
-    def threshold_levels(self) -> int:
-        return len(self.models) - 1  # tau_l of every level but the top
-
     def route(self, batch: RouteBatch) -> torch.Tensor:
         level = batch.model
         zeros = torch.zeros(batch.size, dtype=torch.long, device=batch.device)

@@ -205,9 +205,11 @@ class Policy(ABC):
     @property
     def threshold_levels(self) -> int:
         """How many decision thresholds a request may set (``routing.threshold``): 1 for
-        most, 0 for a policy without one, one per level for escalation; config.py's
-        ``PolicySpec.threshold_levels`` says the same for the ingress (a test checks)."""
-        return 1
+        most, 0 for a policy without one, one per level for escalation (declared in
+        routing/__init__.py ``THRESHOLDS``, which the ingress reads too)."""
+        from tokenrouter_ray.routing import threshold_levels
+
+        return threshold_levels(self.name, len(self.models))
 
     @abstractmethod
     def route(self, batch: RouteBatch) -> torch.Tensor:
