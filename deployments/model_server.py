@@ -98,7 +98,7 @@ class ModelServer:
         key = await peer_key(self.directory)
         metrics = ray_metrics(policy=cfg.policy.name, model_name=cfg.served_model_name)
         self.channel = make_channel(cfg.transport, model, replica, self.directory, key, metrics)
-        self.bad_mac_unhealthy_s = cfg.transport.zmq.bad_mac_unhealthy_s
+        self.bad_mac_unhealthy_s = cfg.transport.frames.bad_mac_unhealthy_s
         await self.channel.start()
         self.peers = PeerBook(
             self.directory,

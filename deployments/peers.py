@@ -24,9 +24,8 @@ from tokenrouter_ray.config import TransportSpec
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.transport.auth import SECRET_ENV, derive_key
 from tokenrouter_ray.transport.base import Directory, Endpoint, PeerChannel
-from tokenrouter_ray.transport.curve import CurveKeys
 from tokenrouter_ray.transport.unix_channel import UnixChannel
-from tokenrouter_ray.transport.zmq_channel import ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport.zmq_channel import ZmqChannel
 
 
 async def peer_key(directory: ServeDirectory) -> bytes:
@@ -44,44 +43,19 @@ def make_channel(
     key: bytes | None = None,
     metrics: Metrics | None = None,
 ) -> PeerChannel:
-    """A channel of the configured kind; its frames are signed with ``key`` (ZeroMQ, or
-    ``transport.zmq.transport=unix``: the same settings over bare Unix sockets)."""
+    """A channel of the configured kind, given its validated section whole; its frames are
+    signed with ``key`` (zmq and unix)."""
     if spec.kind == "ray":
         from tokenrouter_ray.transport.ray_channel import RayChannel
 
         return RayChannel(model, replica, directory)
-    z = spec.zmq
-    bind, advertise = z.bind_host, z.advertise_host
-    if z.transport == "tcp" and bind is None:
-        bind = ray.util.get_node_ip_address()  # the pod's own address, never all interfaces
-    if z.transport == "tcp" and advertise is None and bind in ("0.0.0.0", "::"):
-        advertise = ray.util.get_node_ip_address()
-    on_reject = None
-    if metrics is not None:
-        on_reject = RejectCounter(metrics, model)
-    curve = CurveKeys.from_key(key) if z.curve and key is not None else None
-    if z.curve and key is None:
-        raise ValueError("transport.zmq.curve needs the peer key (derived from the secret)")
-    channel = UnixChannel if z.transport == "unix" else ZmqChannel
-    return channel(
-        model,
-        replica,
-        directory,
-        ZmqConfig(
-            transport=z.transport,
-            bind_host=bind,
-            advertise_host=advertise,
-            port=z.port,
-            port_range=z.port_range,
-            send_hwm=z.send_hwm,
-            recv_hwm=z.recv_hwm,
-            key=key,
-            max_frame_bytes=z.max_frame_bytes,
-            reject_rate=z.reject_rate,
-            receive_on_step_thread=z.receive_on_step_thread,
-            curve=curve,
-        ),
-        on_reject=on_reject,
+    on_reject = RejectCounter(metrics, model) if metrics is not None else None
+    if spec.kind == "unix":
+        return UnixChannel(model, replica, directory, spec.unix, key=key, on_reject=on_reject)
+    # tcp binds (and advertises) the pod's own address where the spec names no host
+    node_ip = ray.util.get_node_ip_address() if spec.zmq.transport == "tcp" else None
+    return ZmqChannel(
+        model, replica, directory, spec.zmq, key=key, node_ip=node_ip, on_reject=on_reject
     )
 
 

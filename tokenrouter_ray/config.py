@@ -245,13 +245,53 @@ class PolicySpec(_Strict):
         }
 
 
-class ZmqSpec(_Strict):
-    transport: Literal["ipc", "tcp", "unix"] = Field(
-        "ipc",
-        description="ipc: ZeroMQ over socket files (one node); tcp: ZeroMQ between nodes; "
-        "unix: the kernel's SOCK_SEQPACKET sockets (one node) written and read by the "
-        "replicas' own threads, without ZeroMQ's I/O threads (transport/unix_channel.py). "
-        "The other fields apply to unix too, but for the tcp and CURVE ones.",
+FRAME_BYTES_PER_TOKEN = 9  # msgpack: an int up to 2**64 (token ids are far below)
+FRAME_BYTES_PER_MESSAGE = 64 << 10  # ids, RouteState, sampling, extras, token reports
+
+
+def largest_frame_bytes(max_model_len: int, max_num_seqs: int) -> int:
+    """An upper bound on a legitimate peer frame: one step's batch to one destination holds
+    at most ``max_num_seqs`` messages, each at most a whole sequence of token ids (a NEW
+    that re-creates a request) plus its bounded per-message fields."""
+    return max_num_seqs * (max_model_len * FRAME_BYTES_PER_TOKEN + FRAME_BYTES_PER_MESSAGE)
+
+
+class FrameSpec(_Strict):
+    """The signed peer frames' settings, the same on both socket transports (zmq, unix)."""
+
+    send_hwm: int = Field(1024, ge=1, description="Frames queued per peer before sends fail.")
+    max_frame_mib: float = Field(
+        16.0,
+        gt=0,
+        description="Largest frame accepted (bigger ones are dropped); must hold the "
+        "largest legitimate frame (max_num_seqs whole sequences: the config check).",
+    )
+    reject_rate: float = Field(
+        1000.0,
+        gt=0,
+        description="Rejected frames (bad MAC, malformed, replayed) a replica examines per "
+        "second, with a burst of a quarter second's worth; past it the receiver waits before "
+        "reading the next frame, so a stranger's flood costs at most this many MAC checks a "
+        "second, and the fair queueing across connections keeps serving the honest ones "
+        "between them (each waits at most 1/reject_rate per junk frame ahead of it).",
+    )
+    bad_mac_unhealthy_s: float = Field(
+        15.0,
+        gt=0,
+        description="A replica that received only bad_mac frames for this long (its peers "
+        "sign with another secret) fails its health check and is restarted.",
+    )
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return int(self.max_frame_mib * 2**20)
+
+
+class ZmqSpec(FrameSpec):
+    """``transport.kind: zmq``: ZeroMQ sockets (transport/zmq_channel.py)."""
+
+    transport: Literal["ipc", "tcp"] = Field(
+        "ipc", description="ipc: ZeroMQ over socket files (one node); tcp: between nodes."
     )
     bind_host: str | None = Field(
         None,
@@ -267,43 +307,21 @@ class ZmqSpec(_Strict):
         description="tcp (with port 0): bind a free port in [lo, hi], so a NetworkPolicy can "
         "name the peer ports (the Helm chart's zmqPorts); default: any free port.",
     )
-    send_hwm: int = Field(1024, ge=1, description="Frames queued per peer before sends fail.")
     recv_hwm: int = Field(
         1024, ge=1, description="Frames queued per incoming connection (bounds a flood)."
-    )
-    max_frame_mib: float = Field(
-        16.0,
-        gt=0,
-        description="Largest frame accepted (ZeroMQ drops bigger ones); must hold the "
-        "largest legitimate frame (max_num_seqs whole sequences: the config check).",
-    )
-    reject_rate: float = Field(
-        1000.0,
-        gt=0,
-        description="Rejected frames (bad MAC, malformed, replayed) a replica examines per "
-        "second, with a burst of a quarter second's worth; past it the receiver waits before "
-        "reading the next frame, so a stranger's flood costs at most this many MAC checks a "
-        "second, and ZeroMQ's fair queueing keeps serving the honest connections between "
-        "them (each waits at most 1/reject_rate per junk frame ahead of it).",
-    )
-    receive_on_step_thread: bool = Field(
-        True,
-        description="A model replica's step thread reads its PULL socket itself, in its "
-        "waits and between steps (replica/waker.py), with no receiver thread: a frame costs "
-        "one wake-up of the thread that applies it. False: a receiver thread checks each "
-        "frame and hands it over (one more thread hop per frame).",
     )
     curve: bool = Field(
         False,
         description="ZeroMQ CURVE: encrypt peer traffic and refuse, in the handshake, any "
         "client without the app's key pair (derived from the peer secret).",
     )
-    bad_mac_unhealthy_s: float = Field(
-        15.0,
-        gt=0,
-        description="A replica that received only bad_mac frames for this long (its peers "
-        "sign with another secret) fails its health check and is restarted.",
-    )
+
+    @field_validator("transport", mode="before")
+    @classmethod
+    def _unix_is_a_kind(cls, value: Any) -> Any:
+        if value == "unix":
+            raise ValueError("unix is now transport.kind: unix (its settings: transport.unix)")
+        return value
 
     @model_validator(mode="after")
     def _ports(self) -> ZmqSpec:
@@ -311,21 +329,39 @@ class ZmqSpec(_Strict):
             lo, hi = self.port_range
             if not 0 < lo <= hi <= 65535:
                 raise ValueError(f"port_range {list(self.port_range)}: need 1 <= lo <= hi")
-        if self.curve and self.transport == "unix":
+        return self
+
+
+class UnixSpec(FrameSpec):
+    """``transport.kind: unix``: the kernel's SOCK_SEQPACKET sockets on one node, written and
+    read by the replicas' own threads, without ZeroMQ's I/O threads
+    (transport/unix_channel.py). No CURVE: its socket files are private to this user (mode
+    0600), as ZeroMQ's ipc ones."""
+
+
+class TransportSpec(_Strict):
+    kind: Literal["zmq", "unix", "ray"] = Field(
+        "zmq",
+        description="zmq: ZeroMQ (transport.zmq); unix: bare Unix sockets on one node "
+        "(transport.unix); ray: Ray actor calls.",
+    )
+    zmq: ZmqSpec = Field(default_factory=ZmqSpec)
+    unix: UnixSpec = Field(default_factory=UnixSpec)
+
+    @model_validator(mode="after")
+    def _no_curve_on_unix(self) -> TransportSpec:
+        if self.kind == "unix" and self.zmq.curve:
             raise ValueError(
-                "curve is ZeroMQ's (its answer to strangers on the network): the unix "
-                "transport has none (its socket files are private to this user: mode 0600)"
+                "transport.zmq.curve is ZeroMQ's (its answer to strangers on the network): "
+                "transport.kind: unix has none (its socket files are private to this user)"
             )
         return self
 
     @property
-    def max_frame_bytes(self) -> int:
-        return int(self.max_frame_mib * 2**20)
-
-
-class TransportSpec(_Strict):
-    kind: Literal["zmq", "ray"] = "zmq"
-    zmq: ZmqSpec = Field(default_factory=ZmqSpec)
+    def frames(self) -> FrameSpec:
+        """The frame settings of the configured kind: ``unix``'s, else ``zmq``'s (a ray
+        channel sends no frames of its own and reads none of them)."""
+        return self.unix if self.kind == "unix" else self.zmq
 
 
 class RequestLimitSpec(_Strict):
@@ -635,19 +671,18 @@ class AppConfig(_Strict):
         check_tables(tables, {name: spec.max_replicas for name, spec in self.models.items()})
 
     def _check_frame_limit(self) -> None:
-        """The ZeroMQ frame limit must hold every model's largest legitimate frame."""
-        from tokenrouter_ray.transport.zmq_channel import largest_frame_bytes
-
-        z = self.transport.zmq
+        """The peer frame limit must hold every model's largest legitimate frame."""
+        frames = self.transport.frames
+        section = "unix" if self.transport.kind == "unix" else "zmq"
         for name, spec in self.models.items():
             if spec.max_model_len is None:
                 continue  # the model's own context length is read at load
             need = largest_frame_bytes(spec.max_model_len, self.scheduler_for(name).max_num_seqs)
-            if need > z.max_frame_bytes:
+            if need > frames.max_frame_bytes:
                 raise ValueError(
-                    f"transport.zmq.max_frame_mib={z.max_frame_mib:g} is below model {name!r}'s "
-                    f"largest legitimate frame ({need / 2**20:.1f} MiB: max_num_seqs whole "
-                    "sequences of max_model_len tokens); raise it"
+                    f"transport.{section}.max_frame_mib={frames.max_frame_mib:g} is below "
+                    f"model {name!r}'s largest legitimate frame ({need / 2**20:.1f} MiB: "
+                    "max_num_seqs whole sequences of max_model_len tokens); raise it"
                 )
 
     def device_groups(self) -> dict[str, list[str]]:

@@ -15,8 +15,9 @@ import zmq
 import zmq.asyncio
 
 from tests.transport import handoff, recv_n
+from tokenrouter_ray.config import ZmqSpec
 from tokenrouter_ray.protocol import encode_batch
-from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel
 from tokenrouter_ray.transport.auth import MAGIC, FrameSigner, FrameVerifier, derive_key
 from tokenrouter_ray.transport.base import Endpoint
 
@@ -63,11 +64,11 @@ def test_signed_frames_verify_once_and_only_for_their_receiver() -> None:
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 async def test_injected_frames_are_rejected_and_honest_traffic_flows(transport: str) -> None:
     directory = InMemoryDirectory()
-    config = ZmqConfig(transport=transport, key=KEY)
+    spec = ZmqSpec(transport=transport)
     rejected: list[str] = []
     async with (
-        ZmqChannel("large", "0", directory, config, on_reject=rejected.append) as large,
-        ZmqChannel("small", "0", directory, config) as small,
+        ZmqChannel("large", "0", directory, spec, key=KEY, on_reject=rejected.append) as large,
+        ZmqChannel("small", "0", directory, spec, key=KEY) as small,
     ):
         captured: list[bytes] = []
         await small.send("large/0", [handoff(0)])
@@ -110,7 +111,7 @@ async def test_injected_frames_are_rejected_and_honest_traffic_flows(transport: 
 
 @pytest.mark.asyncio
 async def test_ipc_socket_files_are_private() -> None:
-    async with ZmqChannel("large", "0", InMemoryDirectory(), ZmqConfig(key=KEY)) as large:
+    async with ZmqChannel("large", "0", InMemoryDirectory(), key=KEY) as large:
         path = large.address.removeprefix("ipc://")
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
@@ -121,9 +122,9 @@ async def test_a_peer_that_stopped_reading_fails_sends_instead_of_blocking() -> 
     from tokenrouter_ray.transport import PeerUnreachableError
 
     directory = InMemoryDirectory()
-    tight = ZmqConfig(key=KEY, send_hwm=4)
+    tight = ZmqSpec(send_hwm=4)
     await directory.register(Endpoint("large", "dead", "ipc:///nonexistent/dead.sock"))
-    async with ZmqChannel("small", "0", directory, tight) as small:
+    async with ZmqChannel("small", "0", directory, tight, key=KEY) as small:
         with pytest.raises(PeerUnreachableError, match="not reading"):
             for seq in range(100):  # nobody reads: the queue fills, then sends fail fast
                 await asyncio.wait_for(small.send("large/dead", [handoff(seq)]), 5)

@@ -12,6 +12,7 @@ import zmq
 import zmq.asyncio
 
 from tests.transport import handoff, recv_n
+from tokenrouter_ray.config import ZmqSpec
 from tokenrouter_ray.protocol import MsgKind
 from tokenrouter_ray.transport import (
     ChannelClosed,
@@ -22,7 +23,6 @@ from tokenrouter_ray.transport import (
     UnixChannel,
     UnknownPeerError,
     ZmqChannel,
-    ZmqConfig,
 )
 from tokenrouter_ray.transport.base import InOrder
 
@@ -42,7 +42,7 @@ async def make_channel(request: pytest.FixtureRequest) -> AsyncIterator[MakeChan
             channel = UnixChannel(model, replica, directory)
         else:
             transport = "ipc" if request.param == "zmq-ipc" else "tcp"
-            channel = ZmqChannel(model, replica, directory, ZmqConfig(transport=transport))
+            channel = ZmqChannel(model, replica, directory, ZmqSpec(transport=transport))
         await channel.start()
         opened.append(channel)
         return channel
@@ -160,7 +160,7 @@ async def test_zmq_tcp_binds_configured_port_and_host() -> None:
         with socket.socket() as probe:
             probe.bind(("0.0.0.0", 0))
             port = probe.getsockname()[1]
-        config = ZmqConfig(
+        config = ZmqSpec(
             transport="tcp", bind_host="0.0.0.0", advertise_host="127.0.0.1", port=port
         )
         large = ZmqChannel("large", "0", directory, config)
@@ -174,7 +174,7 @@ async def test_zmq_tcp_binds_configured_port_and_host() -> None:
         pytest.fail("no free TCP port found in 10 tries")
     try:
         assert large.address == f"tcp://127.0.0.1:{port}"
-        async with ZmqChannel("small", "0", directory, ZmqConfig(transport="tcp")) as small:
+        async with ZmqChannel("small", "0", directory, ZmqSpec(transport="tcp")) as small:
             await small.send("large/0", [handoff(3)])
             assert (await recv_n(large, 1))[0][0].handoff_seq == 3
     finally:

@@ -7,18 +7,19 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tokenrouter_ray.config import AppConfig, ZmqSpec
+from tokenrouter_ray.config import AppConfig, ZmqSpec, largest_frame_bytes
 from tokenrouter_ray.protocol import MsgKind, PeerReq, RouteState, SamplingSpec, encode_batch
-from tokenrouter_ray.transport.zmq_channel import largest_frame_bytes
 
 
-def app(max_model_len: int, max_frame_mib: float, max_num_seqs: int = 64) -> AppConfig:
+def app(
+    max_model_len: int, max_frame_mib: float, max_num_seqs: int = 64, kind: str = "zmq"
+) -> AppConfig:
     return AppConfig.model_validate(
         {
             "models": {"m": {"path": "/nonexistent", "max_model_len": max_model_len}},
             "policy": {"name": "entropy"},
             "scheduler": {"max_num_seqs": max_num_seqs},
-            "transport": {"zmq": {"max_frame_mib": max_frame_mib}},
+            "transport": {"kind": kind, kind: {"max_frame_mib": max_frame_mib}},
         }
     )
 
@@ -56,6 +57,10 @@ def test_a_frame_cap_below_the_largest_frame_is_refused() -> None:
     with pytest.raises(ValidationError, match="max_frame_mib=1 is below model 'm'"):
         app(8192, 1.0)
     assert app(8192, 1.0, max_num_seqs=1).transport.zmq.max_frame_mib == 1.0
+    # the unix transport's own cap, named by its own key
+    assert app(8192, 16.0, kind="unix").transport.frames.max_frame_bytes == 16 << 20
+    with pytest.raises(ValidationError, match=r"transport\.unix\.max_frame_mib=1 is below"):
+        app(8192, 1.0, kind="unix")
 
 
 def test_port_ranges_are_checked() -> None:

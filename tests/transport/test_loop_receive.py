@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.transport import handoff, recv_n, wait_for
-from tokenrouter_ray.transport import ChannelClosed, InMemoryDirectory, ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport import ChannelClosed, InMemoryDirectory, ZmqChannel
 from tokenrouter_ray.transport.auth import derive_key
 
 KEY = derive_key(os.urandom(32))
@@ -23,10 +23,10 @@ KEY = derive_key(os.urandom(32))
 
 @contextlib.asynccontextmanager
 async def pair() -> AsyncIterator[tuple[ZmqChannel, ZmqChannel]]:
-    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
+    directory = InMemoryDirectory()
     async with (
-        ZmqChannel("large", "0", directory, config) as large,
-        ZmqChannel("small", "0", directory, config) as small,
+        ZmqChannel("large", "0", directory, key=KEY) as large,
+        ZmqChannel("small", "0", directory, key=KEY) as small,
     ):
         yield small, large
 

@@ -2,8 +2,9 @@
 and ``replica/waker.py``'s ``FrameWaker``): frames reach the waiting thread with no receiver
 thread, a backlog larger than one read is read to the end although ZeroMQ announces only its
 first frame, the wait keeps ``threading.Event``'s contract (set from another thread, timed
-out; a GPU step's watcher ends it), junk is paced without putting the thread to sleep, and
-replicas over it give the same outputs as with a receiver thread."""
+out; a GPU step's watcher ends it), junk is paced without putting the thread to sleep, a
+channel is read one way only, and replicas over it give the same outputs as replicas whose
+event loop reads the channel."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from tests.transport import handoff, wait_for
+from tokenrouter_ray.config import UnixSpec, ZmqSpec
 from tokenrouter_ray.engine import device_step
 from tokenrouter_ray.engine.device_step import DeviceStep, EventWatcher
 from tokenrouter_ray.ingress.core import IngressCore
@@ -29,7 +31,7 @@ from tokenrouter_ray.replica.step import Replica
 from tokenrouter_ray.replica.waker import READ_LIMIT, FrameWaker
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.simulation.backend import sim_engine
-from tokenrouter_ray.transport import InMemoryDirectory, UnixChannel, ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport import InMemoryDirectory, UnixChannel, ZmqChannel
 from tokenrouter_ray.transport.auth import derive_key
 from tokenrouter_ray.transport.base import endpoint_name
 
@@ -74,13 +76,19 @@ class Waiter:
 
 
 @contextlib.asynccontextmanager
-async def pair(kind: str = "zmq", **config: object) -> AsyncIterator[tuple[ZmqChannel, ZmqChannel]]:
+async def pair(
+    kind: str = "zmq", **settings: object
+) -> AsyncIterator[tuple[ZmqChannel, ZmqChannel]]:
     """``small/0`` and ``large/0`` of ``kind``: ZeroMQ (ipc), or the bare unix channel."""
-    directory, cfg = InMemoryDirectory(), ZmqConfig(key=KEY, **config)  # type: ignore[arg-type]
-    channel = UnixChannel if kind == "unix" else ZmqChannel
+    directory = InMemoryDirectory()
+    channel, spec = (
+        (UnixChannel, UnixSpec.model_validate(settings))
+        if kind == "unix"
+        else (ZmqChannel, ZmqSpec.model_validate(settings))
+    )
     async with (
-        channel("large", "0", directory, cfg) as large,
-        channel("small", "0", directory, cfg) as small,
+        channel("large", "0", directory, spec, key=KEY) as large,  # type: ignore[arg-type]
+        channel("small", "0", directory, spec, key=KEY) as small,  # type: ignore[arg-type]
     ):
         yield small, large
 
@@ -107,7 +115,7 @@ async def test_frames_reach_the_waiting_thread_itself_in_order(sleeps_in: str, k
         assert waiter.seqs == list(range(200))
         assert waiter.threads == {"steps"}  # read and handed on by the waiting thread
         assert started == {"steps"}  # and no receiver thread beside it
-        assert large.receiver_alive is None and large.rejected == {}
+        assert large.rejected == {}
 
 
 @pytest.mark.asyncio
@@ -275,17 +283,21 @@ async def test_junk_is_paced_without_putting_the_thread_to_sleep() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_channel_is_read_one_way_only() -> None:
-    async with pair() as (_, large):
+@pytest.mark.parametrize("kind", ["zmq", "unix"])
+async def test_a_channel_is_read_one_way_only(kind: str) -> None:
+    """``recv`` on the event loop and the step thread would race for frames: once one is in
+    use, the other is refused; a channel not open is read by neither."""
+    async with pair(kind) as (_, large):
         assert large.receive_inline() is not None
-        assert not large.start_receiver(lambda batch: None, "large-receiver")
         with pytest.raises(RuntimeError):
             await large.recv()
-    async with pair() as (_, large):
-        assert large.start_receiver(lambda batch: None, "large-receiver")
+    async with pair(kind) as (_, large):
+        receiving = asyncio.ensure_future(large.recv())
+        await wait_for(large._loop_watching, 20, "recv watching the channel")
         assert large.receive_inline() is None
-    async with pair(receive_on_step_thread=False) as (_, large):
-        assert large.receive_inline() is None  # the config's way back to a receiver thread
+        receiving.cancel()
+    closed = (UnixChannel if kind == "unix" else ZmqChannel)("large", "1", InMemoryDirectory())
+    assert closed.receive_inline() is None  # not open
 
 
 MODELS = ["small", "large"]
@@ -296,16 +308,19 @@ async def _outputs(
 ) -> tuple[dict[str, list[int]], list[int], set[str]]:
     """Twelve greedy requests through an ingress and small/0 + large/0 replicas over ZeroMQ
     (Bernoulli routing: handoffs both ways): the outputs, the frames each replica's step
-    thread read itself, and the names of the threads the replicas started."""
+    thread read itself, and the names of the threads the replicas started. ``inline``
+    False: the replicas' channels refuse the step thread, so their event loops read them
+    (the mailbox's receive task)."""
     directory = InMemoryDirectory()
-    config = ZmqConfig(key=KEY, receive_on_step_thread=inline)
     policy = build_policy("bernoulli", {"p": 0.3}, MODELS)
     before = {t.name for t in threading.enumerate()}
     servers: list[Replica] = []
     channels: list[ZmqChannel] = []
     kind_of = UnixChannel if kind == "unix" else ZmqChannel
     for index, model in enumerate(MODELS):
-        channel = kind_of(model, "0", directory, config)
+        channel = kind_of(model, "0", directory, key=KEY)
+        if not inline:
+            channel.receive_inline = lambda: None  # type: ignore[method-assign]
         await channel.start()
         channels.append(channel)
         server = Replica(
@@ -314,7 +329,7 @@ async def _outputs(
         )  # fmt: skip
         await server.start()
         servers.append(server)
-    ingress_channel = kind_of("ingress", "0", directory, config)
+    ingress_channel = kind_of("ingress", "0", directory, key=KEY)
     await ingress_channel.start()
     core = IngressCore(ingress_channel, lambda: "small/0", lambda: ["small/0", "large/0"])
     await core.start()
@@ -339,15 +354,14 @@ async def _outputs(
 
 
 @pytest.mark.asyncio
-async def test_replicas_reading_on_their_step_threads_give_the_receiver_threads_outputs() -> None:
+async def test_replicas_reading_on_their_step_threads_give_the_event_loops_outputs() -> None:
     inline, read, started = await _outputs(inline=True)
-    threaded, unread, started_threaded = await _outputs(inline=False)
-    assert inline == threaded
+    on_loop, unread, started_on_loop = await _outputs(inline=False)
+    assert inline == on_loop
     assert all(len(tokens) == 24 for tokens in inline.values())
     assert all(n > 0 for n in read), read  # both replicas read their frames themselves
     assert unread == [0, 0]
-    assert not any(name.endswith("-recv") for name in started), started
-    assert {"small-recv", "large-recv"} <= started_threaded
+    assert not any(name.endswith("-recv") for name in started | started_on_loop), started
     # the bare unix channel: the same outputs, read by the step threads themselves too
     over_unix, read_unix, _ = await _outputs(inline=True, kind="unix")
     assert over_unix == inline

@@ -14,8 +14,9 @@ import zmq
 import zmq.asyncio
 
 from tests.transport import handoff, recv_n, wait_for
+from tokenrouter_ray.config import ZmqSpec
 from tokenrouter_ray.protocol import encode_batch
-from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport import InMemoryDirectory, ZmqChannel
 from tokenrouter_ray.transport.auth import MAGIC, FrameSigner, derive_key
 from tokenrouter_ray.transport.checks import YIELD_EVERY, RejectPacer
 from tokenrouter_ray.transport.curve import CurveKeys
@@ -49,7 +50,7 @@ def queued(channel: ZmqChannel) -> bool:
 @pytest.mark.asyncio
 async def test_a_queued_junk_flood_is_drained_while_the_loop_keeps_running() -> None:
     n = 16 * YIELD_EVERY
-    async with ZmqChannel("large", "0", InMemoryDirectory(), ZmqConfig(key=KEY)) as large:
+    async with ZmqChannel("large", "0", InMemoryDirectory(), key=KEY) as large:
         sock = rogue(large.address)
         for i in range(n):
             await sock.send(junk(i))
@@ -68,7 +69,7 @@ async def test_a_queued_junk_flood_is_drained_while_the_loop_keeps_running() -> 
         receiving = asyncio.ensure_future(recv_n(large, 1, timeout_s=60))
         ticking = asyncio.ensure_future(ticker())
         await wait_for(lambda: large.rejected["bad_mac"] >= n, 60)
-        small = ZmqChannel("small", "0", large.directory, ZmqConfig(key=KEY))
+        small = ZmqChannel("small", "0", large.directory, key=KEY)
         async with small:
             await small.send("large/0", [handoff(0)])
             got = await receiving
@@ -82,10 +83,10 @@ async def test_a_queued_junk_flood_is_drained_while_the_loop_keeps_running() -> 
 @pytest.mark.asyncio
 async def test_frames_over_the_limit_never_arrive_and_honest_ones_do() -> None:
     directory = InMemoryDirectory()
-    config = ZmqConfig(key=KEY, max_frame_bytes=4096)
+    spec = ZmqSpec(max_frame_mib=4096 / 2**20)
     async with (
-        ZmqChannel("large", "0", directory, config) as large,
-        ZmqChannel("small", "0", directory, config) as small,
+        ZmqChannel("large", "0", directory, spec, key=KEY) as large,
+        ZmqChannel("small", "0", directory, spec, key=KEY) as small,
     ):
         sock = rogue(large.address)
         big = FrameSigner(KEY).sign("large/0", b"\x00" * 8192)  # correctly signed, too big
@@ -102,19 +103,19 @@ async def test_tcp_binds_the_node_address_and_the_configured_port_range() -> Non
     probe = zmq.Context.instance().socket(zmq.PULL)  # find two free neighbouring ports
     base = probe.bind_to_random_port("tcp://127.0.0.1", min_port=30000, max_port=60000)
     probe.close(linger=0)
-    config = ZmqConfig(transport="tcp", key=KEY, port_range=(base, base + 1))
+    spec = ZmqSpec(transport="tcp", port_range=(base, base + 1))
     directory = InMemoryDirectory()
     async with (
-        ZmqChannel("large", "0", directory, config) as a,
-        ZmqChannel("large", "1", directory, config) as b,
+        ZmqChannel("large", "0", directory, spec, key=KEY) as a,
+        ZmqChannel("large", "1", directory, spec, key=KEY) as b,
     ):
         bound = [c._pull_now.getsockopt_string(zmq.LAST_ENDPOINT) for c in (a, b)]
         assert not any("0.0.0.0" in e or "*" in e for e in bound)
         assert sorted(int(e.rsplit(":", 1)[1]) for e in bound) == [base, base + 1]
         with pytest.raises(OSError, match="every port"):
-            async with ZmqChannel("large", "2", directory, config):
+            async with ZmqChannel("large", "2", directory, spec, key=KEY):
                 pass
-        async with ZmqChannel("small", "0", directory, ZmqConfig(transport="tcp", key=KEY)) as s:
+        async with ZmqChannel("small", "0", directory, ZmqSpec(transport="tcp"), key=KEY) as s:
             await s.send("large/1", [handoff(0, dst="large/1")])
             got = await recv_n(b, 1)
     assert [m.handoff_seq for batch in got for m in batch] == [0]
@@ -127,10 +128,10 @@ async def test_curve_refuses_strangers_in_the_handshake(transport: str) -> None:
     other = CurveKeys.from_key(derive_key(b"another app"))
     assert CurveKeys.from_key(KEY) == curve  # every replica derives the same pair
     directory = InMemoryDirectory()
-    config = ZmqConfig(transport=transport, key=KEY, curve=curve)
+    spec = ZmqSpec(transport=transport, curve=True)
     async with (
-        ZmqChannel("large", "0", directory, config) as large,
-        ZmqChannel("small", "0", directory, config) as small,
+        ZmqChannel("large", "0", directory, spec, key=KEY) as large,
+        ZmqChannel("small", "0", directory, spec, key=KEY) as small,
     ):
         strangers = [rogue(large.address), rogue(large.address, other)]
         signer = FrameSigner(KEY)  # even frames that would pass the MAC (a replayed capture)
@@ -154,9 +155,9 @@ async def test_curve_refuses_strangers_in_the_handshake(transport: str) -> None:
 async def test_only_bad_mac_frames_mean_a_key_mismatch_until_one_verifies() -> None:
     directory = InMemoryDirectory()
     async with (
-        ZmqChannel("large", "0", directory, ZmqConfig(key=KEY)) as large,
-        ZmqChannel("small", "0", directory, ZmqConfig(key=derive_key(b"old secret"))) as stale,
-        ZmqChannel("small", "1", directory, ZmqConfig(key=KEY)) as good,
+        ZmqChannel("large", "0", directory, key=KEY) as large,
+        ZmqChannel("small", "0", directory, key=derive_key(b"old secret")) as stale,
+        ZmqChannel("small", "1", directory, key=KEY) as good,
     ):
         receiving = asyncio.ensure_future(recv_n(large, 1, timeout_s=30))
         assert large.key_mismatch_s() == 0.0
@@ -193,10 +194,10 @@ async def test_honest_frames_pass_a_flood_that_is_examined_at_the_paced_rate() -
     what it rejects), and the junk examined stays within the pacer's budget."""
     rate, n = 200.0, 3000
     directory = InMemoryDirectory()
-    config = ZmqConfig(key=KEY, reject_rate=rate)
+    spec = ZmqSpec(reject_rate=rate)
     async with (
-        ZmqChannel("large", "0", directory, config) as large,
-        ZmqChannel("small", "0", directory, ZmqConfig(key=KEY)) as small,
+        ZmqChannel("large", "0", directory, spec, key=KEY) as large,
+        ZmqChannel("small", "0", directory, key=KEY) as small,
     ):
         sock = rogue(large.address)
         for i in range(n):

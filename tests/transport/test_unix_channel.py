@@ -4,7 +4,7 @@ the sender queue, then refuse, never block, and what was queued arrives once it 
 receiver that is gone is an unreachable peer on both send paths; frames over the limit,
 strangers' packets and forgeries are dropped while honest frames pass; the socket file is
 private; the loop's ``recv`` does not spin on a signal nobody reads; and the config offers
-it without CURVE. (The shared contract: test_channels.py, test_zmq_threads.py,
+it as its own kind, without CURVE. (The shared contract: test_channels.py, test_zmq_threads.py,
 test_step_thread_receive.py.)"""
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import stat
 from collections.abc import AsyncIterator
 
 import pytest
+from pydantic import ValidationError
 
 from deployments.peers import make_channel
 from tests.transport import handoff, recv_n, wait_for
-from tokenrouter_ray.config import TransportSpec, ZmqSpec
+from tokenrouter_ray.config import TransportSpec, UnixSpec
 from tokenrouter_ray.protocol import MsgKind, PeerReq, SamplingSpec, encode_batch
 from tokenrouter_ray.transport import (
     InMemoryDirectory,
     PeerUnreachableError,
     UnixChannel,
-    ZmqConfig,
 )
 from tokenrouter_ray.transport import unix_channel as unix_module
 from tokenrouter_ray.transport.auth import FrameSigner, derive_key
@@ -35,11 +35,11 @@ KEY = derive_key(os.urandom(32))
 
 
 @contextlib.asynccontextmanager
-async def pair(**config: object) -> AsyncIterator[tuple[UnixChannel, UnixChannel]]:
-    directory, cfg = InMemoryDirectory(), ZmqConfig(key=KEY, **config)  # type: ignore[arg-type]
+async def pair(**settings: object) -> AsyncIterator[tuple[UnixChannel, UnixChannel]]:
+    directory, spec = InMemoryDirectory(), UnixSpec.model_validate(settings)
     async with (
-        UnixChannel("large", "0", directory, cfg) as large,
-        UnixChannel("small", "0", directory, cfg) as small,
+        UnixChannel("large", "0", directory, spec, key=KEY) as large,
+        UnixChannel("small", "0", directory, spec, key=KEY) as small,
     ):
         yield small, large
 
@@ -109,8 +109,8 @@ async def test_a_receiver_that_stops_reading_makes_the_sender_queue_then_refuse(
 @pytest.mark.asyncio
 async def test_a_receiver_that_is_gone_is_unreachable_on_both_paths() -> None:
     directory = InMemoryDirectory()
-    small = UnixChannel("small", "0", directory, ZmqConfig(key=KEY))
-    large = UnixChannel("large", "0", directory, ZmqConfig(key=KEY))
+    small = UnixChannel("small", "0", directory, key=KEY)
+    large = UnixChannel("large", "0", directory, key=KEY)
     async with small:
         await large.start()
         await small.send("large/0", [handoff(0)])
@@ -128,7 +128,7 @@ async def test_a_receiver_that_is_gone_is_unreachable_on_both_paths() -> None:
 @pytest.mark.asyncio
 async def test_oversized_strange_and_forged_packets_are_dropped_and_honest_frames_pass() -> None:
     limit = 200_000
-    async with pair(max_frame_bytes=limit) as (small, large):
+    async with pair(max_frame_mib=limit / 2**20) as (small, large):
         rogue = stranger(large.address)
         try:
             await small.send("large/0", [handoff(0)])
@@ -193,14 +193,18 @@ async def test_a_signal_nobody_reads_does_not_spin_the_loop() -> None:
         assert seqs([await asyncio.wait_for(waiting, 5.0)]) == [4]
 
 
-def test_the_config_offers_it_on_one_node_without_curve() -> None:
-    spec = TransportSpec(zmq=ZmqSpec(transport="unix"))
+def test_the_config_offers_it_as_its_own_kind_without_curve() -> None:
+    spec = TransportSpec.model_validate({"kind": "unix", "unix": {"send_hwm": 7}})
     channel = make_channel(spec, "small", "0", InMemoryDirectory(), key=KEY)
-    assert isinstance(channel, UnixChannel) and channel.config.key == KEY
-    with pytest.raises(ValueError, match="curve"):
-        ZmqSpec(transport="unix", curve=True)
-    with pytest.raises(ValueError, match="CURVE"):
-        UnixChannel("small", "0", InMemoryDirectory(), ZmqConfig(curve=object()))  # type: ignore[arg-type]
+    assert isinstance(channel, UnixChannel) and channel.key == KEY
+    assert channel.spec is spec.unix and channel.spec.send_hwm == 7
+    with pytest.raises(ValidationError, match="curve"):
+        TransportSpec.model_validate({"kind": "unix", "zmq": {"curve": True}})
+    with pytest.raises(ValidationError, match="curve"):
+        UnixSpec.model_validate({"curve": True})  # not one of its settings
+    # the spelling as a ZeroMQ transport names the kind that replaced it
+    with pytest.raises(ValidationError, match=r"unix is now transport\.kind: unix"):
+        TransportSpec.model_validate({"zmq": {"transport": "unix"}})
 
 
 @pytest.mark.asyncio

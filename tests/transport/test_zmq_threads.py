@@ -1,10 +1,9 @@
-"""The ZeroMQ channel used from threads, as a model replica uses it: frames sent from a
+"""The socket channels used from threads, as a model replica uses them: frames sent from a
 thread (``send_now``) and from the event loop to the same peer all verify and arrive in each
 sender's order (signing and sending are one step under the channel's send lock, so the MAC
-counters reach the receiver in order); a receiver thread (``start_receiver``: a replica's
-way with ``receive_on_step_thread`` off; test_step_thread_receive.py has the default)
-delivers only checked frames, keeps going past junk and a failing callback, and ends with
-the channel."""
+counters reach the receiver in order); a thread reading the channel itself (a replica's
+step thread: ``receive_inline``, test_step_thread_receive.py) delivers only checked frames
+and keeps going past junk and a failing callback."""
 
 from __future__ import annotations
 
@@ -23,14 +22,15 @@ from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.protocol import PeerReq, encode_batch
 from tokenrouter_ray.replica.mailbox import Mailbox
 from tokenrouter_ray.replica.profile import HostProfile
-from tokenrouter_ray.transport import InMemoryDirectory, UnixChannel, ZmqChannel, ZmqConfig
+from tokenrouter_ray.replica.waker import FrameWaker
+from tokenrouter_ray.transport import InMemoryDirectory, UnixChannel, ZmqChannel
 from tokenrouter_ray.transport.auth import FrameSigner, derive_key
 
 KEY = derive_key(os.urandom(32))
 
 
 class Received:
-    """What a receiver thread delivered, and on which thread."""
+    """What a reading thread delivered, and on which thread."""
 
     def __init__(self) -> None:
         self.batches: list[list[PeerReq]] = []
@@ -47,6 +47,36 @@ class Received:
             return [m.handoff_seq for b in self.batches for m in b]
 
 
+class Reader:
+    """A thread that reads ``channel`` itself, as a replica's step thread does
+    (``receive_inline`` and a ``FrameWaker``): each frame's messages go to ``on_batch`` on
+    it. Stopped (``close``) before the channel closes, as a replica's step thread is."""
+
+    def __init__(
+        self, channel: ZmqChannel, on_batch: Callable[[list[PeerReq]], None], name: str
+    ) -> None:
+        source = channel.receive_inline()
+        assert source is not None
+        self.waker = FrameWaker(source, on_batch)
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        source.inline_thread = self.thread
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.waker.own()
+        while not self.stop:
+            self.waker.clear()
+            self.waker.wait(0.05)
+
+    async def close(self) -> None:
+        self.stop = True
+        self.waker.set()
+        await asyncio.to_thread(self.thread.join, 5)
+        assert not self.thread.is_alive()
+        self.waker.close()
+
+
 @pytest.fixture(params=["zmq", "unix"])
 def kind(request: pytest.FixtureRequest) -> str:
     """The socket channel under test: ZeroMQ (ipc), or the bare unix one, which keeps the
@@ -58,17 +88,20 @@ def kind(request: pytest.FixtureRequest) -> str:
 async def small_to_large(
     kind: str = "zmq",
 ) -> AsyncIterator[tuple[ZmqChannel, ZmqChannel, Received]]:
-    """Two channels of ``kind``, ``small/0`` and ``large/0``; the large one receives on its
-    own thread into the ``Received`` yielded with them."""
-    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
+    """Two channels of ``kind``, ``small/0`` and ``large/0``; the large one is read by a
+    thread of its own (``Reader``) into the ``Received`` yielded with them."""
+    directory = InMemoryDirectory()
     channel = UnixChannel if kind == "unix" else ZmqChannel
     received = Received()
     async with (
-        channel("large", "0", directory, config) as large,
-        channel("small", "0", directory, config) as small,
+        channel("large", "0", directory, key=KEY) as large,
+        channel("small", "0", directory, key=KEY) as small,
     ):
-        assert large.start_receiver(received, "large-receiver")
-        yield small, large, received
+        reader = Reader(large, received, "large-receiver")
+        try:
+            yield small, large, received
+        finally:
+            await reader.close()
 
 
 def small_mailbox(
@@ -110,8 +143,8 @@ async def test_a_thread_and_the_loop_sending_to_one_peer_lose_nothing_and_keep_o
 
 
 @pytest.mark.asyncio
-async def test_a_receiver_thread_delivers_checked_frames_and_ends_with_the_channel() -> None:
-    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
+async def test_a_reading_thread_delivers_checked_frames_past_junk_and_a_failing_callback() -> None:
+    directory = InMemoryDirectory()
     received = Received()
     failed_once = threading.Event()
 
@@ -121,16 +154,14 @@ async def test_a_receiver_thread_delivers_checked_frames_and_ends_with_the_chann
             raise RuntimeError("a consumer's bug")
         received(batch)
 
-    large = ZmqChannel("large", "0", directory, config)
+    large = ZmqChannel("large", "0", directory, key=KEY)
     await large.start()
-    assert large.receiver_alive is None
-    assert large.start_receiver(deliver, "large-receiver")
-    assert large.receiver_alive
+    reader = Reader(large, deliver, "large-receiver")
     rogue = zmq.asyncio.Context.instance().socket(zmq.PUSH)
     rogue.setsockopt(zmq.LINGER, 0)
     rogue.connect(large.address)
     try:
-        async with ZmqChannel("small", "0", directory, config) as small:
+        async with ZmqChannel("small", "0", directory, key=KEY) as small:
             await small.send("large/0", [handoff(0)])  # delivered to the failing callback
             await wait_for(failed_once.is_set)
             forged = FrameSigner(derive_key(b"guessed")).sign("large/0", encode_batch([handoff(9)]))
@@ -141,23 +172,10 @@ async def test_a_receiver_thread_delivers_checked_frames_and_ends_with_the_chann
             await wait_for(lambda: received.seqs() == [1, 2])
     finally:
         rogue.close()
+        await reader.close()
         await large.close()
     assert large.rejected == {"bad_mac": 1, "malformed": 1}
-    assert large.receiver_alive is False  # the channel's close stopped and joined it
-
-
-@pytest.mark.asyncio
-async def test_a_channel_receives_one_way_only() -> None:
-    """``recv`` on the event loop and a receiver thread would race for frames: once one is
-    in use, the other is refused."""
-    directory, config = InMemoryDirectory(), ZmqConfig(key=KEY)
-    async with ZmqChannel("large", "0", directory, config) as large:
-        receiving = asyncio.ensure_future(large.recv())
-        await wait_for(large._loop_watching, 20, "recv watching the socket")
-        assert not large.start_receiver(lambda batch: None, "large-receiver")
-        receiving.cancel()
-    closed = ZmqChannel("large", "1", directory, config)
-    assert not closed.start_receiver(lambda batch: None, "never")  # not open
+    assert received.threads == {"large-receiver"}
 
 
 @pytest.mark.asyncio

@@ -4,9 +4,8 @@ step thread.
 It owns the two event-loop tasks, and the three queues that cross to the step thread:
 - the receive side drains the channel into ``inbox`` (NEW / HANDOFF / FINISHED / ABORT /
   ACTIVE from the ingress and from peers) and wakes the step thread, which applies it
-  between steps (``replica/step.py``): over ZeroMQ the step thread reads its socket
-  itself (``replica/waker.py``: ``_received`` runs on the step thread), else
-  the transport's own receiver thread where it has one (``start_receiver``), else a
+  between steps (``replica/step.py``): over the socket transports the step thread reads
+  its socket itself (``replica/waker.py``: ``_received`` runs on the step thread), else a
   receive task on the event loop; ``deliver`` does the same for messages from anywhere
   else;
 - ``post`` (from the step thread) sends messages, one frame per destination: on the step
@@ -82,9 +81,7 @@ class Mailbox:
         self._loop = asyncio.get_running_loop()
         self._outbox = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._sender(), name=f"{self.name}-send")]
-        if not receive:
-            return
-        if not self.channel.start_receiver(self._received, f"{self.name}-recv"):
+        if receive:
             self._tasks.append(asyncio.create_task(self._receive_loop(), name=f"{self.name}-recv"))
 
     async def stop(self) -> None:
@@ -97,21 +94,16 @@ class Mailbox:
 
     @property
     def running(self) -> bool:
-        """The tasks (and the receiver thread, where there is one) started and none
-        stopped."""
-        started = bool(self._tasks) and not any(t.done() for t in self._tasks)
-        return started and self.channel.receiver_alive is not False
+        """The tasks started and none stopped."""
+        return bool(self._tasks) and not any(t.done() for t in self._tasks)
 
     def dead_tasks(self) -> list[str]:
         """Names of stopped tasks, with why (for health-check messages)."""
-        dead = [
+        return [
             f"{t.get_name()}: {'cancelled' if t.cancelled() else t.exception()!r}"
             for t in self._tasks
             if t.done()
         ]
-        if self.channel.receiver_alive is False:
-            dead.append(f"{self.name}-recv: the receiver thread stopped")
-        return dead
 
     @property
     def sending(self) -> bool:
@@ -202,8 +194,8 @@ class Mailbox:
             self._received(batch)
 
     def _received(self, batch: list[PeerReq]) -> None:
-        """One received frame (on the step thread, the transport's receiver thread or the
-        event loop): counted, then handed to the step thread."""
+        """One received frame (on the step thread or the event loop): counted, then handed
+        to the step thread."""
         now = time.time_ns()
         profile = self.profile
         if batch:  # the frame's latency: its oldest message's

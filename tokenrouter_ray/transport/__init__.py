@@ -21,7 +21,7 @@ from tokenrouter_ray.transport.base import (
 )
 from tokenrouter_ray.transport.inproc import InProcChannel, InProcHub
 from tokenrouter_ray.transport.unix_channel import UnixChannel
-from tokenrouter_ray.transport.zmq_channel import ZmqChannel, ZmqConfig
+from tokenrouter_ray.transport.zmq_channel import ZmqChannel
 
 __all__ = [
     "ChannelClosed",
@@ -35,7 +35,6 @@ __all__ = [
     "UnixChannel",
     "UnknownPeerError",
     "ZmqChannel",
-    "ZmqConfig",
     "endpoint_model",
     "endpoint_name",
 ]

@@ -233,21 +233,10 @@ class PeerChannel(ABC):
         without such a path always say False."""
         return False
 
-    def start_receiver(self, on_batch: Callable[[list[PeerReq]], None], name: str) -> bool:
-        """Receive on a thread of the transport's own, each frame's messages handed to
-        ``on_batch`` there, instead of through ``recv``. False: not supported (use
-        ``recv``)."""
-        return False
-
     def receive_inline(self) -> InlineSource | None:
         """Let the calling thread read the channel itself from now on (``InlineSource``: a
-        replica's step thread, in its waits), instead of ``recv`` or a receiver thread.
-        None: not supported (use ``start_receiver`` or ``recv``)."""
-        return None
-
-    @property
-    def receiver_alive(self) -> bool | None:
-        """Whether the receiver thread runs (None: there is none)."""
+        replica's step thread, in its waits), instead of ``recv``. None: not supported (use
+        ``recv``)."""
         return None
 
     async def send_grouped(self, msgs: Sequence[PeerReq]) -> None:

@@ -2,8 +2,8 @@
 MAC (``transport.auth``) and its encoding, count what it rejects, and pace a flood of
 rejected frames (``RejectPacer``). ``ZmqChannel`` and ``UnixChannel`` share it
 (``FrameChecks``), so a forged, replayed or malformed frame meets the same rules on both;
-and who reads them (``ChannelReaders``: the event loop, a receiver thread or the owner's
-own thread, one at a time).
+and who reads them (``ChannelReaders``: the event loop or the owner's own thread, one at a
+time).
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import threading
 import time
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Self
 
 from tokenrouter_ray.protocol import PeerReq
 from tokenrouter_ray.transport.auth import FrameVerifier
@@ -142,19 +141,15 @@ class FrameChecks:
 
 
 class ChannelReaders:
-    """Who reads a socket channel, one way at a time (a mixin: ``name`` and ``config`` are
-    the channel's): ``recv`` on the event loop, a thread of the channel's own
-    (``start_receiver``), or the caller's own thread (``receive_inline``: a replica's step
-    thread). The channel says whether its socket is open (``_readable``) and whether the
-    event loop watches it (``_loop_watching``), and reads in ``_receive_thread``."""
+    """Who reads a socket channel, one way at a time (a mixin: ``name`` is the channel's):
+    ``recv`` on the event loop, or the caller's own thread (``receive_inline``: a replica's
+    step thread). The channel says whether its socket is open (``_readable``) and whether
+    the event loop watches it (``_loop_watching``)."""
 
     name: str
-    config: Any  # its ``receive_on_step_thread``
 
     def _init_readers(self) -> None:
         self._waiter: asyncio.Future[None] | None = None  # the ``recv`` waiting, if any
-        self._receiver: threading.Thread | None = None  # ``start_receiver``'s thread
-        self._receiver_stop = False
         self._inline = False  # ``receive_inline``: the caller's thread reads
 
     def _readable(self) -> bool:
@@ -163,45 +158,22 @@ class ChannelReaders:
     def _loop_watching(self) -> bool:
         raise NotImplementedError
 
-    def _receive_thread(self, on_batch: Callable[[list[PeerReq]], None]) -> None:
-        raise NotImplementedError
-
     def receive_inline(self) -> Self | None:
         """From now on the caller's own thread reads the channel (``fileno``, ``paused_s``,
         ``read``): no receiver thread, so a frame costs no thread wake-up, hand-off or
-        contention for the interpreter lock. None: not here (the config says no, the
-        channel is not open, or ``recv`` or a receiver thread is in use)."""
-        if not self.config.receive_on_step_thread or not self._readable():
-            return None
-        if self._loop_watching() or self._receiver is not None:
+        contention for the interpreter lock. None: not here (the channel is not open, or
+        ``recv`` is in use)."""
+        if not self._readable() or self._loop_watching():
             return None
         self._inline = True
         return self
-
-    def start_receiver(self, on_batch: Callable[[list[PeerReq]], None], name: str) -> bool:
-        """Receive on a thread of the channel's own from now on: each frame's messages go to
-        ``on_batch`` on that thread. False: another reader is in use, or the channel is not
-        open."""
-        if not self._readable() or self._loop_watching() or self._inline:
-            return False
-        if self._receiver is None:
-            self._receiver = threading.Thread(
-                target=self._receive_thread, args=(on_batch,), name=name, daemon=True
-            )
-            self._receiver.start()
-        return True
-
-    @property
-    def receiver_alive(self) -> bool | None:
-        """Whether the receiver thread runs (None: there is none)."""
-        return None if self._receiver is None else self._receiver.is_alive()
 
     def _may_recv(self) -> None:
         """Raise unless ``recv`` may read now: the channel is open, no other reader is in
         use, and no other ``recv`` waits."""
         if not self._readable():
             raise ChannelClosed(f"channel {self.name!r} is closed")
-        if self._receiver is not None or self._inline:
+        if self._inline:
             raise RuntimeError(f"channel {self.name!r} receives on another thread")
         if self._waiter is not None:
             raise RuntimeError(f"channel {self.name!r}: one recv at a time")

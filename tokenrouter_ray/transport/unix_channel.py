@@ -28,10 +28,11 @@ with what the ZeroMQ channel gives beside the hop:
 - **Read by the step thread.** The receiving sockets are gathered in one epoll set,
   edge-triggered, whose descriptor is ``fileno``: readable when a frame arrives at a channel
   that ``read`` left drained (``transport.base.InlineSource``'s contract). ``recv`` (the
-  ingress's event loop) and ``start_receiver`` read the same set.
+  ingress's event loop) reads the same set.
 
-One node only: peers on other nodes use ZeroMQ over tcp (``transport.zmq.transport=tcp``).
-CURVE is not offered here (it is the tcp transport's answer to strangers on the network).
+Configured as ``transport.kind: unix`` (``UnixSpec``: the frame settings only). One node
+only: peers on other nodes use ZeroMQ over tcp (``transport.zmq.transport: tcp``). CURVE is
+not offered here (it is the tcp transport's answer to strangers on the network).
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ import shutil
 import socket
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tokenrouter_ray.config import UnixSpec
 from tokenrouter_ray.protocol import PeerReq, encode_batch
 from tokenrouter_ray.transport.auth import FrameSigner
 from tokenrouter_ray.transport.base import (
@@ -62,7 +63,6 @@ from tokenrouter_ray.transport.base import (
     PeerUnreachableError,
 )
 from tokenrouter_ray.transport.checks import YIELD_EVERY, ChannelReaders, FrameChecks
-from tokenrouter_ray.transport.zmq_channel import ZmqConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,6 @@ SOCKET_BUFFER_BYTES = 1 << 20  # asked for; the kernel caps it at net.core.wmem_
 WHOLE, MORE, LAST = 0, 1, 2  # a packet's first byte: a whole frame, or a piece of one
 _MARKS = (bytes([WHOLE]), bytes([MORE]), bytes([LAST]))
 MAX_CONNECTIONS = 1024  # incoming connections kept; past it new ones are closed at once
-RECEIVER_POLL_S = 0.1  # a receiver thread looks for a stop this often while nothing comes
 _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux
 _GONE = (errno.ENOENT, errno.ECONNREFUSED, errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN)
 _EDGE = select.EPOLLIN | select.EPOLLET
@@ -103,25 +102,25 @@ class _Outgoing:
 
 
 class UnixChannel(FrameChecks, ChannelReaders, PeerChannel):
-    """``PeerChannel`` over ``SOCK_SEQPACKET`` Unix sockets (module docstring). ``config``:
-    the ZeroMQ channel's (``ipc_dir``, ``send_hwm``, ``key``, ``max_frame_bytes``,
-    ``reject_rate``, ``receive_on_step_thread``)."""
+    """``PeerChannel`` over ``SOCK_SEQPACKET`` Unix sockets (module docstring), configured by
+    ``spec`` (``transport.unix``, validated); ``key``: the MAC key, known at run time
+    (``auth.derive_key``; None: frames are not signed)."""
 
     def __init__(
         self,
         model: str,
         replica: str,
         directory: Directory,
-        config: ZmqConfig | None = None,
+        spec: UnixSpec | None = None,
+        *,
+        key: bytes | None = None,
         on_reject: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(model, replica, directory)
-        self.config = config or ZmqConfig(transport="unix")
-        if self.config.curve is not None:
-            raise ValueError("CURVE is for ZeroMQ over tcp; the unix transport has none")
-        key = self.config.key
+        self.spec = spec or UnixSpec()
+        self.key = key
         self._signer = FrameSigner(key) if key is not None else None
-        self._init_checks(key, self.config.reject_rate, on_reject)
+        self._init_checks(key, self.spec.reject_rate, on_reject)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: socket.socket | None = None
         self._epoll: select.epoll | None = None
@@ -134,7 +133,7 @@ class UnixChannel(FrameChecks, ChannelReaders, PeerChannel):
         self._outgoing: dict[str, _Outgoing] = {}
         self._dir_owned: str | None = None
         self._path: str | None = None
-        # one reader: ``recv`` on the event loop, a receiver thread, or the step thread
+        # one reader: ``recv`` on the event loop, or the step thread
         self._watching = False
         self._ready: collections.deque[list[PeerReq]] = collections.deque()  # for ``recv``
         self._init_readers()
@@ -143,9 +142,7 @@ class UnixChannel(FrameChecks, ChannelReaders, PeerChannel):
     # ------------------------------------------------------------------ binding
     async def _open(self) -> str:
         self._loop = asyncio.get_running_loop()
-        directory = self.config.ipc_dir
-        if directory is None:
-            directory = self._dir_owned = tempfile.mkdtemp(prefix="trr-")
+        directory = self._dir_owned = tempfile.mkdtemp(prefix="trr-")
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.name)
         path = os.path.join(directory, f"{safe[:40]}-{uuid.uuid4().hex[:8]}.pkt")
         if len(path) > _IPC_PATH_MAX:
@@ -181,20 +178,7 @@ class UnixChannel(FrameChecks, ChannelReaders, PeerChannel):
     async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> int:
         if dst.name not in self._outgoing:
             self._connect(dst)
-        with self._out_lock:
-            out = self._outgoing.get(dst.name)
-            if out is None:  # forgotten meanwhile
-                raise PeerUnreachableError(f"{dst.name} was forgotten while connecting")
-            if len(out.queue) >= self.config.send_hwm:
-                raise PeerUnreachableError(
-                    f"{dst.name} is not reading: {self.config.send_hwm} frames already queued"
-                )
-            packets = self._packets(dst.name, msgs)
-            size = sum(len(p) for p in packets)
-            out.queue.append(packets)
-            if not self._flush(dst.name, out):
-                raise PeerUnreachableError(f"{dst.name} is gone (its connection broke)")
-        return size
+        return self._write(dst.name, msgs, self.spec.send_hwm)
 
     def send_now(self, dst: str, msgs: Sequence[PeerReq]) -> bool:
         """The frame sent from the calling thread (a replica's step thread) when ``dst`` is
@@ -202,18 +186,34 @@ class UnixChannel(FrameChecks, ChannelReaders, PeerChannel):
         the event loop, in order (the frame counts as sent)."""
         if self._closed or not msgs or dst not in self._outgoing:
             return False
+        try:
+            self._write(dst, msgs, 1, count=True)
+        except PeerUnreachableError:  # gone: the event loop's send reports it (a counter
+            return False  # skipped is harmless: the receiver wants each above the last)
+        return True
+
+    def _write(self, dst: str, msgs: Sequence[PeerReq], queued: int, count: bool = False) -> int:
+        """One frame to the connected ``dst``, behind what waits for it and sent as far as
+        the kernel takes it, under the send lock (signed in the order sent); refused when
+        ``queued`` frames wait already (the step thread's path: 1, so it never overtakes
+        the event loop's). Its size; ``count``: counted in ``frames_sent`` here, under the
+        lock (``send`` counts its own). ``PeerUnreachableError``: ``dst`` was forgotten
+        meanwhile, too many frames wait, or its connection broke."""
         with self._out_lock:
             out = self._outgoing.get(dst)
-            if out is None or out.queue or self._closed:
-                return False
+            if out is None or self._closed:
+                raise PeerUnreachableError(f"{dst} was forgotten while connecting")
+            if len(out.queue) >= queued:
+                raise PeerUnreachableError(f"{dst} is not reading: {queued} frames already queued")
             packets = self._packets(dst, msgs)
             size = sum(len(p) for p in packets)
             out.queue.append(packets)
-            if not self._flush(dst, out):  # gone: the event loop's send reports it
-                return False  # (a counter skipped is harmless: the receiver wants each
-            self.frames_sent += 1  # above the last)
-            self.bytes_sent += size
-        return True
+            if not self._flush(dst, out):
+                raise PeerUnreachableError(f"{dst} is gone (its connection broke)")
+            if count:
+                self.frames_sent += 1
+                self.bytes_sent += size
+        return size
 
     def _flush(self, dst: str, out: _Outgoing) -> bool:
         """Send what waits for ``dst`` until the kernel takes no more (the event loop then
@@ -388,7 +388,7 @@ class UnixChannel(FrameChecks, ChannelReaders, PeerChannel):
             conn.parts, conn.size, conn.skip = [], 0, False
             return data
         conn.size += len(data)
-        if conn.size > self.config.max_frame_bytes:
+        if conn.size > self.spec.max_frame_bytes:
             if not conn.skip:
                 self._reject("too_large")
             conn.parts, conn.skip = [], True
@@ -415,19 +415,6 @@ class UnixChannel(FrameChecks, ChannelReaders, PeerChannel):
 
     def _loop_watching(self) -> bool:
         return self._watching
-
-    def _receive_thread(self, on_batch: Callable[[list[PeerReq]], None]) -> None:
-        watch = select.poll()
-        watch.register(self.fileno(), select.POLLIN)
-        more = True
-        while not (self._receiver_stop or self._closed):
-            paused = self.paused_s()
-            if paused:
-                time.sleep(min(paused, RECEIVER_POLL_S))
-                continue
-            if not more and not watch.poll(RECEIVER_POLL_S * 1000):
-                continue
-            more = not self.read(on_batch)[1]
 
     async def recv(self) -> list[PeerReq]:
         """The next accepted frame's messages, read on the event loop (one ``recv`` at a
@@ -465,10 +452,6 @@ class UnixChannel(FrameChecks, ChannelReaders, PeerChannel):
 
     # ------------------------------------------------------------------ closing
     async def _shut(self) -> None:
-        receiver = self._receiver
-        if receiver is not None:
-            self._receiver_stop = True
-            await asyncio.to_thread(receiver.join, 2.0)
         loop = self._loop
         if self._watching and self._epoll is not None and loop is not None:
             if not loop.is_closed():
@@ -481,8 +464,8 @@ class UnixChannel(FrameChecks, ChannelReaders, PeerChannel):
             outgoing, self._outgoing = self._outgoing, {}
         for out in outgoing.values():
             self._close_outgoing(out)
-        reading = _alive(receiver) or _alive(self.inline_thread)
-        if not reading:  # (a thread still reading keeps them: never closed under it)
+        if not _alive(self.inline_thread):  # (a thread still reading keeps them: never
+            # closed under it)
             for conn in list(self._incoming.values()):
                 self._drop(conn)
             if self._epoll is not None:

@@ -1,19 +1,19 @@
 """ZeroMQ peer channel: a PULL mailbox per replica, lazily created PUSH sockets to peers.
 
 Data enters through the replica's PULL socket, bound either on ipc:// (a socket file in a
-temp dir: replicas on one node) or tcp:// (host and port from `ZmqConfig`; port 0 lets the
+temp dir: replicas on one node) or tcp:// (host and port from the `ZmqSpec`; port 0 lets the
 OS pick a free one). The bound address is registered in the directory. Data leaves through
 one PUSH socket per destination, connected on first use and cached: each `send` is one
 single-part message holding `encode_batch(msgs)`. ZeroMQ keeps per-connection FIFO order.
 
 The PUSH sockets are `zmq.asyncio` sockets owned by the event loop that called `start()`:
 use the channel from that loop only. The PULL socket is a plain one, read with non-blocking
-receives by one reader: `recv` on that loop (which watches its descriptor), a receiver
-thread (`start_receiver`), or a replica's step thread (`receive_inline`). Every socket has
+receives by one reader: `recv` on that loop (which watches its descriptor), or a replica's
+step thread (`receive_inline`). Every socket has
 linger 0, so `close()` never blocks on undelivered frames (they are dropped; the protocol
 tolerates loss at shutdown).
 
-With `ZmqConfig.key` set (the deployments always set it), every frame is signed and checked
+With a `key` (the deployments always pass one), every frame is signed and checked
 (`transport.auth`: keyed BLAKE2b over sender, counter, receiver and payload); forged,
 replayed, duplicated and malformed frames are dropped unread and counted in `rejected`
 (and passed to `on_reject`, which the deployments export as
@@ -32,8 +32,8 @@ Strangers on the network (docs/user-guide/reliability.md, "junk flood"):
   honest peers' frames in between;
 - tcp binds this node's own address by default (``bind_host=None``), never 0.0.0.0 unless
   asked, and a ``port_range`` gives the fixed ports a NetworkPolicy can name;
-- with ``curve`` set (``transport.curve``: a CURVE key pair derived from the peer key, the
-  same for every replica of the app), the PULL socket is a CURVE server whose ZAP handler
+- with ``curve`` keys (``transport.zmq.curve``: a CURVE key pair derived from the peer key,
+  the same for every replica of the app), the PULL socket is a CURVE server whose ZAP handler
   admits only the app's own public key: a stranger is refused in the handshake and never
   delivers a frame;
 - ``key_mismatch_s()`` says for how long every frame received was ``bad_mac`` (this replica
@@ -54,12 +54,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import zmq
 import zmq.asyncio
 
+from tokenrouter_ray.config import ZmqSpec
 from tokenrouter_ray.protocol import PeerReq, encode_batch
 from tokenrouter_ray.transport.auth import FrameSigner
 from tokenrouter_ray.transport.base import (
@@ -75,60 +74,40 @@ from tokenrouter_ray.transport.curve import CurveKeys, curve_allowlist
 logger = logging.getLogger(__name__)
 
 _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, 104 on macOS
-RECEIVER_POLL_MS = 100  # a receiver thread looks for a stop this often while nothing comes
 RECEIVE_RETRY_S = 0.05  # after a failed receive, the socket is left alone this long
 _GET = zmq.Socket.get  # ``read``'s readiness check, with plain ints
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-
-
-FRAME_BYTES_PER_TOKEN = 9  # msgpack: an int up to 2**64 (token ids are far below)
-FRAME_BYTES_PER_MESSAGE = 64 << 10  # ids, RouteState, sampling, extras, token reports
-
-
-def largest_frame_bytes(max_model_len: int, max_num_seqs: int) -> int:
-    """An upper bound on a legitimate frame: one step's batch to one destination holds at
-    most ``max_num_seqs`` messages, each at most a whole sequence of token ids (a NEW that
-    re-creates a request) plus its bounded per-message fields."""
-    return max_num_seqs * (max_model_len * FRAME_BYTES_PER_TOKEN + FRAME_BYTES_PER_MESSAGE)
-
-
-@dataclass(frozen=True)
-class ZmqConfig:
-    """How a replica's mailbox is bound and advertised."""
-
-    transport: Literal["ipc", "tcp", "unix"] = "ipc"  # unix: ``UnixChannel``, no ZeroMQ
-    bind_host: str | None = None  # tcp: interface to bind; None: this node's own address
-    advertise_host: str | None = None  # tcp: host peers connect to; default: bind_host or IP
-    port: int = 0  # tcp: 0 picks a free port (or one of port_range)
-    port_range: tuple[int, int] | None = None  # tcp: bind the first free port in [lo, hi]
-    ipc_dir: str | None = None  # ipc: directory for socket files; default: a fresh temp dir
-    send_hwm: int = 1024  # frames queued per peer before sends fail fast
-    recv_hwm: int = 1024  # frames queued per incoming connection
-    key: bytes | None = None  # MAC key (`auth.derive_key`); None: frames are not signed
-    max_frame_bytes: int = 16 << 20  # larger frames are dropped by ZeroMQ
-    reject_rate: float = 1000.0  # rejected frames examined per second (``RejectPacer``)
-    curve: CurveKeys | None = None  # CURVE handshake with the app's own key pair only
-    # a replica's step thread reads its PULL socket itself (``receive_inline``), with no
-    # receiver thread; False: a receiver thread hands it the frames (``start_receiver``)
-    receive_on_step_thread: bool = True
+_ALL_INTERFACES = ("0.0.0.0", "*", "::")
 
 
 class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
+    """``PeerChannel`` over ZeroMQ (module docstring), configured by ``spec``
+    (``transport.zmq``, validated); beside it what is known only at run time: the MAC
+    ``key`` (``auth.derive_key``; None: frames are not signed; with ``spec.curve`` the CURVE
+    key pair is derived from it) and ``node_ip``, this node's address, which tcp binds and
+    advertises where the spec names no host (None: the host's outward address)."""
+
     def __init__(
         self,
         model: str,
         replica: str,
         directory: Directory,
-        config: ZmqConfig | None = None,
+        spec: ZmqSpec | None = None,
+        *,
+        key: bytes | None = None,
+        node_ip: str | None = None,
         context: zmq.asyncio.Context | None = None,
         on_reject: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(model, replica, directory)
-        self.config = config or ZmqConfig()
+        self.spec = spec or ZmqSpec()
+        self.key, self.node_ip = key, node_ip
+        if self.spec.curve and key is None:
+            raise ValueError("transport.zmq.curve needs the peer key (derived from the secret)")
+        self.curve = CurveKeys.from_key(key) if self.spec.curve and key is not None else None
         self._context = context
-        key = self.config.key
         self._signer = FrameSigner(key) if key is not None else None
-        self._init_checks(key, self.config.reject_rate, on_reject)
+        self._init_checks(key, self.spec.reject_rate, on_reject)
         # ``recv``: the event loop that watches the PULL socket's descriptor (set at the
         # first ``recv``); one reader at a time (``ChannelReaders``)
         self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None
@@ -156,15 +135,15 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
 
     async def _open(self) -> str:
         # A plain socket: an asyncio one watches its descriptor from the event loop, which
-        # a receiver thread (``start_receiver``) must not share. ``recv`` wraps it.
+        # a step thread reading it (``receive_inline``) must not share. ``recv`` wraps it.
         pull = zmq.Context.shadow(self.context.underlying).socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
-        pull.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
-        pull.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
+        pull.setsockopt(zmq.RCVHWM, self.spec.recv_hwm)
+        pull.setsockopt(zmq.MAXMSGSIZE, self.spec.max_frame_bytes)
         try:
-            if self.config.curve is not None:
-                curve_allowlist(self.context, self.config.curve)
-                self.config.curve.serve(pull)
+            if self.curve is not None:
+                curve_allowlist(self.context, self.curve)
+                self.curve.serve(pull)
             address = self._bind(pull)
         except BaseException:
             pull.close(linger=0)
@@ -173,11 +152,9 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
         return address
 
     def _bind(self, pull: zmq.Socket) -> str:
-        cfg = self.config
+        cfg = self.spec
         if cfg.transport == "ipc":
-            directory = cfg.ipc_dir
-            if directory is None:
-                directory = self._ipc_dir_owned = tempfile.mkdtemp(prefix="trr-")
+            directory = self._ipc_dir_owned = tempfile.mkdtemp(prefix="trr-")
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.name)
             path = os.path.join(directory, f"{safe[:40]}-{uuid.uuid4().hex[:8]}.sock")
             if len(path) > _IPC_PATH_MAX:
@@ -185,9 +162,7 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
             pull.bind(f"ipc://{path}")
             os.chmod(path, 0o600)  # only this user's processes may connect
             return f"ipc://{path}"
-        if cfg.transport != "tcp":
-            raise ValueError(f"unknown zmq transport {cfg.transport!r} (ipc or tcp)")
-        host = cfg.bind_host or self._advertised_host()
+        host = cfg.bind_host or self._node_ip()  # this node's own, never all interfaces
         if cfg.port_range is not None and cfg.port == 0:
             bound = _bind_in_range(pull, host, cfg.port_range)
         else:
@@ -197,30 +172,20 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
         return f"tcp://{self._advertised_host()}:{bound_port}"
 
     def _advertised_host(self) -> str:
-        cfg = self.config
+        cfg = self.spec
         if cfg.advertise_host:
             return cfg.advertise_host
-        if cfg.bind_host is not None and cfg.bind_host not in ("0.0.0.0", "*", "::"):
+        if cfg.bind_host is not None and cfg.bind_host not in _ALL_INTERFACES:
             return cfg.bind_host
-        return _node_ip()
+        return self._node_ip()
+
+    def _node_ip(self) -> str:
+        return self.node_ip or _node_ip()
 
     async def _send_frame(self, dst: Endpoint, msgs: Sequence[PeerReq]) -> int:
         if dst.name not in self._push_now:
             await self._connect(dst)
-        frame = encode_batch(msgs)
-        with self._push_lock:  # signed in the order sent: the receiver's counter check
-            push = self._push_now.get(dst.name)
-            if push is None:  # forgotten meanwhile
-                raise PeerUnreachableError(f"{dst.name} was forgotten while connecting")
-            if self._signer is not None:
-                frame = self._signer.sign(dst.name, frame)
-            try:  # never wait: a peer that stopped reading must not stall the sender's loop
-                push.send(frame, flags=zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                raise PeerUnreachableError(
-                    f"{dst.name} is not reading: {self.config.send_hwm} frames already queued"
-                ) from None
-        return len(frame)
+        return self._write(dst.name, msgs)
 
     def send_now(self, dst: str, msgs: Sequence[PeerReq]) -> bool:
         """The frame sent from the calling thread (a replica's step thread) when ``dst`` is
@@ -228,20 +193,35 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
         the I/O on its own thread either way)."""
         if self._closed or not msgs or dst not in self._push_now:
             return False
+        try:
+            self._write(dst, msgs, count=True)
+        except PeerUnreachableError:  # full: the event loop's path reports it (a counter
+            return False  # skipped is harmless: the receiver wants each above the last)
+        return True
+
+    def _write(self, dst: str, msgs: Sequence[PeerReq], count: bool = False) -> int:
+        """One frame to the connected ``dst``, signed and sent under the send lock (in the
+        order sent: the receiver's counter check), never waiting: a peer that stopped
+        reading must not stall the sender. Its size; ``count``: counted in ``frames_sent``
+        here, under the lock (``send`` counts its own). ``PeerUnreachableError``: ``dst``
+        was forgotten meanwhile, or its queue is full."""
         frame = encode_batch(msgs)
         with self._push_lock:
             push = self._push_now.get(dst)
             if push is None or self._closed:
-                return False
-            if self._signer is not None:  # signed in the order sent, under the same lock
+                raise PeerUnreachableError(f"{dst} was forgotten while connecting")
+            if self._signer is not None:
                 frame = self._signer.sign(dst, frame)
             try:
                 push.send(frame, flags=zmq.NOBLOCK, copy=True)
-            except zmq.Again:  # full: the event loop's path reports it (a counter skipped
-                return False  # is harmless: the receiver wants each above the last)
-            self.frames_sent += 1
-            self.bytes_sent += len(frame)
-        return True
+            except zmq.Again:
+                raise PeerUnreachableError(
+                    f"{dst} is not reading: {self.spec.send_hwm} frames already queued"
+                ) from None
+            if count:
+                self.frames_sent += 1
+                self.bytes_sent += len(frame)
+        return len(frame)
 
     async def _connect(self, dst: Endpoint) -> zmq.asyncio.Socket:
         pending = self._connecting.get(dst.name)
@@ -252,9 +232,9 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
         try:
             push = self.context.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
-            push.setsockopt(zmq.SNDHWM, self.config.send_hwm)
-            if self.config.curve is not None:
-                self.config.curve.dial(push)
+            push.setsockopt(zmq.SNDHWM, self.spec.send_hwm)
+            if self.curve is not None:
+                self.curve.dial(push)
             push.connect(dst.address)
             with self._push_lock:
                 self._pushes[dst.name] = push
@@ -321,29 +301,6 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
             logger.exception("%s: reading the socket's events failed", self.name)
         self._wake_recv()
 
-    # -------------------------------------------------------------- receiver thread
-    def _receive_thread(self, on_batch: Callable[[list[PeerReq]], None]) -> None:
-        """``start_receiver``'s thread: it waits inside ZeroMQ without the interpreter lock,
-        and a frame costs no event-loop wake, Future or callback."""
-        pull = self._pull_now
-        assert pull is not None
-        more = False  # frames left by the last read, which no poll announces
-        while not (self._receiver_stop or self._closed):
-            paused = self.paused_s()
-            if paused:  # past the reject budget: a flood pays in time, not in our CPU
-                time.sleep(min(paused, RECEIVER_POLL_MS / 1e3))
-                continue
-            try:
-                if not more and not pull.poll(RECEIVER_POLL_MS):  # without the interpreter lock
-                    continue
-            except zmq.ZMQError:
-                if self._receiver_stop or self._closed:
-                    return
-                logger.exception("%s: receive failed", self.name)
-                time.sleep(RECEIVE_RETRY_S)
-                continue
-            more = not self.read(on_batch)[1]
-
     # ----------------------------------------------------- read by the step thread
     def fileno(self) -> int:
         """The PULL socket's descriptor. ZeroMQ signals edges on it: it turns readable when
@@ -391,10 +348,6 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
             return None
 
     async def _shut(self) -> None:
-        receiver = self._receiver
-        if receiver is not None:  # it owns the PULL socket until it has stopped
-            self._receiver_stop = True
-            await asyncio.to_thread(receiver.join, 2.0)
         watch, self._watch = self._watch, None
         if watch is not None:  # before the socket closes: its descriptor goes with it
             loop, fd = watch
@@ -409,7 +362,7 @@ class ZmqChannel(FrameChecks, ChannelReaders, PeerChannel):
             self._pushes.clear()
             self._push_now.clear()
         pull_now, self._pull_now = self._pull_now, None
-        if pull_now is not None and not _alive(receiver) and not _alive(self.inline_thread):
+        if pull_now is not None and not _alive(self.inline_thread):
             pull_now.close(linger=0)  # (a thread still reading it keeps it: never two)
         if self._ipc_dir_owned is not None:
             shutil.rmtree(self._ipc_dir_owned, ignore_errors=True)
