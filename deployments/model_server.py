@@ -199,15 +199,15 @@ class ModelServer:
             key = rid if rid is not None else next(iter(self.engine.request_ids()), None)
             if key is None:
                 return {}
-            request, tracked = self.engine.get_request(key), self.server.tracked.get(key)
+            request, tracked = self.engine.get_request(key), self.server.requests.tracked.get(key)
             return {
                 "rid": key,
                 "status": request.status.name if request is not None else None,
                 "num_tokens": request.num_tokens if request is not None else None,
                 "route": None if tracked is None else asdict(tracked.route_state()),
                 "seq": None if tracked is None else tracked.seq,
-                "ledger_finished": self.server.ledger.is_finished(key),
-                "ledger_seq": self.server.ledger.held_seq(key),
+                "ledger_finished": self.server.requests.ledger.is_finished(key),
+                "ledger_seq": self.server.requests.ledger.held_seq(key),
             }
 
         return await self.server.call(read, read_only=True)

@@ -202,4 +202,4 @@ class LocalRuntime:
 
     @property
     def handoffs(self) -> list[HandoffRecord]:
-        return [h for s in self.model_replicas for h in s.handoff_log]
+        return [h for s in self.model_replicas for h in s.messages.log]

@@ -68,10 +68,12 @@ def test_a_draining_replica_moves_every_request_and_outputs_stay_exact(chain_dir
             leaving = endpoint_name("large", "1")
             server = next(s for s in rt.model_replicas if s.endpoint == leaving)
             tasks = [asyncio.ensure_future(rt.complete(p, SPEC)) for p in batch]
-            await wait_until(lambda: bool(server.tracked), 60, "requests on the leaving replica")
-            held = set(server.tracked)
+            await wait_until(
+                lambda: bool(server.requests.tracked), 60, "requests on the leaving replica"
+            )
+            held = set(server.requests.tracked)
             left = await rt.drain(leaving, timeout_s=30)
-            assert left == 0 and not server.tracked
+            assert left == 0 and not server.requests.tracked
             pool = server.engine.kv.pool
             assert pool.num_free_blocks == pool.num_blocks  # its KV freed before it stopped
             assert leaving not in rt.replicas["large"]
@@ -85,7 +87,7 @@ def test_a_draining_replica_moves_every_request_and_outputs_stay_exact(chain_dir
             await wait_until(  # the finished requests' state leaves the other replicas too
                 lambda: all(
                     s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
-                    and not s.tracked
+                    and not s.requests.tracked
                     for s in others
                 ),
                 30,
@@ -124,7 +126,7 @@ def test_drain_tells_the_ingresses_it_has_heard_from_and_waits_for_nothing_idle(
             )
             got = await rt.complete_all(prompts(3), SPEC)  # served by the replicas left
             assert all(c.error is None for c in got)
-            assert not leaving.tracked
+            assert not leaving.requests.tracked
             await rt.wait_idle()
             assert all_free(rt)
 

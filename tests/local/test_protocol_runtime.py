@@ -65,7 +65,7 @@ def all_free(runtime: LocalRuntime) -> bool:
     return all(
         s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
         and not s.engine.requests
-        and not s.tracked
+        and not s.requests.tracked
         for s in runtime.model_replicas
     )
 

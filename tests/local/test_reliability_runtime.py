@@ -216,7 +216,9 @@ def test_models_free_requests_whose_ingress_is_gone_after_the_deadline(
                 rt.ingress._wire.pop(live.wire_rid)
                 live.timer.cancel()  # (its deadline's timer dies with it)
             await wait_until(
-                lambda: any(s.tracked for s in rt.model_replicas), 20, "the requests on a model"
+                lambda: any(s.requests.tracked for s in rt.model_replicas),
+                20,
+                "the requests on a model",
             )
             await rt.wait_idle(timeout=10)
             assert all_free(rt)
@@ -272,7 +274,9 @@ def test_a_copy_the_ingress_no_longer_holds_is_aborted_on_every_model(chain_dirs
             slow_steps(rt, 0.04)  # 40 ms steps: its context limit is many seconds away
             await rt.ingress.submit("stale", [1, 2, 3], spec, timeout_s=600)
             await wait_until(  # on both models
-                lambda: all(s.tracked for s in rt.model_replicas), 60, "the request on both"
+                lambda: all(s.requests.tracked for s in rt.model_replicas),
+                60,
+                "the request on both",
             )
             live = rt.ingress.live.pop("stale")  # the ingress forgets it
             rt.ingress._wire.pop(live.wire_rid)
@@ -319,11 +323,11 @@ def test_copies_on_a_replica_that_stalled_past_its_lease_are_aborted(chain_dirs)
             old = set(rt.ingress._wire)
             assert await rt.ingress.recreate(lost={large.endpoint}) > 0
             await wait_until(  # the re-created copies run on the small model meanwhile
-                lambda: bool((set(rt.ingress._wire) - old) & set(small.tracked)),
+                lambda: bool((set(rt.ingress._wire) - old) & set(small.requests.tracked)),
                 60,
                 "the re-created copies on the small model",
             )
-            assert old & set(large.tracked)  # it still holds old incarnations
+            assert old & set(large.requests.tracked)  # it still holds old incarnations
             rt.ingress.all_endpoints = every  # its heartbeat registers it again
             stalled.clear()
             got = await asyncio.wait_for(asyncio.gather(*tasks), 120)

@@ -78,7 +78,9 @@ class Cluster:
         """Seconds until every model replica's N (and its scheduler's) equals the truth."""
         start = time.monotonic()
         while True:
-            seen = [(s.active_requests, s.engine.scheduler.active_requests) for s in self.servers]
+            seen = [
+                (s.requests.active.total, s.engine.scheduler.active_requests) for s in self.servers
+            ]
             if all(n == self.truth and e == self.truth for n, e in seen):
                 return time.monotonic() - start
             if time.monotonic() - start > timeout_s:
@@ -116,7 +118,7 @@ def test_every_model_replica_tracks_the_global_count(monkeypatch: pytest.MonkeyP
             done = await a.result("short")
             assert done.finish_reason == "length" and len(done.token_ids) == 4
             await cluster.settled()
-            assert all(s.active_requests == 0 for s in cluster.servers)
+            assert all(s.requests.active.total == 0 for s in cluster.servers)
 
     asyncio.run(go())
 
@@ -153,7 +155,7 @@ def test_a_burst_of_arrivals_sends_at_most_one_active_frame_per_endpoint(
                 if m.kind == MsgKind.ACTIVE:
                     actives.setdefault(m.dst, []).append(m.active_requests)
             news = [m.active_requests for m in sent if m.kind == MsgKind.NEW]
-            seen = [s.active_requests for s in cluster.servers]
+            seen = [s.requests.active.total for s in cluster.servers]
             for i in range(8):
                 a.abort_nowait(f"r{i}")
                 a.release(f"r{i}")
@@ -194,7 +196,7 @@ def test_a_completion_and_the_next_arrival_send_no_active_frame(
             a.release("r1")
             await cluster.settled()
             ended = [m for m in sent if m.kind == MsgKind.ACTIVE]
-            return swapped, ended, [s.active_requests for s in cluster.servers]
+            return swapped, ended, [s.requests.active.total for s in cluster.servers]
 
     swapped, ended, seen = asyncio.run(go())
     assert swapped == []
@@ -216,13 +218,15 @@ def test_a_silent_ingress_stops_counting(monkeypatch: pytest.MonkeyPatch) -> Non
             await cluster.settled()
             await b.stop()  # b's replica dies: its count of 1 is never refreshed
             await wait_until(
-                lambda: all(b.channel.name not in s.active.ingresses() for s in cluster.servers),
+                lambda: all(
+                    b.channel.name not in s.requests.active.ingresses() for s in cluster.servers
+                ),
                 30,
                 "every model replica dropping the silent ingress",
             )
-            seen = [s.active_requests for s in cluster.servers]
-            heard = [s.active.ingresses() for s in cluster.servers]
-            kept = any("a" in s.tracked for s in cluster.servers)  # not ended as orphaned
+            seen = [s.requests.active.total for s in cluster.servers]
+            heard = [s.requests.active.ingresses() for s in cluster.servers]
+            kept = any("a" in s.requests.tracked for s in cluster.servers)  # not ended as orphaned
             await a.abort("a")
             a.release("a")
             return seen, heard, [a.channel.name], kept
@@ -243,18 +247,18 @@ def test_models_end_the_requests_of_a_silent_ingress(monkeypatch: pytest.MonkeyP
             await a.submit("a", [1, 2], LONG)
             await b.submit("b", [1, 2], LONG)
             await cluster.settled()
-            held_before = any("b" in s.tracked for s in cluster.servers)
+            held_before = any("b" in s.requests.tracked for s in cluster.servers)
             assert a.health_problem() is None and b.health_problem() is None
             await b.stop()  # b's replica dies: nobody will read request b again
             assert "stopped" in (b.health_problem() or "")  # what its check_health raises
 
             def b_gone() -> bool:
-                return all("b" not in s.tracked and "b" not in s.engine.requests
+                return all("b" not in s.requests.tracked and "b" not in s.engine.requests
                            for s in cluster.servers)  # fmt: skip
 
             await wait_until(b_gone, 30, "request b ended on every model")
             gone = b_gone()
-            kept = any("a" in s.tracked for s in cluster.servers)  # a's request goes on
+            kept = any("a" in s.requests.tracked for s in cluster.servers)  # a's request goes on
             await a.abort("a")
             a.release("a")
             return held_before and gone, kept

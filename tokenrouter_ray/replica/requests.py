@@ -53,7 +53,7 @@ class Requests:
         messages: Messages,
         metrics: Metrics,
         profile: HostProfile,
-        stats: WindowStats | None = None,
+        stats: WindowStats,
     ) -> None:
         self.name, self.index, self.endpoint = name, index, endpoint
         self.engine, self.policy, self.messages = engine, policy, messages
@@ -98,7 +98,7 @@ class Requests:
         profile = self.profile
         after_s = max(0, time.time_ns() - msg.sent_at) / 1e9
         profile.note_applied(after_s)
-        if msg.kind == MsgKind.HANDOFF and self.stats is not None:
+        if msg.kind == MsgKind.HANDOFF:
             self.stats.record_transit(endpoint_model(msg.src), self.name, after_s)
         if msg.kind == MsgKind.PREFILL:  # no request state: outside the ledger
             self._prefill(msg)
@@ -135,7 +135,7 @@ class Requests:
             self.tracked[rid] = tracked
             self.unqueued[rid] = msg.sent_at / 1e9
             fresh = len(msg.tokens) == route.prompt_len and not route.counts
-            if fresh and self.stats is not None:  # a new request, not a re-created one
+            if fresh:  # a new request, not a re-created one
                 self.stats.record_arrival(route.prompt_len)
             return
         if msg.kind != MsgKind.HANDOFF:
@@ -223,7 +223,7 @@ class Requests:
         self.tracked.pop(rid, None)
         self.ledger.finish(rid)
         self.engine.abort(rid)
-        if error is None and self.stats is not None:
+        if error is None:
             self.stats.record_finish(sum(tracked.counts.values()))
         out += self.messages.finished(tracked, reason, error, lost_peer)
 

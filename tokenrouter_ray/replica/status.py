@@ -154,7 +154,7 @@ class ReplicaStatus(msgspec.Struct):
             endpoint=server.endpoint,
             pid=os.getpid(),
             requests=status.requests,
-            tracked=len(server.tracked),
+            tracked=len(server.requests.tracked),
             waiting=status.waiting,
             running=status.running,
             pending=status.pending,

@@ -51,17 +51,15 @@ import logging
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from tokenrouter_ray.engine.outputs import PendingStep, RequestOutput, StepResult
 from tokenrouter_ray.metrics import Metrics
-from tokenrouter_ray.protocol import Dropped, MsgKind, PeerReq, RequestLedger
-from tokenrouter_ray.replica.active_count import ActiveCount
+from tokenrouter_ray.protocol import Dropped, MsgKind, PeerReq
 from tokenrouter_ray.replica.mailbox import Mailbox
-from tokenrouter_ray.replica.messages import HandoffRecord, Messages
+from tokenrouter_ray.replica.messages import Messages
 from tokenrouter_ray.replica.profile import HostProfile
 from tokenrouter_ray.replica.requests import Requests
 from tokenrouter_ray.replica.tracking import Tracked
@@ -178,27 +176,6 @@ class Replica:
         return self.channel.name
 
     @property
-    def tracked(self) -> dict[str, Tracked]:
-        return self.requests.tracked
-
-    @property
-    def ledger(self) -> RequestLedger:
-        return self.requests.ledger
-
-    @property
-    def active(self) -> ActiveCount:
-        return self.requests.active
-
-    @property
-    def active_requests(self) -> int:
-        """Global N: the sum of the latest active count of every ingress."""
-        return self.requests.active.total
-
-    @property
-    def handoff_log(self) -> deque[HandoffRecord]:
-        return self.messages.log
-
-    @property
     def has_work_waiting(self) -> bool:
         """Messages or calls the step thread has not applied yet."""
         return bool(self.mailbox.inbox or self.requests.held or self.mailbox.calls)
@@ -208,7 +185,7 @@ class Replica:
         """Requests, messages to apply or messages to send (``LocalRuntime.wait_idle``)."""
         return bool(
             self.engine.has_unfinished
-            or self.tracked
+            or self.requests.tracked
             or self.has_work_waiting
             or self.mailbox.sending
         )
@@ -307,7 +284,7 @@ class Replica:
     @property
     def holds_requests(self) -> bool:
         """A request is here (tracked, or in the engine: a prefill-only one included)."""
-        return bool(self.tracked) or self.engine.has_unfinished
+        return bool(self.requests.tracked) or self.engine.has_unfinished
 
     async def drain(self, timeout_s: float, ingresses: Iterable[str] = ()) -> int:
         """Leave without losing a request (scale-down, a rolling update): tell every ingress
@@ -319,7 +296,8 @@ class Replica:
         self.draining = True
 
         def holders() -> set[str]:
-            return {t.ingress for t in self.tracked.values()} | set(self.active.ingresses())
+            held = self.requests.tracked.values()
+            return {t.ingress for t in held} | set(self.requests.active.ingresses())
 
         told = set(await self.call(holders, read_only=True)) | set(ingresses)
         msgs = [
@@ -334,7 +312,7 @@ class Replica:
         deadline = time.monotonic() + timeout_s
         while self.holds_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        left = len(self.tracked)
+        left = len(self.requests.tracked)
         if left:
             logger.warning("%s: drained with %d requests still here", self.name, left)
         return left
@@ -592,7 +570,7 @@ class Replica:
         if self.has_work_waiting:
             return
         deadline = self.engine.deferred_until
-        if deadline is None and self.tracked:
+        if deadline is None and self.requests.tracked:
             deadline = self.requests.next_sweep
         if self._state_stale:  # the gauges say what it holds while it sleeps
             now = time.monotonic()
@@ -662,7 +640,7 @@ class Replica:
         unqueued = self.requests.unqueued
         for rid, sent in list(unqueued.items()):
             request = self.engine.get_request(rid)
-            tracked = self.tracked.get(rid)
+            tracked = self.requests.tracked.get(rid)
             if request is None or tracked is None:
                 del unqueued[rid]
             elif request.num_computed_tokens > 0:
