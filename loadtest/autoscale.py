@@ -30,10 +30,11 @@ import httpx
 from loadtest.common import command, machine, pyplot, ray_serve_deploy, wait_ready
 from tokenrouter_ray.simulation.served import sim_answer
 from tokenrouter_ray.tuning.capacity import Load, Targets, plan, predict
-from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
+from tokenrouter_ray.tuning.examples import paper_r2r
 
 MODELS = ("small", "large")
-ESCALATION = 0.35
+SIM_PROFILE = paper_r2r()  # the capacity model's view of the app: 6.0 / 27.9 ms, R2R's routing
+ESCALATION = SIM_PROFILE.route_prob[0][1]  # p(small->large) = 0.35, the app's policy too
 ROWS = {"small": 2, "large": 2}  # most rows per step of one replica
 BOUNDS = {"small": (1, 3), "large": (1, 4)}
 TARGET_UTILISATION = 0.7
@@ -74,16 +75,6 @@ def ramp_overrides(
             f"+models.{name}.autoscaling.look_back_period_s={2 * period_s}",
         ]
     return out
-
-
-def sim_profile() -> RoutingProfile:
-    """The capacity model's view of the app: the paper's step times, R2R's routing."""
-    q = ESCALATION
-    return RoutingProfile(
-        (ModelProfile.constant("small", 6.0), ModelProfile.constant("large", 27.9)),
-        ((1 - q, q), (1.0, 0.0)),
-        ((1.0, 0.0), (1.0, 0.0)),
-    )
 
 
 def targets() -> Targets:
@@ -292,7 +283,7 @@ def run_ramp(
 
 def planned_top(ramp: Ramp, tokens: int) -> dict[str, int]:
     """The plan for the peak (what ``tokenrouter-ray plan`` prints for it)."""
-    return plan(sim_profile(), Load(ramp.peak_rps, tokens), targets(), ROWS).replicas
+    return plan(SIM_PROFILE, Load(ramp.peak_rps, tokens), targets(), ROWS).replicas
 
 
 def failure_detail(failed: list[Sent], total: int) -> str:
@@ -349,7 +340,7 @@ def table(result: RampResult, bin_s: float = 10.0) -> list[dict[str, Any]]:
         rate = result.ramp.rate(start + bin_s / 2)
         predicted = None
         if rate > 0 and all(last.running.get(m, 0) for m in MODELS):
-            p = predict(sim_profile(), last.running, Load(rate, result.tokens), ROWS)
+            p = predict(SIM_PROFILE, last.running, Load(rate, result.tokens), ROWS)
             predicted = 1e3 * p.tpot_s if p.stable else None
         tpot = [1e3 * s.latency_s / s.tokens for s in done]
         rows.append(

@@ -1,6 +1,6 @@
 """What more than one benchmark in ``loadtest/`` uses: the machine line and the command that
-reproduces a run (the two header lines every benchmark prints), demo prompts, the one
-percentile rule, a free port, waiting for a server's route, and Ray Serve started here with a
+reproduces a run (the two header lines every benchmark prints), the one percentile
+rule, a free port, waiting for a server's route, and Ray Serve started here with a
 deploy function for an app on it. Every import that pulls in torch or Ray happens inside the
 function that needs it. The load generator is ``loadtest/harness.py``."""
 
@@ -41,18 +41,6 @@ def command() -> str:
     # ``python -m loadtest <benchmark>`` sets INVOKED_AS = "loadtest <benchmark>": two words
     module = INVOKED_AS or sys.modules["__main__"].__spec__.name.removesuffix(".__main__")
     return "python -m " + " ".join([module, *(shlex.quote(a) for a in sys.argv[1:])])
-
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Explain photosynthesis in one paragraph.",
-    "Write a short poem about the sea.",
-    "List five uses of a paperclip.",
-    "How do I boil an egg?",
-    "Summarise the plot of Hamlet.",
-    "What is 17 times 23?",
-    "Give three tips for learning a language.",
-]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

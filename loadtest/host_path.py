@@ -51,7 +51,7 @@ from tokenrouter_ray.simulation.loads import ClosedLoop
 from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.markov import throughput
-from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
+from tokenrouter_ray.tuning.profile import RoutingProfile
 from tokenrouter_ray.tuning.search import evaluate
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 
@@ -82,12 +82,6 @@ def tuner_choice(profile: RoutingProfile, n: int, max_rounds: int = 20) -> tuple
         if not solver.decide(profile, force=True).changed:
             break
     return tuple(solver.thresholds[m][n] for m in profile.names)
-
-
-def zero_profile() -> RoutingProfile:
-    p = paper_r2r()
-    models = (ModelProfile.constant("small", 0.001), ModelProfile.constant("large", 0.001))
-    return RoutingProfile(models, p.route_prob, p.commit, p.grain_ms)
 
 
 @dataclass
@@ -189,7 +183,7 @@ def _host(server: Any) -> dict[str, Any]:
 
 def run_in_process(levels: list[int], window_s: float, warmup_s: float) -> list[Level]:
     out: list[Level] = []
-    paper, zero = paper_r2r(), zero_profile()
+    paper, zero = paper_r2r(), served_profile("zero")
 
     def run(system: str, profile: RoutingProfile, n: int, b: tuple[int, int], pred: float | None):
         level = asyncio.run(in_process_level(system, profile, n, b, window_s, warmup_s, pred))

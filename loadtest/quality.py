@@ -119,6 +119,15 @@ def level_quality(
     }
 
 
+def closed_row(
+    rows: Sequence[Mapping[str, Any]], system: str, n: int, max_tokens: int | None = None,
+    modes: tuple[str, ...] = ("closed", "length"),
+) -> Mapping[str, Any] | None:  # fmt: skip
+    """The first row of ``system`` at N = ``n`` (a closed-loop mode, ``max_tokens`` if given)."""
+    return next((r for r in rows if r["system"] == system and r["concurrency"] == n and
+                 r["mode"] in modes and max_tokens in (None, r["max_tokens"])), None)  # fmt: skip
+
+
 def quality(
     rows: Sequence[Mapping[str, Any]],
     tokenize: Callable[[str], list[int]],
@@ -130,22 +139,11 @@ def quality(
     """One entry per system measured closed-loop at (n, max_tokens), the reference first
     (match and prefix are nan without it)."""
 
-    def level(system: str) -> Mapping[str, Any] | None:
-        for r in rows:
-            if (
-                r["system"] == system
-                and r["mode"] == "closed"
-                and r["concurrency"] == n
-                and r["max_tokens"] == max_tokens
-            ):
-                return r
-        return None
-
-    reference = level(REFERENCE)
+    reference = closed_row(rows, REFERENCE, n, max_tokens, ("closed",))
     systems = [REFERENCE] + [s for s in dict.fromkeys(r["system"] for r in rows) if s != REFERENCE]
     out = []
     for system in systems:
-        row = level(system)
+        row = closed_row(rows, system, n, max_tokens, ("closed",))
         if row is not None:
             out.append(level_quality(row, reference, tokenize, num_prompts, scorer))
     return out

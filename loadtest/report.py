@@ -15,7 +15,7 @@ from typing import Any
 
 from loadtest.common import pyplot
 from loadtest.prediction import predict, prediction_lines
-from loadtest.quality import quality_table
+from loadtest.quality import closed_row, quality_table
 from tokenrouter_ray.metrics.latency import token_gaps
 
 TARGET_N = 8
@@ -55,20 +55,6 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _closed(
-    rows: list[dict[str, Any]], system: str, n: int, max_tokens: int | None = None
-) -> dict | None:
-    for r in rows:
-        if (
-            r["system"] == system
-            and r["concurrency"] == n
-            and r["mode"] in ("closed", "length")
-            and (max_tokens is None or r["max_tokens"] == max_tokens)
-        ):
-            return r
-    return None
-
-
 def targets(result: dict[str, Any], n: int | None = None) -> list[str]:
     """The issue's targets on this run, each PASS / MISS / n/a with its figures, at N = 8
     (or the largest N the run measured)."""
@@ -79,11 +65,11 @@ def targets(result: dict[str, Any], n: int | None = None) -> list[str]:
     if n is None:
         n = TARGET_N if TARGET_N in measured or not measured else max(measured)
     base = min((r["max_tokens"] for r in rows if r["mode"] == "closed"), default=None)
-    ours = _closed(rows, "tokenrouter", n, base)
+    ours = closed_row(rows, "tokenrouter", n, base)
     out = []
 
     def ratio(name: str, other: str, need: float) -> None:
-        theirs = _closed(rows, other, n, base)
+        theirs = closed_row(rows, other, n, base)
         if ours is None or theirs is None or theirs["tok_s"] == 0:
             out.append(f"n/a  {name}: not measured at N={n}")
             return
@@ -192,7 +178,7 @@ def plots(result: dict[str, Any], prefix: str) -> list[str]:
     n_max = max((r["concurrency"] or 0 for r in rows if r["mode"] == "closed"), default=0)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for s in systems:
-        row = _closed(rows, s, n_max, base)
+        row = closed_row(rows, s, n_max, base)
         if row is None:
             continue
         for ax, key in zip(axes, ("ttft", "itl"), strict=True):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from loadtest.harness import LoadSpec, run_load
@@ -120,12 +120,8 @@ PRESETS: dict[str, Preset] = {
 
 
 def level_spec(preset: Preset, workload: Workload, **kw: Any) -> LoadSpec:
-    base = LoadSpec(
-        workload=workload,
-        max_tokens=preset.max_tokens,
-        time_limit_s=preset.time_limit_s,
-    )
-    return replace(base, **kw)
+    defaults = {"max_tokens": preset.max_tokens, "time_limit_s": preset.time_limit_s}
+    return LoadSpec(workload, **(defaults | kw))
 
 
 def measure(

@@ -229,19 +229,10 @@ def step_sync_server(bench: Bench, models: list[str], name: str) -> ServerProces
 
         app = step_sync.build_app(models, bench.p, bench.dtype, bench.memory_budget_gb)
         return ThreadServer(name, app, port)
-    argv = python_module(
-        "loadtest.baselines.step_sync",
-        "--models",
-        ",".join(models),
-        "--p",
-        str(bench.p),
-        "--dtype",
-        bench.dtype,
-        "--memory-budget-gb",
-        str(bench.memory_budget_gb),
-        "--port",
-        str(port),
-    )
+    argv = python_module("loadtest.baselines.step_sync", "--models", ",".join(models),
+                         "--p", str(bench.p), "--dtype", bench.dtype,
+                         "--memory-budget-gb", str(bench.memory_budget_gb),
+                         "--port", str(port))  # fmt: skip
     return start_server(name, argv, port, bench.log_dir)
 
 
@@ -253,19 +244,9 @@ def dispatcher(
         from loadtest.baselines.dispatcher import build_app
 
         return ThreadServer(name, build_app(urls, bench.large_dir, p), port)
-    argv = python_module(
-        "loadtest.baselines.dispatcher",
-        "--small-url",
-        urls["small"],
-        "--large-url",
-        urls["large"],
-        "--tokenizer",
-        bench.large_dir,
-        "--p",
-        str(p),
-        "--port",
-        str(port),
-    )
+    argv = python_module("loadtest.baselines.dispatcher", "--small-url", urls["small"],
+                         "--large-url", urls["large"], "--tokenizer", bench.large_dir,
+                         "--p", str(p), "--port", str(port))  # fmt: skip
     return start_server(name, argv, port, bench.log_dir)
 
 

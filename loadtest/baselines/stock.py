@@ -26,36 +26,12 @@ def stock_command(
     if kind == "vllm" or (
         kind == "auto" and device != "cpu" and importlib.util.find_spec("vllm") is not None
     ):
-        return [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-        ]
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
     exe = shutil.which("transformers") or str(Path(sys.executable).parent / "transformers")
-    return [
-        exe,
-        "serve",
-        "--continuous-batching",
-        "--cb-num-blocks",
-        str(kv_blocks),
-        "--cb-block-size",
-        "32",
-        "--device",
-        device,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        model,
-    ]
+    return [exe, "serve", "--continuous-batching", "--cb-num-blocks", str(kv_blocks),
+            "--cb-block-size", "32", "--device", device, "--host", "127.0.0.1",
+            "--port", str(port), "--log-level", "warning", model]  # fmt: skip
 
 
 def launch_stock(

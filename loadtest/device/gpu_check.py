@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
+import functools
 import json
 import platform
 import random
@@ -34,11 +34,10 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import (
-    AutoModelForCausalLM,
-)
+from transformers import AutoModelForCausalLM
 
 from loadtest.device import gpu_flagship
+from loadtest.device.gpu_flagship import release, sync
 from tokenrouter_ray.engine.attention import flash_attn_unusable
 from tokenrouter_ray.engine.config import EngineConfig
 from tokenrouter_ray.engine.engine import Engine
@@ -168,19 +167,6 @@ def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 def prompts_of(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(k)] for k in lengths]
-
-
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def release() -> None:
-    """Free the last check's engines (KV caches, graph pools) before the next."""
-    gc.collect()
-    if DEVICE == "cuda":
-        with contextlib.suppress(RuntimeError):  # a sticky CUDA error: the next check says
-            torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------- checks
@@ -328,10 +314,6 @@ def busy_problem(busy: BusyThread, during: int, minimum: int) -> str | None:
     return None
 
 
-def check_capture_threads(tmp: Path, report: dict) -> bool:
-    return check_capture(tmp, report, background=True)
-
-
 def check_exact(tmp: Path, report: dict) -> bool:
     ok = True
     prompts = prompts_of(256, PROMPT_LENGTHS, seed=1)
@@ -460,27 +442,15 @@ def check_tensor_parallel(tmp: Path, report: dict) -> bool | None:
     return check_tp(tmp, report, 2, "cpu", small, (1, 4), steps=3)
 
 
-def check_flagship_small(tmp: Path, report: dict) -> bool:
-    return gpu_flagship.check_flagship("qwen3_0.6b", report)
-
-
-def check_flagship_large(tmp: Path, report: dict) -> bool:
-    return gpu_flagship.check_flagship("qwen3_32b", report)
-
-
-def check_nccl_graph(tmp: Path, report: dict) -> bool:
-    return gpu_flagship.check_nccl_graph(report)
-
-
 CHECKS: list[tuple[str, Callable[[Path, dict], bool | None]]] = [
     ("capture", check_capture),
-    ("capture_threads", check_capture_threads),
+    ("capture_threads", functools.partial(check_capture, background=True)),
     ("exact", check_exact),
     ("graphs_bf16", check_graphs_bf16),
     ("flash", check_flash),
-    ("flagship_qwen3_0.6b", check_flagship_small),
-    ("flagship_qwen3_32b", check_flagship_large),
-    ("nccl_graph", check_nccl_graph),
+    ("flagship_qwen3_0.6b", lambda _, report: gpu_flagship.check_flagship("qwen3_0.6b", report)),
+    ("flagship_qwen3_32b", lambda _, report: gpu_flagship.check_flagship("qwen3_32b", report)),
+    ("nccl_graph", lambda _, report: gpu_flagship.check_nccl_graph(report)),
     ("tensor_parallel", check_tensor_parallel),
 ]
 # Checks whose failure leaves the engine's speed meaningful: they run after the benchmark

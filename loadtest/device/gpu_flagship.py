@@ -313,7 +313,7 @@ def check_flagship(name: str, report: dict) -> bool:
                 ok_peak = beyond <= reserve
             out["peak_within_reserve"] = ok_peak
         del eng  # freed before the next engine is built: never two KV caches at once
-        _free()
+        release()
     tokens = {g: {r: [t for t, _ in v] for r, v in run.items()} for g, run in runs.items()}
     out["sampled_tokens_equal"] = tokens[True] == tokens[False]
     out["logprobs_equal"] = runs[True] == runs[False]
@@ -330,12 +330,13 @@ def check_flagship(name: str, report: dict) -> bool:
     )
 
 
-def _free() -> None:
+def release() -> None:
+    """Free the last check's engines (KV caches, graph pools) before the next."""
     import gc
 
     gc.collect()
     if DEVICE == "cuda":
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(RuntimeError):  # a sticky CUDA error: the next check says
             torch.cuda.empty_cache()
 
 
@@ -556,7 +557,7 @@ def bench_flagship(report: dict, deadline: float, save: Callable[[], None] = lam
         out[name] = rows
         save()
         del eng
-        _free()
+        release()
     if DEVICE == "cuda" and time.monotonic() < deadline:  # the sampler, batch 64, vocab 151936
         logits = torch.randn(64, 151936, device=DEVICE) * 4
         seeds, positions = list(range(64)), [100 + i for i in range(64)]
