@@ -400,21 +400,22 @@ def test_by_destination_keeps_first_seen_order_and_message_order() -> None:
     assert by_destination([]) == {}
 
 
-def test_route_thresholds_travel_with_the_sampling_and_are_checked_on_decode() -> None:
-    """A request's own routing threshold(s) ride in ``SamplingSpec``; a frame with
+def test_route_thresholds_travel_with_the_route_state_and_are_checked_on_decode() -> None:
+    """A request's own routing threshold(s) ride in ``RouteState``; a frame with
     one outside [0, 1], NaN or not a number is refused, not run."""
-    spec = SamplingSpec(max_tokens=4, route_thresholds=(0.25, 1.0))
-    m = PeerReq("r", "ingress/0", "small/0", MsgKind.NEW, 0, [1], sampling=spec)
-    assert decode(encode(m)).sampling.route_thresholds == (0.25, 1.0)
-    assert decode(encode(msg("r", MsgKind.NEW, 0))).sampling is None
+    route = RouteState("ingress/0", 1, thresholds=(0.25, 1.0))
+    spec = SamplingSpec(max_tokens=4)
+    m = PeerReq("r", "ingress/0", "small/0", MsgKind.NEW, 0, [1], sampling=spec, route=route)
+    assert decode(encode(m)).route.thresholds == (0.25, 1.0)
+    assert decode(encode(msg("r", MsgKind.NEW, 0))).route is None
     for bad in (math.nan, 1.5, -0.1, math.inf):
-        with pytest.raises(ValueError, match="route_thresholds"):
-            SamplingSpec(route_thresholds=(bad,))
+        with pytest.raises(ValueError, match="thresholds"):
+            RouteState("ingress/0", 1, thresholds=(bad,))
         raw = msgspec.msgpack.decode(encode(m))
-        raw[10][-1] = [0.5, bad]
-        with pytest.raises(ProtocolError, match="route_thresholds"):
+        raw[11][-1] = [0.5, bad]
+        with pytest.raises(ProtocolError, match="thresholds"):
             decode(msgspec.msgpack.encode(raw))
     raw = msgspec.msgpack.decode(encode(m))
-    raw[10][-1] = ["high"]
+    raw[11][-1] = ["high"]
     with pytest.raises(ProtocolError):
         decode(msgspec.msgpack.encode(raw))

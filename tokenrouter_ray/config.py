@@ -238,7 +238,7 @@ class PolicySpec(_Strict):
         return threshold_levels(self.name, num_models)
 
     def preset_thresholds(self) -> dict[str, tuple[float, ...]]:
-        """Every preset as the ``SamplingSpec.route_thresholds`` it stands for."""
+        """Every preset as the ``RouteState.thresholds`` it stands for."""
         return {
             name: tuple(value) if isinstance(value, list) else (value,)
             for name, value in self.presets.items()

@@ -156,12 +156,14 @@ class LocalRuntime:
         request_id: str | None = None,
         alone: str | None = None,
         max_share: float | None = None,
+        thresholds: tuple[float, ...] = (),
     ) -> RequestResult:
         """One request to its end; ``alone``: served by that model by itself (bypass);
-        ``max_share``: its cap on the top model's share (``capped_dst``)."""
+        ``max_share``: its cap on the top model's share (``capped_dst``); ``thresholds``:
+        its own decision threshold(s) (``RouteState.thresholds``; (): the policy's)."""
         rid = request_id or f"local-{next(self._ids)}"
         try:
-            await self.submit(rid, prompt, sampling, alone, max_share)
+            await self.submit(rid, prompt, sampling, alone, max_share, thresholds)
             return await self.ingress.result(rid)
         finally:
             self.placement.release(rid)
@@ -173,10 +175,11 @@ class LocalRuntime:
         sampling: SamplingSpec,
         alone: str | None = None,
         max_share: float | None = None,
+        thresholds: tuple[float, ...] = (),
     ) -> None:
         """Send a request to the ingress core; with ``place_at_ingress``, placed first (its
         replicas stay counted until ``placement.release(rid)``)."""
-        own = {"alone": alone, "max_share": max_share}
+        own = {"alone": alone, "max_share": max_share, "thresholds": thresholds}
         if not self.place_at_ingress or alone is not None:
             await self.ingress.submit(rid, list(prompt), sampling, **own)
             return

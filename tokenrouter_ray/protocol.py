@@ -37,7 +37,7 @@ import msgspec
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.errors import UserFacingError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Wire version of `PeerReq`, sent as the first element of every encoded message.
 
 Messages are positional arrays. An optional field may be appended at the end of `PeerReq`
@@ -47,10 +47,11 @@ rejects versions it does not speak with `ProtocolError`.
 
 v2: typed `RouteState` and `FinishSummary` instead of string keys in `extras`.
 v3: `MsgKind.ACTIVE` (an ingress's active-request count); `active_requests` optional.
-Optional fields appended since, without a bump (a peer without them ignores them, so a
+v4: a request's own routing thresholds ride in `RouteState.thresholds`, not in `SamplingSpec`.
+Optional fields appended since v3, without a bump (a peer without them ignores them, so a
 deployment must not mix builds while requests use them): per-token reports and per-request
-metrics, the sampling penalties, `logit_bias` and `min_tokens`, `MsgKind.DRAIN`, a
-request's own `route_thresholds`, `RouteState.alone` and `.max_share`.
+metrics, the sampling penalties, `logit_bias` and `min_tokens`, `MsgKind.DRAIN`,
+`RouteState.alone` and `.max_share`.
 """
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -134,6 +135,14 @@ class RouteState(msgspec.Struct, array_like=True, frozen=True):
     cached_tokens: NonNegative | None = None  # prompt tokens the entry found in its cache
     alone: str | None = None  # the model serving it alone: no policy, no handoffs (bypass)
     max_share: float | None = None  # cap on the top model's share of the output (capped_dst)
+    # the request's own decision threshold(s) (the API's `routing`), each in [0, 1]; empty:
+    # the policy's configured one; one: at every model; k: one per escalation level
+    # (routing/policy.py `row_threshold`)
+    thresholds: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(not 0 <= t <= 1 for t in self.thresholds):  # NaN fails too
+            raise ValueError(f"route thresholds must be in [0, 1], got {self.thresholds}")
 
 
 class FinishSummary(msgspec.Struct, array_like=True, frozen=True):

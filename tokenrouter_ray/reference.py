@@ -15,8 +15,11 @@ A request with a grammar (``sampling.grammar``) is masked here too, by one match
 model that follows the whole sequence (``grammars``: each model's ``GrammarBook``, by
 name), and routed on masked or raw logits as the policy says, as the runtime does.
 
-A request's own routing threshold (``sampling.route_thresholds``, the API's ``routing``
-field) replaces the policy's configured one here too, at every model it visits.
+A request's own routing threshold(s) (``thresholds``: the API's ``routing`` field, which
+the runtime carries in ``RouteState.thresholds``) replace the policy's configured one here
+too, at every model it visits. The policy decides through ``decide`` on its device path
+(``route`` on the masked or raw logits) even where it has a host path, so where the runtime
+takes the host path the comparison checks that the two agree as well.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from tokenrouter_ray.routing.policy import (
     RequestView,
     RouteBatch,
     capped_dst,
+    decide,
     threshold_overrides,
 )
 
@@ -65,8 +69,10 @@ def reference_generate(
     seed: int,
     grammars: dict[str, GrammarBook] | None = None,
     max_share: float | None = None,
+    thresholds: Sequence[float] = (),
 ) -> ReferenceResult:
-    """``max_share``: the request's cap on the top model's share (``capped_dst``)."""
+    """``max_share``: the request's cap on the top model's share (``capped_dst``);
+    ``thresholds``: its own decision threshold(s) (``row_threshold``; (): the policy's)."""
     names = [n for n, _ in models]
     sequence = list(prompt)
     result = ReferenceResult()
@@ -103,9 +109,9 @@ def reference_generate(
             is_first=torch.tensor([len(sequence) == len(prompt)]),
             seeds=[seed],
             embed=model.get_input_embeddings(),
-            threshold_overrides=threshold_overrides([sampling.route_thresholds], active),
+            threshold_overrides=threshold_overrides([thresholds], active),
         )
-        dst = int(policy.route_on_view(batch)[0])
+        dst = decide(policy, batch, host=False)[0]
         top = len(names) - 1
         top_tokens = result.counts.get(names[top], 0)
         dst = capped_dst(dst, active, top, top_tokens, len(result.token_ids), max_share)

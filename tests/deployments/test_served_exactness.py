@@ -239,12 +239,11 @@ def test_served_demo_r2r_equals_the_reference(serve_app) -> None:
         )  # fmt: skip
         prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
         threshold = presets.get(routing.get("quality"), routing.get("threshold"))
-        sampling = SamplingParams(
-            temperature=0.0, max_tokens=DEMO_TOKENS, route_thresholds=(float(threshold),)
-        )
+        sampling = SamplingParams(temperature=0.0, max_tokens=DEMO_TOKENS)
         ref = reference_generate(
-            models, policy, prompt, sampling, seed=0, max_share=routing.get("max_large_share")
-        )
+            models, policy, prompt, sampling, seed=0, max_share=routing.get("max_large_share"),
+            thresholds=(float(threshold),),
+        )  # fmt: skip
         references.append((tokenizer.decode(ref.token_ids, skip_special_tokens=True), ref))
     assert sum(ref.handoffs for _, ref in references) > 5  # real routing on real models
     assert any(ref.counts.get("small") for _, ref in references)

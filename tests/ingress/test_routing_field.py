@@ -138,8 +138,8 @@ def test_a_preset_routes_as_its_configured_threshold(served_chain_dirs) -> None:
             return choice.text, choice.model_extra["routing"]["tokens_per_model"]
 
         async def direct(thresholds: tuple[float, ...]) -> tuple[list[int], dict[str, int]]:
-            spec = SamplingSpec(temperature=0.0, max_tokens=16, seed=3, route_thresholds=thresholds)
-            done = await runtime.complete(PROMPT, spec)
+            spec = SamplingSpec(temperature=0.0, max_tokens=16, seed=3)
+            done = await runtime.complete(PROMPT, spec, thresholds=thresholds)
             return done.token_ids, done.counts
 
         for name, thresholds in PRESETS.items():
@@ -168,7 +168,7 @@ def test_a_model_alone_and_a_capped_share_through_the_api(served_chain_dirs) -> 
             choice = response.choices[0]
             return ids_of(choice.text), choice.model_extra["routing"]
 
-        spec = SamplingSpec(temperature=0.0, max_tokens=16, seed=3, route_thresholds=(0.0,))
+        spec = SamplingSpec(temperature=0.0, max_tokens=16, seed=3)
         ids, routing = await ask({"model": "large"})
         assert routing == {
             "tokens_per_model": {"large": 16},
@@ -176,10 +176,10 @@ def test_a_model_alone_and_a_capped_share_through_the_api(served_chain_dirs) -> 
             "mode": "alone",
             "reason": "request",
         }
-        alone = await runtime.complete(PROMPT, spec, alone="large")
+        alone = await runtime.complete(PROMPT, spec, alone="large", thresholds=(0.0,))
         assert ids == alone.token_ids
         ids, routing = await ask({"quality": "high", "max_large_share": 0.25})
-        capped = await runtime.complete(PROMPT, spec, max_share=0.25)
+        capped = await runtime.complete(PROMPT, spec, max_share=0.25, thresholds=(0.0,))
         assert ids == capped.token_ids and routing["tokens_per_model"] == capped.counts
         assert routing["mode"] == "routed" and capped.counts["large"] <= 4
         assert (await ask({"quality": "high"}))[1]["tokens_per_model"] == {"large": 16}

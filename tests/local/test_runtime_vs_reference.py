@@ -270,15 +270,17 @@ def outcome(result) -> tuple:
     return (result.token_ids, result.counts, result.handoffs, result.finish_reason)
 
 
-def run_local_each(policy, engines, specs: list[SamplingSpec], caps=None):
-    """One runtime, one request per spec (with its cap on the top model's share), at once."""
+def run_local_each(policy, engines, specs: list[SamplingSpec], caps=None, thresholds=None):
+    """One runtime, one request per spec (with its cap on the top model's share and its own
+    thresholds), at once."""
     caps = caps or [None] * len(specs)
+    thresholds = thresholds or [()] * len(specs)
 
     async def go():
         async with LocalRuntime(engines, policy, InProcChannel) as runtime:
             work = (
-                runtime.complete(p, s, max_share=cap)
-                for p, s, cap in zip(prompts(len(specs)), specs, caps, strict=True)
+                runtime.complete(p, s, max_share=cap, thresholds=t)
+                for p, s, cap, t in zip(prompts(len(specs)), specs, caps, thresholds, strict=True)
             )
             results = await asyncio.wait_for(asyncio.gather(*work), 120)
             await runtime.wait_idle()
@@ -297,16 +299,14 @@ def test_per_request_thresholds_equal_reference(name, chain_dirs, chain_referenc
     options, names = CASES[name]
     policy = build_policy(name, options, names)
     thresholds = request_thresholds(name)
-    specs = [
-        SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED, route_thresholds=t)
-        for t in thresholds
-    ]
-    results = run_local_each(policy, chain_engines(chain_dirs, names), specs)
+    specs = [SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED) for _ in thresholds]
+    engines = chain_engines(chain_dirs, names)
+    results = run_local_each(policy, engines, specs, thresholds=thresholds)
     models = [(n, chain_reference_models[n]) for n in names]
     changed = 0
     for prompt, got, t in zip(prompts(), results, thresholds, strict=True):
-        sampling = SamplingParams(max_tokens=MAX_TOKENS, route_thresholds=t)
-        want = reference_generate(models, policy, prompt, sampling, SEED)
+        sampling = SamplingParams(max_tokens=MAX_TOKENS)
+        want = reference_generate(models, policy, prompt, sampling, SEED, thresholds=t)
         assert got.error is None
         assert outcome(got) == outcome(want), f"{name}: request with thresholds {t}"
         if t:
@@ -333,8 +333,9 @@ def test_extreme_thresholds_route_as_expected(name, chain_dirs, chain_reference_
             models,
             policy,
             prompt,
-            SamplingParams(max_tokens=MAX_TOKENS, route_thresholds=(t,)),
+            SamplingParams(max_tokens=MAX_TOKENS),
             SEED,
+            thresholds=(t,),
         )
         for t in (never, 1.0 - never)
     }
@@ -408,21 +409,20 @@ def test_per_request_caps_on_the_large_share_equal_reference(
     policy = build_policy(name, options, names)
     caps = [None, 0.0, 0.1, 0.25, 0.4, 0.6, 0.9, 1.0]
     thresholds = [()] * 6 + ([(0.9,), (0.1,)] if name in THRESHOLD_POLICIES else [()] * 2)
-    specs = [
-        SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED, route_thresholds=t)
-        for t in thresholds
-    ]
-    results = run_local_each(policy, chain_engines(chain_dirs, names), specs, caps)
+    specs = [SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED) for _ in thresholds]
+    results = run_local_each(policy, chain_engines(chain_dirs, names), specs, caps, thresholds)
     models = [(n, chain_reference_models[n]) for n in names]
     bound = 0
     for prompt, got, cap, t in zip(prompts(), results, caps, thresholds, strict=True):
-        sampling = SamplingParams(max_tokens=MAX_TOKENS, route_thresholds=t)
-        want = reference_generate(models, policy, prompt, sampling, SEED, max_share=cap)
+        sampling = SamplingParams(max_tokens=MAX_TOKENS)
+        want = reference_generate(
+            models, policy, prompt, sampling, SEED, max_share=cap, thresholds=t
+        )
         assert got.error is None
         assert outcome(got) == outcome(want)
         top = got.counts.get(names[-1], 0)
         if cap is not None:
             assert top <= cap * len(got.token_ids) + 1e-9
-            free = reference_generate(models, policy, prompt, sampling, SEED)
+            free = reference_generate(models, policy, prompt, sampling, SEED, thresholds=t)
             bound += free.counts != want.counts
     assert bound >= 2

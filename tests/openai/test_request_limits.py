@@ -107,7 +107,7 @@ def test_stop_token_ids_count_is_checked_after_parsing_too() -> None:
 def test_n_times_max_tokens() -> None:
     body = {"model": "m", "prompt": [1, 2, 3], "n": 4, "max_tokens": 16}
     prepared = prepare_completion(parse_request(CompletionRequest, body), None, LIMITS)
-    assert prepared.sampling.n == 4 and prepared.sampling.max_tokens == 16  # 64: at the cap
+    assert prepared.sampling.n == 4 and prepared.sampling.spec.max_tokens == 16  # 64: at the cap
     with pytest.raises(LimitExceededError) as exc:
         prepare_completion(
             parse_request(CompletionRequest, body | {"max_tokens": 17}), None, LIMITS

@@ -258,7 +258,7 @@ def test_the_grammar_leaves_thinking_free(thinking: bool) -> None:
         tokenizer,
         RequestLimits(max_model_len=4096, vocab_size=len(tokenizer)),
     )
-    spec = prepared.sampling.grammar
+    spec = prepared.sampling.spec.grammar
     book = GrammarBook.for_tokenizer(tokenizer, VOCAB_SIZE, [tokenizer.eos_token_id])
 
     def accepts(text: str) -> bool:

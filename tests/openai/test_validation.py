@@ -20,6 +20,7 @@ from tokenrouter_ray.openai import (
     prepare_chat,
     prepare_completion,
 )
+from tokenrouter_ray.protocol import SamplingSpec
 
 LIMITS = RequestLimits(max_model_len=64, vocab_size=49152)
 
@@ -37,7 +38,9 @@ def chat(tokenizer: Any, limits: RequestLimits = LIMITS, **fields: Any) -> Any:
 def test_completion_prompt_is_tokenized(demo_tokenizer: Any) -> None:
     prepared = completion(demo_tokenizer)
     assert prepared.prompt_token_ids == demo_tokenizer.encode("Hello there")
-    assert prepared.sampling == SamplingOptions(max_tokens=16)  # OpenAI's defaults
+    assert prepared.sampling == SamplingOptions(
+        SamplingSpec(max_tokens=16, temperature=1.0)
+    )  # OpenAI's defaults
     assert completion(demo_tokenizer, prompt=[5, 6, 7]).prompt_token_ids == [5, 6, 7]
 
 
@@ -48,19 +51,24 @@ def test_sampling_options_carry_every_field(demo_tokenizer: Any) -> None:
         stop_token_ids=[2], repetition_penalty=1, max_tokens=8,
     ).sampling  # fmt: skip
     assert s == SamplingOptions(
-        max_tokens=8, temperature=0.0, top_p=0.9, top_k=40,
-        seed=7, stop=("\n", "##"), stop_token_ids=(2,), ignore_eos=True, n=3, stream=True,
-        include_usage=True,
+        SamplingSpec(
+            max_tokens=8, temperature=0.0, top_p=0.9, top_k=40, seed=7, stop_token_ids=(2,),
+            ignore_eos=True,
+        ),
+        stop=("\n", "##"), n=3, stream=True, include_usage=True,
     )  # fmt: skip
 
 
 def test_to_spec_gives_each_choice_its_own_seed() -> None:
-    options = SamplingOptions(max_tokens=5, seed=10, n=2, stop_token_ids=(2,), top_k=3)
+    options = SamplingOptions(
+        SamplingSpec(max_tokens=5, seed=10, stop_token_ids=(2,), top_k=3, temperature=1.0), n=2
+    )
     specs = [options.to_spec(i) for i in range(2)]
     assert [s.seed for s in specs] == [10, 11]
     assert specs[0].max_tokens == 5 and specs[0].stop_token_ids == (2,) and specs[0].top_k == 3
-    assert SamplingOptions(max_tokens=1, seed=-1).to_spec(0).seed == (1 << 63) - 1
-    assert SamplingOptions(max_tokens=1).to_spec(1).seed is None  # the ingress picks one
+    assert SamplingOptions(SamplingSpec(max_tokens=1, seed=-1)).to_spec(0).seed == (1 << 63) - 1
+    unseeded = SamplingOptions(SamplingSpec(max_tokens=1))
+    assert unseeded.to_spec(1).seed is None  # the ingress picks one
 
 
 def test_sampling_parity_fields_reach_the_engine_spec(demo_tokenizer: Any) -> None:
@@ -80,7 +88,9 @@ def test_sampling_parity_fields_reach_the_engine_spec(demo_tokenizer: Any) -> No
         detok = prepared.detokenizer(demo_tokenizer)
         assert detok.include_stop and not detok.skip_special_tokens and detok.min_tokens == 4
     plain = completion(demo_tokenizer).sampling
-    assert plain.to_spec(0) == SamplingOptions(max_tokens=16).to_spec(0)
+    assert plain.to_spec(0) == SamplingOptions(
+        SamplingSpec(max_tokens=16, temperature=1.0)
+    ).to_spec(0)
     assert not plain.to_spec(0).has_processors and plain.skip_special_tokens
 
 
@@ -103,18 +113,19 @@ def test_sampling_parity_limits_that_need_the_model(
 
 def test_max_tokens_null_means_rest_of_context(demo_tokenizer: Any) -> None:
     prompt_len = len(demo_tokenizer.encode("Hello there"))
-    assert completion(demo_tokenizer, max_tokens=None).sampling.max_tokens == 64 - prompt_len
+    assert completion(demo_tokenizer, max_tokens=None).sampling.spec.max_tokens == 64 - prompt_len
     capped = RequestLimits(max_model_len=64, max_output_tokens=10)
-    assert completion(demo_tokenizer, capped, max_tokens=None).sampling.max_tokens == 10
+    assert completion(demo_tokenizer, capped, max_tokens=None).sampling.spec.max_tokens == 10
     chat_prompt_len = len(chat(demo_tokenizer, RequestLimits(max_model_len=4096)).prompt_token_ids)
     big = RequestLimits(max_model_len=4096)
-    assert chat(demo_tokenizer, big).sampling.max_tokens == 4096 - chat_prompt_len
+    assert chat(demo_tokenizer, big).sampling.spec.max_tokens == 4096 - chat_prompt_len
 
 
 def test_chat_budget(demo_tokenizer: Any) -> None:
     big = RequestLimits(max_model_len=4096)
     assert (
-        chat(demo_tokenizer, big, max_tokens=9, max_completion_tokens=20).sampling.max_tokens == 9
+        chat(demo_tokenizer, big, max_tokens=9, max_completion_tokens=20).sampling.spec.max_tokens
+        == 9
     )
 
 

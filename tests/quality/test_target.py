@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.ingress.openai_server import IngressServer
-from tokenrouter_ray.openai.validation import PreparedRequest, SamplingOptions
+from tokenrouter_ray.openai.validation import PreparedRequest, RoutingChoice, SamplingOptions
+from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.quality.settings import QualityTargetSpec
 from tokenrouter_ray.quality.target import QualityTarget
 
@@ -127,8 +128,9 @@ def test_without_bypass_the_top_rung_is_the_last_preset() -> None:
 
 
 def prepared(routing_default: bool) -> PreparedRequest:
-    sampling = SamplingOptions(max_tokens=4, route_thresholds=(0.5,), route_default=routing_default)
-    return PreparedRequest("m", [1, 2], sampling)
+    sampling = SamplingOptions(SamplingSpec(max_tokens=4))
+    routing = RoutingChoice(thresholds=(0.5,), default=routing_default)
+    return PreparedRequest("m", [1, 2], sampling, routing=routing)
 
 
 def test_only_requests_without_routing_follow_the_target() -> None:
@@ -136,13 +138,13 @@ def test_only_requests_without_routing_follow_the_target() -> None:
     assert server.follow_target(prepared(True)) == prepared(True)  # no monitor: unchanged
     t = target()
     server.quality = SimpleNamespace(target=t)  # type: ignore[assignment]
-    followed = server.follow_target(prepared(True)).sampling
-    assert (followed.route_thresholds, followed.route_alone) == ((), "large")
-    assert not followed.route_default
-    kept = server.follow_target(prepared(False)).sampling
-    assert (kept.route_thresholds, kept.route_alone) == ((0.5,), None)
+    followed = server.follow_target(prepared(True)).routing
+    assert (followed.thresholds, followed.alone) == ((), "large")
+    assert not followed.default
+    kept = server.follow_target(prepared(False)).routing
+    assert (kept.thresholds, kept.alone) == ((0.5,), None)
     t.index = 1
-    assert server.follow_target(prepared(True)).sampling.route_thresholds == (0.5,)
+    assert server.follow_target(prepared(True)).routing.thresholds == (0.5,)
 
 
 def test_config_checks_the_ladder_start_and_sampling() -> None:

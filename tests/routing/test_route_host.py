@@ -1,6 +1,7 @@
 """A policy's host path (``route_host``) gives the same destinations as its device path
 (``route``), row for row, at every batch size (both of bernoulli's draw paths) and at both
-models; and ``RouteBatch.of_step`` moves a per-row field to the device only when read."""
+models, and ``decide`` gives them by either path; ``RouteBatch.of_step`` moves a per-row
+field to the device only when read."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from tokenrouter_ray.engine.outputs import StepResult
 from tokenrouter_ray.routing.baselines import SCALAR_ROWS
-from tokenrouter_ray.routing.policy import EscalateOnce, RouteBatch, build_policy
+from tokenrouter_ray.routing.policy import EscalateOnce, RouteBatch, build_policy, decide
 
 VOCAB = 11
 
@@ -58,7 +59,8 @@ def test_host_route_equals_device_route(name: str, options: dict) -> None:
                 if host is not None:
                     hosted += 1
                     assert host == device, (name, size, model)
-                assert policy.route_step(batch) == device
+                assert decide(policy, batch) == device
+                assert decide(policy, batch, host=False) == device
     # the large model of an escalate-once policy never needs the device
     assert hosted >= 25
 
@@ -76,7 +78,7 @@ def test_a_policy_routing_its_own_way_keeps_the_device_path() -> None:
     policy = Custom(Custom.Config(), ["small", "large"])
     batch = _batch(1, 4, random.Random(3))
     assert policy.route_host(batch) is None
-    assert policy.route_step(batch) == [1, 1, 1, 1]
+    assert decide(policy, batch) == [1, 1, 1, 1]
 
 
 def test_of_step_moves_a_field_to_the_device_only_when_read() -> None:
@@ -104,7 +106,7 @@ def test_a_host_only_step_builds_its_sampled_tensor_only_when_read() -> None:
         batch = RouteBatch.of_step(
             0, step, prev_tokens=[0] * size, is_first=[False] * size, seeds=list(range(size))
         )
-        host = policy.route_step(batch)
+        host = decide(policy, batch)
         assert step.__dict__["_sampled"] is None  # routed without it
         with torch.inference_mode():
             assert policy.route(batch).tolist() == host  # reads the device: built now

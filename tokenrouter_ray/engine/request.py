@@ -85,9 +85,10 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     """Per-request sampling; ``temperature == 0`` is greedy.
 
     The one sampling type from the OpenAI layer to the sampler: the OpenAI layer builds it
-    (``SamplingOptions.to_spec``), it travels on a request's first visit to each model
+    once (``SamplingOptions.spec``), it travels on a request's first visit to each model
     (``PeerReq.sampling``; the protocol calls it ``SamplingSpec``), and the engine samples
     and stops by it. Invalid values raise ``ValueError`` (on decode: ``ProtocolError``).
+    Routing is not sampling: a request's routing inputs ride in ``RouteState``.
 
     ``cache_salt`` (vLLM's field, appended last too) keeps tenants' prefix caches apart:
     a request's KV blocks are only shared with requests carrying the same salt.
@@ -108,10 +109,6 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     ``grammar`` (appended last): a structured-output grammar every model masks its logits
     with before sampling this request (engine/grammar.py); None: unconstrained.
 
-    ``route_thresholds`` (appended last; the API's ``routing`` field): the routing policy's
-    decision threshold for this request only, in [0, 1]. Empty: the policy's configured
-    one; one value: that, at every model; k values: one per escalation level
-    (``routing/policy.py row_threshold``). The engine only carries it; the policy reads it.
     """
 
     temperature: float = 0.0
@@ -131,7 +128,6 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100), ids ascending
     min_tokens: int = 0  # EOS / stop_token_ids masked until this many output tokens exist
     grammar: GrammarSpec | None = None  # structured outputs: the tokens every model may write
-    route_thresholds: tuple[float, ...] = ()  # per-request routing threshold(s); (): policy's
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -163,8 +159,6 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
             raise ValueError("logit_bias token ids must be >= 0, distinct and ascending")
         if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
             raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
-        if any(not 0 <= t <= 1 for t in self.route_thresholds):  # NaN fails too
-            raise ValueError(f"route_thresholds must be in [0, 1], got {self.route_thresholds}")
 
     @property
     def is_greedy(self) -> bool:

@@ -175,6 +175,7 @@ class _Live:
         self.seen_seq = 0  # highest handoff_seq on a commit: handoffs so far, at least
         self.alone: str | None = None  # the model serving it alone (bypass), if any
         self.max_share: float | None = None  # its cap on the top model's share, if any
+        self.thresholds: tuple[float, ...] = ()  # its own decision threshold(s), if any
 
     @property
     def complete(self) -> bool:
@@ -336,12 +337,14 @@ class IngressCore:
         endpoints: Mapping[str, str] | None = None,
         alone: str | None = None,
         max_share: float | None = None,
+        thresholds: tuple[float, ...] = (),
     ) -> str:
         """Send NEW to ``entry`` (default: ``entry_endpoint()``); ``endpoints`` (model ->
         the replica to use) ride on it. ``alone``: the model that serves the request by
         itself (single-model bypass: no policy, no handoffs); ``entry`` is then one of its
         replicas (default: the first). ``max_share``: its cap on the top model's share of the
-        output (``routing/policy.py capped_dst``). Returns the endpoint it was sent to. A
+        output (``routing/policy.py capped_dst``); ``thresholds``: its own decision
+        threshold(s) (``RouteState.thresholds``). Returns the endpoint it was sent to. A
         failed send forgets the request and raises (nothing was started)."""
         if rid in self.live:
             raise ValueError(f"request {rid!r} is already running")
@@ -349,7 +352,7 @@ class IngressCore:
             sampling = msgspec.structs.replace(sampling, seed=draw_seed())
         timeout_s = timeout_s or self.timeout_s
         live = _Live(rid, list(prompt), sampling, timeout_s)
-        live.alone, live.max_share = alone, max_share
+        live.alone, live.max_share, live.thresholds = alone, max_share, tuple(thresholds)
         live.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, rid)
         self.live[rid] = self._wire[rid] = live
         try:
@@ -427,6 +430,7 @@ class IngressCore:
             deadline=live.deadline_wall,
             alone=live.alone,
             max_share=live.max_share,
+            thresholds=live.thresholds,
         )
         return PeerReq(
             rid=live.wire_rid,

@@ -47,7 +47,7 @@ from tokenrouter_ray.openai.sse import (
     sse_error,
 )
 from tokenrouter_ray.openai.token_reports import TokenText
-from tokenrouter_ray.openai.validation import PreparedRequest
+from tokenrouter_ray.openai.validation import PreparedRequest, RoutingChoice
 from tokenrouter_ray.quality.live import LiveQuality
 from tokenrouter_ray.quality.speed import SpeedBypass
 from tokenrouter_ray.transport.base import endpoint_model
@@ -199,12 +199,12 @@ class IngressServer:
         point (``tuner.quality_target``: a preset's thresholds, or the top model alone);
         where that point routes, the speed bypass (``tuner.speed_bypass``) may serve it by
         the top model alone instead. Any other request is left as it is."""
-        sampling = prepared.sampling
+        routing = prepared.routing
         target = self.quality.target if self.quality is not None else None
         bypass = self.bypass
-        if not sampling.route_default or (target is None and bypass is None):
+        if not routing.default or (target is None and bypass is None):
             return prepared
-        thresholds, alone, why = sampling.route_thresholds, sampling.route_alone, sampling.route_why
+        thresholds, alone, why = routing.thresholds, routing.alone, routing.why
         if target is not None:
             thresholds, alone = target.routing()
             why = "quality" if alone is not None else None
@@ -213,11 +213,10 @@ class IngressServer:
             mode, why, level = bypass.choose(self.core.num_active + 1)
             if mode == "alone":
                 thresholds, alone = (), bypass.top
-        sampling = dataclasses.replace(
-            sampling, route_thresholds=thresholds, route_alone=alone, route_default=False,
-            route_why=why, route_level=level,
-        )  # fmt: skip
-        return dataclasses.replace(prepared, sampling=sampling)
+        routing = RoutingChoice(
+            thresholds, alone, routing.max_share, default=False, why=why, level=level
+        )
+        return dataclasses.replace(prepared, routing=routing)
 
     async def respond(
         self, prepared: PreparedRequest, chat: bool, timeout_s: float | None = None
@@ -293,7 +292,7 @@ class IngressServer:
         self, prepared: PreparedRequest, timeout_s: float | None = None
     ) -> list[tuple[str, str]]:
         """Admit the request and send its ``n`` choices: [(request id, entry endpoint)]."""
-        sampling = prepared.sampling
+        sampling, routing = prepared.sampling, prepared.routing
         self.check_admission(sampling.n)
         missing = self.unavailable()
         if missing is not None:
@@ -305,8 +304,8 @@ class IngressServer:
         base = f"{prepared.request_id or 'req'}-{time.time_ns():x}-{next(self._ids)}"
         submitted = []
         try:
-            prompt, salt = prepared.prompt_token_ids, sampling.cache_salt
-            alone = sampling.route_alone
+            prompt, salt = prepared.prompt_token_ids, sampling.spec.cache_salt
+            alone = routing.alone
             for i in range(sampling.n):
                 rid = f"{base}-{i}"
                 entry = self._place_entry(rid, prompt, salt, alone)  # counted before the await
@@ -320,7 +319,8 @@ class IngressServer:
                         timeout_s=timeout_s,
                         endpoints=endpoints,
                         alone=alone,
-                        max_share=sampling.route_max_share,
+                        max_share=routing.max_share,
+                        thresholds=routing.thresholds,
                     )
                 except BaseException:
                     self.placement.release(rid)
@@ -380,13 +380,13 @@ class IngressServer:
         assert done is not None  # only this finally or the task's done callback close it
         if done.error is not None:
             raise choice_error(done)
-        sampling = prepared.sampling
-        if self.bypass is not None and sampling.route_level is not None:
-            mode = "routed" if sampling.route_alone is None else "alone"
-            self.bypass.observe(mode, sampling.route_level, done.e2e_s or 0.0, len(done.token_ids))
+        routing = prepared.routing
+        if self.bypass is not None and routing.level is not None:
+            mode = "routed" if routing.alone is None else "alone"
+            self.bypass.observe(mode, routing.level, done.e2e_s or 0.0, len(done.token_ids))
         if self.quality is not None:
             self.quality.offer(rid, prepared.prompt_token_ids, done.token_ids,
-                               sampling.route_thresholds, sampling.route_alone)  # fmt: skip
+                               routing.thresholds, routing.alone)  # fmt: skip
         last = writer.end(done.writers, done.infos)
         if last is not None and updates is not None:
             self._put(updates, last, gate)

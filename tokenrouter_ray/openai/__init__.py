@@ -1,10 +1,11 @@
 """The OpenAI-compatible API layer, without a server: schemas, validation, detokenization, SSE.
 
 A request body enters through `parse_request` and leaves `prepare_completion` /
-`prepare_chat` as prompt token ids plus `SamplingOptions`; committed token ids come back
-through one `ChoiceWriter` per choice (its `IncrementalDetokenizer`, output parsers and token
-reports: a `ChoiceUpdate` per step, a `ChoiceResult` at the end), and leave as a
-`Completion` / `ChatCompletion` body or as SSE bytes from a `CompletionStream` / `ChatStream`.
+`prepare_chat` as prompt token ids, `SamplingOptions` and a `RoutingChoice`; committed token
+ids come back through one `ChoiceWriter` per choice (its `IncrementalDetokenizer`, output
+parsers and token reports: a `ChoiceUpdate` per step, a `ChoiceResult` at the end), and
+leave as a `Completion` / `ChatCompletion` body or as SSE bytes from a `CompletionStream` /
+`ChatStream`.
 Every failure is an `OpenAIError`, rendered by `error_response` as OpenAI's error envelope.
 Nothing here imports Ray or FastAPI.
 """
@@ -58,6 +59,7 @@ from tokenrouter_ray.openai.sse import (
 from tokenrouter_ray.openai.validation import (
     PreparedRequest,
     RequestLimits,
+    RoutingChoice,
     SamplingOptions,
     check_model,
     parse_request,
@@ -87,6 +89,7 @@ __all__ = [
     "OverloadedError",
     "PreparedRequest",
     "RequestLimits",
+    "RoutingChoice",
     "RoutingInfo",
     "SamplingOptions",
     "StreamOptions",

@@ -80,7 +80,8 @@ class ChoiceWriter:
         streaming: bool = False,
     ) -> None:
         self.index = index
-        self.sampling = prepared.sampling
+        self.sampling = prepared.sampling.spec  # what it reports: logprobs, the routing trace
+        self.routing = prepared.routing
         self.detok = prepared.detokenizer(tokenizer)  # stop strings and tokens, special tokens
         self.parser = prepared.chat_parser() if chat else None  # reasoning / tool calls
         self.chat = chat
@@ -138,9 +139,8 @@ class ChoiceWriter:
             n, done.writers, self.models(done.writers), done.ttft_s, done.mean_itl_s,
             done.e2e_s, done.handoffs, done.summary,
         )  # fmt: skip
-        sampling = self.sampling
         routing = RoutingInfo.of(
-            metrics, done.handoffs, sampling.route_alone is not None, sampling.route_why
+            metrics, done.handoffs, self.routing.alone is not None, self.routing.why
         )
         text, details = detok.text, self.details_left
         if parser is None:
@@ -173,7 +173,7 @@ class ChoiceWriter:
                 )
             )
         trace = None
-        if self.sampling.routing_trace:
+        if self.sampling.trace:
             models = self.models(writers)
             trace = trace_part(self.out, writers, infos, start, end, self.token_text, models)
         return TokenDetails(logprobs, trace)

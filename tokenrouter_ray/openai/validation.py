@@ -1,4 +1,5 @@
-"""From an HTTP body to what the engine needs: prompt token ids and `SamplingOptions`.
+"""From an HTTP body to what the engine needs: prompt token ids, `SamplingOptions` (the
+engine's `SamplingSpec` plus what only the ingress reads) and the request's `RoutingChoice`.
 
 Data enters as raw bytes (or an already-parsed dict) and the served model's `RequestLimits`;
 it leaves as a `PreparedRequest` or as an `OpenAIError` (400 / 404) raised on the way:
@@ -28,9 +29,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenrouter_ray.engine.request import GrammarSpec
@@ -162,44 +164,17 @@ def check_raw_limits(data: Any, limits: RequestLimits) -> None:
 @dataclass(frozen=True)
 class SamplingOptions:
     """Everything about how to generate, from either request kind, with OpenAI's defaults
-    resolved (temperature 1); ``to_spec`` gives the one sampling type the engine runs by,
-    the rest (stop strings, ``n``, streaming) is the ingress's."""
+    resolved (temperature 1): ``spec`` is the engine's `SamplingSpec`, built once here and
+    passed whole (``to_spec`` gives each choice its own seed); the rest (stop strings,
+    ``n``, streaming, the detokenizer's options) is the ingress's."""
 
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
+    spec: SamplingSpec
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
     n: int = 1
     stream: bool = False
     include_usage: bool = False
-    logprobs: int | None = None  # None: not asked; k: each token's and the k most likely
-    routing_trace: bool = False
-    cache_salt: str | None = None  # prefix caching: only equal salts share KV
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # 1: off
-    min_p: float = 0.0  # 0: off
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
-    min_tokens: int = 0
     include_stop_str_in_output: bool = False  # the ingress's (detokenizer), not the engine's
     skip_special_tokens: bool = True
-    grammar: GrammarSpec | None = None  # structured outputs: what every model may write
-    route_thresholds: tuple[float, ...] = ()  # the request's `routing`; (): the policy's
-    route_alone: str | None = None  # the model serving it alone (bypass); None: routed
-    route_max_share: float | None = None  # cap on the top model's share of the output
-    route_default: bool = True  # asked for no `routing`: a quality target may choose it
-    # why it is served routed or alone: request, config (policy.alone), quality (the quality
-    # target's rung), speed / learning / explore (the speed bypass, quality/speed.py)
-    route_why: str | None = None
-    route_level: int | None = None  # the speed bypass's load level; None: not its request
-
-    @property
-    def reports_tokens(self) -> bool:
-        return self.routing_trace or self.logprobs is not None
 
     def to_spec(self, choice_index: int = 0) -> SamplingSpec:
         """The engine's `SamplingSpec` for one choice.
@@ -207,49 +182,50 @@ class SamplingOptions:
         With a seed, choice ``i`` samples with ``seed + i`` (mod 2**63, so non-negative), so
         the ``n`` choices of a seeded request differ but are reproducible.
         """
-        seed = None if self.seed is None else (self.seed + choice_index) % (1 << 63)
-        return SamplingSpec(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=seed,
-            max_tokens=self.max_tokens,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
-            trace=self.routing_trace,
-            cache_salt=self.cache_salt,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            min_p=self.min_p,
-            logit_bias=self.logit_bias,
-            min_tokens=self.min_tokens,
-            grammar=self.grammar,
-            route_thresholds=self.route_thresholds,
-        )
+        seed = self.spec.seed
+        if seed is None:
+            return self.spec
+        return msgspec.structs.replace(self.spec, seed=(seed + choice_index) % (1 << 63))
+
+
+@dataclass(frozen=True)
+class RoutingChoice:
+    """How a request is routed, from its ``routing`` field (or its absence): what travels to
+    the models with its `RouteState` (``thresholds``, ``alone``, ``max_share``) and what the
+    ingress keeps (``default``, ``why``, ``level``)."""
+
+    thresholds: tuple[float, ...] = ()  # its own decision threshold(s); (): the policy's
+    alone: str | None = None  # the model serving it alone (bypass); None: routed
+    max_share: float | None = None  # cap on the top model's share of the output
+    default: bool = True  # asked for no `routing`: a quality target may choose it
+    # why it is served routed or alone: request, config (policy.alone), quality (the quality
+    # target's rung), speed / learning / explore (the speed bypass, quality/speed.py)
+    why: str | None = None
+    level: int | None = None  # the speed bypass's load level; None: not its request
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
     """A validated request, ready to submit ``sampling.n`` times. ``output``: how a chat
     answer is split into reasoning, content and tool calls (None: all content);
-    ``request_id``: the client's ``X-Request-Id`` (its rids start with it)."""
+    ``request_id``: the client's ``X-Request-Id`` (its rids start with it); ``routing``:
+    how it is routed."""
 
     model: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     output: ChatOutputSpec | None = None
     request_id: str | None = None
+    routing: RoutingChoice = RoutingChoice()
 
     def detokenizer(self, tokenizer: Any) -> IncrementalDetokenizer:
         """A fresh detokenizer for one choice: its stop strings and stop tokens (held back,
         and left out of the text unless ``include_stop_str_in_output``; not before
         ``min_tokens``), ``skip_special_tokens``."""
-        s = self.sampling
+        s, spec = self.sampling, self.sampling.spec
         eos = getattr(tokenizer, "eos_token_id", None)
-        stop_ids = set(s.stop_token_ids) | (
-            {eos} if eos is not None and not s.ignore_eos else set()
+        stop_ids = set(spec.stop_token_ids) | (
+            {eos} if eos is not None and not spec.ignore_eos else set()
         )
         return IncrementalDetokenizer(
             tokenizer,
@@ -258,7 +234,7 @@ class PreparedRequest:
             skip_special_tokens=s.skip_special_tokens,
             include_stop_str_in_output=s.include_stop_str_in_output,
             stop_token_ids=stop_ids,
-            min_tokens=s.min_tokens,
+            min_tokens=spec.min_tokens,
         )
 
     def chat_parser(self) -> ChatOutputParser | None:
@@ -306,9 +282,10 @@ def prepare_completion(
         _check_vocab(prompt_ids, "prompt", limits)
     max_tokens = _max_tokens(request.max_tokens, "max_tokens", len(prompt_ids), "prompt", limits)
     _check_total(request.n, max_tokens, "max_tokens", limits)
-    grammar = _grammar(request, limits)
-    sampling = replace(_sampling(request, max_tokens, defaults, limits), grammar=grammar)
-    return PreparedRequest(request.model, prompt_ids, sampling)
+    sampling = _sampling(request, max_tokens, _grammar(request, limits), defaults, limits)
+    return PreparedRequest(
+        request.model, prompt_ids, sampling, routing=_routing(request.routing, limits)
+    )
 
 
 def prepare_chat(
@@ -354,8 +331,10 @@ def prepare_chat(
         max_tool_calls=1 if request.parallel_tool_calls is False else None,
     )
     grammar = _grammar(request, limits, fmt, _thinking(tokenizer, prompt_ids, fmt))
-    sampling = replace(_sampling(request, max_tokens, defaults, limits), grammar=grammar)
-    return PreparedRequest(request.model, prompt_ids, sampling, output)
+    sampling = _sampling(request, max_tokens, grammar, defaults, limits)
+    return PreparedRequest(
+        request.model, prompt_ids, sampling, output, routing=_routing(request.routing, limits)
+    )
 
 
 def _thinking(tokenizer: Any, prompt_ids: Sequence[int], fmt: ReasoningFormat | None) -> str:
@@ -467,6 +446,7 @@ def _max_tokens(
 def _sampling(
     request: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
+    grammar: GrammarSpec | None = None,
     defaults: GenerationDefaults | None = None,
     limits: RequestLimits | None = None,
 ) -> SamplingOptions:
@@ -475,20 +455,16 @@ def _sampling(
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         logprobs = request.logprobs
-    return SamplingOptions(
+    spec = SamplingSpec(
         max_tokens=max_tokens,
         temperature=_default(request.temperature, defaults.temperature, 1.0),
         top_p=_default(request.top_p, defaults.top_p, 1.0),
         top_k=_default(request.top_k, defaults.top_k, 0),
         seed=request.seed,
-        stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids or ()),
         ignore_eos=bool(request.ignore_eos),
-        n=1 if request.n is None else request.n,
-        stream=bool(request.stream),
-        include_usage=request.include_usage,
         logprobs=logprobs,
-        routing_trace=bool(request.routing_trace),
+        trace=bool(request.routing_trace),
         cache_salt=request.cache_salt,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
@@ -496,13 +472,27 @@ def _sampling(
         min_p=_default(request.min_p, defaults.min_p, 0.0),
         logit_bias=_logit_bias(request.logit_bias, limits),
         min_tokens=_min_tokens(request.min_tokens, max_tokens),
+        grammar=grammar,
+    )
+    return SamplingOptions(
+        spec,
+        stop=tuple(request.stop),
+        n=1 if request.n is None else request.n,
+        stream=bool(request.stream),
+        include_usage=request.include_usage,
         include_stop_str_in_output=bool(request.include_stop_str_in_output),
         skip_special_tokens=request.skip_special_tokens is not False,
-        route_thresholds=_route_thresholds(request.routing, limits),
-        route_alone=_route_alone(request.routing, limits),
-        route_max_share=None if request.routing is None else request.routing.max_large_share,
-        route_default=request.routing is None,
-        route_why=_route_why(request.routing, limits),
+    )
+
+
+def _routing(routing: RoutingRequest | None, limits: RequestLimits | None) -> RoutingChoice:
+    """The request's ``routing`` field (or its absence) as its `RoutingChoice`."""
+    return RoutingChoice(
+        thresholds=_route_thresholds(routing, limits),
+        alone=_route_alone(routing, limits),
+        max_share=None if routing is None else routing.max_large_share,
+        default=routing is None,
+        why=_route_why(routing, limits),
     )
 
 
@@ -535,7 +525,7 @@ def _route_thresholds(
     routing: RoutingRequest | None, limits: RequestLimits | None
 ) -> tuple[float, ...]:
     """The request's ``routing`` (shape and range checked by the schema) as the
-    ``SamplingSpec.route_thresholds`` the served policy takes: a 400 naming the field when
+    ``RouteState.thresholds`` the served policy takes: a 400 naming the field when
     the policy has no threshold, the preset is not configured, or a list has the wrong
     length."""
     if routing is None or (routing.threshold is None and routing.quality is None):

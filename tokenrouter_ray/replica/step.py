@@ -71,6 +71,7 @@ from tokenrouter_ray.routing.policy import (
     RouteBatch,
     Send,
     capped_dst,
+    decide,
     host_scores,
     threshold_overrides,
 )
@@ -388,14 +389,16 @@ class Replica:
             return Routed([])
         requests, is_first = self.engine.step_requests(result), result.is_first
         firsts = [r for r, first in zip(requests, is_first, strict=True) if first]
-        # rows whose request is served alone (bypass) or caps the top model's share
+        # each row's routing state: rows whose request is served alone (bypass) or caps the
+        # top model's share, and each row's own threshold(s) ((): the policy's)
         tracked = self.requests.tracked
+        rows = [tracked.get(rid) for rid in result.request_ids]
         own = [
             (row, t)
-            for row, rid in enumerate(result.request_ids)
-            if (t := tracked.get(rid)) is not None and (t.alone or t.max_share is not None)
+            for row, t in enumerate(rows)
+            if t is not None and (t.alone or t.max_share is not None)
         ]
-        if len(own) == len(result.request_ids) and all(t.alone for _, t in own):
+        if len(own) == len(rows) and all(t.alone for _, t in own):
             return Routed([self.index] * len(own), first_tokens=firsts)  # no policy at all
         batch = RouteBatch.of_step(
             self.index,
@@ -404,13 +407,12 @@ class Replica:
             is_first=is_first,
             seeds=result.seeds,
             embed=self._embed,
-            # each row's request's own routing threshold (None when no row has one)
             threshold_overrides=threshold_overrides(
-                [r.sampling.route_thresholds for r in requests], self.index
+                [() if t is None else t.thresholds for t in rows], self.index
             ),
         )
         t0 = time.perf_counter()
-        destinations = self.policy.route_step(batch)
+        destinations = decide(self.policy, batch)
         route_s = time.perf_counter() - t0
         if own:
             destinations = self._own_routing(result, destinations, own)

@@ -43,6 +43,7 @@ class Tracked:
     cached_tokens: int | None = None  # prompt tokens the entry model found in its cache
     alone: str | None = None  # the model serving it alone (bypass): never routed elsewhere
     max_share: float | None = None  # cap on the top model's share of the output
+    thresholds: tuple[float, ...] = ()  # its own decision threshold(s); (): the policy's
 
     @classmethod
     def from_route(cls, rid: str, route: RouteState, sampling: SamplingSpec, seq: int) -> Tracked:

@@ -11,11 +11,13 @@ asks three things:
   runtime copies it to the host only for steps where some request asked for a routing
   trace. docs/user-guide/policies.md says what each policy's score is.
   A policy compares its score with ``batch.thresholds(configured)``: per row, the
-  request's own threshold (the API's ``routing`` field, ``SamplingSpec.route_thresholds``)
-  or the configured one; just the configured float when no row overrides it.
+  request's own threshold (the API's ``routing`` field, ``RouteState.thresholds``) or the
+  configured one; just the configured float when no row overrides it.
   A policy whose decision needs no tensor at all (a seeded draw, a fixed destination, the
   large model of an escalate-once policy) may also answer ``route_host(batch)`` with the
   same destinations as a host list; the runtime's step then touches no device for routing.
+  An ``EscalateOnce`` policy implements the same two shapes one level down: ``escalate``
+  (+ optional ``escalate_host``) says which rows of model 0 the large model takes.
 - ``send(request, dst)``: for a row leaving model ``i``, what travels: whether the sampled
   token is dropped (the destination regenerates that position) and policy extras.
 - ``receive(request, tokens, extras)``: on arrival at the destination, which of the
@@ -23,6 +25,11 @@ asks three things:
 
 Models are indexed from the smallest/entry model (0) upwards. A policy is configured by a
 pydantic model and registered by name (``register_policy``), one policy per file.
+
+Callers never call ``route`` / ``route_host`` themselves: ``decide(policy, batch)`` picks
+the host path or the device path (without autograd, on the masked or raw logits as
+``routes_on_masked_logits`` says) for the replica's step, the sequential reference and the
+tests alike.
 """
 
 from __future__ import annotations
@@ -221,30 +228,6 @@ class Policy(ABC):
         ``route(batch).tolist()`` row for row (tests/routing/test_route_host.py)."""
         return None
 
-    def route_step(self, batch: RouteBatch) -> list[int]:
-        """``route_host`` when the policy has one, else ``route`` without autograd, on the
-        logits this policy routes on; only the index vector leaves the device (the scores
-        ``route`` left in ``batch.scores`` stay there: see ``host_scores``)."""
-        host = self.route_host(batch)
-        if host is not None:
-            return host
-        import torch
-
-        with torch.inference_mode():
-            return self.route_on_view(batch).tolist()
-
-    def route_on_view(self, batch: RouteBatch) -> torch.Tensor:
-        """``route`` on the step as this policy reads it: where some row was constrained by
-        a grammar, ``step.logits`` are the masked logits if ``routes_on_masked_logits``,
-        else the raw ones (as without a grammar). Scores land on ``batch``."""
-        step = batch.step
-        if not self.routes_on_masked_logits or step.masked_logits is None:
-            return self.route(batch)
-        view = replace(batch, step=replace(step, logits=step.masked_logits))
-        destinations = self.route(view)
-        batch.scores = view.scores
-        return destinations
-
     def send(self, request: RequestView, dst: int) -> Send:
         """Default: escalating to a larger model drops the token it will regenerate;
         returning to a smaller one keeps the token just generated."""
@@ -284,23 +267,45 @@ class EscalateOnce(Policy):
         return None if escalate is None else [int(e) for e in escalate]
 
 
-def row_threshold(route_thresholds: Sequence[float], model: int) -> float:
-    """A request's own threshold at model ``model`` from its ``SamplingSpec.route_thresholds``:
+def decide(policy: Policy, batch: RouteBatch, host: bool = True) -> list[int]:
+    """Every row's destination model index, on the host: the policy's ``route_host`` when
+    it has one (and ``host``), else its ``route`` without autograd on the step as it reads
+    it: where some row was constrained by a grammar, ``step.logits`` are the masked logits
+    if ``routes_on_masked_logits``, else the raw ones (as without a grammar). Only the
+    index vector leaves the device; the scores ``route`` computed land on ``batch`` and
+    stay there (``host_scores``). ``host=False``: the device path even where a host path
+    exists (the sequential reference, and the test that the two agree)."""
+    if host:
+        found = policy.route_host(batch)
+        if found is not None:
+            return found
+    import torch
+
+    step = batch.step
+    with torch.inference_mode():
+        if not policy.routes_on_masked_logits or step.masked_logits is None:
+            return policy.route(batch).tolist()
+        view = replace(batch, step=replace(step, logits=step.masked_logits))
+        destinations = policy.route(view).tolist()
+        batch.scores = view.scores
+        return destinations
+
+
+def row_threshold(thresholds: Sequence[float], model: int) -> float:
+    """A request's own threshold at model ``model`` from its ``RouteState.thresholds``:
     one value applies at every model, k values are per level (escalation's ``tau_l``; the
     top level, which decides nothing, gets the last); NaN when it gives none."""
-    if not route_thresholds:
+    if not thresholds:
         return math.nan
-    return float(route_thresholds[min(model, len(route_thresholds) - 1)])
+    return float(thresholds[min(model, len(thresholds) - 1)])
 
 
-def threshold_overrides(
-    route_thresholds: Sequence[Sequence[float]], model: int
-) -> list[float] | None:
+def threshold_overrides(thresholds: Sequence[Sequence[float]], model: int) -> list[float] | None:
     """``RouteBatch.threshold_overrides`` for rows whose requests carry these
-    ``route_thresholds`` (in row order) at model ``model``; None when none overrides."""
-    if not any(route_thresholds):
+    ``thresholds`` (in row order) at model ``model``; None when none overrides."""
+    if not any(thresholds):
         return None
-    return [row_threshold(t, model) for t in route_thresholds]
+    return [row_threshold(t, model) for t in thresholds]
 
 
 def capped_dst(
