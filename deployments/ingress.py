@@ -1,16 +1,15 @@
-"""The OpenAI HTTP ingress in Ray Serve: a thin shim over ``IngressService``.
+"""The OpenAI HTTP ingress in Ray Serve: a thin shim over ``IngressServer``.
 
 Everything an ingress does (admission, parsing, submitting, streaming, recovery, the SLO
-cap, health, statistics) is Ray-free: ``IngressService`` (tokenrouter_ray/ingress/service.py)
-over an ``IngressCore`` and an ``IngressServer``, and the FastAPI app over it
-(tokenrouter_ray/ingress/http_app.py ``build_app``; docs/user-guide/reliability.md for the
-rules). This
-deployment builds what only Ray knows and injects it: the endpoint directory
+cap, health, statistics) is Ray-free: ``IngressServer``
+(tokenrouter_ray/ingress/openai_server.py) over an ``IngressCore``, and the FastAPI app over
+it (tokenrouter_ray/ingress/http_app.py ``build_app``; docs/user-guide/reliability.md for
+the rules). This deployment builds what only Ray knows and injects it: the endpoint directory
 (``ServeDirectory``), the peer key and channel (``make_channel``), the peer book
 (``PeerBook``: model endpoints, heartbeat, lost replicas), the models' infos and status and
 the tuner's handle. Serve takes the app from ``__serve_build_asgi_app__``, called after the
 constructor (Ray >= 2.60: ``@serve.ingress()`` without an app), and its health probe is
-``check_health``, delegated to the service. Serve's proxy echoes ``X-Request-Id`` itself,
+``check_health``, delegated to the server. Serve's proxy echoes ``X-Request-Id`` itself,
 so the app does not add a second. With ``ingress.direct_port`` the replica also serves the
 app itself on that port (ingress/direct_http.py: no proxy hop, and backpressure works), on
 ``ingress.direct_host`` (null: the node's own address, which only Ray knows here).
@@ -34,7 +33,7 @@ from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.host_gc import tune_gc
 from tokenrouter_ray.ingress.direct_http import DirectHttp
 from tokenrouter_ray.ingress.http_app import build_app
-from tokenrouter_ray.ingress.service import IngressService
+from tokenrouter_ray.ingress.openai_server import IngressServer
 
 
 @serve.deployment(max_ongoing_requests=1000, graceful_shutdown_timeout_s=5)
@@ -59,7 +58,7 @@ class Ingress:
         peers = PeerBook(
             serve_directory, cfg.model_names, own=channel.endpoint, on_lost=self._on_lost
         )
-        self.service = IngressService(
+        self.ingress = IngressServer(
             cfg,
             channel,
             peers,
@@ -71,11 +70,11 @@ class Ingress:
             model_status={name: handle.status.remote for name, handle in models.items()},
             scorer=models[cfg.model_names[-1]].score.remote,  # the top model scores
         )
-        await self.service.start()
+        await self.ingress.open()
         self.direct: DirectHttp | None = None
         if cfg.ingress.direct_port is not None:  # the same API on the replica's own port
             # no Serve proxy there: the app makes and echoes X-Request-Id itself
-            app = build_app(self.service, echo_request_id=True)
+            app = build_app(self.ingress, echo_request_id=True)
             kib = cfg.ingress.direct_send_buffer_kib
             host = cfg.ingress.direct_host
             if host is None:  # the pod's own address (as the ZeroMQ mailboxes), not all
@@ -90,23 +89,23 @@ class Ingress:
         tune_gc(cfg.gc)  # started: what is alive now lives as long as the replica
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_app(self.service, echo_request_id=False)
+        return build_app(self.ingress, echo_request_id=False)
 
     def _on_lost(self, lost: set[str]) -> None:
-        self.service.on_lost(lost)
+        self.ingress.on_lost(lost)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What Serve's autoscaler reads of this replica with ``ingress.autoscaling``
         (``deployments/autoscaling.py``): its active requests, and them against the most it
         admits (``max_active_requests``). Requests through the direct port count too, which
         Serve's own signal (ongoing requests through its proxy) would miss."""
-        active = self.service.core.num_active
-        return {ACTIVE: float(active), UTILISATION: active / max(1, self.service.cap.limit)}
+        active = self.ingress.core.num_active
+        return {ACTIVE: float(active), UTILISATION: active / max(1, self.ingress.cap.limit)}
 
     async def check_health(self) -> None:
-        """Serve's health check (a failure restarts this replica): the service's, and the
-        direct port's server when there is one."""
-        self.service.check_health()
+        """Serve's health check (a failure restarts this replica): the server's, and the
+        direct port's HTTP server when there is one."""
+        self.ingress.check_health()
         if self.direct is not None and not self.direct.running:
             raise RuntimeError("the direct HTTP server stopped")
 
@@ -114,12 +113,12 @@ class Ingress:
         """Serve stops this replica (scale-down, an update, the app deleted). Serve has let
         the requests through its proxy finish; those on the direct port may still run: with
         ingress autoscaling they get until ``request_timeout_s`` to end."""
-        service = getattr(self, "service", None)
-        if service is not None and service.cfg.ingress.autoscaling is not None:
-            deadline = asyncio.get_running_loop().time() + service.timeout_s
-            while service.core.num_active and asyncio.get_running_loop().time() < deadline:
+        ingress = getattr(self, "ingress", None)
+        if ingress is not None and ingress.cfg.ingress.autoscaling is not None:
+            deadline = asyncio.get_running_loop().time() + ingress.timeout_s
+            while ingress.core.num_active and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.1)
         if getattr(self, "direct", None) is not None:
             await self.direct.stop()
-        if hasattr(self, "service"):
-            await self.service.stop()
+        if ingress is not None:
+            await ingress.close()

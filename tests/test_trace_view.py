@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from tests.net import serve_asgi
 from tokenrouter_ray.cli import main
 from tokenrouter_ray.traceview import TraceError, render_html, trace_from_json
 from tokenrouter_ray.traceview.model import alpha_of, hex_to_rgb, model_colours, parse_text, shade
@@ -328,45 +327,38 @@ def test_cli_url_against_a_served_app(served_chain_dirs, tmp_path: Path, capsys)
     import openai
     from transformers import AutoTokenizer
 
-    from tests.openai.ingress_app import SERVED, ingress_app
+    from tests.openai.ingress_app import SERVED, served
     from tests.tiny_models import chain_engines
-    from tokenrouter_ray.ingress.openai_server import IngressServer
-    from tokenrouter_ray.local import LocalRuntime
     from tokenrouter_ray.openai.validation import RequestLimits
     from tokenrouter_ray.routing.policy import build_policy
 
     tokenizer = AutoTokenizer.from_pretrained(served_chain_dirs["small"])
-    app, ingress = ingress_app(tokenizer)
-    ingress.limits = RequestLimits(max_model_len=256, vocab_size=128)
+    limits = RequestLimits(max_model_len=256, vocab_size=128)
     prompt = "w5 w17 w3 w99"
     out = tmp_path / "served"
 
     async def go() -> tuple[int, dict[str, Any]]:
         policy = build_policy("entropy", {"threshold": 0.45}, MODELS)
-        async with LocalRuntime(chain_engines(served_chain_dirs, MODELS), policy) as runtime:
-            entry = [runtime.model_replicas[0].endpoint]
-            server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
-            ingress.core, ingress.server = runtime.ingress, server
-            async with serve_asgi(app, log_level="warning") as port:
-                url = f"http://127.0.0.1:{port}/v1"
-                rc = await asyncio.to_thread(main, [
-                    "trace", "--url", url, "--model", SERVED, "--prompt", prompt,
-                    "--max-tokens", "12", "--temperature", "0", "--out", str(out),
-                    "--save-response", str(tmp_path / "traced.json"),
-                ])  # fmt: skip
-                client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
-                async with client:  # the same request, trace not asked for
-                    plain = await client.chat.completions.create(
-                        model=SERVED, max_tokens=12, temperature=0,
-                        messages=[{"role": "user", "content": prompt}],
-                    )  # fmt: skip
-            await runtime.wait_idle()
+        engines = chain_engines(served_chain_dirs, MODELS)
+        async with served(
+            engines, policy, tokenizer, limits=limits, socket=True, log_level="warning"
+        ) as flow:
+            url = flow.url
+            rc = await asyncio.to_thread(main, [
+                "trace", "--url", url, "--model", SERVED, "--prompt", prompt,
+                "--max-tokens", "12", "--temperature", "0", "--out", str(out),
+                "--save-response", str(tmp_path / "traced.json"),
+            ])  # fmt: skip
+            client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
+            async with client:  # the same request, trace not asked for
+                plain = await client.chat.completions.create(
+                    model=SERVED, max_tokens=12, temperature=0,
+                    messages=[{"role": "user", "content": prompt}],
+                )  # fmt: skip
+            await flow.runtime.wait_idle()
             return rc, plain.model_dump()
 
-    try:
-        rc, plain = asyncio.run(go())
-    finally:
-        app.dependency_overrides.clear()
+    rc, plain = asyncio.run(go())
     captured = capsys.readouterr()
     traced = json.loads((tmp_path / "traced.json").read_text())
     assert traced["object"] == "chat.completion" and traced["choices"][0]["message"]["content"]

@@ -110,7 +110,7 @@ class LocalRuntime:
 
     def on_drain(self, endpoint: str) -> None:
         """A replica is leaving (``Replica.drain`` sent DRAIN): production's rule
-        (``IngressService.on_drain``): no longer placed, and its requests moved to the
+        (``IngressServer.on_drain``): no longer placed, and its requests moved to the
         model's other replicas (``IngressCore.move_off``)."""
         model = endpoint_model(endpoint)
         if endpoint in self.replicas.get(model, []):

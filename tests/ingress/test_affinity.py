@@ -70,18 +70,13 @@ def test_short_prompts_salts_dead_replicas_and_capacity() -> None:
 
 
 def test_the_ingress_places_every_model_by_prefix_and_releases_the_load() -> None:
-    from tokenrouter_ray.ingress.openai_server import IngressServer
+    from tests.ingress.test_ingress_service import Tokenizer
+    from tests.openai.ingress_app import FakePeers, fake_config, fake_ingress
 
-    replicas = {"small": ["small/0", "small/1"], "large": ["large/0", "large/1", "large/2"]}
-    server = IngressServer(
-        None,  # type: ignore[arg-type]  # placement does not touch the core
-        None,
-        "tokenrouter",
-        entries=lambda: replicas["small"],
-        models=["small", "large"],
-        replicas_of=lambda model: replicas[model],
-        block_sizes={"small": 4, "large": 4},
-    )
+    peers = FakePeers()
+    peers.by_model = {"small": ["small/0", "small/1"], "large": ["large/0", "large/1", "large/2"]}
+    specs = {name: {"path": name, "block_size": 4} for name in ("small", "large")}
+    server = fake_ingress(Tokenizer(), peers=peers, cfg=fake_config(models=specs))
     system = list(range(100, 140))  # a shared 40-token system prompt: ten full blocks
     first = server.entry([*system, 1, 2, 3])
     server.entry_load[first] = 1

@@ -13,7 +13,6 @@ import socket
 import time
 from typing import Any
 
-from tests.net import serve_asgi
 from tokenrouter_ray.ingress.backpressure import Backpressure
 from tokenrouter_ray.protocol import SamplingSpec
 
@@ -80,61 +79,57 @@ def slow_read(port: int, body: dict[str, Any], pause_s: float) -> bytes:
 def test_clients_that_never_read_are_cut_and_a_slow_reader_is_exact(served_chain_dirs) -> None:
     from transformers import AutoTokenizer
 
-    from tests.openai.ingress_app import SERVED, ingress_app
+    from tests.openai.ingress_app import SERVED, served
     from tests.tiny_models import chain_engines
-    from tokenrouter_ray.ingress.openai_server import IngressServer
-    from tokenrouter_ray.local import LocalRuntime
     from tokenrouter_ray.openai.validation import RequestLimits
     from tokenrouter_ray.routing.policy import build_policy
 
     tokenizer = AutoTokenizer.from_pretrained(served_chain_dirs["small"])
-    app, ingress = ingress_app(tokenizer)
-    ingress.limits = RequestLimits(max_model_len=256, vocab_size=128)
+    limits = RequestLimits(max_model_len=256, vocab_size=128)
     slow_prompt = [5, 17, 3, 99]
 
     async def go() -> dict[str, Any]:
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
-        async with LocalRuntime(chain_engines(served_chain_dirs, TWO), policy) as runtime:
+        engines = chain_engines(served_chain_dirs, TWO)
+        # accepted sockets inherit the listener's small send buffer: the kernel's (autotuned,
+        # it could absorb megabytes of a non-reading client's stream before any send
+        # blocks; that is the kernel's bound, not the ingress's) stays out of the way
+        async with served(
+            engines, policy, tokenizer, limits=limits, socket=True, send_buffer=8192,
+            stream_buffer_tokens=BUFFER_TOKENS, client_stall_s=STALL_S,
+        ) as flow:  # fmt: skip
+            runtime, server, port = flow.runtime, flow.ingress, flow.port
             want = await runtime.complete(slow_prompt, SamplingSpec(temperature=0.0, max_tokens=60))
-            entry = [runtime.model_replicas[0].endpoint]
-            server = IngressServer(
-                runtime.ingress, tokenizer, SERVED, entries=lambda: entry,
-                backpressure=Backpressure(BUFFER_TOKENS, STALL_S),
-            )  # fmt: skip
-            ingress.core, ingress.server = runtime.ingress, server
-            # accepted sockets inherit the listener's small send buffer: the kernel's (autotuned,
-            # it could absorb megabytes of a non-reading client's stream before any send
-            # blocks; that is the kernel's bound, not the ingress's) stays out of the way
-            async with serve_asgi(app, send_buffer=8192) as port:
-                peak = {"buffered": 0, "active": 0}
+            assert server.backpressure == Backpressure(BUFFER_TOKENS, STALL_S)
+            peak = {"buffered": 0, "active": 0}
 
-                async def sample() -> None:
-                    while True:
-                        peak["buffered"] = max(peak["buffered"], server.buffered_tokens)
-                        peak["active"] = max(peak["active"], runtime.ingress.num_active)
-                        await asyncio.sleep(0.01)
+            async def sample() -> None:
+                while True:
+                    peak["buffered"] = max(peak["buffered"], server.buffered_tokens)
+                    peak["active"] = max(peak["active"], runtime.ingress.num_active)
+                    await asyncio.sleep(0.01)
 
-                sampler = asyncio.create_task(sample())
-                try:
-                    long_body = {"model": SERVED, "prompt": [7, 8, 9], "max_tokens": LONG, "n": N,
-                                 "stream": True, "temperature": 0, "ignore_eos": True}  # fmt: skip
-                    stuck = [small_socket(port) for _ in range(2)]
-                    for sock in stuck:
-                        sock.sendall(http_post("/v1/completions", long_body))  # then never read
-                    slow_body = {"model": SERVED, "prompt": slow_prompt, "max_tokens": 60,
-                                 "stream": True, "temperature": 0}  # fmt: skip
-                    t0 = time.monotonic()
-                    slow = await asyncio.to_thread(slow_read, port, slow_body, 0.01)
-                    deadline = time.monotonic() + 60
-                    while server.client_stalls < 2 and time.monotonic() < deadline:
-                        await asyncio.sleep(0.05)
-                    cut_after_s = time.monotonic() - t0
-                    await runtime.wait_idle()
-                    held_while_open = runtime.ingress.num_active  # the stuck sockets still open
-                    for sock in stuck:
-                        sock.close()
-                finally:
-                    sampler.cancel()
+            sampler = asyncio.create_task(sample())
+            try:
+                long_body = {"model": SERVED, "prompt": [7, 8, 9], "max_tokens": LONG, "n": N,
+                             "stream": True, "temperature": 0, "ignore_eos": True}  # fmt: skip
+                stuck = [small_socket(port) for _ in range(2)]
+                for sock in stuck:
+                    sock.sendall(http_post("/v1/completions", long_body))  # then never read
+                slow_body = {"model": SERVED, "prompt": slow_prompt, "max_tokens": 60,
+                             "stream": True, "temperature": 0}  # fmt: skip
+                t0 = time.monotonic()
+                slow = await asyncio.to_thread(slow_read, port, slow_body, 0.01)
+                deadline = time.monotonic() + 60
+                while server.client_stalls < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                cut_after_s = time.monotonic() - t0
+                await runtime.wait_idle()
+                held_while_open = runtime.ingress.num_active  # the stuck sockets still open
+                for sock in stuck:
+                    sock.close()
+            finally:
+                sampler.cancel()
             pools = [s.engine.kv.pool for s in runtime.model_replicas]
             return {
                 "slow": texts_of(dechunk(slow)).get(0, ""),
@@ -147,10 +142,7 @@ def test_clients_that_never_read_are_cut_and_a_slow_reader_is_exact(served_chain
                 "tokens_generated": runtime.ingress.tokens_received,
             }
 
-    try:
-        got = asyncio.run(go())
-    finally:
-        app.dependency_overrides.clear()
+    got = asyncio.run(go())
     print(f"backpressure: {got}")
     assert [int(w[1:]) for w in got["slow"].split()] == got["want"]  # every token, in order
     assert got["stalls"] == 2  # both non-reading clients were cut, the slow reader was not

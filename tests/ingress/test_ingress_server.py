@@ -1,6 +1,6 @@
 """The whole OpenAI flow on CPU without Ray: the official ``openai`` client -> the real
 FastAPI app of deployments/ingress.py (over ASGI, in-process) -> ``IngressServer``
-(admission, entry load-balancing, one loop per choice) -> ``IngressCore`` -> two model
+(admission, placement, one loop per choice) -> ``IngressCore`` -> two model
 model replicas with tiny real models (``LocalRuntime``), and back. Ray Serve LLM tests its
 server the same way, with the engine injected."""
 
@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.openai.ingress_app import SERVED, ingress_app
+from tests.openai.ingress_app import SERVED, served
 from tests.tiny_models import chain_engines
 from tokenrouter_ray.ingress.openai_server import IngressServer
 from tokenrouter_ray.local import LocalRuntime
@@ -35,31 +34,16 @@ def run_flow(dirs: dict[str, str], body: Any) -> Any:
     """Start the runtime and the app, run ``body(client, runtime, server)``, check that
     nothing is left on any model, return what the body returned."""
     tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
-    app, ingress = ingress_app(tokenizer)
-    ingress.limits = RequestLimits(max_model_len=256, vocab_size=128)
+    limits = RequestLimits(max_model_len=256, vocab_size=128)
 
     async def go() -> Any:
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
-        async with LocalRuntime(chain_engines(dirs, TWO), policy) as runtime:
-            entry = [runtime.model_replicas[0].endpoint]
-            server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
-            ingress.core, ingress.server = runtime.ingress, server
-            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # as Serve
-            async with httpx.AsyncClient(transport=transport, base_url="http://in") as http:
-                client = openai.AsyncOpenAI(
-                    base_url="http://in/v1", api_key="none", http_client=http, max_retries=0
-                )
-                result = await body(client, runtime, server)
-            await runtime.wait_idle()
-            assert all(s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
-                       for s in runtime.model_replicas)  # fmt: skip
-            assert runtime.ingress.num_active == 0 and not any(server.entry_load.values())
+        async with served(chain_engines(dirs, TWO), policy, tokenizer, limits=limits) as s:
+            result = await body(s.client, s.runtime, s.ingress)
+            await s.idle()
             return result
 
-    try:
-        return asyncio.run(go())
-    finally:
-        app.dependency_overrides.clear()
+    return asyncio.run(go())
 
 
 def test_completions_equal_the_runtime_and_stream_the_same_text(served_chain_dirs) -> None:
@@ -98,15 +82,16 @@ def test_completions_equal_the_runtime_and_stream_the_same_text(served_chain_dir
 
 def test_admission_stop_strings_and_refused_fields(served_chain_dirs) -> None:
     async def body(client: Any, runtime: LocalRuntime, server: IngressServer) -> None:
-        server.max_active = lambda: 1
+        server.cap.configured = 1
         with pytest.raises(openai.InternalServerError) as full:  # n=2 > the limit
             await client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=4, n=2)
         assert full.value.status_code == 503 and full.value.response.headers["retry-after"]
-        server.unavailable = lambda: "large"
+        large = runtime.replicas["large"]
+        runtime.replicas["large"] = []  # no replica of the large model
         with pytest.raises(openai.InternalServerError) as down:
             await client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=4)
         assert down.value.status_code == 503 and down.value.code == "model_unavailable"
-        server.max_active, server.unavailable = (lambda: 8), (lambda: None)
+        server.cap.configured, runtime.replicas["large"] = 8, large
         for field, value in (("min_p", 1.1), ("repetition_penalty", 0)):
             with pytest.raises(openai.BadRequestError) as bad:
                 await client.completions.create(
@@ -141,9 +126,10 @@ def test_a_choice_cancelled_before_it_ever_ran_is_still_closed(served_chain_dirs
 
     async def go() -> None:
         policy = build_policy("bernoulli", {"p": 0.5}, TWO)
-        async with LocalRuntime(chain_engines(served_chain_dirs, TWO), policy) as rt:
-            entry = rt.model_replicas[0].endpoint
-            server = IngressServer(rt.ingress, tokenizer, SERVED, entries=lambda: [entry])
+        engines = chain_engines(served_chain_dirs, TWO)
+        async with served(engines, policy, tokenizer) as flow:
+            rt, server = flow.runtime, flow.ingress
+            (entry,) = rt.replicas["small"]
             body = {"model": SERVED, "prompt": [1, 2, 3], "max_tokens": 100, "n": 3}
             limits = RequestLimits(max_model_len=256, vocab_size=128)
             prepared = prepare_completion(parse_request(CompletionRequest, body), tokenizer, limits)

@@ -1,8 +1,8 @@
-"""``IngressService`` without Ray: built with its public constructor from injected parts
-(a peer view, a channel, the tuner's and the models' callables), it follows the tuner's SLO
-cap, answers ``/health`` 503 while a model has no replica, raises from ``check_health``
-while its loops are down, refuses requests while a model is missing, and hands lost
-replicas to recovery, which re-places the requests by the placement rule."""
+"""``IngressServer``'s replica upkeep without Ray: built with its public constructor from
+injected parts (a peer view, a channel, the tuner's and the models' callables), it follows
+the tuner's SLO cap, answers ``/health`` 503 while a model has no replica, raises from
+``check_health`` while its loops are down, refuses requests while a model is missing, and
+hands lost replicas to recovery, which re-places the requests by the placement rule."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.openai.ingress_app import FakeChannel, FakeCore, FakePeers, fake_config
+from tests.openai.ingress_app import FakeChannel, FakeCore, FakePeers, fake_config, fake_ingress
 from tests.waiting import wait_until
 from tokenrouter_ray.ingress.http_app import build_app
-from tokenrouter_ray.ingress.service import IngressService
+from tokenrouter_ray.ingress.openai_server import IngressServer
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.openai.errors import NotFoundError, ServiceUnavailableError
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
@@ -45,17 +45,15 @@ class Tokenizer:
 
 def service(
     core: Any = None, channel: Any = None, peers: Any = None, **kwargs: Any
-) -> IngressService:
+) -> IngressServer:
     tuner = kwargs.pop("tuner", None)
-    return IngressService(
-        fake_config(tuner, **kwargs.pop("ingress", {})),
-        channel if channel is not None else FakeChannel(),
-        peers if peers is not None else FakePeers(),
+    return fake_ingress(
         Tokenizer(),
-        [INFO, SimpleNamespace(max_model_len=32, vocab_size=60)],
-        metrics=Metrics.noop(),
-        generation_defaults=GenerationDefaults(),
         core=core if core is not None else FakeCore([1, 2, 3]),
+        peers=peers,
+        channel=channel,
+        cfg=fake_config(tuner, **kwargs.pop("ingress", {})),
+        infos=[INFO, SimpleNamespace(max_model_len=32, vocab_size=60)],
         **kwargs,
     )
 
@@ -91,10 +89,10 @@ def test_the_slo_cap_follows_the_tuner_and_stops_with_the_service() -> None:
 
     async def go() -> None:
         assert s.cap.limit == 64
-        await s.start()
+        await s.open()
         await wait_until(lambda: len(polls) >= 5, 20, "five polls of the tuner")
         assert s.cap.limit == 2  # ceil(3 / 2): this replica's share
-        await s.stop()
+        await s.close()
         n = len(polls)
         assert s._slo is not None and s._slo.done()
         # A negative check besides: ten of its periods, and no poll
@@ -112,11 +110,11 @@ def test_without_slo_mode_the_tuner_is_not_polled() -> None:
     s = service(tuner={"enabled": True, "period_s": 0.001}, admission_cap=admission_cap)
 
     async def go() -> None:
-        await s.start()
+        await s.open()
         # A negative check: ten of the tuner's periods, in which nothing may poll it
         await asyncio.sleep(0.01)
         assert s._slo is None and s.cap.limit == 256
-        await s.stop()
+        await s.close()
 
     asyncio.run(go())
 
@@ -146,15 +144,15 @@ def test_check_health_raises_while_the_core_is_down() -> None:
         hub, directory = InProcHub(), InMemoryDirectory()
         channel = InProcChannel("ingress", "0", directory, hub)
         await channel.start()
-        s = IngressService(  # the default core: a real IngressCore over the channel
+        s = IngressServer(  # the default core: a real IngressCore over the channel
             fake_config(), channel, FakePeers(), Tokenizer(), [INFO, INFO],
             metrics=Metrics.noop(), generation_defaults=GenerationDefaults(),
         )  # fmt: skip
         with pytest.raises(RuntimeError, match="not started"):
             s.check_health()
-        await s.start()
+        await s.open()
         s.check_health()  # running: no problem
-        await s.stop()
+        await s.close()
         with pytest.raises(RuntimeError):
             s.check_health()
 
@@ -210,20 +208,20 @@ def test_a_lost_replica_is_recovered_on_the_replicas_the_placement_keeps_or_pick
     async def go() -> None:
         prompts = {f"r{i}": [i] * 40 for i in range(4)}
         for rid, prompt in prompts.items():
-            s.server.placement.place(rid, ["small", "large"], prompt)
+            s.placement.place(rid, ["small", "large"], prompt)
             core.live[rid] = (prompt, None)
-        before = {rid: s.server.placement.placed(rid)["large"] for rid in prompts}
+        before = {rid: s.placement.placed(rid)["large"] for rid in prompts}
         assert sorted(before.values()) == ["large#0", "large#0", "large#1", "large#1"]
         peers.by_model["large"] = ["large#1"]  # large#0 died
         s.on_lost({"large#0"})
         assert s.unavailable() == "being recovered"
         with pytest.raises(ServiceUnavailableError):
-            await s.server.submit(SimpleNamespace(sampling=SimpleNamespace(n=1)))  # type: ignore[arg-type]
+            await s.submit(SimpleNamespace(sampling=SimpleNamespace(n=1), routing=None))  # type: ignore[arg-type]
         await s.recovery.wait()
         assert forgotten == ["large#0"]
         assert [p["large"] for p in core.recreated] == ["large#1"] * 4
         assert s.recovery.log[0]["recreated"] == 4
-        assert s.server.placement.load_of("large") == {"large#0": 0, "large#1": 4}
+        assert s.placement.load_of("large") == {"large#0": 0, "large#1": 4}
 
     asyncio.run(go())
 
@@ -235,7 +233,7 @@ def test_a_request_ended_by_an_unreachable_peer_is_recreated_once_the_peer_has_l
     (``on_peer_lost``): once the peer view no longer lists that replica, its requests go to
     recovery (re-created from their committed sequence); a replica still listed after the
     settle time is alive, and the request fails with the model's error."""
-    monkeypatch.setattr("tokenrouter_ray.ingress.service.PEER_LOSS_SETTLE_S", 0.3)
+    monkeypatch.setattr("tokenrouter_ray.ingress.openai_server.PEER_LOSS_SETTLE_S", 0.3)
 
     class Peers(FakePeers):
         def __init__(self) -> None:

@@ -15,11 +15,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.openai.ingress_app import SERVED, ingress_app
+from tests.openai.ingress_app import SERVED, served
 from tests.tiny_models import chain_engines
 from tokenrouter_ray.config import AppConfig
-from tokenrouter_ray.ingress.openai_server import IngressServer
-from tokenrouter_ray.ingress.service import request_limits_of
+from tokenrouter_ray.ingress.openai_server import request_limits_of
 from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.protocol import SamplingSpec
@@ -38,34 +37,18 @@ def run_flow(dirs: dict[str, str], body: Any) -> Any:
     """The app over a runtime with the entropy policy (threshold 0.45) and ``PRESETS``;
     checks that no request, KV block or entry load is left afterwards."""
     tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
-    app, ingress = ingress_app(tokenizer)
-    ingress.limits = RequestLimits(
+    limits = RequestLimits(
         max_model_len=256, vocab_size=128, routing_presets=PRESETS, models=tuple(TWO)
     )
 
     async def go() -> Any:
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
-        async with LocalRuntime(chain_engines(dirs, TWO), policy) as runtime:
-            entry = [runtime.model_replicas[0].endpoint]
-            server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
-            ingress.core, ingress.server = runtime.ingress, server
-            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://in") as http:
-                client = openai.AsyncOpenAI(
-                    base_url="http://in/v1", api_key="none", http_client=http, max_retries=0
-                )
-                result = await body(client, http, runtime)
-            await runtime.wait_idle()
-            assert all(s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
-                       for s in runtime.model_replicas)  # fmt: skip
-            assert runtime.ingress.num_active == 0 and not any(server.entry_load.values())
-            assert all(not s.engine.requests for s in runtime.model_replicas)
+        async with served(chain_engines(dirs, TWO), policy, tokenizer, limits=limits) as s:
+            result = await body(s.client, s.http, s.runtime)
+            await s.idle()
             return result
 
-    try:
-        return asyncio.run(go())
-    finally:
-        app.dependency_overrides.clear()
+    return asyncio.run(go())
 
 
 BAD = [

@@ -1,22 +1,39 @@
-"""The real ingress FastAPI app (ingress/http_app.py: routes, validation, error handlers,
-API-key middleware) served in-process, without Ray, over a real ``IngressService`` built
-with its public constructor from fakes: a peer view with one replica per model, a channel
-that sends nothing, and a core that "generates" the token ids of ``FILLER`` (one per step,
-up to ``max_tokens``), so valid requests are answered quickly."""
+"""The one in-process harness of the ingress: the real FastAPI app (ingress/http_app.py:
+routes, validation, error handlers, API-key middleware) over a real ``IngressServer`` built
+with its public constructor, without Ray.
+
+- ``ingress_app(tokenizer)``: over fakes: a peer view with one replica per model, a channel
+  that sends nothing, and a core that "generates" the token ids of ``FILLER`` (one per
+  step, up to ``max_tokens``), so valid requests are answered quickly (or over ``core``);
+- ``served(engines, policy, tokenizer)``: over a real ``LocalRuntime`` (its core, its
+  replicas as the peer view), with the official ``openai`` client over ASGI and, with
+  ``socket=True``, the app served by uvicorn on a free port (tests/net.py ``serve_asgi``);
+- ``run_served_flow``: ``served`` over the tiny small + large models, checked idle after.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.ingress.core import RequestResult
 from tokenrouter_ray.ingress.http_app import build_app
-from tokenrouter_ray.ingress.service import IngressService
+from tokenrouter_ray.ingress.openai_server import IngressServer
 from tokenrouter_ray.metrics import Metrics
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
 from tokenrouter_ray.protocol import CommitLog, MsgKind, PeerReq, encode_batch
+
+if TYPE_CHECKING:
+    import httpx
+    import openai
+
+    from tokenrouter_ray.local import LocalRuntime
+    from tokenrouter_ray.openai.validation import RequestLimits
 
 SERVED = "tokenrouter"
 MAX_MODEL_LEN = 64
@@ -24,7 +41,7 @@ FILLER = " the quick brown fox jumps over the lazy dog" * 4
 
 
 class FakeCore:
-    """What the routes and the service use of `IngressCore`: submit, stream, abort, release."""
+    """What the ingress uses of `IngressCore`: submit, stream, abort, release."""
 
     def __init__(self, filler_ids: list[int]) -> None:
         self.filler = filler_ids
@@ -71,7 +88,7 @@ class FakeCore:
 
 
 class FakePeers:
-    """A peer view (``ingress/service.py PeerView``) with one replica per model."""
+    """A peer view (``ingress/openai_server.py PeerView``) with one replica per model."""
 
     def __init__(self) -> None:
         self.refreshing = True
@@ -83,11 +100,24 @@ class FakePeers:
     def all(self) -> list[str]:
         return [e for names in self.by_model.values() for e in names]
 
+    def exclude(self, endpoint: str) -> None:
+        for names in self.by_model.values():
+            if endpoint in names:
+                names.remove(endpoint)
+
     async def start(self, wait_for_all: bool = True) -> None:
         pass
 
     async def stop(self) -> None:
         pass
+
+
+class RuntimePeers(FakePeers):
+    """The peer view of a ``LocalRuntime``: its replicas (``runtime.replicas``, live)."""
+
+    def __init__(self, runtime: LocalRuntime) -> None:
+        self.refreshing = True
+        self.by_model = runtime.replicas
 
 
 class FakeChannel:
@@ -103,81 +133,163 @@ class FakeChannel:
         self.closed = True
 
 
-def fake_config(tuner: dict[str, Any] | None = None, **ingress: Any) -> AppConfig:
-    """Two real (not simulated) models; no generation_config.json is read."""
+def fake_config(
+    tuner: dict[str, Any] | None = None,
+    models: Sequence[str] | dict[str, Any] = ("small", "large"),
+    **ingress: Any,
+) -> AppConfig:
+    """Real (not simulated) models (``models``: names, or name -> spec); no
+    generation_config.json is read."""
+    specs = models if isinstance(models, dict) else {name: {"path": name} for name in models}
     return AppConfig.model_validate({
         "served_model_name": SERVED,
-        "models": {"small": {"path": "small"}, "large": {"path": "large"}},
+        "models": specs,
         "policy": {"name": "bernoulli", "options": {"p": 0.5}},
         "ingress": {"generation_config": "none", **ingress},
         "tuner": tuner or {},
     })  # fmt: skip
 
 
-def ingress_service(tokenizer: Any, **ingress: Any) -> IngressService:
-    """A real ``IngressService`` over the fakes (``ingress``: config overrides)."""
+def fake_ingress(
+    tokenizer: Any,
+    *,
+    core: Any = None,
+    peers: Any = None,
+    channel: Any = None,
+    cfg: AppConfig | None = None,
+    infos: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> IngressServer:
+    """A real ``IngressServer`` over the fakes, or over the parts given (``kwargs``: its
+    other keyword arguments)."""
     info = SimpleNamespace(max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer))
-    return IngressService(
-        fake_config(**ingress),
-        FakeChannel(),  # type: ignore[arg-type]
-        FakePeers(),
+    cfg = cfg if cfg is not None else fake_config()
+    if core is None:
+        core = FakeCore(list(tokenizer.encode(FILLER, add_special_tokens=False)))
+    return IngressServer(
+        cfg,
+        channel if channel is not None else FakeChannel(),  # type: ignore[arg-type]
+        peers if peers is not None else FakePeers(),
         tokenizer,
-        [info, info],
-        metrics=Metrics.noop(),
-        generation_defaults=GenerationDefaults(),
-        core=FakeCore(list(tokenizer.encode(FILLER, add_special_tokens=False))),  # type: ignore[arg-type]
+        infos if infos is not None else [info] * len(cfg.models),
+        metrics=kwargs.pop("metrics", Metrics.noop()),
+        generation_defaults=kwargs.pop("generation_defaults", GenerationDefaults()),
+        core=core,
+        **kwargs,
     )
 
 
-def ingress_app(tokenizer: Any, **ingress: Any) -> tuple[Any, IngressService]:
-    """``(app, service)``: the ingress's FastAPI app over a Ray-less service (``ingress``:
-    config overrides)."""
-    service = ingress_service(tokenizer, **ingress)
-    return build_app(service), service
+def ingress_app(tokenizer: Any, core: Any = None, **ingress: Any) -> tuple[Any, IngressServer]:
+    """``(app, ingress)``: the ingress's FastAPI app over a Ray-less ``IngressServer``
+    (over ``core``, else the fake core; ``ingress``: config overrides)."""
+    server = fake_ingress(tokenizer, core=core, cfg=fake_config(**ingress))
+    return build_app(server), server
+
+
+@dataclass
+class Served:
+    """What ``served`` yields: the runtime, the ingress over it, its app (``asgi``: what
+    is served, the app or what ``wrap`` put around it), an ``httpx`` client and the
+    ``openai`` client over ASGI, and the port when served on a socket."""
+
+    runtime: LocalRuntime
+    ingress: IngressServer
+    app: Any
+    asgi: Any
+    http: httpx.AsyncClient
+    client: openai.AsyncOpenAI
+    port: int | None = None
+
+    @property
+    def url(self) -> str:
+        """The socket's OpenAI base URL (``socket=True``)."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def idle(self) -> None:
+        """Wait until the runtime is idle; check nothing is left anywhere (no request at
+        the ingress or on a model, every KV block free, no entry load)."""
+        rt = self.runtime
+        await rt.wait_idle()
+        assert rt.ingress.num_active == 0 and not any(self.ingress.entry_load.values())
+        assert all(s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
+                   for s in rt.model_replicas)  # fmt: skip
+        assert all(not s.engine.requests for s in rt.model_replicas)
+
+
+@contextlib.asynccontextmanager
+async def served(
+    engines: Sequence[tuple[str, Any]],
+    policy: Any,
+    tokenizer: Any,
+    *,
+    limits: RequestLimits | None = None,
+    socket: bool = False,
+    wrap: Callable[[Any], Any] | None = None,
+    send_buffer: int | None = None,
+    log_level: str = "critical",
+    **ingress: Any,
+) -> AsyncIterator[Served]:
+    """A ``LocalRuntime`` of ``engines`` routed by ``policy``, the ingress over it (its
+    config: the runtime's models and ``ingress`` overrides; ``limits``: the request limits
+    instead of the config's), and its app: over ASGI, and with ``socket`` served on a free
+    port (``send_buffer``: the listener's SO_SNDBUF; ``wrap``: an ASGI app around it)."""
+    import httpx
+    import openai
+
+    from tests.net import serve_asgi
+    from tokenrouter_ray.local import LocalRuntime
+
+    async with LocalRuntime(engines, policy) as runtime:
+        core = runtime.ingress
+        server = fake_ingress(
+            tokenizer,
+            core=core,
+            peers=RuntimePeers(runtime),
+            channel=core.channel,
+            cfg=fake_config(models=runtime.models, **ingress),
+        )
+        if limits is not None:
+            server.limits = limits
+        app = build_app(server)
+        outer = wrap(app) if wrap is not None else app
+        transport = httpx.ASGITransport(app=outer, raise_app_exceptions=False)  # as Serve
+        async with contextlib.AsyncExitStack() as stack:
+            http = await stack.enter_async_context(
+                httpx.AsyncClient(transport=transport, base_url="http://in")
+            )
+            client = openai.AsyncOpenAI(
+                base_url="http://in/v1", api_key="none", http_client=http, max_retries=0
+            )
+            port = None
+            if socket:
+                port = await stack.enter_async_context(
+                    serve_asgi(outer, send_buffer=send_buffer, log_level=log_level)
+                )
+            yield Served(runtime, server, app, outer, http, client, port)
 
 
 def run_served_flow(
     dirs: dict[str, str], policy: tuple[str, dict], body: Any, **ingress: Any
 ) -> Any:
-    """``await body(client, runtime, http)`` against this app over a real ``LocalRuntime``
+    """``await body(client, runtime, http)`` against the app over a real ``LocalRuntime``
     of the tiny small + large models with ``policy`` (the official ``openai`` client over
     ASGI, no Ray; ``ingress``: config overrides); checks nothing is left anywhere
     afterwards (no request at the ingress or on a model, every KV block free)."""
-    import asyncio
-
-    import httpx
-    import openai
     from transformers import AutoTokenizer
 
     from tests.tiny_models import chain_engines
-    from tokenrouter_ray.ingress.openai_server import IngressServer
-    from tokenrouter_ray.local import LocalRuntime
     from tokenrouter_ray.openai.validation import RequestLimits
     from tokenrouter_ray.routing.policy import build_policy
 
     models = ["small", "large"]
     tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
-    app, ingress = ingress_app(tokenizer, **ingress)
-    ingress.limits = RequestLimits(max_model_len=256, vocab_size=128)
+    limits = RequestLimits(max_model_len=256, vocab_size=128)
 
     async def go() -> Any:
-        async with LocalRuntime(chain_engines(dirs, models), build_policy(*policy, models)) as rt:
-            entry = [rt.model_replicas[0].endpoint]
-            server = IngressServer(rt.ingress, tokenizer, SERVED, lambda: entry, models=models)
-            ingress.core, ingress.server = rt.ingress, server
-            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://in") as http:
-                client = openai.AsyncOpenAI(
-                    base_url="http://in/v1", api_key="none", http_client=http, max_retries=0
-                )
-                result = await body(client, rt, http)
-            await rt.wait_idle()
-            assert rt.ingress.num_active == 0
-            assert all(s.engine.kv.pool.num_free_blocks == s.engine.kv.pool.num_blocks
-                       for s in rt.model_replicas)  # fmt: skip
+        engines, routing = chain_engines(dirs, models), build_policy(*policy, models)
+        async with served(engines, routing, tokenizer, limits=limits, **ingress) as s:
+            result = await body(s.client, s.runtime, s.http)
+            await s.idle()
             return result
 
-    try:
-        return asyncio.run(go())
-    finally:
-        app.dependency_overrides.clear()
+    return asyncio.run(go())

@@ -11,15 +11,10 @@ import asyncio
 import json
 from pathlib import Path
 
-import httpx
-import openai
-
 from tests.engine.conftest import make_engine
-from tests.openai.ingress_app import SERVED, ingress_app
+from tests.openai.ingress_app import SERVED, served
 from tests.openai.qwen3_tiny import save_qwen3_models
 from tests.openai.test_reasoning_tools import WEATHER, streamed
-from tokenrouter_ray.ingress.openai_server import IngressServer
-from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.openai.chat_output import ChatOutputSpec
 from tokenrouter_ray.openai.reasoning import QWEN3
 from tokenrouter_ray.openai.validation import RequestLimits
@@ -40,16 +35,13 @@ def test_tools_and_reasoning_with_real_models(tmp_path: Path) -> None:
 
     dirs = save_qwen3_models(tmp_path, TWO)
     tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
-    app, ingress = ingress_app(tokenizer)
-    ingress.limits = RequestLimits(max_model_len=4096, vocab_size=len(tokenizer))
+    limits = RequestLimits(max_model_len=4096, vocab_size=len(tokenizer))
 
     async def go() -> None:
         engines = [(n, make_engine(dirs[n], num_blocks=512)) for n in TWO]
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
-        async with LocalRuntime(engines, policy) as runtime:
-            entry = [runtime.model_replicas[0].endpoint]
-            server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
-            ingress.core, ingress.server = runtime.ingress, server
+        async with served(engines, policy, tokenizer, limits=limits) as flow:
+            runtime, client = flow.runtime, flow.client
             prompt = tokenizer.apply_chat_template(
                 MESSAGES, tools=[WEATHER], add_generation_prompt=True, tokenize=True
             )
@@ -59,19 +51,14 @@ def test_tools_and_reasoning_with_real_models(tmp_path: Path) -> None:
             parser.push(tokenizer.decode(want.token_ids, skip_special_tokens=True))
             parser.end("")
             expected = parser.message
-            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://in") as http:
-                client = openai.AsyncOpenAI(
-                    base_url="http://in/v1", api_key="none", http_client=http, max_retries=0
-                )
-                got = await client.chat.completions.create(
-                    model=SERVED, messages=MESSAGES, tools=[WEATHER], temperature=0,
-                    max_tokens=40,
-                )  # fmt: skip
-                s = await streamed(
-                    client, messages=MESSAGES, tools=[WEATHER], temperature=0, max_tokens=40,
-                    logprobs=True,
-                )  # fmt: skip
+            got = await client.chat.completions.create(
+                model=SERVED, messages=MESSAGES, tools=[WEATHER], temperature=0,
+                max_tokens=40,
+            )  # fmt: skip
+            s = await streamed(
+                client, messages=MESSAGES, tools=[WEATHER], temperature=0, max_tokens=40,
+                logprobs=True,
+            )  # fmt: skip
             assert got.usage.prompt_tokens == len(prompt)  # the template's rendering, tools in
             assert got.usage.completion_tokens == len(want.token_ids)
             assert got.choices[0].model_extra["routing"]["tokens_per_model"] == want.counts
@@ -89,7 +76,4 @@ def test_tools_and_reasoning_with_real_models(tmp_path: Path) -> None:
         assert sum(want.counts.values()) == len(want.token_ids)
         assert want.handoffs > 0 and all(want.counts.get(m) for m in TWO)  # both wrote
 
-    try:
-        asyncio.run(go())
-    finally:
-        app.dependency_overrides.clear()
+    asyncio.run(go())

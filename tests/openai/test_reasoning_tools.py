@@ -20,7 +20,6 @@ import pytest
 
 from tests.openai.ingress_app import SERVED, ingress_app
 from tests.openai.qwen3_tiny import ScriptedCore, qwen3_tokenizer
-from tokenrouter_ray.ingress.openai_server import IngressServer
 from tokenrouter_ray.openai.generation_defaults import GenerationDefaults
 from tokenrouter_ray.openai.validation import RequestLimits
 
@@ -56,11 +55,9 @@ Body = Callable[[openai.AsyncOpenAI, ScriptedCore, Any], Awaitable[Any]]
 def serve(body: Body, script: Callable[[str], str] = agent_script, **attrs: Any) -> Any:
     """Run ``body(client, core, ingress)`` against the app with a `ScriptedCore`."""
     tokenizer = qwen3_tokenizer()
-    app, ingress = ingress_app(tokenizer)
     core = ScriptedCore(tokenizer, script)
-    ingress.core = core
+    app, ingress = ingress_app(tokenizer, core=core)
     ingress.limits = RequestLimits(max_model_len=4096, vocab_size=len(tokenizer))
-    ingress.server = IngressServer(core, tokenizer, SERVED, entries=lambda: ["small#0"])
     for name, value in attrs.items():
         setattr(ingress, name, value)
 
@@ -74,10 +71,7 @@ def serve(body: Body, script: Callable[[str], str] = agent_script, **attrs: Any)
         assert core.num_active == 0
         return result
 
-    try:
-        return asyncio.run(go())
-    finally:
-        app.dependency_overrides.clear()
+    return asyncio.run(go())
 
 
 async def streamed(client: openai.AsyncOpenAI, **kwargs: Any) -> dict[str, Any]:

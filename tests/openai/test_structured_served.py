@@ -13,17 +13,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from tests.engine.conftest import make_engine
-from tests.openai.ingress_app import SERVED, ingress_app
+from tests.openai.ingress_app import SERVED, served
 from tests.openai.qwen3_tiny import save_qwen3_models
-from tokenrouter_ray.ingress.openai_server import IngressServer
-from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.openai.validation import RequestLimits
 from tokenrouter_ray.routing.policy import build_policy
 
@@ -96,22 +93,13 @@ def serve(dirs: dict[str, str], body: Callable[[openai.AsyncOpenAI, Any], Awaita
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
-    app, ingress = ingress_app(tokenizer)
-    ingress.limits = RequestLimits(max_model_len=4096, vocab_size=len(tokenizer))
+    limits = RequestLimits(max_model_len=4096, vocab_size=len(tokenizer))
 
     async def go() -> None:
         engines = [(n, make_engine(dirs[n], num_blocks=512)) for n in TWO]
         policy = build_policy("bernoulli", {"p": 0.35}, TWO)  # hands off every few tokens
-        async with LocalRuntime(engines, policy) as runtime:
-            entry = [runtime.model_replicas[0].endpoint]
-            server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
-            ingress.core, ingress.server = runtime.ingress, server
-            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://in") as http:
-                client = openai.AsyncOpenAI(
-                    base_url="http://in/v1", api_key="none", http_client=http, max_retries=0
-                )
-                await body(client, runtime)
+        async with served(engines, policy, tokenizer, limits=limits) as flow:
+            await body(flow.client, flow.runtime)
 
     asyncio.run(go())
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from tests.net import serve_asgi
 from tokenrouter_ray.errors import UserFacingError
 from tokenrouter_ray.quality.evaluate import SystemResult, run_eval
 from tokenrouter_ray.quality.task_files import write_tasks
@@ -44,33 +43,24 @@ def serve(dirs: dict[str, str], body: Callable[[str], Awaitable[Any]]) -> Any:
     """``body(base_url)`` against the ingress app served by uvicorn on a free port."""
     from transformers import AutoTokenizer
 
-    from tests.openai.ingress_app import SERVED, ingress_app
+    from tests.openai.ingress_app import served
     from tests.tiny_models import chain_engines
-    from tokenrouter_ray.ingress.openai_server import IngressServer
-    from tokenrouter_ray.local import LocalRuntime
     from tokenrouter_ray.openai.validation import RequestLimits
     from tokenrouter_ray.routing.policy import build_policy
 
     tokenizer = AutoTokenizer.from_pretrained(dirs["small"])
-    app, ingress = ingress_app(tokenizer)
-    ingress.limits = RequestLimits(max_model_len=MAX_MODEL_LEN, vocab_size=128)
+    limits = RequestLimits(max_model_len=MAX_MODEL_LEN, vocab_size=128)
 
     async def go() -> Any:
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
-        async with LocalRuntime(chain_engines(dirs, TWO), policy) as runtime:
-            entry = [runtime.model_replicas[0].endpoint]
-            server = IngressServer(runtime.ingress, tokenizer, SERVED, lambda: entry, models=TWO)
-            ingress.core, ingress.server = runtime.ingress, server
-            async with serve_asgi(app) as port:
-                result = await body(f"http://127.0.0.1:{port}/v1")
-            await runtime.wait_idle()
-            assert runtime.ingress.num_active == 0
+        engines = chain_engines(dirs, TWO)
+        async with served(engines, policy, tokenizer, limits=limits, socket=True) as flow:
+            result = await body(flow.url)
+            await flow.runtime.wait_idle()
+            assert flow.runtime.ingress.num_active == 0
             return result
 
-    try:
-        return asyncio.run(go())
-    finally:
-        app.dependency_overrides.clear()
+    return asyncio.run(go())
 
 
 def check_accounting(result: SystemResult | dict[str, Any]) -> None:

@@ -144,18 +144,13 @@ def check_outputs(out: Path) -> list[dict[str, Any]]:
 def test_lm_eval_cli_runs_a_local_task_against_the_server(served_chain_dirs, tmp_path) -> None:
     from transformers import AutoTokenizer
 
-    from tests.net import serve_asgi
-    from tests.openai.ingress_app import SERVED, ingress_app
+    from tests.openai.ingress_app import SERVED, served
     from tests.tiny_models import chain_engines
-    from tokenrouter_ray.ingress.openai_server import IngressServer
-    from tokenrouter_ray.local import LocalRuntime
     from tokenrouter_ray.openai.validation import RequestLimits
     from tokenrouter_ray.routing.policy import build_policy
 
     tokenizer = AutoTokenizer.from_pretrained(served_chain_dirs["small"])
-    app, ingress = ingress_app(tokenizer)
-    ingress.limits = RequestLimits(max_model_len=256, vocab_size=128)
-    counting = CountingApp(app)
+    limits = RequestLimits(max_model_len=256, vocab_size=128)
     tasks, out = write_task(tmp_path), tmp_path / "out"
     env = {
         **os.environ,
@@ -165,30 +160,27 @@ def test_lm_eval_cli_runs_a_local_task_against_the_server(served_chain_dirs, tmp
         "TOKENIZERS_PARALLELISM": "false",
     }
 
-    async def go() -> tuple[dict[str, tuple[int, str]], int]:
+    async def go() -> tuple[dict[str, tuple[int, str]], int, CountingApp]:
         policy = build_policy("entropy", {"threshold": 0.45}, TWO)
-        async with LocalRuntime(chain_engines(served_chain_dirs, TWO), policy) as runtime:
-            entry = [runtime.model_replicas[0].endpoint]
-            server = IngressServer(runtime.ingress, tokenizer, SERVED, entries=lambda: entry)
-            ingress.core, ingress.server = runtime.ingress, server
+        engines = chain_engines(served_chain_dirs, TWO)
+        async with served(
+            engines, policy, tokenizer, limits=limits, socket=True, wrap=CountingApp
+        ) as flow:
+            runtime, port = flow.runtime, flow.port
             runs = {}
-            async with serve_asgi(counting) as port:
-                # each CLI runs in its own process while this loop serves its requests
-                for path, command in lm_eval_commands(port, tasks, out).items():
-                    proc = await asyncio.create_subprocess_exec(
-                        *command, env=env, cwd=tmp_path,
-                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                    )  # fmt: skip
-                    log, _ = await asyncio.wait_for(proc.communicate(), timeout=180)
-                    runs[path] = proc.returncode, log.decode(errors="replace")
-                await runtime.wait_idle()
-                active = runtime.ingress.num_active
-            return runs, active
+            # each CLI runs in its own process while this loop serves its requests
+            for path, command in lm_eval_commands(port, tasks, out).items():
+                proc = await asyncio.create_subprocess_exec(
+                    *command, env=env, cwd=tmp_path,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                )  # fmt: skip
+                log, _ = await asyncio.wait_for(proc.communicate(), timeout=180)
+                runs[path] = proc.returncode, log.decode(errors="replace")
+            await runtime.wait_idle()
+            active = runtime.ingress.num_active
+            return runs, active, flow.asgi
 
-    try:
-        runs, active = asyncio.run(go())
-    finally:
-        app.dependency_overrides.clear()
+    runs, active, counting = asyncio.run(go())
     for rc, log in runs.values():
         assert rc == 0, log[-4000:]
     assert active == 0

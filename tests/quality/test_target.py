@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from tests.ingress.test_ingress_service import Tokenizer
+from tests.openai.ingress_app import fake_ingress
 from tokenrouter_ray.config import AppConfig
-from tokenrouter_ray.ingress.openai_server import IngressServer
 from tokenrouter_ray.openai.validation import PreparedRequest, RoutingChoice, SamplingOptions
 from tokenrouter_ray.protocol import SamplingSpec
 from tokenrouter_ray.quality.settings import QualityTargetSpec
@@ -134,7 +135,7 @@ def prepared(routing_default: bool) -> PreparedRequest:
 
 
 def test_only_requests_without_routing_follow_the_target() -> None:
-    server = IngressServer(SimpleNamespace(), None, "m", entries=lambda: [])  # type: ignore[arg-type]
+    server = fake_ingress(Tokenizer())
     assert server.follow_target(prepared(True)) == prepared(True)  # no monitor: unchanged
     t = target()
     server.quality = SimpleNamespace(target=t)  # type: ignore[assignment]

@@ -13,8 +13,8 @@ a slot is free now, given the ``reserved`` requests admitted by the queue that h
 submitted yet (they read, parse and tokenize before ``IngressCore`` counts them). It leaves
 as the entered block, or as ``QueueFullError``. Slots are counted by the caller
 (``IngressCore.num_active``); the queue only polls ``has_room`` (every ``poll_s`` while
-someone waits), so it needs no hook in the core. Wiring (ingress/service.py
-``IngressService.has_room``): ``num_active + reserved < max_active``.
+someone waits), so it needs no hook in the core. Wiring (ingress/openai_server.py
+``IngressServer.has_room``): ``num_active + reserved < max_active``.
 """
 
 from __future__ import annotations

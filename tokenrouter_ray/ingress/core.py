@@ -6,9 +6,9 @@ recover them. The OpenAI flow on top (admission, one loop per choice) is
 the entry model, orders COMMITs from whichever model committed (``CommitLog``), completes a
 request once FINISHED arrived *and* every committed token up to the final length is in, and
 broadcasts ABORT to every model endpoint (receivers that never held the request ignore it).
-``IngressServer`` (``ingress/openai_server.py``) drives it for the OpenAI API, inside an
-``IngressService`` (``ingress/service.py``; the Serve ingress ``deployments/ingress.py`` is
-a shim around it); ``LocalRuntime`` drives the core directly. Neither needs Ray.
+``IngressServer`` (``ingress/openai_server.py``) drives it for the OpenAI API (the Serve
+ingress ``deployments/ingress.py`` is a shim around that server); ``LocalRuntime`` drives the
+core directly. Neither needs Ray.
 
 Reliability rules (docs/user-guide/reliability.md):
 - cleanup never awaits: ``abort_nowait`` and ``release`` change state at once and the ABORT
@@ -220,12 +220,12 @@ class IngressCore:
         self._endpoints_seen: set[str] = set()  # model endpoints at the last refresh
         self.orphans_aborted = 0  # orphan copies told to stop (stats)
         # a model replica that is leaving (MsgKind.DRAIN): its endpoint; the owner stops
-        # placing requests there and moves them (``IngressService.on_drain``: ``move_off``)
+        # placing requests there and moves them (``IngressServer.on_drain``: ``move_off``)
         self.on_drain: Callable[[str], None] | None = None
         # a model ended a request because a HANDOFF could not reach a peer model endpoint
         # (``FinishSummary.lost_peer``): (request id, wire id, that endpoint, the error); the
         # owner re-creates the request if the endpoint has left, else fails it
-        # (``IngressService.on_peer_lost``). None: such a request fails at once.
+        # (``IngressServer.on_peer_lost``). None: such a request fails at once.
         self.on_peer_lost: Callable[[str, str, str, str], None] | None = None
 
     async def start(self) -> None:

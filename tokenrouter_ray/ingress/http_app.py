@@ -1,16 +1,18 @@
-"""The OpenAI HTTP app of an ingress: ``build_app(service)`` -> a FastAPI app over one
-``IngressService`` (ingress/service.py). Servable by Ray Serve (``deployments/ingress.py``
-returns it from ``__serve_build_asgi_app__``) or by plain uvicorn; no Ray in it.
+"""The OpenAI HTTP app of an ingress: ``router``, the routes, and ``build_app(ingress)``, a
+FastAPI app serving them over one ``IngressServer`` (ingress/openai_server.py), which every
+route reads from ``request.app.state.ingress``. Servable by Ray Serve
+(``deployments/ingress.py`` returns it from ``__serve_build_asgi_app__``) or by plain
+uvicorn; no Ray in it.
 
 A request is admitted (past ``max_active_requests`` it waits in a short bounded queue, then
 429 with Retry-After), its body read (past ``ingress.limits.max_body_mib``: 413, from
 Content-Length or while reading), parsed and tokenized (big bodies off the event loop), then
-answered by the service's ``IngressServer``: a JSON response, or an SSE stream whose choices
-are cancelled however the response ends and which is cut once its client stops reading
+answered by the ingress: a JSON response, or an SSE stream whose choices are cancelled
+however the response ends and which is cut once its client stops reading
 (ingress/backpressure.py). Every error is the OpenAI envelope. ``POST /v1/responses`` (the
 Responses API) is served as the chat request it maps to, its answer translated
 (openai/responses_input.py, responses_output.py); its stored responses and the routes on
-them (``GET``, ``DELETE``, ``cancel``, ``input_items``) are the service's ``ResponsesApi``
+them (``GET``, ``DELETE``, ``cancel``, ``input_items``) are the ingress's ``ResponsesApi``
 (ingress/responses_api.py).
 
 Middlewares: optional API keys (``TOKENROUTER_API_KEYS``; every route but ``/health``, 401
@@ -24,17 +26,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenrouter_ray import __version__
-from tokenrouter_ray.ingress.openai_server import StreamedChoices
+from tokenrouter_ray.ingress.openai_server import IngressServer, StreamedChoices
 from tokenrouter_ray.metrics import INGRESS
 from tokenrouter_ray.openai import tokenize as token_ids
 from tokenrouter_ray.openai.auth import ApiKeyMiddleware
@@ -60,9 +63,6 @@ from tokenrouter_ray.openai.validation import (
     prepare_chat,
     prepare_completion,
 )
-
-if TYPE_CHECKING:
-    from tokenrouter_ray.ingress.service import IngressService
 
 logger = logging.getLogger(__name__)
 MAX_TIMEOUT_S = 24 * 3600.0
@@ -198,172 +198,199 @@ class ChoicesResponse(StreamingResponse):
                 await respond
 
 
-def build_app(service: IngressService, echo_request_id: bool = True) -> FastAPI:
-    """The ingress's FastAPI app over ``service`` (see the module docstring)."""
+router = APIRouter()
+
+
+def ingress_of(request: Request) -> IngressServer:
+    """The ingress the app serves (``build_app`` puts it in the app's state)."""
+    return request.app.state.ingress
+
+
+def build_app(ingress: IngressServer, echo_request_id: bool = True) -> FastAPI:
+    """The ingress's FastAPI app over ``ingress`` (see the module docstring)."""
     app = FastAPI(title="tokenrouter-ray", docs_url=None, redoc_url=None)
-    app.state.service = service
-    served = service.cfg.served_model_name
-
-    def count_rejected_key() -> None:
-        service.metrics.error(INGRESS, "invalid_request_error_401")
-
+    app.state.ingress = ingress
+    count_rejected_key = functools.partial(
+        ingress.metrics.error, INGRESS, "invalid_request_error_401"
+    )
     app.add_middleware(ApiKeyMiddleware, on_reject=count_rejected_key)
     # added last: outermost, so a 401 carries X-Request-Id too
-    echo: Callable[[], bool] = (lambda: True) if echo_request_id else (lambda: False)
-    app.add_middleware(RequestIdMiddleware, echo=echo)
-
+    app.add_middleware(RequestIdMiddleware, echo=functools.partial(bool, echo_request_id))
     # OpenAIError and RequestValidationError are handled inside the middleware stack
     # (Starlette's ExceptionMiddleware), so their responses carry X-Request-Id; any other
     # exception reaches the outermost ServerErrorMiddleware (a 500 envelope, without it).
-    @app.exception_handler(OpenAIError)
-    @app.exception_handler(RequestValidationError)
-    @app.exception_handler(Exception)
-    async def openai_errors(_: Request, exc: Exception) -> JSONResponse:
-        status, body = error_response(exc)
-        if status >= 500 and not isinstance(exc, OpenAIError):
-            logger.error("ingress: unexpected error", exc_info=exc)
-        service.metrics.error(INGRESS, f"{as_openai_error(exc).error_type}_{status}")  # bounded
-        return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
-
-    def check_optional_model(data: Any) -> None:
-        name = token_ids.model_of(data)
-        if name is not None:
-            check_model(name, [served])
-
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [service.model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def retrieve_model(model_id: str) -> dict[str, Any]:
-        check_model(model_id, [served])
-        return service.model_card()
-
-    @app.get("/version")
-    async def version() -> dict[str, Any]:
-        return {"version": __version__}
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        data = load_json(await request.body())
-        check_optional_model(data)
-        out = await asyncio.to_thread(token_ids.tokenize, data, service.tokenizer, service.limits)
-        return JSONResponse(out.model_dump(mode="json", exclude_none=True))
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        data = load_json(await request.body())
-        check_optional_model(data)
-        out = await asyncio.to_thread(token_ids.detokenize, data, service.tokenizer, service.limits)
-        return JSONResponse(out.model_dump(mode="json"))
-
-    @app.get("/health")
-    async def health() -> Response:
-        status, body = service.health()
-        headers = {"Retry-After": "1"} if status == 503 else None
-        return JSONResponse(body, status_code=status, headers=headers)
-
-    @app.get("/v1/tokenrouter/stats")
-    async def stats() -> dict[str, Any]:
-        """This ingress's counts, and what one replica of each model holds now."""
-        return await service.stats()
-
-    @app.get("/v1/tokenrouter/quality")
-    async def quality_status() -> dict[str, Any]:
-        """Live quality: sampled answers scored by the top model (quality/live.py), and
-        the speed bypass's choice per load level (quality/speed.py)."""
-        bypass = service.server.bypass
-        return {
-            **service.quality.status(),
-            "speed_bypass": None
-            if bypass is None
-            else bypass.status(await service.tuner_prediction()),
-        }
-
-    @app.get("/v1/tokenrouter/tuner")
-    async def tuner_status() -> Any:
-        return await service.tuner_status()
-
-    async def admit(
-        request: Request,
-        schema: type,
-        prepare: Any,
-        resolve: Callable[[Any], None] | None = None,
-    ) -> tuple[Any, Any, float | None]:
-        """Admission, body, parsing, ``resolve`` (on the loop) and tokenizing (off it, but
-        for a small plain request: `_prepare_inline`):
-        ``(parsed request, prepared request, timeout)``. The caller submits it at once:
-        out of the queue's block, nothing may suspend before the core counts the request."""
-        async with service.admission.admit(service.has_room):  # before any reading: cheap 429
-            service.server.check_admission()
-            body = await read_body(request, service.max_body_bytes)
-            data, parsed = await parse_off_loop(schema, body, service.limits)
-            check_model(parsed.model, [served])
-            if resolve is not None:
-                resolve(parsed)
-            args = (parsed, service.tokenizer, service.limits, service.generation_defaults)
-            if _prepare_inline(body, data, resolve):
-                prepared = prepare(*args)
-            else:
-                prepared = await asyncio.to_thread(prepare, *args)
-            prepared = _with_request_id(prepared, request)
-            timeout_s = timeout_of(data)
-        return parsed, prepared, timeout_s
-
-    def stream_response(result: StreamedChoices, body: AsyncIterator[bytes]) -> Response:
-        """``body`` (the choices' SSE, or a translation of it) as the HTTP response."""
-        return ChoicesResponse(
-            result.tasks, result.stalled, body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS
-        )
-
-    async def complete_request(request: Request, schema: type, prepare: Any, chat: bool) -> Any:
-        _, prepared, timeout_s = await admit(request, schema, prepare)
-        result = await service.server.respond(prepared, chat, timeout_s)
-        if isinstance(result, StreamedChoices):
-            return stream_response(result, result.body)
-        # serialized by pydantic's own (compiled) encoder: no dict, no json.dumps
-        return Response(result.model_dump_json(), media_type="application/json")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await complete_request(request, CompletionRequest, prepare_completion, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await complete_request(request, ChatCompletionRequest, prepare_chat, chat=True)
-
-    api = service.responses  # the Responses API's stored responses (ingress/responses_api.py)
-
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        """The Responses API, served as the chat request it maps to (openai/responses_*.py);
-        stored unless ``store`` is false."""
-        parsed, prepared, timeout_s = await admit(
-            request, ResponsesRequest, api.prepare, resolve=api.resolve
-        )
-        result = await api.create(parsed, prepared, timeout_s)
-        if isinstance(result, StreamedChoices):
-            return stream_response(result, result.body)
-        return JSONResponse(result.model_dump(mode="json"))
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, request: Request) -> Response:
-        return JSONResponse(api.retrieve(response_id, request.query_params))
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> Response:
-        return JSONResponse(await api.delete(response_id))
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str) -> Response:
-        return JSONResponse(await api.cancel(response_id))
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def list_input_items(response_id: str, request: Request) -> Response:
-        return JSONResponse(api.input_items(response_id, request.query_params))
-
-    @app.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"])
-    async def no_such_route(rest: str) -> Response:
-        raise NotFoundError(f"No route '/v1/responses/{rest[:80]}' on this server.")
-
+    for exc_class in (OpenAIError, RequestValidationError, Exception):
+        app.add_exception_handler(exc_class, openai_errors)
+    app.include_router(router)
     return app
+
+
+async def openai_errors(request: Request, exc: Exception) -> JSONResponse:
+    """Every error as the OpenAI envelope, counted by type and status."""
+    status, body = error_response(exc)
+    if status >= 500 and not isinstance(exc, OpenAIError):
+        logger.error("ingress: unexpected error", exc_info=exc)
+    metrics = ingress_of(request).metrics
+    metrics.error(INGRESS, f"{as_openai_error(exc).error_type}_{status}")  # bounded
+    return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
+
+
+def check_optional_model(ingress: IngressServer, data: Any) -> None:
+    name = token_ids.model_of(data)
+    if name is not None:
+        check_model(name, [ingress.served_model_name])
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [ingress_of(request).model_card()]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    ingress = ingress_of(request)
+    check_model(model_id, [ingress.served_model_name])
+    return ingress.model_card()
+
+
+@router.get("/version")
+async def version() -> dict[str, Any]:
+    return {"version": __version__}
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    ingress = ingress_of(request)
+    data = load_json(await request.body())
+    check_optional_model(ingress, data)
+    out = await asyncio.to_thread(token_ids.tokenize, data, ingress.tokenizer, ingress.limits)
+    return JSONResponse(out.model_dump(mode="json", exclude_none=True))
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    ingress = ingress_of(request)
+    data = load_json(await request.body())
+    check_optional_model(ingress, data)
+    out = await asyncio.to_thread(token_ids.detokenize, data, ingress.tokenizer, ingress.limits)
+    return JSONResponse(out.model_dump(mode="json"))
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    status, body = ingress_of(request).health()
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@router.get("/v1/tokenrouter/stats")
+async def stats(request: Request) -> dict[str, Any]:
+    """This ingress's counts, and what one replica of each model holds now."""
+    return await ingress_of(request).stats()
+
+
+@router.get("/v1/tokenrouter/quality")
+async def quality_status(request: Request) -> dict[str, Any]:
+    """Live quality: sampled answers scored by the top model (quality/live.py), and the
+    speed bypass's choice per load level (quality/speed.py)."""
+    return await ingress_of(request).quality_status()
+
+
+@router.get("/v1/tokenrouter/tuner")
+async def tuner_status(request: Request) -> Any:
+    return await ingress_of(request).tuner_status()
+
+
+async def admit(
+    request: Request,
+    schema: type,
+    prepare: Any,
+    resolve: Callable[[Any], None] | None = None,
+) -> tuple[Any, Any, float | None]:
+    """Admission, body, parsing, ``resolve`` (on the loop) and tokenizing (off it, but for
+    a small plain request: `_prepare_inline`): ``(parsed request, prepared request,
+    timeout)``. The caller submits it at once: out of the queue's block, nothing may
+    suspend before the core counts the request."""
+    ingress = ingress_of(request)
+    async with ingress.admission.admit(ingress.has_room):  # before any reading: cheap 429
+        ingress.check_admission()
+        body = await read_body(request, ingress.max_body_bytes)
+        data, parsed = await parse_off_loop(schema, body, ingress.limits)
+        check_model(parsed.model, [ingress.served_model_name])
+        if resolve is not None:
+            resolve(parsed)
+        args = (parsed, ingress.tokenizer, ingress.limits, ingress.generation_defaults)
+        if _prepare_inline(body, data, resolve):
+            prepared = prepare(*args)
+        else:
+            prepared = await asyncio.to_thread(prepare, *args)
+        prepared = _with_request_id(prepared, request)
+        timeout_s = timeout_of(data)
+    return parsed, prepared, timeout_s
+
+
+def stream_response(result: StreamedChoices) -> Response:
+    """A streamed answer (the choices' SSE, or the Responses events) as the HTTP response."""
+    return ChoicesResponse(
+        result.tasks, result.stalled, result.body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS
+    )
+
+
+async def complete_request(request: Request, schema: type, prepare: Any, chat: bool) -> Any:
+    _, prepared, timeout_s = await admit(request, schema, prepare)
+    result = await ingress_of(request).respond(prepared, chat, timeout_s)
+    if isinstance(result, StreamedChoices):
+        return stream_response(result)
+    # serialized by pydantic's own (compiled) encoder: no dict, no json.dumps
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await complete_request(request, CompletionRequest, prepare_completion, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await complete_request(request, ChatCompletionRequest, prepare_chat, chat=True)
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    """The Responses API, served as the chat request it maps to (openai/responses_*.py);
+    stored unless ``store`` is false."""
+    ingress = ingress_of(request)
+    api = ingress.responses
+    parsed, prepared, timeout_s = await admit(
+        request, ResponsesRequest, api.prepare, resolve=api.resolve
+    )
+    result = await api.create(ingress, parsed, prepared, timeout_s)
+    if isinstance(result, StreamedChoices):
+        return stream_response(result)
+    return JSONResponse(result.model_dump(mode="json"))
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    return JSONResponse(ingress_of(request).responses.retrieve(response_id, request.query_params))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> Response:
+    return JSONResponse(await ingress_of(request).responses.delete(response_id))
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> Response:
+    return JSONResponse(await ingress_of(request).responses.cancel(response_id))
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request) -> Response:
+    api = ingress_of(request).responses
+    return JSONResponse(api.input_items(response_id, request.query_params))
+
+
+@router.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"])
+async def no_such_route(rest: str) -> Response:
+    raise NotFoundError(f"No route '/v1/responses/{rest[:80]}' on this server.")

@@ -11,9 +11,9 @@ shows); ``running`` tells the admission check to answer 503 meanwhile.
 ``max_active_requests`` or, in SLO mode, the tuner's cap for the whole app split over the
 ingress replicas, whichever is lower; ``follow`` polls the tuner for it.
 
-Both are plain asyncio, without Ray: ``IngressService`` (ingress/service.py) wires them to
-its peer view, its placement (``endpoints_for`` re-places by ingress/placement.py) and the
-tuner's cap; the tests drive them over ``LocalRuntime`` and the service.
+Both are plain asyncio, without Ray: ``IngressServer`` (ingress/openai_server.py) wires
+them to its peer view, its placement (``endpoints_for`` re-places by ingress/placement.py)
+and the tuner's cap; the tests drive them over ``LocalRuntime`` and that server.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The Responses API on an ingress: ``POST /v1/responses`` with what needs state (``store``,
 ``previous_response_id``, ``background``) and the routes on a stored response (``GET``,
 ``DELETE``, ``POST .../cancel``, ``GET .../input_items``). `ResponsesApi` has no HTTP in it:
-``ingress/http_app.py`` puts the routes around it, ``IngressService`` owns it.
+``ingress/http_app.py`` puts the routes around it; the ``IngressServer`` that owns it
+(ingress/openai_server.py) is passed to `create`, which answers through it.
 
 A request enters parsed (`ResponsesRequest`). `resolve`, on the event loop before the
 request is prepared, checks the stored-response fields and gives the request the items of
@@ -9,8 +10,9 @@ its ``previous_response_id`` (that response's input items, then its output items
 OpenAI's rule; its ``instructions`` are not carried over). `prepare`, in a worker thread,
 prepares the chat request it maps to (openai/responses_input.py) and, when the response
 will be stored, the items it is stored with (`PreparedResponse`). `create` answers: the
-response object, the event stream (openai/responses_output.py), or for ``background`` the
-response ``in_progress`` at once while a task generates it. A response leaves into the
+response object, the event stream (openai/responses_output.py ``ResponseStream``, written
+from the choice's updates as the chat stream is), or for ``background`` the response
+``in_progress`` at once while a task generates it. A response leaves into the
 `ResponseStore` (ingress/response_store.py) as it ends (a stream: before its last event),
 unless ``store`` is false.
 
@@ -29,9 +31,8 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from tokenrouter_ray.ingress.openai_server import IngressServer, StreamedChoices
 from tokenrouter_ray.ingress.response_store import ResponseStore, StoredResponse, json_size
 from tokenrouter_ray.openai.errors import (
     InvalidRequestError,
@@ -52,13 +53,28 @@ from tokenrouter_ray.openai.responses_output import (
     build_response,
     cancelled,
     failed,
-    response_events,
     response_head,
 )
 from tokenrouter_ray.openai.validation import PreparedRequest, RequestLimits
 
 logger = logging.getLogger(__name__)
 MAX_LIST_LIMIT = 100  # input_items' ``limit`` (OpenAI's range: 1..100, default 20)
+
+
+class ChatAnswers(Protocol):
+    """What a response is answered through: the ``IngressServer`` (ingress/openai_server.py)
+    that owns this API: a chat request's answer (``respond``: the completion, or the stream
+    ``writer`` writes), and a background one's choices (``start``, then ``collect``)."""
+
+    async def respond(
+        self, prepared: Any, chat: bool, timeout_s: float | None = None, writer: Any = None
+    ) -> Any: ...
+
+    async def start(
+        self, prepared: Any, chat: bool, timeout_s: float | None = None
+    ) -> list[asyncio.Task]: ...
+
+    async def collect(self, prepared: Any, tasks: list[asyncio.Task], chat: bool) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -72,16 +88,11 @@ class PreparedResponse(PreparedRequest):
 
 class ResponsesApi:
     """Creating, storing, reading, cancelling and deleting responses (the module docstring)
-    over this replica's ``IngressServer`` (``server()``: the current one) and ``store``."""
+    in this replica's ``store``."""
 
     def __init__(
-        self,
-        server: Callable[[], IngressServer],
-        store: ResponseStore,
-        served_model_name: str,
-        ingress_replicas: int = 1,
+        self, store: ResponseStore, served_model_name: str, ingress_replicas: int = 1
     ) -> None:
-        self.server = server
         self.store = store
         self.served_model_name = served_model_name
         self.ingress_replicas = ingress_replicas
@@ -146,21 +157,24 @@ class ResponsesApi:
         )
 
     async def create(
-        self, request: ResponsesRequest, prepared: PreparedResponse, timeout_s: float | None
-    ) -> ResponseObject | StreamedChoices:
-        """The answer to a prepared request: a response (for ``background``, the one in
-        progress), or its event stream. Nothing suspends before the request is submitted
-        (the route's admission counted it)."""
+        self,
+        server: ChatAnswers,
+        request: ResponsesRequest,
+        prepared: PreparedResponse,
+        timeout_s: float | None,
+    ) -> Any:
+        """The answer to a prepared request, through ``server``: a response (for
+        ``background``, the one in progress), or its event stream (the server's
+        ``StreamedChoices``). Nothing suspends before the request is submitted (the
+        route's admission counted it)."""
         head = response_head(request, prepared.sampling, self.served_model_name)
-        server = self.server()
         if request.background:
             return await self._start(server, head, prepared, timeout_s)
-        result = await server.respond(prepared, True, timeout_s)
         keep = self._keeper(prepared) if prepared.items is not None else None
-        if isinstance(result, StreamedChoices):
-            body = response_events(ResponseStream(head, keep), result.body)
-            return dataclasses.replace(result, body=body)
-        response = build_response(head, result)
+        if prepared.sampling.stream:
+            return await server.respond(prepared, True, timeout_s, ResponseStream(head, keep))
+        completion = await server.respond(prepared, True, timeout_s)
+        response = build_response(head, completion)
         return keep(response) if keep is not None else response
 
     def _keeper(self, prepared: PreparedResponse) -> Callable[[ResponseObject], ResponseObject]:
@@ -184,7 +198,7 @@ class ResponsesApi:
 
     async def _start(
         self,
-        server: IngressServer,
+        server: ChatAnswers,
         head: ResponseObject,
         prepared: PreparedResponse,
         timeout_s: float | None,
@@ -203,7 +217,7 @@ class ResponsesApi:
 
     async def _run(
         self,
-        server: IngressServer,
+        server: ChatAnswers,
         head: ResponseObject,
         prepared: PreparedResponse,
         entry: StoredResponse,

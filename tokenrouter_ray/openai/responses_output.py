@@ -18,8 +18,10 @@ Items have ids (``rs_``, ``msg_``, ``fc_``) and status ``completed``; a chat fin
 Extensions: ``routing`` and the choice's ``metrics``, as on chat.
 
 Non-streamed, `build_response(head, completion)` reads the `ChatCompletion`. Streamed, a
-`ResponseStream` reads the chat stream's chunks (decoded from its SSE frames by
-`response_events`; the chat request asked for usage) and writes OpenAI's event sequence,
+`ResponseStream` is the stream's writer (openai/sse.py `StreamWriter`, driven by
+`merge_choice_streams` as the chat chunks are): it reads the same `ChoiceUpdate` s
+(openai/choice_update.py: each step's parsed delta), the choice's `ChoiceResult` and the
+request's usage that the chat stream is written from, and writes OpenAI's event sequence,
 each ``event: <type>\\ndata: <json>\\n\\n`` with a ``sequence_number`` from 0:
 ``response.created``, ``response.in_progress``; per item ``response.output_item.added``,
 then for a message ``response.content_part.added``, ``response.output_text.delta`` (one per
@@ -37,23 +39,20 @@ it was not stored).
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenrouter_ray.openai.errors import InternalServerError, as_openai_error
-from tokenrouter_ray.openai.responses import ChatCompletion, RoutingInfo, Usage
+from tokenrouter_ray.openai.chat_output import ChatDelta
+from tokenrouter_ray.openai.choice_update import ChoiceUpdate
+from tokenrouter_ray.openai.errors import as_openai_error
+from tokenrouter_ray.openai.responses import ChatCompletion, ChoiceResult, RoutingInfo, Usage
 from tokenrouter_ray.openai.responses_input import ResponsesRequest, new_id
 from tokenrouter_ray.openai.sse import encode_json
 from tokenrouter_ray.openai.token_reports import RequestMetrics
 from tokenrouter_ray.openai.validation import SamplingOptions
-
-logger = logging.getLogger(__name__)
 
 Status = Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
 _OUT = ConfigDict(extra="forbid")
@@ -250,9 +249,9 @@ def _encode(data: Mapping[str, Any]) -> bytes:
 
 
 class ResponseStream:
-    """The Responses events of one streamed request, from its chat chunks (decoded dicts of
-    ``chat.completion.chunk``, one choice; the module docstring has the sequence). An
-    item stays open while deltas of its kind come; another kind closes it and opens the
+    """The Responses events of one streamed request (one choice), from its choice's
+    updates, its result and the request's usage (the module docstring has the sequence).
+    An item stays open while deltas of its kind come; another kind closes it and opens the
     next. ``done``: the last event (completed, incomplete or failed) was written. ``keep``:
     called with the last response before its event is written; what it returns is
     written (the response, or it with ``store`` false when it could not be stored)."""
@@ -285,32 +284,47 @@ class ResponseStream:
             "response.in_progress", response=head
         )
 
-    def feed(self, chunk: Mapping[str, Any]) -> bytes:
-        """The events one chat chunk makes (``b""``: none, e.g. the role chunk)."""
+    def update(self, update: ChoiceUpdate) -> bytes:
+        """The events of one step's delta (``b""``: none)."""
         if self.done:
             return b""
-        if "error" in chunk:
-            return self.fail(chunk["error"])
+        delta = update.delta
+        if not isinstance(delta, ChatDelta):  # no output parser: all of it is content
+            return self._text("message", delta) if delta else b""
         out = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                out.append(self._text("reasoning", delta["reasoning_content"]))
-            if delta.get("content"):
-                out.append(self._text("message", delta["content"]))
-            for call in delta.get("tool_calls") or ():
-                out.append(self._call(call))
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
-                if choice.get("metrics") is not None:
-                    self.metrics = RequestMetrics.model_validate(choice["metrics"])
-                if not self.answered:  # an empty answer is an empty message
-                    out.append(self._open(text_item("message", new_id("msg"), None, "in_progress")))
-                cut = self.finish_reason == "length"
-                out.append(self._close("incomplete" if cut else "completed"))
-        if chunk.get("usage") is not None:
-            out.append(self._end(chunk["usage"], chunk.get("routing")))
+        if delta.reasoning:
+            out.append(self._text("reasoning", delta.reasoning))
+        if delta.content:
+            out.append(self._text("message", delta.content))
+        for call in delta.tool_calls:
+            out.append(self._call(call.to_dict()))
         return b"".join(out)
+
+    def finish_choice(self, choice: ChoiceResult) -> bytes:
+        """The choice ended: its open item closes (``incomplete`` when cut by the token
+        budget); an answer with no message or call is an empty message."""
+        if self.done:
+            return b""
+        self.finish_reason = choice.finish_reason
+        if choice.metrics is not None:
+            self.metrics = choice.metrics
+        out = b""
+        if not self.answered:  # an empty answer is an empty message
+            out = self._open(text_item("message", new_id("msg"), None, "in_progress"))
+        cut = self.finish_reason == "length"
+        return out + self._close("incomplete" if cut else "completed")
+
+    def end(self, usage: Usage, routing: RoutingInfo | None = None) -> bytes:
+        """The last event: the whole response with the request's usage and routing."""
+        if self.done:
+            return b""
+        return self._end(ResponseUsage.of(usage), routing)
+
+    def error(self, exc: BaseException) -> bytes:
+        """A failure after the first event: ``error``, then ``response.failed``."""
+        if self.done:
+            return b""
+        return self.fail(as_openai_error(exc).to_dict()["error"])
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
@@ -379,16 +393,9 @@ class ResponseStream:
         index = where["output_index"]
         return out + self.event("response.output_item.done", output_index=index, item=item)
 
-    def _end(self, usage: Mapping[str, Any], routing: Mapping[str, Any] | None) -> bytes:
+    def _end(self, usage: ResponseUsage, routing: RoutingInfo | None) -> bytes:
         """The last event: the whole response with its usage."""
-        response = finished(
-            self.head,
-            self.items,
-            self.finish_reason,
-            ResponseUsage.of(Usage.model_validate(usage)),
-            RoutingInfo.model_validate(routing) if routing is not None else None,
-            self.metrics,
-        )
+        response = finished(self.head, self.items, self.finish_reason, usage, routing, self.metrics)
         self.done = True
         if self.keep is not None:
             response = self.keep(response)
@@ -414,32 +421,3 @@ class ResponseStream:
         if self.keep is not None:
             response = self.keep(response)
         return out + self.event("response.failed", response=response.model_dump(mode="json"))
-
-
-def chat_chunks(frame: bytes) -> Iterator[dict[str, Any]]:
-    """The chunks in one chat SSE frame (a frame may hold several events; ``[DONE]`` is
-    none)."""
-    for event in frame.split(b"\n\n"):
-        if event.startswith(b"data: ") and event != b"data: [DONE]":
-            yield json.loads(event[6:])
-
-
-async def response_events(
-    stream: ResponseStream, frames: AsyncGenerator[bytes, None]
-) -> AsyncIterator[bytes]:
-    """The Responses SSE body of a request whose chat stream is ``frames``. Closing it
-    closes ``frames`` (which cancels the choices); a failure of the translation itself is
-    a failed response too, and so is a chat stream that ends without its usage."""
-    try:
-        async with contextlib.aclosing(frames):
-            yield stream.start()
-            async for frame in frames:
-                events = b"".join(stream.feed(chunk) for chunk in chat_chunks(frame))
-                if events:
-                    yield events
-        if not stream.done:
-            raise InternalServerError()
-    except Exception as exc:  # never a cut connection: the error and a failed response
-        logger.exception("ingress: responses stream failed")
-        if not stream.done:
-            yield stream.fail(as_openai_error(exc).to_dict()["error"])

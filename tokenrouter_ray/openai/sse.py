@@ -160,6 +160,11 @@ class _Stream:
         chunk["usage"] = usage.model_dump(exclude_none=True)
         return sse_event(chunk) + SSE_DONE
 
+    def error(self, exc: BaseException) -> bytes:
+        """The end of a stream that failed after it started: the error event, then
+        ``[DONE]``."""
+        return sse_error(exc) + SSE_DONE
+
 
 class ChatStream(_Stream):
     """The ``chat.completion.chunk`` events of one chat request."""
@@ -239,6 +244,22 @@ class CompletionStream(_Stream):
         return sse_event(self._chunk([choice], routing))
 
 
+class StreamWriter(Protocol):
+    """What writes one streaming request's events from its choices' updates: a
+    `ChatStream` / `CompletionStream`, or the Responses API's ``ResponseStream``
+    (openai/responses_output.py)."""
+
+    def start(self) -> bytes: ...  # before any update
+
+    def update(self, update: ChoiceUpdate) -> bytes: ...  # one choice's step
+
+    def finish_choice(self, choice: ChoiceResult) -> bytes: ...  # one choice's end
+
+    def end(self, usage: Usage, routing: RoutingInfo | None = None) -> bytes: ...  # the last
+
+    def error(self, exc: BaseException) -> bytes: ...  # a failure after the start
+
+
 class WriterHooks(Protocol):
     """What the writer tells a backpressure gate (``ingress/backpressure.py``'s
     ``StreamGate``): it is about to hand a frame to the server, and the server took it."""
@@ -266,16 +287,17 @@ class _Ended:
 
 
 async def merge_choice_streams(
-    stream: ChatStream | CompletionStream,
+    stream: StreamWriter,
     tasks: Sequence[asyncio.Future[ChoiceResult]],
     updates: asyncio.Queue[Any],
     prompt_len: int,
     hooks: WriterHooks | None = None,
 ) -> AsyncIterator[bytes]:
-    """The SSE frames of one request whose ``n`` choices run as ``tasks``: each
-    `ChoiceUpdate` from ``updates`` as it comes, each choice's finish chunk as its task
-    ends (after its last updates), then usage and ``[DONE]``. A choice that fails ends the
-    stream with its OpenAI error event and ``[DONE]`` (the other choices are cancelled),
+    """The SSE frames of one request whose ``n`` choices run as ``tasks``, as ``stream``
+    writes them: each `ChoiceUpdate` from ``updates`` as it comes, each choice's finish
+    chunk as its task ends (after its last updates), then usage and ``[DONE]`` (a
+    ``ResponseStream``: its events). A choice that fails ends the stream with the writer's
+    ``error`` (the OpenAI error event and ``[DONE]``; the other choices are cancelled),
     never a cut connection. Closing the generator early (a client disconnect) cancels
     every choice's task. ``hooks`` hear of every frame handed to the server and of the
     choices whose update it carried (backpressure: a frame is taken by the client when the
@@ -312,7 +334,7 @@ async def merge_choice_streams(
                         hooks.sending()
                         yield b"".join(frame)
                         hooks.sent(pieces)
-                    yield sse_error(exc) + SSE_DONE
+                    yield stream.error(exc)
                     return
                 frame.append(stream.finish_choice(choice))
             hooks.sending()
