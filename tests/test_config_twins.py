@@ -3,7 +3,7 @@ modules of the package (the pydantic models of config.py, and every dataclass, m
 ``Struct`` and pydantic model elsewhere) that share at least ``SHARED`` field names is
 related by inheritance (the shared fields declared once, in a common base), built from the
 other by a generic copy (``GENERIC_COPIES``, checked to name the fields nowhere), or listed
-below with the reason it is not a copy or that it is being removed.
+below with the reason it is not a copy.
 
 The classes are read from the source with ``ast``, so nothing is imported: modules that
 load torch (``engine/``, ``routing/``) count like the rest, and the test stays fast.
@@ -22,19 +22,6 @@ SHARED = 5  # this many field names in common make two classes twins
 
 Pair = tuple[str, str]  # ("module.Class", "module.Class"), modules relative to the package
 
-# Twins another change is removing now ("being removed"); the list empties when it lands.
-KNOWN: set[Pair] = {
-    # being removed: the sampling settings declared once
-    ("engine.request.SamplingParams", "openai.schemas._SamplingRequest"),
-    ("openai.schemas._SamplingRequest", "openai.validation.SamplingOptions"),
-    ("engine.request.SamplingParams", "openai.validation.SamplingOptions"),
-    ("engine.request.SamplingParams", "protocol.SamplingSpec"),
-    ("openai.validation.SamplingOptions", "protocol.SamplingSpec"),
-    ("openai.generation_defaults.GenerationDefaults", "openai.validation.SamplingOptions"),
-    # being removed: the ZeroMQ channel's settings taken whole from the config
-    ("config.ZmqSpec", "transport.zmq_channel.ZmqConfig"),
-}
-
 # Twins built one from the other by a generic copy: pair -> the package's top-level
 # functions that copy, none of which names the shared fields.
 GENERIC_COPIES: dict[Pair, tuple[str, ...]] = {
@@ -42,9 +29,28 @@ GENERIC_COPIES: dict[Pair, tuple[str, ...]] = {
     ("config.RequestLimitSpec", "openai.validation.RequestLimits"): ("request_limits_of",),
 }
 
-# Pairs whose shared names are not a copy: the OpenAI API defines both shapes (two
-# endpoints' bodies, a response that echoes its request's parameters).
+# Pairs whose shared names are not a copy: shapes the OpenAI API or transformers define (two
+# endpoints' bodies, a response that echoes its request's parameters, a model's
+# generation_config.json), or different things that share names.
 NOT_COPIES: dict[Pair, str] = {
+    ("openai.generation_defaults.GenerationDefaults", "openai.schemas._SamplingRequest"): (
+        "a model's generation_config.json as transformers names its keys, and the request body"
+    ),
+    ("engine.request.SamplingParams", "openai.generation_defaults.GenerationDefaults"): (
+        "a model's generation_config.json as transformers names its keys, and the engine's "
+        "sampling that takes them as defaults"
+    ),
+    ("demo.artifacts.Recipe", "routing.training.train.TrainOptions"): (
+        "two different trainings (the small model's distillation, the router's) whose "
+        "parameters share names (epochs, lr, top_k, seed, max_tokens)"
+    ),
+    ("engine.request.SamplingParams", "openai.schemas._SamplingRequest"): (
+        "the request body as the API defines it, and the engine's sampling that validation "
+        "checks and fills field by field from it (defaults, bounds, generation_config)"
+    ),
+    ("openai.schemas._SamplingRequest", "openai.validation.SamplingOptions"): (
+        "the request body, and the few options only the ingress reads, validated from it"
+    ),
     ("openai.responses_input.ResponsesRequest", "openai.schemas._SamplingRequest"): (
         "the Responses and the Chat/Completions request bodies, each as the API defines it"
     ),
@@ -62,7 +68,7 @@ NOT_COPIES: dict[Pair, str] = {
     ),
 }
 
-# Hand-written copies found that carry no config: statuses, results and reports whose
+# Hand-written copies that carry no config: statuses, results and reports whose
 # fields are filled one by one from another layer's. Each still declares its fields twice.
 HAND_COPIES: dict[Pair, str] = {
     ("engine.outputs.EngineStatus", "replica.status.ReplicaStatus"): (
@@ -88,15 +94,6 @@ HAND_COPIES: dict[Pair, str] = {
     ),
     ("quality.evaluate.SystemResult", "quality.frontier.FrontierPoint"): (
         "a frontier point repeats an evaluated system's result"
-    ),
-    ("openai.generation_defaults.GenerationDefaults", "openai.schemas._SamplingRequest"): (
-        "a model's generation_config.json defaults for the request's sampling fields"
-    ),
-    ("engine.request.SamplingParams", "openai.generation_defaults.GenerationDefaults"): (
-        "a model's generation_config.json defaults for the engine's sampling fields"
-    ),
-    ("demo.artifacts.Recipe", "routing.training.train.TrainOptions"): (
-        "the demo build's recipe repeats the router training options"
     ),
 }
 
@@ -255,12 +252,12 @@ def _names_in(function: str) -> set[str]:
 
 def test_no_class_copies_another_s_fields_by_hand() -> None:
     twins = find_twins()
-    listed = KNOWN | set(GENERIC_COPIES) | set(NOT_COPIES) | set(HAND_COPIES)
+    listed = set(GENERIC_COPIES) | set(NOT_COPIES) | set(HAND_COPIES)
     new = {f"{a} ~ {b}: {shared}" for (a, b), shared in twins.items() if (a, b) not in listed}
     assert not new, "fields declared twice (inherit a shared base, or copy generically):\n" + (
         "\n".join(sorted(new))
     )
-    # an entry whose twins are gone goes too (KNOWN empties when the change removing it lands)
+    # an entry whose twins are gone goes too
     stale = (set(GENERIC_COPIES) | set(NOT_COPIES) | set(HAND_COPIES)) - set(twins)
     assert not stale, f"listed pairs no longer twins: {sorted(stale)}"
 
