@@ -75,7 +75,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0
 ACTIVE_REFRESH_S = 1.0  # a non-zero active count is republished this often
 # changes of the active count within this long go out as one ACTIVE per endpoint, and none
-# where it ends as it began (a frame into a replica costs ~0.2 ms of CPU across its threads)
+# where it ends as it began (each frame into a replica costs CPU on several of its threads)
 ACTIVE_COALESCE_S = 0.005
 STOPPED_REMEMBERED = 4096  # wire ids told to stop, and superseded incarnations, remembered
 # a request ended by a peer model endpoint's loss is re-created at most this often

@@ -5,8 +5,8 @@ replica's ASGI message queue, a Ray object per chunk to the proxy, and the proxy
 send. None of them is bounded and none waits for the client, so the ingress cannot see a
 client that stopped reading (ingress/backpressure.py never fires;
 docs/user-guide/reliability.md), and
-every request and chunk pays the extra process hop (about 5 ms per request on two cores:
-docs/benchmarks/README.md, "Host path"). With ``direct_port`` each ingress replica also serves the
+every request and chunk pays the extra process hop (docs/benchmarks/README.md, "Host
+path", measures it). With ``direct_port`` each ingress replica also serves the
 same FastAPI app with uvicorn on that port: the response's ``send`` blocks on the client's
 socket, so backpressure works, and the hop is gone.
 

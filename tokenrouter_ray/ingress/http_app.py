@@ -67,11 +67,11 @@ from tokenrouter_ray.openai.validation import (
 logger = logging.getLogger(__name__)
 MAX_TIMEOUT_S = 24 * 3600.0
 PARSE_INLINE_BYTES = 64 << 10  # bodies above this are parsed off the event loop
-# Bodies above this are templated and tokenized off the event loop. Below it the work
-# (~0.1-0.6 ms for a Qwen3 chat template and tokenizer, measured) is about what a thread hop
-# costs (~0.11 ms of latency and a pool wake-up), and it holds the interpreter lock in a
-# thread too. A request with any of these fields goes off the loop whatever its size: its
-# grammar is parsed while preparing (the first one imports xgrammar: ~1 s, measured).
+# Bodies above this are templated and tokenized off the event loop. Below it the work (a
+# chat template and the tokenizer) costs about what a thread hop does (latency and a pool
+# wake-up), and it holds the interpreter lock in a thread too. A request with any of these
+# fields goes off the loop whatever its size: its grammar is parsed while preparing (the
+# first one imports xgrammar, which takes about a second).
 PREPARE_INLINE_BYTES = 1 << 10
 CONSTRAINT_FIELDS = frozenset(
     {

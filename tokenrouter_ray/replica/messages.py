@@ -23,8 +23,8 @@ from tokenrouter_ray.replica.tracking import Tracked
 
 class HandoffRecord(NamedTuple):
     """What one handoff put on the wire (for tests, metrics and benchmarks). A named tuple:
-    built once per handoff on the step thread, in 0.26 µs where a frozen dataclass took
-    0.93."""
+    built once per handoff on the step thread, where it is several times cheaper to build
+    than a frozen dataclass."""
 
     rid: str
     seq: int  # handoff_seq of the message

@@ -2,9 +2,8 @@
 
 A signed frame is ``MAGIC | sender (16 B) | counter (8 B, big endian) | mac (32 B) | payload``
 with ``mac = BLAKE2b-256(key=key; MAGIC | sender | counter | receiver name | payload)``, the
-MAC mode BLAKE2 defines (RFC 7693) where HMAC-SHA256 stood until frame format ``TRR2``: on
-a replica's step thread a frame's HMAC through OpenSSL 3 took ~17 µs, the keyed BLAKE2b
-~10 (CPython's own code: no OpenSSL context copied per frame; docs/benchmarks/README.md):
+MAC mode BLAKE2 defines (RFC 7693), cheaper per frame on a replica's step thread than an
+HMAC through OpenSSL (CPython's own code: no OpenSSL context copied per frame):
 
 - ``sender`` is random per channel (a restarted replica is a new sender);
 - ``counter`` grows by one per frame for each (sender, receiver) pair; the receiver accepts

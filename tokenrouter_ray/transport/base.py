@@ -90,8 +90,8 @@ class Directory(ABC):
     async def heartbeat(self, endpoint: Endpoint | None = None) -> list[Endpoint]:
         """Renew ``endpoint``'s lease (register it; None: nothing to renew) and return every
         endpoint, sorted by name: what a peer book does every half second, in one round
-        trip where the directory is remote (two Serve handle calls a refresh cost each
-        replica about 20 ms of CPU a second; docs/benchmarks/README.md)."""
+        trip where the directory is remote (two Serve handle calls a refresh would
+        double each replica's CPU spent on it)."""
         if endpoint is not None:
             await self.register(endpoint)
         return await self.endpoints()

@@ -72,8 +72,7 @@ class PeerInbox:
     """A replica's mailbox actor: frames in by `deliver`, out by `take`.
 
     A threaded actor (methods run in a small thread pool; a condition variable wakes the
-    waiting `take`), not an async one: it measured ~15 % lower one-way latency on this
-    hop (p50 1.33-1.53 ms vs 1.59-1.80 ms through the inbox; docs/benchmarks/README.md).
+    waiting `take`), not an async one: it gives lower one-way latency on this hop.
     """
 
     def __init__(self) -> None:

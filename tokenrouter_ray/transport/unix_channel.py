@@ -1,10 +1,10 @@
 """The same-node peer channel without ZeroMQ: kernel ``SOCK_SEQPACKET`` Unix sockets.
 
 A ZeroMQ frame crosses four threads: the sender, its context's I/O thread, the receiver's
-I/O thread, and the receiver. At idle each crossing is a wake-up: one frame's hop between
-two processes takes 70-190 µs here against 7-14 µs for a bare Unix socket written and read
-by the two threads themselves (docs/benchmarks/README.md, "Host path"),
-and a first token that escalates crosses three hops. This channel is that bare socket,
+I/O thread, and the receiver. At idle each crossing is a wake-up, so one frame's hop
+between two processes takes several times as long as on a bare Unix socket written and read
+by the two threads themselves (docs/benchmarks/README.md, "Host path"), and a first token
+that escalates crosses three hops. This channel is that bare socket,
 with what the ZeroMQ channel gives beside the hop:
 
 - **Mailbox.** A replica listens on a socket file (mode 0600, in a private 0700 directory,
