@@ -37,6 +37,7 @@ from tokenrouter_ray.quality.live import Score, ScoreBudget, plain_model, teache
 from tokenrouter_ray.replica.status import ReplicaInfo, ReplicaStatus, replica_info, replica_status
 from tokenrouter_ray.replica.step import Replica
 from tokenrouter_ray.routing.policy import build_policy, policy_class
+from tokenrouter_ray.tasks import cancel_and_wait
 
 logger = logging.getLogger("ray.serve")
 
@@ -258,10 +259,7 @@ class ModelServer:
                 await self._leave()
             except Exception:  # stopping must go on
                 logger.exception("%s: draining failed", self.model)
-        if self._tuning is not None:
-            self._tuning.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tuning
+        await cancel_and_wait(self._tuning)
         await self.server.stop()
         self.engine.close()  # tensor parallel: stop the worker ranks
         await self.peers.stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import os
 import time
@@ -22,6 +21,7 @@ import ray
 from deployments.directory import ENDPOINT_TTL_S, ServeDirectory
 from tokenrouter_ray.config import TransportSpec
 from tokenrouter_ray.metrics import Metrics
+from tokenrouter_ray.tasks import cancel_and_wait
 from tokenrouter_ray.transport.auth import SECRET_ENV, derive_key
 from tokenrouter_ray.transport.base import Directory, Endpoint, PeerChannel
 from tokenrouter_ray.transport.unix_channel import UnixChannel
@@ -124,10 +124,7 @@ class PeerBook:
         self._task = asyncio.create_task(self._loop(), name="peerbook-refresh")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def refresh(self) -> None:
         beat = self.own is not None and (self.alive is None or self.alive())

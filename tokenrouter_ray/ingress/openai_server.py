@@ -87,6 +87,7 @@ from tokenrouter_ray.openai.validation import PreparedRequest, RequestLimits, Ro
 from tokenrouter_ray.quality.live import LiveQuality, Scorer
 from tokenrouter_ray.quality.speed import SpeedBypass
 from tokenrouter_ray.quality.target import QualityTarget
+from tokenrouter_ray.tasks import cancel_and_wait
 from tokenrouter_ray.transport.base import PeerChannel
 
 logger = logging.getLogger(__name__)
@@ -610,10 +611,7 @@ class IngressServer:
             )
 
     async def close(self) -> None:
-        if self._slo is not None:
-            self._slo.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._slo
+        await cancel_and_wait(self._slo)
         await self.recovery.stop()
         await self.live_quality.stop()
         await self.responses.stop()
