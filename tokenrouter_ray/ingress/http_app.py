@@ -258,22 +258,24 @@ async def version() -> dict[str, Any]:
     return {"version": __version__}
 
 
-@router.post("/tokenize")
-async def tokenize(request: Request) -> Response:
+async def _with_tokenizer(request: Request, convert: Callable[..., Any], **dump: Any) -> Response:
+    """``/tokenize`` and ``/detokenize``: the body converted off the event loop by the
+    ingress's tokenizer, within its limits."""
     ingress = ingress_of(request)
     data = load_json(await request.body())
     check_optional_model(ingress, data)
-    out = await asyncio.to_thread(token_ids.tokenize, data, ingress.tokenizer, ingress.limits)
-    return JSONResponse(out.model_dump(mode="json", exclude_none=True))
+    out = await asyncio.to_thread(convert, data, ingress.tokenizer, ingress.limits)
+    return JSONResponse(out.model_dump(mode="json", **dump))
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    return await _with_tokenizer(request, token_ids.tokenize, exclude_none=True)
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> Response:
-    ingress = ingress_of(request)
-    data = load_json(await request.body())
-    check_optional_model(ingress, data)
-    out = await asyncio.to_thread(token_ids.detokenize, data, ingress.tokenizer, ingress.limits)
-    return JSONResponse(out.model_dump(mode="json"))
+    return await _with_tokenizer(request, token_ids.detokenize)
 
 
 @router.get("/health")
