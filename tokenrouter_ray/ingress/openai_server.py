@@ -23,7 +23,7 @@ places and answers each request; the core carries it to the models and back. Its
 Injected parts, so tests build it for real without Ray:
 
 - ``channel``: this replica's peer channel, started (its endpoint is what ``peers``
-  heartbeats); closed on ``stop``;
+  heartbeats); closed by ``close``;
 - ``peers``: a ``PeerView`` (model -> live endpoints, refreshed in the background;
   ``deployments/peers.py PeerBook`` in Serve), whose lost endpoints are reported to
   ``on_lost``;
