@@ -196,7 +196,7 @@ def main() -> None:
     if args.max_tokens:
         preset = replace(preset, max_tokens=args.max_tokens)
     if args.time_limit:
-        preset = replace(preset, time_limit_s=args.time_limit, length_time_limit_s=args.time_limit)
+        preset = replace(preset, time_limit_s=args.time_limit)
     small, large = args.small, args.large
     if (small is None or large is None) and preset.systems:
         from tokenrouter_ray.demo import built_artifact  # `tokenrouter-ray prepare-demo` builds

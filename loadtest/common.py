@@ -14,7 +14,7 @@ import shlex
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 # (overrides, app name) -> a context manager that yields the app's v1 URL
@@ -49,6 +49,19 @@ def percentile(values: Sequence[float], q: float) -> float:
         return math.nan
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def number(x: float | None, fmt: str = ".1f") -> str:
+    """``x`` formatted, or a dash for a figure not measured (None or NaN)."""
+    return "–" if x is None or math.isnan(x) else format(x, fmt)
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A Markdown table; a column named with a trailing ``:`` is right-aligned."""
+    rule = "|" + "|".join("---:" if c.endswith(":") else "---" for c in columns) + "|"
+    cells = [[c.removesuffix(":") for c in columns], *rows]
+    lines = [f"| {' | '.join(map(str, row))} |" for row in cells]
+    return "\n".join([lines[0], rule, *lines[1:]])
 
 
 def pyplot() -> Any:

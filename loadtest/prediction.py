@@ -1,23 +1,7 @@
-"""Measured throughput next to the Markov model's prediction for the measured step times,
-and why the tuner chose the thresholds it did.
-
-Input: one measured level of the served tokenrouter app (``bernoulli(p)``, escalate-once:
-the small model's token at an escalated position is dropped, the large model writes that
-position and hands back) and the app's ``GET /v1/tokenrouter/tuner`` status taken right
-after it: the step-time table the tuner remembers per model and batch size (measured on the
-replicas, prefill chunks excluded), the thresholds it published, its last decision.
-
-The prediction: ``tuning.markov.throughput`` for a profile built from those step times
-(filled between and beyond observed batch sizes by the tuner's own line fit,
-``tuning.tuner.fill_step_times``) and the *measured* escalation rate of the level, at the N
-of the level and the thresholds in use there. The measured figure it is compared with is
-the level's steady-state rate: output tokens per second over the time when all N requests
-were decoding (past their first token, not yet finished), which is the closed system the
-model describes; the whole-level rate (prefills, ramp-up and tail included) is shown too.
-
-Why the tuner chose its table: every deadlock-free B at that N is evaluated at the same
-profile, so the report can show all-1 against the best table that defers (some B > 1).
-"""
+"""Measured throughput next to the Markov model's prediction at the step times the tuner
+measured, and why the tuner chose its thresholds (docs/benchmarks/README.md, "Measured vs
+the Markov prediction"). The measured figure is the level's steady state (all N decoding),
+the closed system the model describes."""
 
 from __future__ import annotations
 
@@ -26,6 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from loadtest.quality import large_share
 from tokenrouter_ray.thresholds import is_admissible
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import ModelProfile, RoutingProfile
@@ -59,13 +44,6 @@ def steady_rate(row: Mapping[str, Any], n: int) -> tuple[float, float]:
         1 for r in records for t in r["chunk_times"] if any(a < t <= b for a, b in windows)
     )
     return inside * per_chunk / seconds, seconds
-
-
-def large_share(row: Mapping[str, Any]) -> float:
-    """Share of output tokens written by the large model, over the finished requests."""
-    per_model = row.get("tokens_per_model") or {}
-    total = sum(per_model.values())
-    return per_model.get("large", 0) / total if total else math.nan
 
 
 def escalate_once_profile(

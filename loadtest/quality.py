@@ -1,14 +1,7 @@
-"""Speed next to quality: agreement with the large model alone, and its share of the tokens.
-
-Every system answers the same requests, so each answer has a reference: the large model
-alone on the same prompt and level. **match**: the share of positions whose token equals
-the reference's; **prefix**: the share before the first divergence. Once texts diverge they
-shift, so the figure that follows routing token by token is **teacher-forced agreement**:
-the large model (plain ``transformers``, after every server is down) predicts each answer
-position from the answer's own prefix, and the share where its choice is the answer's token
-is reported (means over positions). The large model's share is its tokens over all tokens
-of the level's finished requests (their final chunks' ``routing``).
-"""
+"""Speed next to quality (docs/benchmarks/README.md, "Speed next to quality"): each answer
+against the large model alone's (match, prefix) and, since texts shift once they diverge,
+teacher-forced: the share of positions where the large model, reading the answer's own
+prefix, picks the answer's token; and the large model's share of the tokens."""
 
 from __future__ import annotations
 
@@ -16,6 +9,8 @@ import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from loadtest.common import markdown_table, number
 
 REFERENCE = "large_alone"
 ONE_MODEL = {"large_alone": 1.0, "large_stock": 1.0, "small_alone": 0.0}  # large's share
@@ -31,11 +26,18 @@ def agreement(tokens: Sequence[int], reference: Sequence[int]) -> tuple[float, f
     return sum(same) / length, prefix / length, length
 
 
+def large_share(row: Mapping[str, Any]) -> float:
+    """Share of output tokens written by the large model, over the finished requests."""
+    per_model = row.get("tokens_per_model") or {}
+    total = sum(per_model.values())
+    return per_model.get("large", 0) / total if total else math.nan
+
+
 Scorer = Callable[[int, str], tuple[int, int]]  # (request index, answer) -> (agree, positions)
 
 
 class TeacherForced:
-    """The large model as a greedy judge of answers (see module docstring): ``(k, text)``
+    """The large model as a greedy judge of answers: ``(k, text)``
     -> (positions where its greedy choice given the answer's prefix equals the answer's
     token, positions), for request k's prompt. Identical answers are scored once."""
 
@@ -98,10 +100,8 @@ def level_quality(
             matches.append(match)
             prefixes.append(prefix)
             positions += length
-    per_model = row.get("tokens_per_model") or {}
-    total = sum(per_model.values())
-    share = (per_model.get("large", 0) / total) if total else math.nan
-    if total and row["system"] in ONE_MODEL:  # one model, reported as "alone"
+    share = large_share(row)
+    if not math.isnan(share) and row["system"] in ONE_MODEL:  # one model, reported as "alone"
         share = ONE_MODEL[row["system"]]
     return {
         "system": row["system"],
@@ -149,24 +149,16 @@ def quality(
     return out
 
 
-def _pct(x: float) -> str:
-    return "–" if x is None or math.isnan(x) else f"{x:.0%}"
+COLUMNS = ["system", "load", "max tok:", "tok/s:", "large model's share:", "handoffs/req:",
+           "teacher-forced agreement:", "match with large alone:", "prefix agreement:",
+           "compared"]  # fmt: skip
 
 
 def quality_table(entries: Sequence[Mapping[str, Any]]) -> str:
-    head = (
-        "| system | load | max tok | tok/s | large model's share | handoffs/req "
-        "| teacher-forced agreement | match with large alone | prefix agreement | compared |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
-    )
-    lines = [head]
-    for q in entries:
-        h = q["handoffs_per_request"]
-        lines.append(
-            f"| {q['label']} | N={q['concurrency']} | {q['max_tokens']} | {q['tok_s']:.1f} "
-            f"| {_pct(q['large_share'])} | {'–' if h is None or math.isnan(h) else f'{h:.1f}'} "
-            f"| {_pct(q.get('teacher_forced', math.nan))} | {_pct(q['match'])} "
-            f"| {_pct(q['prefix'])} "
-            f"| {q['compared_requests']} req, {q['compared_positions']} tok |"
-        )
-    return "\n".join(lines)
+    rows = [[q["label"], f"N={q['concurrency']}", q["max_tokens"], f"{q['tok_s']:.1f}",
+             number(q["large_share"], ".0%"), number(q["handoffs_per_request"]),
+             number(q.get("teacher_forced", math.nan), ".0%"), number(q["match"], ".0%"),
+             number(q["prefix"], ".0%"),
+             f"{q['compared_requests']} req, {q['compared_positions']} tok"]
+            for q in entries]  # fmt: skip
+    return markdown_table(COLUMNS, rows)

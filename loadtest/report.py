@@ -1,10 +1,5 @@
-"""A run's results as a Markdown table, target checks (PASS / MISS, never an error) and
-matplotlib plots: throughput vs N per system, latency CDFs, throughput vs output length;
-``write_outputs`` writes them with the JSON to the run's folder.
-
-matplotlib comes with the optional ``bench`` extra (``pip install -e '.[bench]'``); without
-it the tables and JSON are still written and the plots are skipped with a note.
-"""
+"""A run's results: the Markdown table, the targets (PASS / MISS, never an error) and the
+plots (throughput vs N, latency CDFs, throughput vs output length), by ``write_outputs``."""
 
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ import math
 import os
 from typing import Any
 
-from loadtest.common import pyplot
+from loadtest.common import markdown_table, number, pyplot
 from loadtest.prediction import predict, prediction_lines
 from loadtest.quality import closed_row, quality_table
 from tokenrouter_ray.metrics.latency import token_gaps
@@ -21,12 +16,8 @@ from tokenrouter_ray.metrics.latency import token_gaps
 TARGET_N = 8
 
 
-def _ms(x: float) -> str:
-    return "–" if x is None or math.isnan(x) else f"{x * 1e3:.0f}"
-
-
-def _num(x: float, fmt: str = ".1f") -> str:
-    return "–" if x is None or math.isnan(x) else format(x, fmt)
+def _ms(x: float | None) -> str:
+    return number(None if x is None else x * 1e3, ".0f")
 
 
 def _share(tokens: dict[str, int]) -> str:
@@ -34,25 +25,20 @@ def _share(tokens: dict[str, int]) -> str:
     return ", ".join(f"{m} {n / total:.0%}" for m, n in tokens.items()) if total else "–"
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    head = (
-        "| system | load | max tok | tok/s | per-req tok/s | TTFT p50/p90/p99 ms "
-        "| ITL p50/p99 ms | e2e p50/p90/p99 ms | handoffs/req | tokens by model "
-        "| finished | deferred timeouts |\n"
-        "|---|---|---:|---:|---:|---|---|---|---:|---|---|---:|"
-    )
-    lines = [head]
-    for r in rows:
-        load = f"rate {r['rate']}/s" if r["rate"] else f"N={r['concurrency']}"
-        t, i, e = r["ttft_s"], r["itl_s"], r["e2e_s"]
-        lines.append(
-            f"| {r['label']} | {load} | {r['max_tokens']} | {r['tok_s']:.1f} "
-            f"| {_num(r['per_request_tok_s'])} | {_ms(t['p50'])}/{_ms(t['p90'])}/{_ms(t['p99'])} "
-            f"| {_ms(i['p50'])}/{_ms(i['p99'])} | {_ms(e['p50'])}/{_ms(e['p90'])}/{_ms(e['p99'])} "
-            f"| {_num(r['handoffs_per_request'])} | {_share(r['tokens_per_model'])} "
-            f"| {r['finished']}/{r['requests']} | {r.get('deferred_timeouts', '–')} |"
-        )
-    return "\n".join(lines)
+COLUMNS = ["system", "load", "max tok:", "tok/s:", "per-req tok/s:", "TTFT p50/p90/p99 ms",
+           "ITL p50/p99 ms", "e2e p50/p90/p99 ms", "handoffs/req:", "tokens by model",
+           "finished", "deferred timeouts:"]  # fmt: skip
+
+
+def table_row(r: dict[str, Any]) -> list[str]:
+    t, i, e = r["ttft_s"], r["itl_s"], r["e2e_s"]
+    return [r["label"], f"rate {r['rate']}/s" if r["rate"] else f"N={r['concurrency']}",
+            r["max_tokens"], f"{r['tok_s']:.1f}", number(r["per_request_tok_s"]),
+            "/".join(_ms(t[q]) for q in ("p50", "p90", "p99")),
+            "/".join(_ms(i[q]) for q in ("p50", "p99")),
+            "/".join(_ms(e[q]) for q in ("p50", "p90", "p99")),
+            number(r["handoffs_per_request"]), _share(r["tokens_per_model"]),
+            f"{r['finished']}/{r['requests']}", r.get("deferred_timeouts", "–")]  # fmt: skip
 
 
 def targets(result: dict[str, Any], n: int | None = None) -> list[str]:
@@ -243,7 +229,7 @@ def write_outputs(result: dict, out_dir: str, header: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
-    table = markdown_table(result["rows"])
+    table = markdown_table(COLUMNS, map(table_row, result["rows"]))
     checks = targets(result)
     pngs = plots(result, os.path.join(out_dir, "loadtest")) if result["rows"] else []
     md = [header, "", table, "", "Targets (they never fail the run):", ""]

@@ -1,21 +1,13 @@
-"""A benchmark run: presets, the sweep over systems and loads, and the results it writes.
-
-A preset fixes the workload, the closed-loop client counts N, the open-loop rates, the
-output-length sweep and the per-level bounds. ``run_bench`` brings each system up once,
-measures every level on it (closed loop over N, then open loop over the rates, then
-the output-length sweep where the preset asks for it), and tears it down; then it scores
-every system's answers against the large model alone (``loadtest.quality``). The result is a
-plain dict that ``loadtest.report`` turns into JSON, Markdown and plots.
-
-The stock servers (``transformers serve``) are shared by the systems that use them
-(``large_stock``, then ``std_serving``) and restarted only after a system had a level cut at
-its time limit: a stock server keeps generating for a client that went away, so a cut level
-leaves work behind on it.
-"""
+"""A benchmark run: the presets and ``run_bench``, which brings each system up once, measures
+every level of the preset on it (closed loop over N, open loop over the rates, the
+output-length sweep) and tears it down, then scores the answers (``loadtest.quality``). The
+stock servers are shared and restarted only after a cut level: a stock server keeps
+generating for a client that went away."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +31,6 @@ class Preset:
     length_systems: list[str] = field(default_factory=lambda: ["tokenrouter", "std_serving"])
     requests_per_client: int = 3  # a level ends after N * this many requests ...
     time_limit_s: float = 20.0  # ... or after this long (in-flight requests are cut)
-    length_time_limit_s: float | None = None  # the length sweep's levels (None: time_limit_s)
     systems: list[str] = field(default_factory=lambda: list(ALL_SYSTEMS))
     # systems measured at these N only (closed loop), e.g. the quality-only systems at N = 8
     system_concurrency: dict[str, list[int]] = field(default_factory=dict)
@@ -53,22 +44,15 @@ class Preset:
 QUALITY_ONLY = ["r2r", "rstitch"]  # speed next to quality, at N = 8 only
 
 PRESETS: dict[str, Preset] = {
-    # The demo pair on a 2-core CPU in <= 10 minutes: every system at N = 1 and 8 with
-    # 64-token answers (one request per client, so every answer is complete and scored
-    # against the large model alone; a level is capped at 60 s, which only the stock-server
-    # systems reach), R2R and R-Stitch at N = 8 only, and 256-token answers at N = 8 for
-    # tokenrouter (the target's 256 vs 1,024 comparison, with Std. Serving's loss, is the
-    # `lengths` preset).
+    # The demo pair on a 2-core CPU in <= 10 minutes; one request per client, so every
+    # answer is complete and can be scored (docs/benchmarks/README.md, "Presets").
     "quick": Preset(
         concurrency=[1, 8],
-        max_tokens=64,
         lengths=[256],
-        length_n=8,
         length_systems=["tokenrouter"],
         requests_per_client=1,
         time_limit_s=60.0,
         system_concurrency={s: [8] for s in QUALITY_ONLY},
-        warmup_tokens=8,
         settle_s=1.0,
         stock_warm=(8, 16),
     ),
@@ -77,13 +61,9 @@ PRESETS: dict[str, Preset] = {
     "lengths": Preset(
         concurrency=[],
         lengths=[256, 1024],
-        length_n=8,
-        length_systems=["tokenrouter", "std_serving"],
         requests_per_client=1,
         time_limit_s=600.0,
-        length_time_limit_s=600.0,
         systems=["tokenrouter", "std_serving"],
-        warmup_tokens=8,
         settle_s=1.0,
     ),
     # The GPU sweep: same code, bigger N and lengths, open loop too.
@@ -92,7 +72,6 @@ PRESETS: dict[str, Preset] = {
         rates=[1.0, 4.0, 16.0],
         max_tokens=256,
         lengths=[1024, 8192],
-        length_n=8,
         requests_per_client=8,
         time_limit_s=300.0,
         system_concurrency={s: [8] for s in QUALITY_ONLY},
@@ -155,60 +134,37 @@ def run_system(
         startup = time.perf_counter() - t_up
         concurrency = preset.system_concurrency.get(name, preset.concurrency)
         closed_only = name in preset.system_concurrency
+        spec = functools.partial(level_spec, preset, workload)
         n_warm = max([*concurrency, preset.length_n if preset.lengths else 1])
-        warm = level_spec(
-            preset,
-            workload,
-            concurrency=n_warm,
-            max_requests=n_warm,
-            max_tokens=preset.warmup_tokens,
-        )
+        warm = spec(concurrency=n_warm, max_requests=n_warm, max_tokens=preset.warmup_tokens)
         asyncio.run(run_load(url, warm, progress=False))
-        levels: list[tuple[str, LoadSpec]] = []
-        for n in concurrency:
-            spec = level_spec(
-                preset, workload, concurrency=n, max_requests=n * preset.requests_per_client
-            )
-            levels.append(("closed", spec))
+        per, n_len = preset.requests_per_client, preset.length_n
+        levels = [("closed", spec(concurrency=n, max_requests=n * per)) for n in concurrency]
         for rate in [] if closed_only else preset.rates:
-            spec = level_spec(
-                preset,
-                workload,
-                rate=rate,
-                max_requests=max(preset.concurrency) * preset.requests_per_client,
-            )
-            levels.append(("open", spec))
+            levels.append(("open", spec(rate=rate, max_requests=max(preset.concurrency) * per)))
         if name in preset.length_systems and not closed_only:
-            for length in preset.lengths:
-                spec = level_spec(
-                    preset,
-                    workload,
-                    concurrency=preset.length_n,
-                    max_requests=preset.length_n * preset.requests_per_client,
-                    max_tokens=length,
-                    time_limit_s=preset.length_time_limit_s or preset.time_limit_s,
-                )
-                levels.append(("length", spec))
-        for mode, spec in levels:
+            levels += [("length", spec(concurrency=n_len, max_requests=n_len * per, max_tokens=k))
+                       for k in preset.lengths]  # fmt: skip
+        for mode, level in levels:
             desc = f"{name} {mode} " + (
-                f"rate={spec.rate}" if spec.rate else f"N={spec.concurrency}"
+                f"rate={level.rate}" if level.rate else f"N={level.concurrency}"
             )
             time.sleep(preset.settle_s)  # let work a cut level left behind drain
-            result = measure(url, spec, desc, progress, bench.count_tokens)
+            result = measure(url, level, desc, progress, bench.count_tokens)
             result |= {
                 "system": name,
                 "label": label,
                 "mode": mode,
-                "concurrency": None if spec.rate else spec.concurrency,
-                "rate": spec.rate,
-                "max_tokens": spec.max_tokens,
+                "concurrency": None if level.rate else level.concurrency,
+                "rate": level.rate,
+                "max_tokens": level.max_tokens,
                 "workload": workload.name,
                 "startup_s": startup,
             }
             rows.append(result)
             if progress:
                 print(
-                    f"  {desc} max_tokens={spec.max_tokens}: {result['tok_s']:.1f} tok/s, "
+                    f"  {desc} max_tokens={level.max_tokens}: {result['tok_s']:.1f} tok/s, "
                     f"{result['finished']}/{result['requests']} finished",
                     flush=True,
                 )

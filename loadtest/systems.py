@@ -1,20 +1,7 @@
-"""The systems compared, each brought up for its measurement and torn down after it:
-
-1. ``tokenrouter``: the served app with tuned deferred batching (the app's overrides, e.g.
-   ``conf/local.yaml``'s with the live tuner), policy ``bernoulli(p)``.
-2. ``eager_async``: the same app with every threshold 1 and the tuner off (a config
-   override, not a code path).
-3. ``r2r`` / ``rstitch``: the tuned app with a neural policy instead of ``bernoulli``
-   (``Bench.policy_apps``: the demo's R2R router as ``conf/local.yaml`` serves it, and
-   R-Stitch), for speed next to quality (``loadtest.quality``).
-4. ``step_sync``: both models in one lock-step loop on our engine (``baselines/step_sync``).
-5. ``large_alone`` / ``small_alone``: one model on our engine; ``large_stock``: the large
-   model alone on its stock server (the "could I just serve the large model?" reference).
-6. ``std_serving``: one stock ``transformers serve --continuous-batching`` per model and the
-   external per-token dispatcher (``baselines/dispatcher``).
-
-Each ``up()`` is a context manager yielding the OpenAI base URL (``.../v1``).
-"""
+"""The systems compared (docs/benchmarks/README.md, "Systems"): ``SYSTEMS`` maps each name to
+its label and an ``up(bench)`` context manager that brings it up and yields its OpenAI base
+URL (``.../v1``), torn down on exit. The Serve apps differ from tokenrouter's by config
+overrides only; the baselines are in ``baselines/``."""
 
 from __future__ import annotations
 
