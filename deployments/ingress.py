@@ -26,9 +26,9 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.autoscaling import ACTIVE, UTILISATION
 from deployments.directory import ServeDirectory
-from deployments.model_server import spec_tokenizer
 from deployments.peers import PeerBook, make_channel, peer_key
 from deployments.ray_metrics import ray_metrics
+from tokenrouter_ray.app_config import spec_tokenizer
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.host_gc import tune_gc
 from tokenrouter_ray.ingress.direct_http import DirectHttp

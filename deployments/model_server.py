@@ -27,7 +27,6 @@ from deployments.autoscaling import PLANNED, UTILISATION
 from deployments.directory import ServeDirectory
 from deployments.peers import PeerBook, make_channel, peer_key
 from deployments.ray_metrics import ray_metrics
-from deployments.tp_workers import RayWorkerLauncher
 from tokenrouter_ray.app_config import spec_tokenizer
 from tokenrouter_ray.config import AppConfig
 from tokenrouter_ray.engine.config import EngineConfig
@@ -55,7 +54,7 @@ def engine_config(cfg: AppConfig, name: str) -> EngineConfig:
     )
 
 
-def build_engine(cfg: AppConfig, name: str, launcher: RayWorkerLauncher | None) -> Engine:
+def build_engine(cfg: AppConfig, name: str, launcher: Any) -> Engine:
     """The engine of one replica of model ``name``: loaded from its checkpoint, or a
     simulated one (``ModelSpec.sim``: simulation/served.py)."""
     spec = cfg.models[name]
@@ -88,8 +87,13 @@ class ModelServer:
         self.spec = cfg.models[model]
         index = cfg.model_names.index(model)
         self._left = False  # drained and leaving: no more heartbeats
-        # tensor parallel: ranks 1..k-1 are actors in this replica's placement group
-        launcher = RayWorkerLauncher() if cfg.models[model].tensor_parallel > 1 else None
+        launcher = None
+        if cfg.models[model].tensor_parallel > 1:
+            # ranks 1..k-1 are actors in this replica's placement group; imported here, as
+            # the distributed stack is heavy to import and only tensor parallelism needs it
+            from deployments.tp_workers import RayWorkerLauncher
+
+            launcher = RayWorkerLauncher()
         self.engine = await asyncio.to_thread(build_engine, cfg, model, launcher)
         needs_tokenizer = policy_class(cfg.policy.name).needs_tokenizer
         tokenizer = spec_tokenizer(cfg.models[model]) if needs_tokenizer else None

@@ -54,8 +54,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from tokenrouter_ray.engine.device_step import host_to_device, to_device
 from tokenrouter_ray.engine.kv_cache import PagedKVCache
@@ -355,6 +353,8 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Returns (1, num_tokens, num_heads, head_dim), as transformers' interface expects."""
     if paged is None:  # plain call (e.g. model.generate on the same model): ordinary SDPA
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             sliding_window=sliding_window, softcap=softcap, **kwargs,
@@ -518,6 +518,8 @@ def _static_attention(
 
 def register_attention() -> str:
     """Make the paged kernel available to ``from_pretrained(attn_implementation=...)``."""
+    from transformers import AttentionInterface  # the model stack: imported when models load
+
     if ATTN_IMPLEMENTATION not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     return ATTN_IMPLEMENTATION

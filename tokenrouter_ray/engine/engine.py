@@ -25,7 +25,6 @@ import torch
 
 from tokenrouter_ray.engine.block_pool import KVCacheManager, device_budget, plan_num_blocks
 from tokenrouter_ray.engine.config import EngineConfig
-from tokenrouter_ray.engine.loader import load_causal_lm
 from tokenrouter_ray.engine.memory_reserve import forward_reserve
 from tokenrouter_ray.engine.model_runner import ModelRunner, model_footprint
 from tokenrouter_ray.engine.outputs import (
@@ -71,6 +70,8 @@ class Engine:
 
             runner, num_blocks = build_tp_runner(config, launcher)
             return cls(runner, config, num_blocks)
+        from tokenrouter_ray.engine.loader import load_causal_lm  # transformers' model stack
+
         model = load_causal_lm(
             config.model, config.dtype, config.device, config.gguf_file, config.num_hidden_layers
         )

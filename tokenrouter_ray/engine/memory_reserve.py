@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
-
 from tokenrouter_ray.engine.attention import MAX_SPAN_MASK_ELEMENTS, decode_gather_tokens
 from tokenrouter_ray.engine.static_forward import (
     DEFAULT_BATCH_BUCKETS,
@@ -29,6 +27,7 @@ from tokenrouter_ray.engine.static_forward import (
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PretrainedConfig
 
     from tokenrouter_ray.engine.config import EngineConfig
 

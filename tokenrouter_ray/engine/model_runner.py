@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from tokenrouter_ray.engine.attention import (
     PagedBatch,
@@ -75,6 +74,8 @@ def model_footprint(model: PreTrainedModel) -> ModelFootprint:
 
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from tokenrouter_ray.engine.config import EngineConfig
     from tokenrouter_ray.engine.grammar import GrammarBook
 
