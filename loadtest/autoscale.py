@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.common import command, machine, pyplot, ray_serve_deploy, wait_ready
+from loadtest.common import header, print_targets, pyplot, ray_serve_deploy, wait_ready
 from tokenrouter_ray.simulation.served import sim_answer
 from tokenrouter_ray.tuning.capacity import Load, Targets, plan, predict
 from tokenrouter_ray.tuning.examples import paper_r2r
@@ -397,8 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="outputs/autoscale")
     args = parser.parse_args(argv)
     ramp = Ramp(args.peak_rps, args.up_s, args.hold_s, args.down_s, args.idle_s)
-    print(f"# autoscaling ramp on the served simulation ({machine()})")
-    print(f"# reproduce: {command()}")
+    print(header(), flush=True)
     result = run_ramp(ray_serve_deploy(args.port), ramp, args.tokens)
     rows = table(result)
     print(f"{'t (s)':>6} {'offered/s':>9} {'running s/l':>12} {'planned s/l':>12} "
@@ -411,10 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{pl.get('small', '-'):>6}/{pl.get('large', '-')!s:<5} {row['requests']:>5} "
             f"{row['tpot_ms'] or '-':>8} {row['tpot_predicted_ms'] or '-':>9}"
         )
-    ok = True
-    for name, met, detail in verdicts(result):
-        ok &= met
-        print(f"{'PASS' if met else 'MISS'}  {name}: {detail}")
+    print_targets(verdicts(result))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "autoscale.json"), "w") as f:
         json.dump({"ramp": asdict(ramp), "rows": rows,

@@ -43,12 +43,24 @@ def command() -> str:
     return "python -m " + " ".join([module, *(shlex.quote(a) for a in sys.argv[1:])])
 
 
+def header() -> str:
+    """The two lines every benchmark prints first: the machine and the reproduce line."""
+    return f"machine: {machine()}\nreproduce: {command()}"
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The nearest-rank ``q`` quantile (0 <= q <= 1) of ``values``; NaN when empty."""
     if not values:
         return math.nan
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def print_targets(targets: Iterable[tuple[str, bool, str]]) -> None:
+    """Each target PASS / MISS with its figures: they never fail the run."""
+    print("\n# targets (PASS / MISS; they never fail the run)")
+    for name, met, detail in targets:
+        print(f"{'PASS' if met else 'MISS'}  {name}: {detail}")
 
 
 def number(x: float | None, fmt: str = ".1f") -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from loadtest.common import command, free_port, machine, percentile, start_serve, wait_ready
+from loadtest.common import free_port, header, percentile, print_targets, start_serve, wait_ready
 from loadtest.raw_http import first_token_client
 
 SERVE_APP = "front-floor"  # the app's name and route prefix on Serve's port
@@ -174,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.front == "haproxy":  # read when the Ray cluster starts
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     gaps = [float(g) / 1e3 for g in args.gaps_ms.split(",")]
-    print(f"# front floor: {machine()}")
-    print(f"# {command()}")
+    print(header(), flush=True)
     floors: list[Floor] = []
     with uvicorn_server() as bare, serve_floor(args.port) as served:
         for gap in gaps:
@@ -188,9 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"ms, p90 {floor.p90:6.2f} ms"
                     )
     pooled = [pool(floors, f, g) for g in gaps for f in ("uvicorn", args.front)]
-    print("\n# targets (PASS / MISS; they never fail the run)")
-    for name, ok, detail in targets(pooled, args.front):
-        print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")
+    print_targets(targets(pooled, args.front))
     return 0
 
 

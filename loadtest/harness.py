@@ -34,7 +34,7 @@ from typing import Any
 import openai
 from tqdm import tqdm
 
-from loadtest.common import command, machine, percentile
+from loadtest.common import header, percentile
 from loadtest.workloads import WORKLOADS, Workload
 from tokenrouter_ray.metrics.latency import token_gaps
 
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.compare if any(m == "default" for m, _ in args.compare) else [
         parse_mode("default"), *args.compare
     ]  # fmt: skip
-    print(f"machine: {machine()}\nreproduce: {command()}")
+    print(header())
     print("| C | mode | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p99 "
           "| tokens per model | handoffs/req |")  # fmt: skip
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|")

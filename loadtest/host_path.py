@@ -3,16 +3,12 @@
     python -m loadtest host                           # in-process + served, ~6 minutes
     python -m loadtest host --levels 8 --window-s 1 --no-served   # tiny
 
-Both parts run on ``SimRunner`` (a launched step takes the profile's time; the host works
-meanwhile). **In process** (``LocalRuntime``): closed loop per N for the ``paper`` profile at
-all-1 thresholds and at the Markov model's best table, and for the ``zero`` profile (1 µs
-steps), then an open loop at fractions of Eager-Async's throughput. **Served**
-(``conf/sim_paper.yaml``'s app on a local Ray cluster, streaming ``openai`` clients): tok/s,
-step periods, host phases, each process's CPU per token (``proc_cpu.py``), message latency
-and TTFT (``raw_http.ttft_probe``); ``... direct`` systems talk to the ingress's own port,
-``... tuned`` ones use what the live tuner decides with the transit the all-ones run measured
-(``tuner_choice``). Targets (PASS / MISS, never a failure): in process here, served in
-``host_targets.py``. docs/benchmarks/README.md, "Host path", says what each figure is.
+``SimRunner`` steps take the profile's time while the host works. In process
+(``LocalRuntime``): closed loops per N and an open loop; served (``conf/sim_paper.yaml``'s
+app on a local Ray cluster): tok/s, host phases, CPU per token (``proc_cpu.py``) and TTFT
+(``raw_http.ttft_probe``); ``... tuned`` systems run what the live tuner decides with the
+transit the all-ones run measured. docs/benchmarks/README.md, "Host path", says what each
+figure is; served targets are in ``host_targets.py``.
 """
 
 from __future__ import annotations
@@ -21,53 +17,41 @@ import argparse
 import asyncio
 import functools
 import json
+import math
 import os
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.common import ServeDeploy, command, machine, ray_serve_deploy, wait_ready
-from loadtest.host_targets import served_targets, via
+from loadtest.common import ServeDeploy, header, print_targets, ray_serve_deploy, wait_ready
+from loadtest.host_targets import critical_target, served_targets, via
 from loadtest.proc_cpu import (
-    HAPROXY_MANAGER_TITLE,
-    HAPROXY_PROGRAM,
-    PROXY_TITLE,
-    SUPPORT,
-    SUPPORT_ACTORS,
     CpuWindow,
-    find_deployment_pids,
-    find_pids,
-    find_program,
+    app_pids,
     format_cpu,
     format_wakes,
     per_token_us,
     wake_cost_us,
 )
-from loadtest.raw_http import PROBE_ROUTING, ttft_probe
+from loadtest.raw_http import PROBE_CLIENTS, PROBE_ROUTING, ttft_probe
 from tokenrouter_ray.config import TunerSpec
 from tokenrouter_ray.replica.profile import latency_quantile_us
 from tokenrouter_ray.simulation.loads import ClosedLoop
-from tokenrouter_ray.thresholds import ThresholdTable, is_admissible
+from tokenrouter_ray.thresholds import ThresholdTable
 from tokenrouter_ray.tuning.examples import paper_r2r
 from tokenrouter_ray.tuning.markov import throughput
 from tokenrouter_ray.tuning.profile import RoutingProfile
-from tokenrouter_ray.tuning.search import evaluate
+from tokenrouter_ray.tuning.search import evaluate, sweep
 from tokenrouter_ray.tuning.solver import ThresholdSolver
 
 SOLVE_GRAIN_MS = TunerSpec().grain_ms  # the live tuner's default grain
 
 
-def best_thresholds(profile: RoutingProfile, n: int) -> tuple[tuple[int, int], float]:
+def best_thresholds(profile: RoutingProfile, n: int) -> tuple[tuple[int, ...], float]:
     """The Markov model's best (B_small = 1, B_large) at N, and its predicted tok/s."""
-    best = ((1, 1), throughput(profile, n, (1, 1)).throughput)
-    for b in range(2, n + 1):
-        if not is_admissible(n, (1, b)):
-            break
-        value = throughput(profile, n, (1, b)).throughput
-        if value > best[1]:
-            best = ((1, b), value)
-    return best
+    best = sweep(profile, n, fixed={profile.names[0]: 1}, method="exact").best
+    return best.thresholds, best.throughput
 
 
 def tuner_choice(profile: RoutingProfile, n: int, max_rounds: int = 20) -> tuple[int, ...]:
@@ -123,26 +107,13 @@ async def in_process_level(
         channels = [s.channel for s in loop.servers] + [loop.runtime.ingress.channel]
         bytes0 = sum(c.bytes_sent for c in channels)
         m = await loop.measure(window_s, thresholds)
-        after = [_host(s) for s in loop.servers]
-        servers = list(loop.servers)
+        windows = [_window(b, _host(s)) for b, s in zip(before, loop.servers, strict=True)]
         ingress1 = loop.runtime.ingress.frames_received if loop.runtime.ingress else 0
         bytes1 = sum(c.bytes_sent for c in channels)
-    host = {}
-    frames = ingress1 - ingress0
-    messages = 0
-    periods = []
-    for server, a, b in zip(servers, after, before, strict=True):
-        count = a["periods"] - b["periods"]
-        periods.append((a["period_s"] - b["period_s"]) / count * 1e3 if count else float("nan"))
-        steps = max(1, a["steps"] - b["steps"])
-        host[server.name] = {
-            k: (a["phases"].get(k, 0.0) - b["phases"].get(k, 0.0)) / steps * 1e6
-            for k in sorted(a["phases"])
-        }
-        host[server.name]["critical"] = (a["critical_s"] - b["critical_s"]) / steps * 1e6
-        host[server.name]["rows"] = (a["rows"] - b["rows"]) / steps
-        frames += a["frames"] - b["frames"]
-        messages += a["messages"] - b["messages"]
+    host = {w["name"]: w["us"] for w in windows}
+    periods = [math.nan if w["period_ms"] is None else w["period_ms"] for w in windows]
+    frames = ingress1 - ingress0 + sum(w["frames"] for w in windows)
+    messages = sum(w["messages"] for w in windows)
     tokens = max(1.0, m.tokens)
     return Level(
         system,
@@ -168,8 +139,10 @@ async def in_process_level(
 
 
 def _host(server: Any) -> dict[str, Any]:
+    """A server's host counters now (``_window`` takes two reads apart)."""
     p = server.profile
     return {
+        "name": server.name,
         "steps": p.steps,
         "rows": p.rows,
         "phases": dict(p.phases),
@@ -179,6 +152,19 @@ def _host(server: Any) -> dict[str, Any]:
         "period_s": p.period_s,
         "periods": p.periods,
     }
+
+
+def _window(b: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    """A server's host between two ``_host`` reads: µs per step by phase (``critical``
+    included), ``rows`` per step, the step period in ms (None: no back-to-back steps),
+    frames and messages."""
+    steps, periods = max(1, a["steps"] - b["steps"]), a["periods"] - b["periods"]
+    us = {k: (v - b["phases"].get(k, 0.0)) / steps * 1e6 for k, v in sorted(a["phases"].items())}
+    us["critical"] = (a["critical_s"] - b["critical_s"]) / steps * 1e6
+    us["rows"] = (a["rows"] - b["rows"]) / steps
+    period = (a["period_s"] - b["period_s"]) / periods * 1e3 if periods else None
+    return {"name": a["name"], "us": us, "period_ms": period, "frames": a["frames"] - b["frames"],
+            "messages": a["messages"] - b["messages"]}  # fmt: skip
 
 
 def run_in_process(levels: list[int], window_s: float, warmup_s: float) -> list[Level]:
@@ -220,19 +206,12 @@ async def open_loop_level(
         before = [_host(s) for s in loop.servers]
         m = await loop.poisson_load(rate, tokens, window_s=window_s, warmup_s=warmup_s,
                                     drain_timeout_s=10.0)  # fmt: skip
-        after = [_host(s) for s in loop.servers]
-        names = [s.name for s in loop.servers]
+        windows = [_window(b, _host(s)) for b, s in zip(before, loop.servers, strict=True)]
     rates = _eager_token_rates(profile)
     predicted, _ = open_loop_predictions(profile, [[1], [1]], rate, tokens, max_n=len(rates),
                                          requests=2000, token_rates=rates)  # fmt: skip
-    host = {}
-    for name, a, b in zip(names, after, before, strict=True):
-        steps, periods = max(1, a["steps"] - b["steps"]), a["periods"] - b["periods"]
-        host[name] = {
-            "critical_us": (a["critical_s"] - b["critical_s"]) / steps * 1e6,
-            "period_ms": (a["period_s"] - b["period_s"]) / periods * 1e3 if periods else None,
-            "rows": (a["rows"] - b["rows"]) / steps,
-        }
+    host = {w["name"]: {"critical_us": w["us"]["critical"], "period_ms": w["period_ms"],
+                        "rows": w["us"]["rows"]} for w in windows}  # fmt: skip
     row = {
         "load": load,
         "offered_tok_s": m.offered,
@@ -332,35 +311,25 @@ def tuned_table(
     levels: list[int], profile: str = "paper", transit_ms: dict[int, float] | None = None
 ) -> list[int]:
     """The large model's table up to the largest served level. Without ``transit_ms``: the
-    model's best B at every N (served clients reconnect between requests, so the active
-    count moves below the level, and a table tuned at the level alone would run those
-    moments eagerly; a few seconds of solving at N <= 32). With it (level -> ms a handoff
-    took in the all-ones run there): what the live tuner decides at each level with that
-    transit priced in (``tuner_choice``, grain 0.5 ms), filled between levels
-    as the tuner fills (``ThresholdTable.from_tuned``)."""
+    model's best B at every N (served clients reconnect between requests, so the active count
+    moves below the level). With it (level -> ms a handoff took in the all-ones run there):
+    what the live tuner decides at each level with that transit priced in, filled between
+    levels as the tuner fills."""
     routing = served_profile(profile)
     if transit_ms and any(n > 1 for n in transit_ms):
         tuned = {n: tuner_choice(routing.with_grain(SOLVE_GRAIN_MS).with_transit(d), n)[1]
                  for n, d in transit_ms.items() if n > 1}  # fmt: skip
         return ThresholdTable.from_tuned(tuned, max(levels)).to_list()
-    table = [1] * (max(levels) + 1)
-    for n in range(2, len(table)):
-        (_, b), _ = best_thresholds(routing, n)
-        table[n] = b
-    return table
+    return [1, 1] + [best_thresholds(routing, n)[0][1] for n in range(2, max(levels) + 1)]
 
 
 # Serve's front on the local cluster: its Python proxy (the default), or its HAProxy ingress
 # (``RAY_SERVE_ENABLE_HA_PROXY=1``, read when the cluster starts: ``--front haproxy``).
 FRONTS = {"proxy": {}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}
 
-SERVED_SYSTEMS = (
-    "paper eager",
-    "paper tuned",
-    "zero",
-    "paper eager direct",
-    "paper tuned direct",
-    "zero direct",
+# each on Serve's front, then on the ingress's own port
+SERVED_SYSTEMS = tuple(
+    f"{s}{d}" for d in ("", " direct") for s in ("paper eager", "paper tuned", "zero")
 )
 DIRECT_PORT = 18190  # "... direct": the clients talk to the ingress's own port (no proxy)
 
@@ -419,18 +388,17 @@ def _window_host(h0: dict[str, Any], h1: dict[str, Any]) -> dict[str, float]:
     route returns means since the replica started): each phase weighted by steps, the
     step period by back-to-back steps; ``rows``: sampled rows per step."""
     steps = h1.get("steps", 0) - h0.get("steps", 0)
-    periods = h1.get("periods", 0) - h0.get("periods", 0)
     p0, p1 = h0.get("per_step_us") or {}, h1.get("per_step_us") or {}
     out = {}
     for phase, mean in p1.items():
-        if phase == "period":
-            n0, n1 = h0.get("periods", 0), h1.get("periods", 0)
-            out[phase] = (mean * n1 - p0.get(phase, 0.0) * n0) / periods if periods else 0.0
-        else:
-            n0, n1 = h0.get("steps", 0), h1.get("steps", 0)
-            out[phase] = (mean * n1 - p0.get(phase, 0.0) * n0) / steps if steps else 0.0
+        n0, n1 = (h.get("periods" if phase == "period" else "steps", 0) for h in (h0, h1))
+        out[phase] = (mean * n1 - p0.get(phase, 0.0) * n0) / (n1 - n0) if n1 > n0 else 0.0
     out["rows"] = (h1.get("rows", 0) - h0.get("rows", 0)) / steps if steps else 0.0
     return out
+
+
+def _bytes_sent(stats: dict[str, Any]) -> int:
+    return stats["bytes_sent"] + sum(m.get("bytes_sent", 0) for m in stats["models"].values())
 
 
 async def _stats(url: str) -> dict[str, Any]:
@@ -460,16 +428,13 @@ async def _served_level(
     ttfts: list[float] = []
     chunks = [0]
 
-    async def one_unstreamed_client() -> None:
-        while not stop.is_set():
-            await client.completions.create(
-                model="tokenrouter", prompt="hello", max_tokens=max_tokens, temperature=0
-            )
-
     async def one_client() -> None:
-        if client_kind == "completions":
-            return await one_unstreamed_client()
         while not stop.is_set():
+            if client_kind == "completions":  # one response per request
+                await client.completions.create(
+                    model="tokenrouter", prompt="hello", max_tokens=max_tokens, temperature=0
+                )
+                continue
             t0 = time.perf_counter()
             first = True
             stream = await client.chat.completions.create(
@@ -515,36 +480,30 @@ async def _served_level(
         before = s0["models"][name]
         sim0, sim1 = before.get("sim") or {}, st.get("sim") or {}
         steps = max(1, sim1.get("steps", 0) - sim0.get("steps", 0))
-        host = _window_host(before.get("host") or {}, st.get("host") or {})
+        h0, h1 = before.get("host") or {}, st.get("host") or {}
+        host = _window_host(h0, h1)
         summed = [(x.get("mean_batch") or 0.0) * x.get("steps", 0) for x in (sim0, sim1)]
         models[name] = {
             "step_ms": host.get("period", 0.0) / 1e3 or elapsed / steps * 1e3,
             "mean_batch": (summed[1] - summed[0]) / steps,  # in the window
             "rows": host.pop("rows", 0.0),
             "host_us": host,
-            "message_latency_us": (st.get("host") or {}).get("message_latency_us"),
-            "applied_p50_us": _applied_p50(before.get("host") or {}, st.get("host") or {}),
-            "applied_mean_us": _applied_mean(before.get("host") or {}, st.get("host") or {}),
+            "message_latency_us": h1.get("message_latency_us"),
+            "applied_p50_us": _applied_p50(h0, h1),
+            "applied_mean_us": _applied_mean(h0, h1),
         }
     window_ttfts = ttfts[ttft0:] or ttfts
     probe = probe_httpx = None
     if n == 1:  # one request at a time: each first-token path, and the policy's mix
-        probe = {path: await ttft_probe(client_url, p=p) for path, p in PROBE_ROUTING.items()}
-        probe_httpx = {
-            path: await ttft_probe(client_url, p=p, client="httpx")
-            for path, p in PROBE_ROUTING.items()
-        }
+        probe, probe_httpx = [
+            {path: await ttft_probe(client_url, p=p, client=c) for path, p in PROBE_ROUTING.items()}
+            for c in PROBE_CLIENTS
+        ]
     return {
         "tok_s": tokens / elapsed,
         "sse_chunks_per_token": (c1 - c0) / max(1, tokens),
         "frames_per_token": (s1["frames_received"] - s0["frames_received"]) / max(1, tokens),
-        "bytes_per_token": (
-            s1["bytes_sent"]
-            - s0["bytes_sent"]
-            + sum(m.get("bytes_sent", 0) for m in s1["models"].values())
-            - sum(m.get("bytes_sent", 0) for m in s0["models"].values())
-        )
-        / max(1, tokens),
+        "bytes_per_token": (_bytes_sent(s1) - _bytes_sent(s0)) / max(1, tokens),
         "ingress_cpu_us_per_token": (s1["cpu_s"] - s0["cpu_s"]) / max(1, tokens) * 1e6,
         "cpu_us_per_token": per_token_us(used, tokens),  # per process, from /proc
         "wakeups_per_token": {name: w / max(1, tokens) for name, w in cpu.wakes.items()},
@@ -557,32 +516,6 @@ async def _served_level(
         "health_rtt_ms_p50": 1e3 * statistics.median(rtts),  # GET /health, same path
         "models": models,
     }
-
-
-def app_pids(stats: dict[str, Any], proc: str = "/proc") -> dict[str, int]:
-    """The served app's processes by name: the ingress and each model replica (their own
-    pids, from the stats route), the app's other deployments (the endpoint directory and
-    a live tuner, by their replicas' process titles: ``proc_cpu.SUPPORT``; the directory's
-    state actor by its own: ``SUPPORT_ACTORS``) and Serve's
-    front (``proc_cpu.FRONT``: its proxy by its process title; under its HAProxy ingress
-    also HAProxy and the actor managing it). The benchmark serves one app at a time: where
-    a title matches several processes, the newest is taken."""
-    pids = {"ingress": stats["pid"]} if "pid" in stats else {}
-    pids |= {m: st["pid"] for m, st in stats.get("models", {}).items() if "pid" in st}
-    for name, deployment in SUPPORT.items():
-        found = find_deployment_pids(deployment, proc)
-        if found:
-            pids[name] = found[-1]
-    for name, title in SUPPORT_ACTORS.items():
-        if found := find_pids(title, proc):
-            pids[name] = found[-1]
-    front = {
-        "proxy": find_pids(PROXY_TITLE, proc),
-        "haproxy manager": find_pids(HAPROXY_MANAGER_TITLE, proc),  # Serve's HAProxy ingress
-        "haproxy": find_program(HAPROXY_PROGRAM, proc),
-    }
-    pids |= {name: found[-1] for name, found in front.items() if found}  # the newest
-    return pids
 
 
 def _applied_p50(h0: dict[str, Any], h1: dict[str, Any]) -> float | None:
@@ -656,15 +589,8 @@ def targets(levels: list[Level], served: list[dict[str, Any]]) -> list[tuple[str
                 abs(measured - model) <= 0.03,
                 f"measured {measured:.3f}, model {model:.3f}",
             ))  # fmt: skip
-    for x in (x for x in levels if x.system == "zero"):
-        for model, h in x.host_us.items():
-            bound = 300 + 10 * h.get("rows", 0)
-            crit = h.get("critical", 0.0)
-            out.append((
-                f"in-process zero N={x.n} {model}: critical host <= 0.3 ms + 10 µs/row",
-                crit <= bound,
-                f"{crit:.0f} µs vs {bound:.0f}",
-            ))  # fmt: skip
+    out += [critical_target(f"in-process zero N={x.n} {model}", h)
+            for x in levels if x.system == "zero" for model, h in x.host_us.items()]  # fmt: skip
     for x in (x for x in levels if x.system == "paper eager" and x.n >= 32):
         ratio = x.step_ms[1] / x.profiled_ms[1]
         out.append((
@@ -715,11 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
-    print(
-        f"# host path: {machine()}; a thread's wake-up costs {wake_cost_us():.0f} µs of CPU "
-        f"here, idle\n# {command()}",
-        flush=True,
-    )
+    print(f"{header()}\na thread's wake-up costs {wake_cost_us():.0f} µs of CPU here", flush=True)
     in_process = [] if args.no_in_process else run_in_process(levels, args.window_s, args.warmup_s)
     loads = [] if args.no_in_process else [float(x) for x in args.open_loop_loads.split(",") if x]
     open_loop = [
@@ -735,9 +657,7 @@ def main(argv: list[str] | None = None) -> int:
         served = run_served(served_levels, args.window_s, args.max_tokens, deploy, systems,
                             client=args.client, front=args.front,
                             peer_transport=args.peer_transport)  # fmt: skip
-    print("\n# targets (PASS / MISS; they never fail the run)")
-    for name, ok, detail in targets(in_process, served):
-        print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")
+    print_targets(targets(in_process, served))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"in_process": [x.__dict__ for x in in_process], "served": served,

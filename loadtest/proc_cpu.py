@@ -1,13 +1,8 @@
 """Per-process CPU time from ``/proc``: what each process of a served app spends per token.
 
-CPU time is ``utime + stime`` of ``/proc/<pid>/stat`` (all threads, not children).
-``CpuWindow`` reads it for named processes at a window's start and end, with their wake-ups
-(``voluntary_ctxt_switches`` over their threads); ``per_token_us`` divides by the tokens
-committed; ``format_cpu`` and ``format_wakes`` write the host-path benchmark's lines, and
-``wake_cost_us`` prices one wake-up on this machine. The ingress and model replicas report
-their pids on the stats route; the app's other deployments (``SUPPORT``) and Serve's front
-(``FRONT``: its proxy, or HAProxy and its manager) are found by process title or program
-name. A process that went away mid-window reads as missing, not as zero.
+CPU time is ``utime + stime`` of ``/proc/<pid>/stat`` (all threads, not children), wake-ups
+``voluntary_ctxt_switches`` over its threads; ``CpuWindow`` reads both at a window's start
+and end. A process that went away mid-window reads as missing, not as zero.
 """
 
 from __future__ import annotations
@@ -17,6 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 PROXY_TITLE = "ray::ProxyActor"
 HAPROXY_MANAGER_TITLE = "ray::HAProxyManager"
@@ -154,6 +150,21 @@ class CpuWindow:
             if woken is not None and was is not None:
                 self.wakes[name] = max(0, woken - was)
         return out
+
+
+def app_pids(stats: dict[str, Any], proc: str = "/proc") -> dict[str, int]:
+    """The served app's processes by name: the ingress and each model replica (their pids
+    from the stats route), the app's other deployments and actors (``SUPPORT``,
+    ``SUPPORT_ACTORS``) and Serve's front (``FRONT``), by process title or program. One app
+    is served at a time: where a title matches several processes, the newest is taken."""
+    pids = {"ingress": stats["pid"]} if "pid" in stats else {}
+    pids |= {m: st["pid"] for m, st in stats.get("models", {}).items() if "pid" in st}
+    found = {name: find_deployment_pids(d, proc) for name, d in SUPPORT.items()}
+    found |= {name: find_pids(title, proc) for name, title in SUPPORT_ACTORS.items()}
+    found |= {"proxy": find_pids(PROXY_TITLE, proc),
+              "haproxy manager": find_pids(HAPROXY_MANAGER_TITLE, proc),  # Serve's HAProxy
+              "haproxy": find_program(HAPROXY_PROGRAM, proc)}  # fmt: skip
+    return pids | {name: p[-1] for name, p in found.items() if p}
 
 
 def per_token_us(seconds: Mapping[str, float], tokens: float) -> dict[str, float]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.common import command, machine, pyplot
+from loadtest.common import header, pyplot
 
 PROMPT_SETS = ("chat", "capitals")
 
@@ -181,5 +181,5 @@ def main(argv: list[str] | None = None) -> int:
     print("rung moves: " + (", ".join(f"{t:.0f}s -> {r}" for t, r in moves) or "none"))
     if polls and plot(result, out / "quality_target.png"):
         print(f"wrote {out / 'quality_target.png'}")
-    print(f"machine: {machine()}\nreproduce: {command()}")
+    print(header())
     return 0
