@@ -2,13 +2,10 @@
 
     python -m loadtest autoscale [--peak-rps 11] [--up-s 60] [--hold-s 60] [--down-s 45]
 
-``conf/sim_paper.yaml``'s app with both models autoscaling and each replica capped at a few
-rows per step, on a Ray cluster started here; Poisson arrivals of chat completions follow
-the rate up to ``--peak-rps``, hold, come down and stop, while the replicas per model and
-the tuner's plan are read every half second. Printed per 10 s: offered rate, replicas
-(running, planned), TPOT beside the capacity model's; then the targets PASS / MISS (nothing
-lost or hung, answers equal an undisturbed run's, both models up and back down, the top in
-the planner's ratio). ``--out`` gets the rows as JSON and a plot.
+``conf/sim_paper.yaml``'s app with both models autoscaling, Poisson arrivals following the
+ramp, replicas and the tuner's plan read every half second; printed per 10 s, then the
+targets (nothing lost or hung, answers exact, both models up and back down, the top in the
+planner's ratio). ``--out`` gets the rows as JSON and a plot.
 """
 
 from __future__ import annotations

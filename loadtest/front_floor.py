@@ -1,20 +1,11 @@
 """The first streamed line's floor through Serve's front, at idle: a FastAPI app that answers a
-chat request with one content line, served by Ray Serve (its Python proxy, or its HAProxy
-ingress with ``--front haproxy``) and on its own under uvicorn (what the ingress's direct
-port is), probed alternately by the bare HTTP client of the first-token probes.
+chat request with one content line, on Ray Serve and under bare uvicorn, probed alternately.
 
     python -m loadtest front-floor                    # Serve's Python proxy vs bare uvicorn
     python -m loadtest front-floor --front haproxy    # Serve's HAProxy ingress vs uvicorn
 
-Each request is a streamed chat completion's POST; the app reads the body and streams one
-content line, then ``[DONE]``. The probe (``raw_http.first_token_client``, the bare
-client the targets of ``loadtest host`` read) times the first content line, idle
-``--gaps-ms`` before each request, as a first-token probe is while the device works.
-
-What the front adds over uvicorn is Serve's own cost per request, which no app behind it can
-cut. The host path's first-token targets are 8 ms through Serve's port and 3 ms on the direct
-port, so they leave the front 5 ms: a front that adds more leaves the app's own 3 ms no
-room, and the target through that front measures the front.
+What the front adds over uvicorn no app behind it can cut; the host path's first-token
+targets (8 ms through Serve's port, 3 ms on the direct port) leave it 5 ms.
 """
 
 from __future__ import annotations

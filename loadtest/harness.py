@@ -1,21 +1,8 @@
 """The load generator: closed- or open-loop streaming chat requests against one OpenAI base
-URL, with the official ``openai`` client, bounded in requests and in time. The comparison
-(``run.py``) drives every system with ``run_load``; ``main`` is the ``serve`` benchmark. The
-helpers every benchmark shares (machine and reproduce lines, percentiles, the demo pair)
-are in ``common.py``.
-
-Against an app that is already running (``serve run conf/local.yaml``, or any app):
-
-    python -m loadtest serve [--url http://127.0.0.1:8000/v1] [--concurrency 1,4,8]
-                             [--requests 16] [--max-tokens 64] [--workload short_chat]
-
-prints one row per concurrency (output tok/s, TTFT / ITL / end-to-end p50 and p99, tokens
-per model, handoffs per request) and the thresholds the app's tuner published, if any.
-
-Every system under test speaks the same API (``/v1/chat/completions``, streaming, with the
-``seed`` and ``ignore_eos`` extensions and a ``routing`` object in the final usage chunk),
-so the harness measures every one of them the same way, as a user sees it. A request still
-streaming at the time limit is cancelled and counted with the tokens it had received.
+URL with the official ``openai`` client, as a user sees it; every system speaks the same
+API (``seed``, ``ignore_eos``, a ``routing`` object in the final usage chunk). A request
+still streaming at the time limit is cut and counted with the tokens it had received.
+``main`` is the ``serve`` benchmark: closed-loop levels against an app already running.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 """The served host path's targets, from the rows ``host_path.run_served`` measures, each
-printed PASS / MISS (never a failure): served / ideal (tok/s over the Markov prediction)
->= 0.95 at N = 8 and 32 and >= 0.90 at 64; CPU per token at h200 N = 64 (the app <= 150 µs,
-the ingress and each model replica <= 50); message applied p50 <= 1 ms at N = 32; TTFT
-overhead per first-token path (kept, escalated) <= 8 ms through Serve's proxy and <= 3 ms on
-the direct port; tuned >= all-ones at N = 8 and 32; the direct port >= Serve's proxy; the
-zero profile's critical host path <= 0.3 ms + 10 µs per row.
+PASS / MISS (never a failure); docs/benchmarks/README.md, "Host path", lists them.
 """
 
 from __future__ import annotations

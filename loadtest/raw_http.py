@@ -1,19 +1,10 @@
 """The first-token probe (``host_path``'s N = 1 rows, ``front_floor``): one streamed chat
-request at a time on an otherwise idle app, timed from sending it to reading its first
-content token, by a bare HTTP/1.1 client (``RawHttp``: the request written by hand on one
-keep-alive connection, the response read as bytes, timed to the first line the caller looks
-for; the figure the targets read) and by httpx beside it.
+request at a time on an idle app, timed from sending it to reading its first content token.
 
-Why: a probe of the server's time to first token should not carry its client's own time.
-``httpx`` spends about 2 ms per streamed request of its own at idle on the 2-core benchmark
-machine: against a bare uvicorn app, client to app 1.7 ms and app to its first line 0.65 ms,
-against 0.24 and 0.06 ms for this client. That is most of a 3 ms target. The probes print
-both.
-
-Only what the served apps send is read: a status line, headers, then a body framed by
-``Content-Length`` or ``Transfer-Encoding: chunked`` (a stream). A status other than 200 is
-an error (``RawHttpError``, with the body); ``Connection: close`` makes the next request
-connect again.
+``RawHttp`` writes the HTTP/1.1 request by hand on one keep-alive connection and reads the
+response as bytes, because a probe of the server should not carry its client's own time:
+``httpx`` spends about 2 ms of its own per streamed request at idle on the 2-core machine,
+most of a 3 ms target (docs/benchmarks/README.md, "Host path"). The probes print both.
 """
 
 from __future__ import annotations

@@ -4,19 +4,12 @@ the demo's R2R router and the entropy rule come to it.
     python -m loadtest router-bound                       # demo pair, capitals dev split
     python -m loadtest router-bound --tasks builtin:demo --split all --max-tokens 24
 
-Along the large model's own greedy answer to each item (plain ``transformers``, fp32, the
-chat template), the small model predicts every answer position from the large model's
-prefix. A router that sends exactly the positions where the two disagree to the large model
-reproduces the large model's answer token for token (each position it leaves to the small
-model gets the large model's token anyway): that **oracle** reaches the large model's
-accuracy at a large share equal to the disagreement rate. A real router scores each position
-and routes those above a threshold; the answer is reproduced exactly when every disagreeing
-position scores above it. Per target large share (the threshold that routes that share of
-these positions), the table gives the share of disagreements caught (recall) and the
-accuracy of the answers reproduced exactly, which is a floor on the served accuracy at that
-point (an answer that leaves the large model's path may still be right, though on this set
-it seldom is). Scores: the demo's R2R router (its own file) and the small model's entropy
-(the entropy policy's score). Figures are printed; targets PASS / MISS never fail the run.
+Along the large model's greedy answer, the small model predicts every position from the
+large model's prefix. Routing exactly the disagreeing positions (the **oracle**) reproduces
+the large model's answer at a large share equal to the disagreement rate; a scored router
+reproduces it when every disagreeing position scores above its threshold, so per target
+share the table gives the recall of disagreements and the accuracy of the answers kept
+exact (a floor on the served accuracy). docs/user-guide/quality.md has the figures.
 """
 
 from __future__ import annotations

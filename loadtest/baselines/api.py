@@ -1,11 +1,7 @@
 """What the baseline servers share: the slice of the chat API the harness sends, the SSE
-chunks it reads back, the token lists a generating thread posts (``posted_tokens``), and
-starting / stopping a server process.
-
-A baseline server answers ``POST /v1/chat/completions`` (streaming or not) with the same
-``routing`` object in its final chunk as the tokenrouter ingress (``tokens_per_model``,
-``handoffs``), so the harness reads every system the same way. Bad input is a 400 with an
-OpenAI error object.
+chunks it reads back (with the same ``routing`` object as the tokenrouter ingress, so the
+harness reads every system the same way), the token lists a generating thread posts
+(``posted_tokens``), and starting / stopping a server process.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Std. Serving: an external per-token dispatcher over one stock server per model.
 
-What people build today by gluing servers together: the dispatcher owns the conversation
-as text and, on every handoff, sends the *full context* to the chosen model's server (a
-fresh request: the server re-tokenizes, re-prefills, re-allocates KV). Between handoffs a
-model generates the run of positions routed to it in one streamed request.
-
-Routing is ``bernoulli(p)`` with the engine's own seeded draw (request seed, logical
-position), so every position goes to the same model as in the tokenrouter run. Because a
-Bernoulli draw does not depend on the small model's output, the dispatcher can ask the large
-model directly for an escalated position (the routed system first samples it on the small
-model and drops it): this favours the baseline. Neural policies need the small model's
-logits or hidden states, which a stock server does not return (``transformers serve``
-ignores ``logprobs``); for them this baseline runs ``bernoulli`` at the measured handoff
-rate.
+On every handoff it sends the *full context* as text to the chosen model's server (a fresh
+request: re-tokenize, re-prefill), and a run of positions routed to one model as one
+streamed request. Routing is ``bernoulli(p)`` with the engine's seeded draw, so every
+position goes where it goes in the tokenrouter run; since that draw does not depend on the
+small model's output, an escalated position goes straight to the large model (the routed
+system samples it on the small model first), which favours this baseline.
 
     python -m loadtest.baselines.dispatcher --small-url URL --large-url URL \
         --tokenizer DIR --p 0.35 --port 18211

@@ -1,12 +1,9 @@
 """Step-Sync: one batch advances in lock-step across models (the offline loop of R2R and
-CITER), served over the same chat API; also "a model alone" on our engine.
+CITER), served over the same chat API; with one model, that model alone on our engine.
 
-Both models are our ``Engine`` (paged KV, kept across handoffs; only the unseen suffix is
-extended), so the only difference from tokenrouter is the barrier: each step the small model
-decodes the whole batch, then the large model produces the escalated positions, and the next
-small step waits for it. Routing is ``bernoulli(p)`` with the engine's seeded draw (request
-seed, logical position): the same decisions as the tokenrouter run. With one model it is that
-model alone, continuous batching, no routing.
+Both models are our ``Engine`` (KV kept across handoffs), so the only difference from
+tokenrouter is the barrier: the next small step waits for the large model's escalated
+positions. Routing is ``bernoulli(p)`` with the engine's seeded draw, as in tokenrouter.
 
     python -m loadtest.baselines.step_sync --models SMALL_DIR,LARGE_DIR --p 0.35 --port 18212
 """

@@ -2,16 +2,11 @@
 
     python -m loadtest gpu-check [--out report.json] [--only NAME,...] [--device cpu]
 
-What the CPU cannot run: the engine on CUDA (SDPA over the paged cache), the static path
-captured as CUDA graphs, flash-attn's paged kernels, NCCL, and the flagship shapes at full
-size. Models are random-weight, built here (the device has no network), so only this repo
-and the wheels ``scripts/device_wheels.sh`` prepares are needed (a CI test checks the import
-closure against a dated copy of the image's package list). Checks run in ``CHECKS`` order;
-each prints ``name PASS|FAIL|SKIP``, the JSON report is rewritten after every check, no
-check starts after ``--budget-s``, and the last line printed is the ``--only`` of whatever
-did not finish. ``--device cpu`` dry-runs every check (graphs "on" = the static path run
-eagerly, flagship shapes at toy sizes); a CPU test runs it. docs/deployment/gpu-check.md
-says what each check covers and what it cannot.
+Models are random-weight and built here (the device has no network). Checks run in
+``CHECKS`` order, each printing ``name PASS|FAIL|SKIP``; the JSON report is rewritten after
+every check, none starts after ``--budget-s``, and the last line is the ``--only`` of what
+did not finish. ``--device cpu`` dry-runs every check at toy sizes (a CPU test runs it).
+docs/deployment/gpu-check.md says what each check covers and what it cannot.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The flagship's shapes through the engine on one GPU, for ``device.gpu_check``.
-
-Random-weight models with Qwen3-0.6B's and Qwen3-32B's shapes, built on the device in bf16
-(the 32B model gets as many of its 64 layers as the memory plan allows: ``plan_layers``),
-block size 256. ``flagship_<name>``: decode and extend buckets captured, seeded sampled
-decoding with CUDA graphs equal to the static path run eagerly, a long-context mixed batch,
-peak memory within the reserve. ``nccl_graph``: a one-rank all-reduce captured and
-replayed. ``bench_flagship``: decode step times at batch 1-64 beside the bandwidth floor,
-the host's free share, the graph replay alone at batch 1 (the 0.6B target: 2 ms), and the
-sampler at batch 64 before and after batching. ``DEVICE = "cpu"`` runs it at toy sizes.
+"""The flagship's shapes through the engine on one GPU, for ``device.gpu_check``: random-weight
+models shaped as Qwen3-0.6B and Qwen3-32B (as many of the 32B model's layers as the memory
+plan allows), built on the device in bf16, block size 256. docs/deployment/gpu-check.md
+says what ``check_flagship``, ``check_nccl_graph`` and ``bench_flagship`` cover;
+``DEVICE = "cpu"`` runs them at toy sizes.
 """
 
 from __future__ import annotations
