@@ -24,7 +24,14 @@ from typing import Any
 
 import httpx
 
-from loadtest.common import header, print_targets, pyplot, ray_serve_deploy, wait_ready
+from loadtest.common import (
+    header,
+    markdown_table,
+    print_targets,
+    pyplot,
+    ray_serve_deploy,
+    wait_ready,
+)
 from tokenrouter_ray.simulation.served import sim_answer
 from tokenrouter_ray.tuning.capacity import Load, Targets, plan, predict
 from tokenrouter_ray.tuning.examples import paper_r2r
@@ -397,16 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     print(header(), flush=True)
     result = run_ramp(ray_serve_deploy(args.port), ramp, args.tokens)
     rows = table(result)
-    print(f"{'t (s)':>6} {'offered/s':>9} {'running s/l':>12} {'planned s/l':>12} "
-          f"{'reqs':>5} {'TPOT ms':>8} {'model ms':>9}")  # fmt: skip
-    for row in rows:
-        run, pl = row["running"], row["planned"] or {}
-        print(
-            f"{row['t_s']:>6} {row['offered_rps']:>9.2f} "
-            f"{run.get('small', 0):>6}/{run.get('large', 0):<5} "
-            f"{pl.get('small', '-'):>6}/{pl.get('large', '-')!s:<5} {row['requests']:>5} "
-            f"{row['tpot_ms'] or '-':>8} {row['tpot_predicted_ms'] or '-':>9}"
-        )
+
+    def pair(counts: dict[str, int] | None, missing: object) -> str:  # small/large
+        return "/".join(str((counts or {}).get(m, missing)) for m in MODELS)
+
+    print(markdown_table(
+        ["t (s):", "offered/s:", "running s/l", "planned s/l", "reqs:", "TPOT ms:", "model ms:"],
+        ([r["t_s"], f"{r['offered_rps']:.2f}", pair(r["running"], 0), pair(r["planned"], "-"),
+          r["requests"], r["tpot_ms"] or "-", r["tpot_predicted_ms"] or "-"] for r in rows),
+    ))  # fmt: skip
     print_targets(verdicts(result))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "autoscale.json"), "w") as f:

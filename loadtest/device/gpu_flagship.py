@@ -46,15 +46,11 @@ QWEN3_06B = dict(
     max_position_embeddings=40960,
     tie_word_embeddings=True,
 )
-QWEN3_32B = dict(
-    vocab_size=151936,
+QWEN3_32B = QWEN3_06B | dict(
     hidden_size=5120,
     intermediate_size=25600,
     num_hidden_layers=64,
     num_attention_heads=64,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
     tie_word_embeddings=False,
 )
 DRY_SHAPE = dict(
