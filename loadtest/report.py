@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from loadtest.common import markdown_table, number, pyplot
@@ -143,22 +144,25 @@ def plots(result: dict[str, Any], prefix: str) -> list[str]:
     colors = {s: f"C{k}" for k, s in enumerate(systems)}
     base = min((r["max_tokens"] for r in rows if r["mode"] == "closed"), default=None)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s in systems:
-        pts = sorted(
-            (r["concurrency"], r["tok_s"])
-            for r in rows
-            if r["system"] == s and r["mode"] == "closed" and r["max_tokens"] == base
-        )
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=labels[s], color=colors[s])
-    ax.set(
-        xlabel="concurrent clients N",
-        ylabel="output tokens/s",
-        title=f"Throughput vs N ({base}-token answers)",
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    def throughput(x: str, keep: Callable[[dict], bool], least: int, **axis: str) -> Any:
+        """tok/s against ``x`` per system with at least ``least`` rows that ``keep`` takes;
+        the figure, and how many systems it draws."""
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        drawn = 0
+        for s in systems:
+            pts = sorted((r[x], r["tok_s"]) for r in rows if r["system"] == s and keep(r))
+            if len(pts) >= least:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=labels[s], color=colors[s])
+                drawn += 1
+        ax.set(ylabel="output tokens/s", **axis)
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=8)
+        return fig, drawn
+
+    fig, _ = throughput("concurrency", lambda r: r["mode"] == "closed" and r["max_tokens"] == base,
+                        1, xlabel="concurrent clients N",
+                        title=f"Throughput vs N ({base}-token answers)")  # fmt: skip
     written.append(_save(fig, f"{prefix}_throughput.png"))
 
     n_max = max((r["concurrency"] or 0 for r in rows if r["mode"] == "closed"), default=0)
@@ -180,28 +184,12 @@ def plots(result: dict[str, Any], prefix: str) -> list[str]:
     axes[0].legend(fontsize=7)
     written.append(_save(fig, f"{prefix}_latency_cdf.png"))
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    drawn = False
-    for s in systems:
-        pts = sorted(
-            (r["max_tokens"], r["tok_s"])
-            for r in rows
-            if r["system"] == s
-            and r["mode"] in ("closed", "length")
-            and r["concurrency"] == result.get("length_n", TARGET_N)
-        )
-        if len(pts) >= 2:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=labels[s], color=colors[s])
-            drawn = True
+    n_len = result.get("length_n", TARGET_N)
+    fig, drawn = throughput("max_tokens", lambda r: r["mode"] in ("closed", "length")
+                            and r["concurrency"] == n_len, 2, xlabel="max output tokens",
+                            title="Throughput vs max output length")  # fmt: skip
     if drawn:
-        ax.set_xscale("log", base=2)
-        ax.set(
-            xlabel="max output tokens",
-            ylabel="output tokens/s",
-            title="Throughput vs max output length",
-        )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        fig.axes[0].set_xscale("log", base=2)
         written.append(_save(fig, f"{prefix}_lengths.png"))
     plt.close("all")
     return written

@@ -23,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tokenrouter_ray.openai.errors import InvalidRequestError
+
 
 class ChatRequest(BaseModel):
     """The fields the harness sends; anything else is ignored, as a glue script would."""
@@ -80,11 +82,8 @@ async def posted_tokens(out: asyncio.Queue) -> AsyncIterator[list[int]]:
         yield value
 
 
-def error(status: int, message: str) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": None}}, status
-    )
+def bad_request(message: str) -> JSONResponse:
+    return JSONResponse(InvalidRequestError(message).to_dict(), 400)
 
 
 def chat_app(generate: object, title: str) -> FastAPI:
@@ -101,13 +100,13 @@ def chat_app(generate: object, title: str) -> FastAPI:
         try:
             req = ChatRequest.model_validate_json(await raw.body())
         except ValidationError as exc:
-            return error(400, str(exc.errors(include_url=False)[:3]))
+            return bad_request(str(exc.errors(include_url=False)[:3]))
         answer = Answer()
         pieces: AsyncIterator[str] = generate(req, answer)  # type: ignore[operator]
         try:  # the first piece before answering: a bad request is a 400, not a broken stream
             first = await anext(pieces, "")
         except ValueError as exc:
-            return error(400, str(exc))
+            return bad_request(str(exc))
         if req.stream:
 
             async def events() -> AsyncIterator[str]:
@@ -120,23 +119,11 @@ def chat_app(generate: object, title: str) -> FastAPI:
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        text = first + "".join([t async for t in pieces])
-        return JSONResponse(
-            {
-                "id": answer.id,
-                "object": "chat.completion",
-                "model": "tokenrouter",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": answer.finish_reason,
-                    }
-                ],
-                "usage": answer.usage(),
-                "routing": answer.routing(),
-            }
-        )
+        message = {"role": "assistant", "content": first + "".join([t async for t in pieces])}
+        choice = {"index": 0, "message": message, "finish_reason": answer.finish_reason}
+        return JSONResponse({"id": answer.id, "object": "chat.completion", "model": "tokenrouter",
+                             "choices": [choice], "usage": answer.usage(),
+                             "routing": answer.routing()})  # fmt: skip
 
     return app
 
