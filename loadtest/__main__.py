@@ -35,10 +35,8 @@ from loadtest.systems import Bench
 @dataclass(frozen=True)
 class Benchmark:
     """One ``python -m loadtest <name>``: the module whose ``main(argv)`` runs it, what it
-    measures, what it needs to run, and its arguments at the tiniest size as a shell would
-    split them (``{port}``: a free port, ``{out}``: a scratch directory, ``{url}``: a running
-    server's v1 URL), which the smoke test (tests/loadtest/test_smoke.py) runs for every
-    entry."""
+    measures and needs, and its arguments at the tiniest size, which tests/loadtest/test_smoke.py
+    runs (``{port}``: a free port, ``{out}``: a scratch directory, ``{url}``: a server's v1 URL)."""
 
     module: str
     what: str
@@ -149,33 +147,22 @@ def main() -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--preset", choices=sorted([*PRESETS, "host"]), default="quick")
-    parser.add_argument("--systems", default=None, help=f"comma list of {', '.join(ALL_SYSTEMS)}")
-    parser.add_argument("--concurrency", default=None, help="override the preset's N list")
-    parser.add_argument("--max-tokens", type=int, default=None)
-    parser.add_argument("--time-limit", type=float, default=None, help="seconds per level")
+    parser.add_argument("--systems", help=f"comma list of {', '.join(ALL_SYSTEMS)}")
+    parser.add_argument("--concurrency", help="override the preset's N list")
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--time-limit", type=float, help="seconds per level")
     parser.add_argument("--p", type=float, default=0.35, help="bernoulli routing probability")
-    parser.add_argument("--small", default=None, help="small model dir (default: the demo's)")
-    parser.add_argument("--large", default=None, help="large model dir (default: the demo's)")
-    parser.add_argument(
-        "--app-overrides",
-        nargs="*",
-        default=None,
-        help="tuned app overrides (default: conf/local.yaml's)",
-    )
+    parser.add_argument("--small", help="small model dir (default: the demo's)")
+    parser.add_argument("--large", help="large model dir (default: the demo's)")
+    parser.add_argument("--app-overrides", nargs="*",
+                        help="tuned app overrides (default: conf/local.yaml's)")  # fmt: skip
     parser.add_argument("--serve-port", type=int, default=18230)
-    parser.add_argument(
-        "--port-base",
-        type=int,
-        default=None,
-        help="the baselines' servers on this port and the next three (stock small, stock "
-        "large, dispatcher, step-sync); default: free ports",
-    )
+    parser.add_argument("--port-base", type=int, help="the baselines' servers on this port and "
+                        "the next three (stock small, stock large, dispatcher, step-sync); "
+                        "default: free ports")  # fmt: skip
     parser.add_argument("--out", default="loadtest-results")
-    parser.add_argument(
-        "--render",
-        metavar="RESULTS_JSON",
-        help="only redraw the table, targets and plots of an earlier run",
-    )
+    parser.add_argument("--render", metavar="RESULTS_JSON",
+                        help="only redraw the tables and plots of an earlier run")  # fmt: skip
     args, rest = parser.parse_known_args()
     if args.preset == "host":  # the host path on simulated models (loadtest/host_path.py)
         raise SystemExit(run_benchmark("host", rest))

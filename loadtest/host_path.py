@@ -74,12 +74,12 @@ class Level:
 
     system: str
     n: int
-    thresholds: tuple[int, int]
+    thresholds: tuple[int, ...]
     tok_s: float
     predicted: float | None
-    step_ms: tuple[float, float]  # step period per model: launch to launch, back-to-back steps
-    profiled_ms: tuple[float, float]  # the profile's step time at the mean batch
-    mean_batch: tuple[float, float]
+    step_ms: tuple[float, ...]  # step period per model: launch to launch, back-to-back steps
+    profiled_ms: tuple[float, ...]  # the profile's step time at the mean batch
+    mean_batch: tuple[float, ...]
     host_us: dict[str, dict[str, float]]  # model -> phase -> µs per step
     frames_per_token: float
     messages_per_token: float
@@ -94,7 +94,7 @@ async def in_process_level(
     system: str,
     profile: RoutingProfile,
     n: int,
-    thresholds: tuple[int, int],
+    thresholds: tuple[int, ...],
     window_s: float,
     warmup_s: float,
     predicted: float | None,
@@ -110,32 +110,16 @@ async def in_process_level(
         windows = [_window(b, _host(s)) for b, s in zip(before, loop.servers, strict=True)]
         ingress1 = loop.runtime.ingress.frames_received if loop.runtime.ingress else 0
         bytes1 = sum(c.bytes_sent for c in channels)
-    host = {w["name"]: w["us"] for w in windows}
-    periods = [math.nan if w["period_ms"] is None else w["period_ms"] for w in windows]
-    frames = ingress1 - ingress0 + sum(w["frames"] for w in windows)
-    messages = sum(w["messages"] for w in windows)
+    periods = tuple(math.nan if w["period_ms"] is None else w["period_ms"] for w in windows)
     tokens = max(1.0, m.tokens)
-    return Level(
-        system,
-        n,
-        thresholds,
-        m.throughput,
-        predicted,
-        tuple(periods),  # type: ignore[arg-type]
-        tuple(
-            mp.step_time_ms(max(1, round(b)))
-            for mp, b in zip(profile.models, m.mean_batch, strict=True)
-        ),  # type: ignore[arg-type]
-        m.mean_batch,  # type: ignore[arg-type]
-        host,
-        frames / tokens,
-        messages / tokens,
-        {
-            "median_gap_ms": m.median_gap_ms,
-            "oversleep_ms": m.oversleep_ms,
-            "bytes_per_token": (bytes1 - bytes0) / tokens,
-        },
-    )
+    frames = ingress1 - ingress0 + sum(w["frames"] for w in windows)
+    profiled = tuple(mp.step_time_ms(max(1, round(b)))
+                     for mp, b in zip(profile.models, m.mean_batch, strict=True))  # fmt: skip
+    extra = {"median_gap_ms": m.median_gap_ms, "oversleep_ms": m.oversleep_ms,
+             "bytes_per_token": (bytes1 - bytes0) / tokens}  # fmt: skip
+    return Level(system, n, thresholds, m.throughput, predicted, periods, profiled,
+                 m.mean_batch, {w["name"]: w["us"] for w in windows}, frames / tokens,
+                 sum(w["messages"] for w in windows) / tokens, extra)  # fmt: skip
 
 
 def _host(server: Any) -> dict[str, Any]:
@@ -171,7 +155,7 @@ def run_in_process(levels: list[int], window_s: float, warmup_s: float) -> list[
     out: list[Level] = []
     paper, zero = paper_r2r(), served_profile("zero")
 
-    def run(system: str, profile: RoutingProfile, n: int, b: tuple[int, int], pred: float | None):
+    def run(system: str, profile: RoutingProfile, n: int, b: tuple[int, ...], pred: float | None):
         level = asyncio.run(in_process_level(system, profile, n, b, window_s, warmup_s, pred))
         out.append(level)
         _print_level(level)

@@ -42,15 +42,14 @@ def table_row(r: dict[str, Any]) -> list[str]:
             f"{r['finished']}/{r['requests']}", r.get("deferred_timeouts", "–")]  # fmt: skip
 
 
-def targets(result: dict[str, Any], n: int | None = None) -> list[str]:
+def targets(result: dict[str, Any]) -> list[str]:
     """The issue's targets on this run, each PASS / MISS / n/a with its figures, at N = 8
     (or the largest N the run measured)."""
     rows = result["rows"]
     if not rows:
         return []
     measured = {r["concurrency"] for r in rows if r["mode"] == "closed"}
-    if n is None:
-        n = TARGET_N if TARGET_N in measured or not measured else max(measured)
+    n = TARGET_N if TARGET_N in measured or not measured else max(measured)
     base = min((r["max_tokens"] for r in rows if r["mode"] == "closed"), default=None)
     ours = closed_row(rows, "tokenrouter", n, base)
     out = []
@@ -61,16 +60,13 @@ def targets(result: dict[str, Any], n: int | None = None) -> list[str]:
             out.append(f"n/a  {name}: not measured at N={n}")
             return
         x = ours["tok_s"] / theirs["tok_s"]
-        verdict = "PASS" if x >= need else "MISS"
         note = ""
         if other == "eager_async" and _all_one(ours, n):
-            note = (
-                f"; the tuner ran every threshold 1 at N={n}, Eager-Async's table, so the "
-                "difference is run-to-run noise"
-            )
+            note = (f"; the tuner ran every threshold 1 at N={n}, Eager-Async's table, so the "
+                    "difference is run-to-run noise")  # fmt: skip
         out.append(
-            f"{verdict} {name}: {ours['tok_s']:.1f} vs {theirs['tok_s']:.1f} tok/s = {x:.2f}x "
-            f"(target >= {need}x{note})"
+            f"{'PASS' if x >= need else 'MISS'} {name}: {ours['tok_s']:.1f} vs "
+            f"{theirs['tok_s']:.1f} tok/s = {x:.2f}x (target >= {need}x{note})"
         )
 
     ratio("tokenrouter vs Std. Serving", "std_serving", 5.0)
@@ -83,8 +79,8 @@ def targets(result: dict[str, Any], n: int | None = None) -> list[str]:
         out.append(f"n/a  measured vs Markov prediction at N={n}: the app runs no tuner")
     timeouts = [r["deferred_timeouts"] for r in rows if "deferred_timeouts" in r]
     if timeouts:
-        verdict = "PASS" if sum(timeouts) == 0 else "MISS"
-        out.append(f"{verdict} deferred-timeout count: {sum(timeouts)} (target 0)")
+        out.append(f"{'MISS' if sum(timeouts) else 'PASS'} deferred-timeout count: "
+                   f"{sum(timeouts)} (target 0)")  # fmt: skip
     else:
         out.append("n/a  deferred-timeout count: the app does not report it")
     return out
@@ -103,11 +99,8 @@ def length_lines(rows: list[dict[str, Any]], n: int) -> list[str]:
     for Std. Serving; with other lengths only, the longest vs the shortest as info."""
     out = []
     for system in ("tokenrouter", "std_serving"):
-        by_len = {
-            r["max_tokens"]: r
-            for r in rows
-            if r["system"] == system and r["concurrency"] == n and r["mode"] in ("closed", "length")
-        }
+        by_len = {r["max_tokens"]: r for r in rows if r["system"] == system
+                  and r["concurrency"] == n and r["mode"] in ("closed", "length")}  # fmt: skip
         if len(by_len) < 2:
             continue
         target = all(x in by_len for x in LENGTHS)
@@ -115,15 +108,11 @@ def length_lines(rows: list[dict[str, Any]], n: int) -> list[str]:
         a, b = by_len[short], by_len[long]
         keep = b["tok_s"] / a["tok_s"] if a["tok_s"] else math.nan
         done = f"finished {a['finished']}/{a['requests']} and {b['finished']}/{b['requests']}"
-        figures = (
-            f"{b['tok_s']:.1f} tok/s at max_tokens {long} vs {a['tok_s']:.1f} at {short}, "
-            f"N={n} = {keep:.0%}; {done}"
-        )
+        figures = (f"{b['tok_s']:.1f} tok/s at max_tokens {long} vs {a['tok_s']:.1f} at "
+                   f"{short}, N={n} = {keep:.0%}; {done}")  # fmt: skip
         if not target:
-            out.append(
-                f"info {system} {figures} (the target compares {LENGTHS[1]} with {LENGTHS[0]}:"
-                " python -m loadtest --preset lengths)"
-            )
+            out.append(f"info {system} {figures} (the target compares {LENGTHS[1]} with "
+                       f"{LENGTHS[0]}: python -m loadtest --preset lengths)")  # fmt: skip
         elif system == "tokenrouter":
             verdict = "PASS" if keep >= 0.85 else "MISS"
             out.append(f"{verdict} tokenrouter keeps its throughput: {figures} (target >= 85 %)")

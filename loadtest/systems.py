@@ -45,13 +45,11 @@ class Bench:
     _ports: dict[str, int] = field(default_factory=dict)
 
     def port(self, server: str) -> int:
-        """The port of a baseline ``server`` (``PORT_OFFSETS``): ``port_base`` plus its offset,
-        or a port the OS reports free now, the same for the whole run."""
+        """The port of a baseline ``server`` for the whole run: ``port_base`` plus its offset
+        (``PORT_OFFSETS``), or a port free now."""
         if server not in self._ports:
-            if self.port_base is None:
-                self._ports[server] = free_port()
-            else:
-                self._ports[server] = self.port_base + PORT_OFFSETS[server]
+            base = self.port_base
+            self._ports[server] = free_port() if base is None else base + PORT_OFFSETS[server]
         return self._ports[server]
 
     def tokenize(self, text: str) -> list[int]:
