@@ -68,12 +68,15 @@ def number(x: float | None, fmt: str = ".1f") -> str:
     return "–" if x is None or math.isnan(x) else format(x, fmt)
 
 
-def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+def markdown_row(cells: Iterable[object]) -> str:
+    return f"| {' | '.join(map(str, cells))} |"
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[Iterable[object]]) -> str:
     """A Markdown table; a column named with a trailing ``:`` is right-aligned."""
     rule = "|" + "|".join("---:" if c.endswith(":") else "---" for c in columns) + "|"
-    cells = [[c.removesuffix(":") for c in columns], *rows]
-    lines = [f"| {' | '.join(map(str, row))} |" for row in cells]
-    return "\n".join([lines[0], rule, *lines[1:]])
+    head = markdown_row(c.removesuffix(":") for c in columns)
+    return "\n".join([head, rule, *map(markdown_row, rows)])
 
 
 def pyplot() -> Any:

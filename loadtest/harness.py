@@ -21,7 +21,7 @@ from typing import Any
 import openai
 from tqdm import tqdm
 
-from loadtest.common import header, percentile
+from loadtest.common import header, markdown_row, markdown_table, percentile
 from loadtest.workloads import WORKLOADS, Workload
 from tokenrouter_ray.metrics.latency import token_gaps
 
@@ -237,13 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per level")
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=0,
-        help="unmeasured requests per mode before each level's measured ones (a server that "
-        "learns, e.g. the speed bypass, has learned by then)",
-    )
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="unmeasured requests per mode before each level's measured "
+                        "ones (a server that learns, e.g. the speed bypass, has learned by "
+                        "then)")  # fmt: skip
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="short_chat")
     parser.add_argument(
         "--stop-at-eos", action="store_true", help="let answers end early (no ignore_eos)"
@@ -263,36 +260,31 @@ def main(argv: list[str] | None = None) -> int:
         parse_mode("default"), *args.compare
     ]  # fmt: skip
     print(header())
-    print("| C | mode | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p99 "
-          "| tokens per model | handoffs/req |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    print(markdown_table(["C:", "mode", "tok/s:", "TTFT p50:", "TTFT p99:", "ITL p50:", "ITL p99:",
+                          "e2e p99:", "tokens per model", "handoffs/req:"], []))  # fmt: skip
     levels: dict[int, dict[str, float]] = {}
     for c in [int(n) for n in args.concurrency.split(",")]:
         for mode, routing in modes:
-            spec = LoadSpec(
-                workload,
-                concurrency=c,
-                max_requests=args.requests,
-                time_limit_s=args.time_limit,
-                max_tokens=args.max_tokens,
-                ignore_eos=not args.stop_at_eos,
-                routing=routing,
-            )
+            spec = LoadSpec(workload, concurrency=c, max_requests=args.requests,
+                            time_limit_s=args.time_limit, max_tokens=args.max_tokens,
+                            ignore_eos=not args.stop_at_eos, routing=routing)  # fmt: skip
             if args.warmup:
                 warm = replace(spec, max_requests=args.warmup)
                 asyncio.run(run_load(args.url, warm, args.model, f"C={c} {mode} warm-up"))
             r = asyncio.run(run_load(args.url, spec, model=args.model, desc=f"C={c} {mode}"))
             levels.setdefault(c, {})[mode] = r["tok_s"]
-            ttft, itl, e2e = (
-                {q: 1e3 * v for q, v in r[k].items()} for k in ("ttft_s", "itl_s", "e2e_s")
-            )
+            ms = [f"{1e3 * r[k][q]:.0f} ms" for k in ("ttft_s", "itl_s", "e2e_s")
+                  for q in ("p50", "p99") if (k, q) != ("e2e_s", "p50")]  # fmt: skip
             per_model = ", ".join(f"{m} {n}" for m, n in r["tokens_per_model"].items())
-            print(
-                f"| {c} | {mode} | {r['tok_s']:.1f} | {ttft['p50']:.0f} ms "
-                f"| {ttft['p99']:.0f} ms | {itl['p50']:.0f} ms | {itl['p99']:.0f} ms "
-                f"| {e2e['p99']:.0f} ms | {per_model} | {r['handoffs_per_request']:.1f} |",
-                flush=True,
-            )
+            cells = [
+                c,
+                mode,
+                f"{r['tok_s']:.1f}",
+                *ms,
+                per_model,
+                f"{r['handoffs_per_request']:.1f}",
+            ]
+            print(markdown_row(cells), flush=True)
             if r["errors"]:
                 print(f"C={c} {mode} errors: {r['errors']}")
     if len(modes) > 1:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from loadtest.common import command, machine
+from loadtest.common import command, machine, print_targets
 
 SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
+    from tokenrouter_ray.demo.large import prepare_demo
+    from tokenrouter_ray.demo.router import prepare_demo_router
+    from tokenrouter_ray.demo.small import prepare_small_model
     from tokenrouter_ray.openai.chat import render_chat
     from tokenrouter_ray.quality.commands import load_items
     from tokenrouter_ray.quality.scorers import score
@@ -104,16 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         teacher_forced_features,
     )
 
-    if not (args.large and args.small and args.router):
-        from tokenrouter_ray.demo.large import prepare_demo
-        from tokenrouter_ray.demo.router import prepare_demo_router
-        from tokenrouter_ray.demo.small import prepare_small_model
-
-        large_dir = args.large or str(prepare_demo(quiet=True))
-        small_dir = args.small or str(prepare_small_model(Path(large_dir), quiet=True))
-        router_path = args.router or str(prepare_demo_router(quiet=True))
-    else:
-        large_dir, small_dir, router_path = args.large, args.small, args.router
+    large_dir = args.large or str(prepare_demo(quiet=True))  # the demo's, built once
+    small_dir = args.small or str(prepare_small_model(Path(large_dir), quiet=True))
+    router_path = args.router or str(prepare_demo_router(quiet=True))
 
     items = split_items(load_items(args.tasks), args.split)[: args.limit]
     tokenizer = AutoTokenizer.from_pretrained(large_dir)
@@ -164,13 +160,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"exact {100 * row['exact']:5.1f} %  "
                 f"accuracy >= {100 * row['accuracy']:5.1f} % ({of_large:5.1f} % of large)"
             )
-    goal = 0.8 * large_acc
-    print("\ntargets (80 % of the large model's accuracy at <= 50 % large share):")
-    verdict = "PASS" if oracle_share <= 0.5 else "MISS"
-    print(f"  oracle: {verdict} (share {100 * oracle_share:.1f} %)")
+    want = "80 % of the large model's accuracy at <= 50 % large share"
+    targets = [(f"oracle: {want}", oracle_share <= 0.5, f"share {100 * oracle_share:.1f} %")]
     for name, rows in result["scores"].items():
-        ok = any(r["share"] <= 0.5 + 1e-9 and r["accuracy"] >= goal for r in rows)
-        print(f"  {name} (floor): {'PASS' if ok else 'MISS'}")
+        met = any(r["share"] <= 0.5 + 1e-9 and r["accuracy"] >= 0.8 * large_acc for r in rows)
+        targets.append((f"{name} (floor): {want}", met, "the answers kept exact"))
+    print_targets(targets)
     print(f"reproduce: {command()}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
