@@ -36,8 +36,8 @@ def device_ms(profile: str, path: str) -> float:
 def served_targets(served: list[dict[str, Any]]) -> list[Target]:
     out: list[Target] = []
 
-    def add(name: str, ok: bool, detail: str) -> None:
-        out.append((name, ok, detail))
+    def at_most(name: str, value: float, bound: float) -> None:  # µs
+        out.append((name, value <= bound, f"{value:.0f} µs"))
 
     def row_of(system: str, n: int) -> dict[str, Any] | None:
         return next((r for r in served if r["system"] == system and r["n"] == n), None)
@@ -53,61 +53,37 @@ def served_targets(served: list[dict[str, Any]]) -> list[Target]:
         goal, pred = IDEAL_GOAL.get(n), r.get("predicted")
         if goal is not None and pred:
             ratio = r["tok_s"] / pred
-            add(
-                f"served {system} N={n}: served / ideal >= {goal:.2f}",
-                ratio >= goal,
-                f"{ratio:.3f} ({r['tok_s']:.1f} of {pred:.1f} tok/s)",
-            )
+            out.append((f"served {system} N={n}: served / ideal >= {goal:.2f}", ratio >= goal,
+                        f"{ratio:.3f} ({r['tok_s']:.1f} of {pred:.1f} tok/s)"))  # fmt: skip
         cpu = r.get("cpu_us_per_token") or {}
         if r["profile"] == "h200" and n == 64 and cpu:
-            total = app_total_us(cpu)
-            add(
-                f"served {system} N=64: app CPU per token <= {CPU_APP_US:.0f} µs",
-                total <= CPU_APP_US,
-                f"{total:.0f} µs",
-            )
+            at_most(f"served {system} N=64: app CPU per token <= {CPU_APP_US:.0f} µs",
+                    app_total_us(cpu), CPU_APP_US)  # fmt: skip
             for name, us in cpu.items():  # the ingress and each model replica
                 if name not in FRONT and name not in SUPPORT and name not in SUPPORT_ACTORS:
-                    add(
-                        f"served {system} N=64: {name} CPU per token <= {CPU_PROCESS_US:.0f} µs",
-                        us <= CPU_PROCESS_US,
-                        f"{us:.0f} µs",
-                    )
-        if n == 32:
-            for model, m in r["models"].items():
-                p50 = m.get("applied_p50_us")
-                if p50 is not None:
-                    add(
-                        f"served {system} N=32 {model}: message applied p50 <= 1 ms",
-                        p50 <= APPLIED_P50_US,
-                        f"{p50:.0f} µs",
-                    )
+                    at_most(f"served {system} N=64: {name} CPU per token <= "
+                            f"{CPU_PROCESS_US:.0f} µs", us, CPU_PROCESS_US)  # fmt: skip
+        for model, m in r["models"].items() if n == 32 else ():
+            if m.get("applied_p50_us") is not None:
+                at_most(f"served {system} N=32 {model}: message applied p50 <= 1 ms",
+                        m["applied_p50_us"], APPLIED_P50_US)  # fmt: skip
         if n == 1:
             out += _ttft_targets(system, r)
     for n in sorted({r["n"] for r in served}):
         for profile in sorted({r["profile"] for r in served}):
             proxied, direct = row_of(f"{profile} eager", n), row_of(f"{profile} eager direct", n)
             if proxied and direct:
-                add(
-                    f"served {profile} N={n}: direct port >= Serve's proxy (tok/s)",
-                    direct["tok_s"] >= proxied["tok_s"],
-                    f"{direct['tok_s']:.1f} vs {proxied['tok_s']:.1f} tok/s",
-                )
+                out.append((f"served {profile} N={n}: direct port >= Serve's proxy (tok/s)",
+                            direct["tok_s"] >= proxied["tok_s"],
+                            f"{direct['tok_s']:.1f} vs {proxied['tok_s']:.1f} tok/s"))  # fmt: skip
             for suffix in ("", " direct"):
-                eager, tuned = (
-                    row_of(f"{profile} eager{suffix}", n),
-                    row_of(f"{profile} tuned{suffix}", n),
-                )
+                eager, tuned = (row_of(f"{profile} {k}{suffix}", n) for k in ("eager", "tuned"))
                 if eager and tuned and n in (8, 32):
-                    ratio, model = (
-                        tuned["tok_s"] / eager["tok_s"],
-                        tuned["predicted"] / eager["predicted"],
-                    )
-                    add(
-                        f"served {profile} N={n}: tuned >= all-ones ({via(suffix)})",
-                        ratio >= 1.0,
-                        f"{ratio:.3f}x (B={tuned['thresholds']}; ideal {model:.3f})",
-                    )
+                    ratio = tuned["tok_s"] / eager["tok_s"]
+                    model = tuned["predicted"] / eager["predicted"]
+                    out.append((f"served {profile} N={n}: tuned >= all-ones ({via(suffix)})",
+                                ratio >= 1.0, f"{ratio:.3f}x (B={tuned['thresholds']}; ideal "
+                                f"{model:.3f})"))  # fmt: skip
         for model, m in (row_of("zero", n) or {}).get("models", {}).items():
             host = {**(m.get("host_us") or {}), "rows": m.get("rows", 0)}
             out.append(critical_target(f"served zero N={n} {model}", host))
