@@ -81,14 +81,6 @@ def ramp_overrides(
     return out
 
 
-def targets() -> Targets:
-    return Targets(
-        utilisation=dict.fromkeys(MODELS, TARGET_UTILISATION),
-        min_replicas={m: BOUNDS[m][0] for m in MODELS},
-        max_replicas={m: BOUNDS[m][1] for m in MODELS},
-    )
-
-
 @dataclass
 class Ramp:
     """The offered rate over time: up from 0 to ``peak_rps``, hold, down, then nothing.
@@ -287,7 +279,10 @@ def run_ramp(
 
 def planned_top(ramp: Ramp, tokens: int) -> dict[str, int]:
     """The plan for the peak (what ``tokenrouter-ray plan`` prints for it)."""
-    return plan(SIM_PROFILE, Load(ramp.peak_rps, tokens), targets(), ROWS).replicas
+    targets = Targets(utilisation=dict.fromkeys(MODELS, TARGET_UTILISATION),
+                      min_replicas={m: BOUNDS[m][0] for m in MODELS},
+                      max_replicas={m: BOUNDS[m][1] for m in MODELS})  # fmt: skip
+    return plan(SIM_PROFILE, Load(ramp.peak_rps, tokens), targets, ROWS).replicas
 
 
 def failure_detail(failed: list[Sent], total: int) -> str:

@@ -133,16 +133,12 @@ class _Lines:
                 return
 
 
-# The probe's routing: the served policy as configured (p = 0.35: a third of the first
-# tokens escalate, so the median sits high in the kept ones' spread), and the two paths a
-# first token takes, each on its own (the Bernoulli policy's per-request ``p``): kept by
-# the entry model (p = 0) and escalated to the large model (p = 1).
+# The probe's routing: the policy's mix (p = 0.35), and each path a first token takes on its
+# own (the Bernoulli policy's per-request ``p``): kept by the entry model, or escalated.
 PROBE_ROUTING: dict[str, float | None] = {"mixed": None, "kept": 0.0, "escalated": 1.0}
 
 
-# The probe's clients: "raw", the bare HTTP/1.1 client (``RawHttp``: the figure the targets
-# read), and "httpx", printed beside it (its own ~2 ms per request at idle on
-# the 2-core machine is the client's, not the server's: docs/benchmarks/README.md).
+# The probe's clients: the bare ``RawHttp`` (what the targets read), and httpx beside it.
 PROBE_CLIENTS = ("raw", "httpx")
 
 
@@ -206,9 +202,7 @@ async def first_token_client(
 
 
 def _is_content_line(line: str) -> bool:
-    return line.startswith("data: {") and _has_content(line)
-
-
-def _has_content(line: str) -> bool:
+    if not line.startswith("data: {"):
+        return False
     choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
     return bool((choices[0].get("delta") or {}).get("content"))
