@@ -35,34 +35,14 @@ from tokenrouter_ray.engine.static_forward import (
 
 DEVICE = "cuda"
 BLOCK_SIZE = 256
-QWEN3_06B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    tie_word_embeddings=True,
-)
-QWEN3_32B = QWEN3_06B | dict(
-    hidden_size=5120,
-    intermediate_size=25600,
-    num_hidden_layers=64,
-    num_attention_heads=64,
-    tie_word_embeddings=False,
-)
-DRY_SHAPE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-)
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True)  # fmt: skip
+QWEN3_32B = QWEN3_06B | dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                             num_attention_heads=64, tie_word_embeddings=False)  # fmt: skip
+DRY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 max_position_embeddings=1024)  # fmt: skip
 DRY_BUCKETS = {"batch_buckets": (1, 4, 8), "query_buckets": (1, 4)}
 SHAPES = {"qwen3_0.6b": QWEN3_06B, "qwen3_32b": QWEN3_32B}
 HOT = dict(temperature=0.8, top_k=50, top_p=0.95, logprobs=2)  # seeded sampling, logprobs

@@ -18,17 +18,9 @@ from tokenrouter_ray.engine.random_model import save_random_model
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.engine.scheduler import SchedulerConfig
 
-DEMO_SHAPE = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=72,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-)
+DEMO_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                  num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=72, max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
 
 
 def build_model(path: Path, dtype: torch.dtype = torch.float32, **shape: Any) -> str:
