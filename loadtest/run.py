@@ -46,56 +46,26 @@ QUALITY_ONLY = ["r2r", "rstitch"]  # speed next to quality, at N = 8 only
 PRESETS: dict[str, Preset] = {
     # The demo pair on a 2-core CPU in <= 10 minutes; one request per client, so every
     # answer is complete and can be scored (docs/benchmarks/README.md, "Presets").
-    "quick": Preset(
-        concurrency=[1, 8],
-        lengths=[256],
-        length_systems=["tokenrouter"],
-        requests_per_client=1,
-        time_limit_s=60.0,
-        system_concurrency={s: [8] for s in QUALITY_ONLY},
-        settle_s=1.0,
-        stock_warm=(8, 16),
-    ),
+    "quick": Preset(concurrency=[1, 8], lengths=[256], length_systems=["tokenrouter"],
+                    requests_per_client=1, time_limit_s=60.0, settle_s=1.0, stock_warm=(8, 16),
+                    system_concurrency={s: [8] for s in QUALITY_ONLY}),
     # The output-length target on the demo pair: N = 8, 256- and 1,024-token answers, one
     # request per client, tokenrouter and Std. Serving only.
-    "lengths": Preset(
-        concurrency=[],
-        lengths=[256, 1024],
-        requests_per_client=1,
-        time_limit_s=600.0,
-        systems=["tokenrouter", "std_serving"],
-        settle_s=1.0,
-    ),
+    "lengths": Preset(concurrency=[], lengths=[256, 1024], requests_per_client=1,
+                      time_limit_s=600.0, systems=["tokenrouter", "std_serving"], settle_s=1.0),
     # The GPU sweep: same code, bigger N and lengths, open loop too.
-    "paper": Preset(
-        concurrency=[1, 4, 8, 16, 32, 64],
-        rates=[1.0, 4.0, 16.0],
-        max_tokens=256,
-        lengths=[1024, 8192],
-        requests_per_client=8,
-        time_limit_s=300.0,
-        system_concurrency={s: [8] for s in QUALITY_ONLY},
-    ),
+    "paper": Preset(concurrency=[1, 4, 8, 16, 32, 64], rates=[1.0, 4.0, 16.0], max_tokens=256,
+                    lengths=[1024, 8192], requests_per_client=8, time_limit_s=300.0,
+                    system_concurrency={s: [8] for s in QUALITY_ONLY}),
     # The CI smoke run: a few requests, 8 tokens, every system (R-Stitch as the quality
-    # system: the tiny models have no trained R2R router).
-    "tiny": Preset(
-        workload="tiny_words",
-        concurrency=[2],
-        rates=[4.0],
-        max_tokens=8,
-        lengths=[12],
-        length_n=2,
-        requests_per_client=2,
-        time_limit_s=30.0,
-        systems=[s for s in ALL_SYSTEMS if s != "r2r"],
-        system_concurrency={"rstitch": [2]},
-        warmup_tokens=4,
-        settle_s=0.0,
-        stock_warm=(0, 0),  # only the request that sets the shared generation config
-        early_stock=True,
-        early_apps=True,
-    ),
-}
+    # system: the tiny models have no trained R2R router); stock_warm (0, 0): only the
+    # request that sets the shared generation config.
+    "tiny": Preset(workload="tiny_words", concurrency=[2], rates=[4.0], max_tokens=8,
+                   lengths=[12], length_n=2, requests_per_client=2, time_limit_s=30.0,
+                   systems=[s for s in ALL_SYSTEMS if s != "r2r"],
+                   system_concurrency={"rstitch": [2]}, warmup_tokens=4, settle_s=0.0,
+                   stock_warm=(0, 0), early_stock=True, early_apps=True),
+}  # fmt: skip
 
 
 def level_spec(preset: Preset, workload: Workload, **kw: Any) -> LoadSpec:
