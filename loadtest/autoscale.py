@@ -50,34 +50,19 @@ def ramp_overrides(
 ) -> list[str]:
     """The simulated app with both models autoscaling between ``BOUNDS``, thresholds held
     at 1 (eager launch: what the plan assumes), a tuner that reports every ``period_s``."""
-    out = [
-        "models=sim_paper",
-        "policy=bernoulli",
-        f"policy.options.p={ESCALATION}",
-        "transport=zmq_ipc",
-        "placement=local",
-        "tuner=live",
-        f"tuner.period_s={period_s}",
-        f"tuner.window_s={6 * period_s}",
-        "tuner.min_moves=20",
-        "tuner.concurrencies=[1]",
-        "+tuner.fixed.small=1",
-        "+tuner.fixed.large=1",
-        "models.small.num_cpus=0.25",
-        "models.large.num_cpus=0.25",
-    ]
+    out = ["models=sim_paper", "policy=bernoulli", f"policy.options.p={ESCALATION}",
+           "transport=zmq_ipc", "placement=local", "tuner=live", f"tuner.period_s={period_s}",
+           f"tuner.window_s={6 * period_s}", "tuner.min_moves=20", "tuner.concurrencies=[1]",
+           "+tuner.fixed.small=1", "+tuner.fixed.large=1", "models.small.num_cpus=0.25",
+           "models.large.num_cpus=0.25"]  # fmt: skip
     for name in MODELS:
         low, high = BOUNDS[name]
-        out += [
-            f"models.{name}.scheduler.max_num_seqs={ROWS[name]}",
-            f"+models.{name}.autoscaling.min_replicas={low}",
-            f"+models.{name}.autoscaling.max_replicas={high}",
-            f"+models.{name}.autoscaling.target_utilisation={TARGET_UTILISATION}",
-            f"+models.{name}.autoscaling.upscale_delay_s={upscale_delay_s}",
-            f"+models.{name}.autoscaling.downscale_delay_s={downscale_delay_s}",
-            f"+models.{name}.autoscaling.metrics_interval_s={period_s / 2}",
-            f"+models.{name}.autoscaling.look_back_period_s={2 * period_s}",
-        ]
+        scaling = dict(min_replicas=low, max_replicas=high, target_utilisation=TARGET_UTILISATION,
+                       upscale_delay_s=upscale_delay_s, downscale_delay_s=downscale_delay_s,
+                       metrics_interval_s=period_s / 2,
+                       look_back_period_s=2 * period_s)  # fmt: skip
+        out.append(f"models.{name}.scheduler.max_num_seqs={ROWS[name]}")
+        out += [f"+models.{name}.autoscaling.{k}={v}" for k, v in scaling.items()]
     return out
 
 
