@@ -323,12 +323,10 @@ def run_served(
     systems: tuple[str, ...] = SERVED_SYSTEMS, direct_port: int = DIRECT_PORT,
     client: str = "stream", front: str = "proxy", peer_transport: str = "ipc",
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Each system's app deployed with ``deploy(overrides, name)`` (a context manager
-    yielding the app's OpenAI base URL), driven at each level. A system named ``... direct``
-    also serves on the ingress's direct port (``ingress.direct_port``), and its clients
-    use that port instead of Serve's front. ``client``: see ``CLIENTS``. ``front``: what
-    the cluster runs in front of Serve's apps (``FRONTS``; rows carry it). ``peer_transport``:
-    how the app's processes reach each other (``PEER_TRANSPORTS``; rows carry it)."""
+    """Each system's app deployed with ``deploy(overrides, name)``, driven at each level; a
+    ``... direct`` system's clients use the ingress's own port instead of Serve's front.
+    ``client``, ``front``, ``peer_transport``: ``CLIENTS``, ``FRONTS``, ``PEER_TRANSPORTS``
+    (rows carry them)."""
     rows: list[dict[str, Any]] = []
     for system in systems:
         profile, direct = system.split()[0], system.endswith(" direct")
@@ -392,9 +390,7 @@ async def _stats(url: str) -> dict[str, Any]:
         return (await client.get(f"{url}/v1/tokenrouter/stats", timeout=30)).json()
 
 
-# The closed loop's clients: "stream", streamed chat completions (an SSE chunk per token
-# through the whole output path); "completions", non-streamed completions (one response
-# per request).
+# The closed loop's clients: streamed chat completions, or non-streamed completions.
 CLIENTS = ("stream", "completions")
 
 

@@ -3,14 +3,9 @@ moves the operating point of a running app as the prompt mix shifts.
 
 Sends closed-loop default requests (no ``routing``) in phases, each from one prompt set
 (``chat``: the ``short_chat`` workload; ``capitals``: the repo's capitals questions), polls
-``GET /v1/tokenrouter/quality`` meanwhile, and writes ``<out>/quality_target.json`` (every
-poll: the rung in use, its live agreement and bounds, answers scored; every response: its
-mode and large-model share) and ``<out>/quality_target.png`` (rung, agreement against the
-target, and large share over time, phases marked). Start the app with a target, e.g.::
-
-    TOKENROUTER_OVERRIDES='quality_monitor.sample_rate=1.0 tuner.speed_bypass=null
-      tuner.quality_target={target: 0.6, ladder: [fast, balanced, high], min_samples: 12}'
-      serve run conf/local.yaml
+``GET /v1/tokenrouter/quality`` meanwhile, and writes ``<out>/quality_target.json`` and a plot
+of the rung, its agreement and the large share over time. docs/user-guide/quality.md, "On the
+demo", starts an app with a target and runs it.
 """
 
 from __future__ import annotations

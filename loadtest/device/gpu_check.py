@@ -247,12 +247,9 @@ MIN_BUSY_ITERATIONS = {False: 2, True: 10}
 
 
 class BusyThread:
-    """Another serving thread: allocations and matrix products on its own stream until
-    ``stop``. Plain tensor math, no random numbers: PyTorch puts the default CUDA generator
-    in capture mode during every capture, and a draw from it on this thread would raise
-    ("Offset increment outside graph capture"). It counts its iterations and keeps its
-    exception, so the check can tell a thread that worked through the capture from one that
-    died at once or was blocked. ``work``: one iteration (default: the matrix product)."""
+    """Another serving thread: ``work`` (default: a matrix product) on its own stream until
+    ``stop``, counting iterations and keeping its exception. No random numbers: a draw from
+    the default CUDA generator, in capture mode during every capture, would raise."""
 
     def __init__(self, device: str, work: Callable[[], None] | None = None) -> None:
         self.device = device
