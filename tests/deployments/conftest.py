@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.tiny_models import chain_engines
+from tests.waiting import wait_for
 from tokenrouter_ray.app_config import compose_config
 from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import SamplingSpec
@@ -56,6 +57,51 @@ def serve_app(serve_http: str) -> Callable[..., Any]:
             serve.delete(name)
 
     return deploy
+
+
+@pytest.fixture(scope="session")
+def serve_apps(serve_http: str) -> Callable[..., Any]:
+    """Context manager: deploy several apps side by side (``{name: overrides}``, one
+    ``serve.run_many``, so their replicas start together), yield ``{name: base URL}`` once
+    every one runs (with ``wait=False`` at once: the caller calls ``wait_running`` before
+    its first request, and works meanwhile), delete them all."""
+    from ray import serve
+
+    from deployments.app import bind_app
+
+    @contextmanager
+    def deploy(apps: dict[str, list[str]], wait: bool = True) -> Iterator[dict[str, str]]:
+        targets = [
+            serve.RunTarget(bind_app(compose_config(o)), name=name, route_prefix=f"/{name}")
+            for name, o in apps.items()
+        ]
+        try:
+            serve.run_many(
+                targets,
+                wait_for_ingress_deployment_creation=wait,
+                wait_for_applications_running=wait,
+            )
+            yield {name: f"{serve_http}/{name}/v1" for name in apps}
+        finally:
+            for name in apps:
+                serve.delete(name, _blocking=False)
+            wait_for(lambda: not set(apps) & set(serve.status().applications), 120, "apps deleted")
+
+    return deploy
+
+
+def wait_running(names: list[str], timeout_s: float = 300.0) -> None:
+    """Until every app in ``names`` runs (Serve's status); fails at once on a failed deploy."""
+    from ray import serve
+
+    def running() -> bool:
+        apps = serve.status().applications
+        for name in names:
+            if name in apps and apps[name].status == "DEPLOY_FAILED":
+                raise AssertionError(f"{name}: {apps[name].message}")
+        return all(name in apps and apps[name].status == "RUNNING" for name in names)
+
+    wait_for(running, timeout_s, f"apps {names} running")
 
 
 def local_outputs(

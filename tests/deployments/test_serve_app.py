@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -21,24 +22,41 @@ def ids_of(text: str) -> list[int]:
     return [int(w[1:]) for w in text.split()]
 
 
-@pytest.mark.parametrize("transport", ["zmq_ipc", "ray"])
-def test_served_greedy_equals_local_runtime(transport, serve_app, served_chain_dirs) -> None:
-    overrides = tiny_overrides(served_chain_dirs, TWO, "entropy", transport, POLICY)
-    expected = local_outputs(served_chain_dirs, TWO, "entropy", {"threshold": 0.45}, prompts(), 24)
-    with serve_app(overrides, f"equiv-{transport.replace('_', '-')}") as base:
-        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+TRANSPORTS = ["zmq_ipc", "ray"]
 
-        def call(prompt: list[int]) -> openai.types.Completion:
-            return client.completions.create(
-                model="tokenrouter", prompt=prompt, max_tokens=24, temperature=0
-            )
 
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # 8 concurrent clients
-            got = list(pool.map(call, prompts()))
-        traced = client.completions.create(  # trace, logprobs, metrics over Serve
-            model="tokenrouter", prompt=prompts()[3], max_tokens=24, temperature=0,
-            logprobs=2, extra_body={"routing_trace": True},
-        )  # fmt: skip
+@pytest.fixture(scope="module")
+def apps(serve_apps, served_chain_dirs) -> Iterator[dict[str, str]]:
+    """The pair over each transport, deployed side by side: transport -> base URL."""
+    named = {
+        f"equiv-{t.replace('_', '-')}": tiny_overrides(served_chain_dirs, TWO, "entropy", t, POLICY)
+        for t in TRANSPORTS
+    }
+    with serve_apps(named) as bases:
+        yield dict(zip(TRANSPORTS, bases.values(), strict=True))
+
+
+@pytest.fixture(scope="module")
+def expected(served_chain_dirs) -> list:
+    """The in-process runtime's answers: what every transport must serve."""
+    return local_outputs(served_chain_dirs, TWO, "entropy", {"threshold": 0.45}, prompts(), 24)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_served_greedy_equals_local_runtime(transport, apps, expected) -> None:
+    client = openai.OpenAI(base_url=apps[transport], api_key="none", max_retries=0)
+
+    def call(prompt: list[int]) -> openai.types.Completion:
+        return client.completions.create(
+            model="tokenrouter", prompt=prompt, max_tokens=24, temperature=0
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # 8 concurrent clients
+        got = list(pool.map(call, prompts()))
+    traced = client.completions.create(  # trace, logprobs, metrics over Serve
+        model="tokenrouter", prompt=prompts()[3], max_tokens=24, temperature=0,
+        logprobs=2, extra_body={"routing_trace": True},
+    )  # fmt: skip
     for want, response in zip(expected, got, strict=True):
         assert ids_of(response.choices[0].text) == want.token_ids
         assert response.model_extra["routing"]["tokens_per_model"] == want.counts
