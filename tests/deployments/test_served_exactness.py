@@ -1,25 +1,27 @@
 """Served greedy output equals the sequential reference, for what users run.
 
 The three-model escalation chain (small -> mid -> large) is served over each transport
-(ZeroMQ ipc and tcp, unix datagrams, Ray) and called with the official ``openai`` client,
-streamed and not, with the configured thresholds, a request's own thresholds and a cap on
-the large model's share. Every answer must equal, token for token and model for model, a
-reference that runs one request at a time with a full-context forward per token:
-``escalate_by_definition`` below is written from the policy's definition alone (it shares
-no sampler, policy or engine code with the server); the capped request, whose rule is the
-runtime's ``capped_dst``, is checked against ``tokenrouter_ray.reference``.
+(ZeroMQ ipc and tcp, unix datagrams, Ray; the four apps deployed side by side) and called
+with the official ``openai`` client, streamed and not, with the configured thresholds, a
+request's own thresholds and a cap on the large model's share. Every answer must equal,
+token for token and model for model, a reference that runs one request at a time with a
+full-context forward per token: ``escalate_by_definition`` below is written from the
+policy's definition alone (it shares no sampler, policy or engine code with the server); the
+capped request, whose rule is the runtime's ``capped_dst``, is checked against
+``tokenrouter_ray.reference``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import openai
 import pytest
 
-from tests.deployments.conftest import tiny_overrides
+from tests.deployments.conftest import tiny_overrides, wait_running
 from tests.deployments.test_serve_app import ids_of, prompts
 
 CHAIN = ["small", "mid", "large"]
@@ -141,42 +143,6 @@ def test_the_reference_covers_every_level_and_the_cap_binds(references, chain_mo
             assert references[i].counts.get("large", 0) <= 0.25 * MAX_TOKENS
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("transport", ["zmq_ipc", "zmq_tcp", "unix", "ray"])
-def test_served_escalation_equals_the_reference(
-    transport, serve_app, served_chain_dirs, references
-) -> None:
-    overrides = tiny_overrides(served_chain_dirs, CHAIN, "escalation", transport)
-    with serve_app(overrides, f"exact-{transport.replace('_', '-')}") as base:
-        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
-
-        def call(request) -> tuple[list[int], dict | None]:
-            index, routing, stream = request
-            body = {"routing": routing} if routing else None
-            args = dict(model="tokenrouter", prompt=prompts()[index], max_tokens=MAX_TOKENS,
-                        temperature=0, extra_body=body)  # fmt: skip
-            if not stream:
-                response = client.completions.create(**args)
-                return ids_of(response.choices[0].text), response.model_extra["routing"]
-            text = "".join(
-                chunk.choices[0].text
-                for chunk in client.completions.create(stream=True, **args)
-                if chunk.choices
-            )
-            return ids_of(text), None
-
-        with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
-            got = list(pool.map(call, REQUESTS))
-    for (index, routing, stream), want, (tokens, meta) in zip(
-        REQUESTS, references, got, strict=True
-    ):
-        where = f"prompt {index}, routing {routing}, streamed {stream}"
-        assert tokens == want.token_ids, where
-        if meta is not None:
-            assert meta["tokens_per_model"] == want.counts, where
-            assert meta["handoffs"] == want.handoffs, where
-
-
 # ---- the demo's own R2R default, with the real demo pair ----------------------------------
 
 DEMO_OVERRIDES = [
@@ -199,12 +165,46 @@ DEMO_QUESTIONS = [
 DEMO_TOKENS = 20
 
 
+def demo_cases() -> list[tuple[int, dict, bool]]:
+    """(question, the request's `routing`, streamed): every preset, the balanced preset's
+    value as a request's own threshold, a cap."""
+    from tokenrouter_ray.app_config import compose_config
+
+    presets = dict(compose_config(DEMO_OVERRIDES).policy.presets)
+    assert set(presets) == {"high", "balanced", "fast"}
+    return [
+        (0, {"quality": "high"}, False),
+        (1, {"quality": "balanced"}, True),
+        (2, {"quality": "fast"}, False),
+        (0, {"quality": "fast"}, True),
+        (1, {"threshold": presets["balanced"]}, False),
+        (2, {"quality": "fast", "max_large_share": 0.2}, False),
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.demo
-def test_served_demo_r2r_equals_the_reference(serve_app) -> None:
+def test_served_demo_r2r_equals_the_reference(serve_apps) -> None:
     """The demo pair with its trained R2R router, as ``conf/local.yaml`` composes it: every
     preset, a request's own threshold and a cap, streamed and not, equal the sequential
-    reference run with the same router."""
+    reference run with the same router (computed while the app deploys)."""
+    cases = demo_cases()
+    with serve_apps({"exact-demo": DEMO_OVERRIDES}, wait=False) as bases:
+        references = demo_references(cases)
+        wait_running(list(bases))
+        got = demo_answers(bases["exact-demo"], cases)
+    for (index, routing, stream), (text, ref), (served, meta) in zip(
+        cases, references, got, strict=True
+    ):
+        where = f"question {index}, routing {routing}, streamed {stream}"
+        assert served == text, where
+        if meta is not None:
+            assert meta["tokens_per_model"] == ref.counts, where
+            assert meta["handoffs"] == ref.handoffs, where
+
+
+def demo_references(cases: list[tuple[int, dict, bool]]) -> list:
+    """(text, ``reference_generate``'s result) per case, and the routing is real."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -217,15 +217,6 @@ def test_served_demo_r2r_equals_the_reference(serve_app) -> None:
     names = list(cfg.model_names)
     tokenizer = AutoTokenizer.from_pretrained(cfg.models[names[-1]].path)
     presets = dict(cfg.policy.presets)
-    assert set(presets) == {"high", "balanced", "fast"}
-    cases = [  # (question, the request's `routing`, streamed)
-        (0, {"quality": "high"}, False),
-        (1, {"quality": "balanced"}, True),
-        (2, {"quality": "fast"}, False),
-        (0, {"quality": "fast"}, True),
-        (1, {"threshold": presets["balanced"]}, False),
-        (2, {"quality": "fast", "max_large_share": 0.2}, False),
-    ]
     models = [
         (n, AutoModelForCausalLM.from_pretrained(cfg.models[n].path, dtype=torch.float64).eval())
         for n in names
@@ -247,30 +238,74 @@ def test_served_demo_r2r_equals_the_reference(serve_app) -> None:
         references.append((tokenizer.decode(ref.token_ids, skip_special_tokens=True), ref))
     assert sum(ref.handoffs for _, ref in references) > 5  # real routing on real models
     assert any(ref.counts.get("small") for _, ref in references)
+    return references
 
-    with serve_app(DEMO_OVERRIDES, "exact-demo") as base:
-        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
 
-        def call(case) -> tuple[str, dict | None]:
-            index, routing, stream = case
-            args = dict(
-                model="tokenrouter", max_tokens=DEMO_TOKENS, temperature=0,
-                messages=[{"role": "user", "content": DEMO_QUESTIONS[index]}],
-                extra_body={"routing": routing},
-            )  # fmt: skip
-            if not stream:
-                response = client.chat.completions.create(**args)
-                return response.choices[0].message.content, response.model_extra["routing"]
-            chunks = client.chat.completions.create(stream=True, **args)
-            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), None
+def demo_answers(base: str, cases: list[tuple[int, dict, bool]]) -> list[tuple[str, dict | None]]:
+    """(text, the response's ``routing``; None when streamed) per case, all at once."""
+    client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
 
-        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-            got = list(pool.map(call, cases))
-    for (index, routing, stream), (text, ref), (served, meta) in zip(
-        cases, references, got, strict=True
+    def call(case) -> tuple[str, dict | None]:
+        index, routing, stream = case
+        args = dict(
+            model="tokenrouter", max_tokens=DEMO_TOKENS, temperature=0,
+            messages=[{"role": "user", "content": DEMO_QUESTIONS[index]}],
+            extra_body={"routing": routing},
+        )  # fmt: skip
+        if not stream:
+            response = client.chat.completions.create(**args)
+            return response.choices[0].message.content, response.model_extra["routing"]
+        chunks = client.chat.completions.create(stream=True, **args)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), None
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        return list(pool.map(call, cases))
+
+
+# ---- the chain over every transport (after the demo: these four apps stay up until the
+# module ends) ----
+
+TRANSPORTS = ["zmq_ipc", "zmq_tcp", "unix", "ray"]
+
+
+@pytest.fixture(scope="module")
+def chain_apps(serve_apps, served_chain_dirs) -> Iterator[dict[str, str]]:
+    """The chain over every transport, deployed side by side: transport -> base URL."""
+    named = {
+        f"exact-{t.replace('_', '-')}": tiny_overrides(served_chain_dirs, CHAIN, "escalation", t)
+        for t in TRANSPORTS
+    }
+    with serve_apps(named) as bases:
+        yield dict(zip(TRANSPORTS, bases.values(), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_served_escalation_equals_the_reference(transport, chain_apps, references) -> None:
+    client = openai.OpenAI(base_url=chain_apps[transport], api_key="none", max_retries=0)
+
+    def call(request) -> tuple[list[int], dict | None]:
+        index, routing, stream = request
+        body = {"routing": routing} if routing else None
+        args = dict(model="tokenrouter", prompt=prompts()[index], max_tokens=MAX_TOKENS,
+                    temperature=0, extra_body=body)  # fmt: skip
+        if not stream:
+            response = client.completions.create(**args)
+            return ids_of(response.choices[0].text), response.model_extra["routing"]
+        text = "".join(
+            chunk.choices[0].text
+            for chunk in client.completions.create(stream=True, **args)
+            if chunk.choices
+        )
+        return ids_of(text), None
+
+    with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
+        got = list(pool.map(call, REQUESTS))
+    for (index, routing, stream), want, (tokens, meta) in zip(
+        REQUESTS, references, got, strict=True
     ):
-        where = f"question {index}, routing {routing}, streamed {stream}"
-        assert served == text, where
+        where = f"prompt {index}, routing {routing}, streamed {stream}"
+        assert tokens == want.token_ids, where
         if meta is not None:
-            assert meta["tokens_per_model"] == ref.counts, where
-            assert meta["handoffs"] == ref.handoffs, where
+            assert meta["tokens_per_model"] == want.counts, where
+            assert meta["handoffs"] == want.handoffs, where
