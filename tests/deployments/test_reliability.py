@@ -26,6 +26,7 @@ from tests.waiting import wait_for
 
 TWO = ["small", "large"]
 APP = "reliability"
+RAY_APP = APP + "-ray"
 MAX_ACTIVE = 64
 OPTIONS = {"threshold": 0.45}  # entropy policy: deterministic routing
 MAX_STEP_S = 8  # above every stall the other tests inject (4 s at most)
@@ -47,11 +48,23 @@ def ids_of(text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def app(serve_app, served_chain_dirs) -> Iterator[str]:
-    overrides = tiny_overrides(served_chain_dirs, TWO, "entropy", "zmq_ipc", EXTRA)
-    with serve_app(overrides, APP) as base:
-        wait_healthy(base, 120)
-        yield base
+def apps(serve_apps, served_chain_dirs) -> Iterator[dict[str, str]]:
+    """The pair over ZeroMQ (``APP``: every test) and over Ray (``RAY_APP``: the cancellation
+    test over the Ray transport), deployed side by side; the Ray one goes once that test is
+    done (``ray_app``)."""
+    named = {
+        name: tiny_overrides(served_chain_dirs, TWO, "entropy", transport, EXTRA)
+        for name, transport in ((APP, "zmq_ipc"), (RAY_APP, "ray"))
+    }
+    with serve_apps(named) as bases:
+        for base in bases.values():
+            wait_healthy(base, 120)
+        yield bases
+
+
+@pytest.fixture(scope="module")
+def app(apps: dict[str, str]) -> str:
+    return apps[APP]
 
 
 def completions_in(
@@ -132,12 +145,14 @@ def sse_lines(base: str, body: dict[str, Any]) -> list[str]:
         return [line for line in r.iter_lines() if line.startswith("data: ")]
 
 
-@pytest.fixture(scope="module")
-def ray_app(serve_app, served_chain_dirs) -> Iterator[str]:
-    overrides = tiny_overrides(served_chain_dirs, TWO, "entropy", "ray", EXTRA)
-    with serve_app(overrides, APP + "-ray") as base:
-        wait_healthy(base, 120)
-        yield base
+@pytest.fixture
+def ray_app(apps: dict[str, str]) -> Iterator[str]:
+    """The Ray transport's app, deleted after its one test (the others run beside nothing
+    but ``APP``)."""
+    from ray import serve
+
+    yield apps[RAY_APP]
+    serve.delete(RAY_APP)
 
 
 # ----------------------------------------------------------------------------- P0
@@ -518,7 +533,11 @@ def test_a_junk_flood_at_a_model_leaves_requests_exact_and_health_green(
     flood.start()
     watcher.start()
     try:
-        time.sleep(1.0)  # the flood is on before the requests start
+        wait_for(  # the flood is on before the requests start
+            lambda: large.status.remote().result().peer_rejected.get("bad_mac", 0) > 0,
+            30.0,
+            "the flood at the large model",
+        )
         runs = [timed_greedy(api, batch, 48) for _ in range(2)]
         got, flooded_s = runs[0][0], min(t for _, t in runs)
         assert runs[1][0] == got
@@ -633,6 +652,7 @@ def test_clients_that_never_read_leave_the_ingress_bounded_and_everything_freed(
                        "stream": True, "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
     head = (f"POST {url.path}/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
             f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    received = stats(app)["tokens_received"]
     socks = []
     for _ in range(2):
         sock = socket.socket()
@@ -640,11 +660,19 @@ def test_clients_that_never_read_leave_the_ingress_bounded_and_everything_freed(
         sock.connect((url.hostname, url.port))
         sock.sendall(head + body)  # and never read
         socks.append(sock)
-    buffered, t0 = 0, time.monotonic()
-    while time.monotonic() - t0 < 20:  # the tiny models finish 2 x 16 x 200 tokens in this
+    buffered, t0, written = 0, time.monotonic(), False
+    # until the models have written all 2 x 16 x 200 tokens and none is left at the ingress
+    # (the tiny models take a few seconds; 20 s at most)
+    while time.monotonic() - t0 < 20 and not written:
         for k, p in watched.items():
             peak[k] = max(peak[k], p.memory_info().rss)
-        buffered = max(buffered, stats(app)["stream_buffered_tokens"])
+        state = stats(app)
+        buffered = max(buffered, state["stream_buffered_tokens"])
+        written = (
+            state["tokens_received"] - received >= 2 * 16 * 200
+            and state["active_requests"] == 0
+            and state["stream_buffered_tokens"] == 0
+        )
         time.sleep(0.25)
     for sock in socks:
         sock.close()
