@@ -64,8 +64,8 @@ BENCHMARKS: dict[str, Benchmark] = {
         "loadtest.host_path",
         "the runtime's host path on simulated models, in process and served (= --preset host)",
         SERVE,
-        "--levels 2 --window-s 0.3 --warmup-s 0.1 --open-loop-loads '' --served-levels 1 "
-        "--served-systems 'paper eager' --max-tokens 8 --port {port}",
+        "--levels 2 --window-s 1 --warmup-s 0.2 --open-loop-loads 0.5 --served-levels 1 "
+        "--served-systems zero --max-tokens 16 --port {port} --out {out}/host.json",
     ),
     "front-floor": Benchmark(
         "loadtest.front_floor",

@@ -115,15 +115,22 @@ def wait_ready(url: str, timeout_s: float = 180.0) -> None:
 
 
 def start_serve(http_port: int, num_cpus: int = 8) -> None:
-    """A Ray cluster in this process with Serve's HTTP on ``http_port``, unless one runs."""
+    """Serve with its HTTP on ``http_port``, unless this process has Ray already: on the
+    running cluster that ``RAY_ADDRESS`` names (whose Serve, if it runs, keeps its own
+    port: pass that one), else on a cluster started here."""
     import ray
     from ray import serve
 
     if not ray.is_initialized():
-        # Ray starts its workers at nice 15; the baselines run at 0. On a machine shared
-        # with other work that would starve the served app, so every system gets 0.
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=False)
+        else:
+            # Ray starts its workers at nice 15; the baselines run at 0. On a machine shared
+            # with other work that would starve the served app, so every system gets 0.
+            os.environ.setdefault("RAY_worker_niceness", "0")
+            ray.init(
+                address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False
+            )
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
 
 

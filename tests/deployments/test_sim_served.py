@@ -7,8 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 
-from loadtest.host_path import main as host_main
-from loadtest.host_path import run_served, sim_overrides
+from loadtest.host_path import sim_overrides
 from tests.net import free_port
 from tests.waiting import wait_for
 from tokenrouter_ray.simulation.served import sim_answer as expected_text
@@ -45,27 +44,6 @@ def test_sim_app_answers_the_openai_client_and_reports_its_host_path(serve_app) 
     for gc_now in (stats["gc"], stats["models"]["small"]["gc"], stats["models"]["large"]["gc"]):
         assert gc_now["threshold"] == [20_000, 20, 100] and gc_now["frozen_objects"] > 10_000
         assert len(gc_now["collections"]) == 3 and gc_now["longest_pause_s"] >= 0
-
-
-def test_host_benchmark_runs_end_to_end_at_a_tiny_size(serve_app, capsys) -> None:
-    assert host_main(["--levels", "4", "--window-s", "0.5", "--warmup-s", "0.2", "--no-served",
-                      "--open-loop-loads", "0.5"]) == 0  # fmt: skip
-    printed = capsys.readouterr().out
-    assert "paper eager  N=  4" in printed and "zero         N=  4" in printed
-    assert "open loop 50% of eager N=32" in printed
-    assert "PASS" in printed or "MISS" in printed
-    rows = run_served([1], 1.0, 16, serve_app, systems=("zero",))
-    (row,) = rows
-    assert row["tok_s"] > 0 and row["ttft_ms_p50"] is not None and row["ttft_probe_ms_p50"] > 0
-    paths = row["ttft_probe_paths_ms_p50"]  # each first-token path probed on its own
-    assert set(paths) == {"mixed", "kept", "escalated"} and min(paths.values()) > 0
-    by_httpx = row["ttft_probe_httpx_paths_ms_p50"]  # the same paths through httpx
-    assert set(by_httpx) == set(paths) and min(by_httpx.values()) > 0
-    assert set(row["models"]) == {"small", "large"}
-    assert row["ingress_cpu_us_per_token"] > 0
-    cpu = row["cpu_us_per_token"]  # per process, from /proc over the window
-    assert {"ingress", "small", "large"} <= set(cpu) and cpu["ingress"] > 0
-    assert all(m["applied_p50_us"] is not None for m in row["models"].values())
 
 
 def test_the_direct_port_serves_the_same_api_and_cuts_clients_that_stop_reading(
