@@ -1,12 +1,19 @@
 """Live quality in the served app: finished answers are scored by a replica of the top model
 (teacher forcing between two of its steps) and shown at ``GET /v1/tokenrouter/quality``, per
 operating point; each score equals the same model's greedy choices computed here, outside
-the app, with plain ``transformers``."""
+the app, with plain ``transformers``.
+
+The two tests' apps are deployed side by side, once for the module (their replicas start
+together on the shared cluster), and deleted together after both."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import httpx
 import openai
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -21,6 +28,25 @@ EXTRA = [
     "quality_monitor.sample_rate=1.0",  # every answer: the test checks each one
     "quality_monitor.max_share=1.0",
 ]
+TARGET_EXTRA = [
+    "+policy.presets={fast: [0.99]}",
+    "quality_monitor.sample_rate=1.0",
+    "quality_monitor.max_share=1.0",
+    "++tuner.quality_target={target: 0.9, ladder: [fast], start: fast, min_samples: 4}",
+]
+
+
+@pytest.fixture(scope="module")
+def quality_apps(
+    serve_apps: Callable[..., Any], served_chain_dirs: dict[str, str]
+) -> Iterator[dict[str, str]]:
+    """``quality`` (EXTRA) and ``quality-target`` (TARGET_EXTRA): name -> OpenAI base URL."""
+    apps = {
+        name: tiny_overrides(served_chain_dirs, TWO, "entropy", "zmq_ipc", extra)
+        for name, extra in (("quality", EXTRA), ("quality-target", TARGET_EXTRA))
+    }
+    with serve_apps(apps) as urls:
+        yield urls
 
 
 def reference_agreement(model, prompt: list[int], answer: list[int]) -> int:
@@ -30,8 +56,7 @@ def reference_agreement(model, prompt: list[int], answer: list[int]) -> int:
     return int((chosen == torch.tensor(answer)).sum())
 
 
-def test_answers_are_scored_by_the_top_model(serve_app, served_chain_dirs) -> None:
-    overrides = tiny_overrides(served_chain_dirs, TWO, "entropy", "zmq_ipc", EXTRA)
+def test_answers_are_scored_by_the_top_model(quality_apps, served_chain_dirs) -> None:
     large = AutoModelForCausalLM.from_pretrained(served_chain_dirs["large"], dtype=torch.float64)
     asked = {  # request id -> (routing, the point it is labelled with)
         "q-default": (None, "default"),
@@ -39,23 +64,23 @@ def test_answers_are_scored_by_the_top_model(serve_app, served_chain_dirs) -> No
         "q-custom": ({"threshold": 0.9}, "custom"),
         "q-alone": ({"model": "large"}, "alone:large"),
     }
-    with serve_app(overrides, "quality") as base:
-        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
-        answers: dict[str, tuple[list[int], list[int]]] = {}
-        for k, (rid, (routing, _)) in enumerate(asked.items()):
-            prompt = prompts()[k + 2]
-            extra = {} if routing is None else {"routing": routing}
-            out = client.completions.create(
-                model="tokenrouter", prompt=prompt, max_tokens=16, temperature=0,
-                extra_body=extra, extra_headers={"X-Request-Id": rid},
-            )  # fmt: skip
-            answers[rid] = (prompt, ids_of(out.choices[0].text))
+    base = quality_apps["quality"]
+    client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+    answers: dict[str, tuple[list[int], list[int]]] = {}
+    for k, (rid, (routing, _)) in enumerate(asked.items()):
+        prompt = prompts()[k + 2]
+        extra = {} if routing is None else {"routing": routing}
+        out = client.completions.create(
+            model="tokenrouter", prompt=prompt, max_tokens=16, temperature=0,
+            extra_body=extra, extra_headers={"X-Request-Id": rid},
+        )  # fmt: skip
+        answers[rid] = (prompt, ids_of(out.choices[0].text))
 
-        def scored() -> dict | None:
-            status = httpx.get(f"{base}/tokenrouter/quality", timeout=10).json()
-            return status if len(status["recent"]) == len(asked) else None
+    def scored() -> dict | None:
+        status = httpx.get(f"{base}/tokenrouter/quality", timeout=10).json()
+        return status if len(status["recent"]) == len(asked) else None
 
-        status = wait_for(scored, 120.0, "every answer scored")
+    status = wait_for(scored, 120.0, "every answer scored")
     assert status["enabled"] and status["skipped"] == {} and status["policy"] == "entropy"
     for entry in status["recent"]:
         rid = entry["request_id"].split("-")[0] + "-" + entry["request_id"].split("-")[1]
@@ -70,41 +95,34 @@ def test_answers_are_scored_by_the_top_model(serve_app, served_chain_dirs) -> No
 
 
 def test_the_quality_target_moves_default_requests_off_a_rung_that_disagrees(
-    serve_app, served_chain_dirs
+    quality_apps,
 ) -> None:
     """``tuner.quality_target`` served: requests without ``routing`` start on the ``fast``
     preset (the small model writes almost every token, and these two random models never
     agree on a whole answer); once ``min_samples`` of its answers are scored, the rung is
     judged under the target and the next requests are served by the top model alone
     (``routing.mode`` alone, no handoffs), while a request that names its preset keeps it."""
-    extra = [
-        "+policy.presets={fast: [0.99]}",
-        "quality_monitor.sample_rate=1.0",
-        "quality_monitor.max_share=1.0",
-        "++tuner.quality_target={target: 0.9, ladder: [fast], start: fast, min_samples: 4}",
-    ]
-    overrides = tiny_overrides(served_chain_dirs, TWO, "entropy", "zmq_ipc", extra)
-    with serve_app(overrides, "quality-target") as base:
-        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+    base = quality_apps["quality-target"]
+    client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
 
-        def ask(k: int, routing: dict | None = None) -> dict:
-            out = client.completions.create(
-                model="tokenrouter", prompt=prompts()[k % len(prompts())], max_tokens=16,
-                temperature=0, extra_body={} if routing is None else {"routing": routing},
-            )  # fmt: skip
-            return out.model_extra["routing"]
+    def ask(k: int, routing: dict | None = None) -> dict:
+        out = client.completions.create(
+            model="tokenrouter", prompt=prompts()[k % len(prompts())], max_tokens=16,
+            temperature=0, extra_body={} if routing is None else {"routing": routing},
+        )  # fmt: skip
+        return out.model_extra["routing"]
 
-        def status() -> dict:
-            return httpx.get(f"{base}/tokenrouter/quality", timeout=10).json()["target"]
+    def status() -> dict:
+        return httpx.get(f"{base}/tokenrouter/quality", timeout=10).json()["target"]
 
-        first = [ask(k) for k in range(4)]
-        assert all(r["mode"] == "routed" for r in first)
-        moved = wait_for(lambda: status() if status()["rung"] == "alone" else None, 120.0,
-                         "the fast rung judged")  # fmt: skip
-        (move,) = moved["moves"]
-        assert (move["from"], move["to"], move["answers"]) == ("fast", "alone", 4)
-        assert move["agreement"] == 0.0 and move["bounds"][1] < 0.9
-        after = ask(5)
-        assert after["mode"] == "alone" and after["handoffs"] == 0
-        assert set(after["tokens_per_model"]) == {"large"}
-        assert ask(6, {"quality": "fast"})["mode"] == "routed"  # its own preset wins
+    first = [ask(k) for k in range(4)]
+    assert all(r["mode"] == "routed" for r in first)
+    moved = wait_for(lambda: status() if status()["rung"] == "alone" else None, 120.0,
+                     "the fast rung judged")  # fmt: skip
+    (move,) = moved["moves"]
+    assert (move["from"], move["to"], move["answers"]) == ("fast", "alone", 4)
+    assert move["agreement"] == 0.0 and move["bounds"][1] < 0.9
+    after = ask(5)
+    assert after["mode"] == "alone" and after["handoffs"] == 0
+    assert set(after["tokens_per_model"]) == {"large"}
+    assert ask(6, {"quality": "fast"})["mode"] == "routed"  # its own preset wins
