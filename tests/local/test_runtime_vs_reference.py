@@ -18,7 +18,7 @@ from tokenrouter_ray.engine.block_hash import prefix_block_hashes
 from tokenrouter_ray.engine.request import SamplingParams
 from tokenrouter_ray.local import LocalRuntime
 from tokenrouter_ray.protocol import MsgKind, SamplingSpec, encode_batch
-from tokenrouter_ray.reference import reference_generate
+from tokenrouter_ray.reference import ReferenceResult, reference_generate
 from tokenrouter_ray.routing.policy import build_policy
 from tokenrouter_ray.transport.inproc import InProcChannel
 
@@ -44,6 +44,31 @@ def prompts(n: int = 8) -> list[list[int]]:
     return [[rng.randrange(128) for _ in range(rng.randint(1, 30))] for _ in range(n)]
 
 
+@pytest.fixture(scope="module")
+def reference(chain_reference_models) -> Callable[..., ReferenceResult]:
+    """The sequential reference of ``CASES[name]``'s policy for one prompt, computed once per
+    module: several tests compare against the same one, it is deterministic, and its
+    full-context forward per token is most of this file's time."""
+    done: dict[tuple, ReferenceResult] = {}
+
+    def run(name: str, prompt: list[int], max_share=None, thresholds=()) -> ReferenceResult:
+        key = (name, tuple(prompt), max_share, tuple(thresholds))
+        if key not in done:
+            options, names = CASES[name]
+            done[key] = reference_generate(
+                [(n, chain_reference_models[n]) for n in names],
+                build_policy(name, options, names),
+                prompt,
+                SamplingParams(max_tokens=MAX_TOKENS),
+                SEED,
+                max_share=max_share,
+                thresholds=tuple(thresholds),
+            )
+        return done[key]
+
+    return run
+
+
 def run_local(
     policy, engines, channel_type=InProcChannel, n: int = 8, prefill_at=None, on_start=None
 ):
@@ -62,15 +87,12 @@ def run_local(
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_local_runtime_equals_reference(name, chain_dirs, chain_reference_models) -> None:
+def test_local_runtime_equals_reference(name, chain_dirs, reference) -> None:
     options, names = CASES[name]
     policy = build_policy(name, options, names)
     results, handoffs = run_local(policy, chain_engines(chain_dirs, names))
-    models = [(n, chain_reference_models[n]) for n in names]
     for prompt, got in zip(prompts(), results, strict=True):
-        want = reference_generate(
-            models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
-        )
+        want = reference(name, prompt)
         assert got.error is None
         assert got.token_ids == want.token_ids
         assert got.counts == want.counts
@@ -109,9 +131,7 @@ def test_handoffs_send_only_the_unseen_suffix(chain_dirs) -> None:
 
 
 @pytest.mark.parametrize("name", ["never", "always", "bernoulli", "entropy"])
-def test_prompts_prefilled_at_admission_change_no_token(
-    name, chain_dirs, chain_reference_models
-) -> None:
+def test_prompts_prefilled_at_admission_change_no_token(name, chain_dirs, reference) -> None:
     """``prefill_at`` (``models.large.prefill_at_admission``): every prompt is
     also prefilled on the large model at admission. Outputs equal the reference, nothing
     leaks, and the large model's first visits found the prompts' blocks in its cache (with
@@ -131,11 +151,8 @@ def test_prompts_prefilled_at_admission_change_no_token(
         prefill_at={"large": 1},
         on_start=lambda runtime: NewAfterPrefills.wait_for(prefilled),
     )
-    models = [(n, chain_reference_models[n]) for n in names]
     for prompt, got in zip(prompts(), results, strict=True):
-        want = reference_generate(
-            models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
-        )
+        want = reference(name, prompt)
         assert (got.error, got.token_ids, got.counts) == (None, want.token_ids, want.counts)
     cacheable = sum((len(p) - 1) // 4 * 4 for p in prompts())  # full blocks, block size 4
     if name == "never":
@@ -179,14 +196,11 @@ class DuplicatingChannel(InProcChannel):
         await super()._send_frame(dst, msgs)
 
 
-def test_duplicated_messages_change_nothing(chain_dirs, chain_reference_models) -> None:
-    policy = build_policy("bernoulli", {"p": 0.35}, TWO)
+def test_duplicated_messages_change_nothing(chain_dirs, reference) -> None:
+    policy = build_policy("bernoulli", *CASES["bernoulli"])
     results, _ = run_local(policy, chain_engines(chain_dirs, TWO), DuplicatingChannel)
-    models = [(n, chain_reference_models[n]) for n in TWO]
     for prompt, got in zip(prompts(), results, strict=True):
-        want = reference_generate(
-            models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
-        )
+        want = reference("bernoulli", prompt)
         assert (got.token_ids, got.counts) == (want.token_ids, want.counts)
 
 
@@ -219,7 +233,7 @@ def run_waves(policy, engines, waves: list[list[list[int]]]):
     ("name", "caching"),
     [(name, True) for name in CASES] + [("r2r", False), ("escalation", False)],
 )
-def test_prefix_caching_equals_reference(name, caching, chain_dirs, chain_reference_models) -> None:
+def test_prefix_caching_equals_reference(name, caching, chain_dirs, reference) -> None:
     """Shared-prefix prompts in two waves, with prefix caching on (and off): the tokens and
     per-model counts equal the sequential reference; with caching on, the later wave's
     requests reuse the system prompt's blocks on the entry model, and handoffs' first
@@ -229,11 +243,8 @@ def test_prefix_caching_equals_reference(name, caching, chain_dirs, chain_refere
     engines = chain_engines(chain_dirs, names, prefix_caching=caching)
     prompts = shared_prompts()
     results, hits = run_waves(policy, engines, [prompts[:2], prompts[2:]])
-    models = [(n, chain_reference_models[n]) for n in names]
     for prompt, got in zip(prompts, results, strict=True):
-        want = reference_generate(
-            models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
-        )
+        want = reference(name, prompt)
         assert got.error is None
         assert (got.token_ids, got.counts, got.handoffs) == (
             want.token_ids,
@@ -292,7 +303,7 @@ def run_local_each(policy, engines, specs: list[SamplingSpec], caps=None, thresh
 
 
 @pytest.mark.parametrize("name", THRESHOLD_POLICIES)
-def test_per_request_thresholds_equal_reference(name, chain_dirs, chain_reference_models) -> None:
+def test_per_request_thresholds_equal_reference(name, chain_dirs, reference) -> None:
     """8 concurrent greedy requests, each with its own threshold (none, 0, 1, low, high, and
     per level for escalation), in one runtime: each equals the reference run with the same
     threshold; and the thresholds did change routing (compared with the configured one)."""
@@ -302,43 +313,27 @@ def test_per_request_thresholds_equal_reference(name, chain_dirs, chain_referenc
     specs = [SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED) for _ in thresholds]
     engines = chain_engines(chain_dirs, names)
     results = run_local_each(policy, engines, specs, thresholds=thresholds)
-    models = [(n, chain_reference_models[n]) for n in names]
     changed = 0
     for prompt, got, t in zip(prompts(), results, thresholds, strict=True):
-        sampling = SamplingParams(max_tokens=MAX_TOKENS)
-        want = reference_generate(models, policy, prompt, sampling, SEED, thresholds=t)
+        want = reference(name, prompt, thresholds=t)
         assert got.error is None
         assert outcome(got) == outcome(want), f"{name}: request with thresholds {t}"
         if t:
-            plain = reference_generate(
-                models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
-            )
+            plain = reference(name, prompt)
             changed += (plain.counts, plain.handoffs) != (want.counts, want.handoffs)
     assert changed >= 4, f"{name}: the per-request thresholds changed too little ({changed})"
 
 
 @pytest.mark.parametrize("name", THRESHOLD_POLICIES)
-def test_extreme_thresholds_route_as_expected(name, chain_dirs, chain_reference_models) -> None:
+def test_extreme_thresholds_route_as_expected(name, reference) -> None:
     """The reference honours an override in the policy's direction: at one extreme the
     entry model writes every token, at the other the larger models write some (so an
     ignored override could not pass the test above by chance)."""
-    options, names = CASES[name]
-    policy = build_policy(name, options, names)
-    models = [(n, chain_reference_models[n]) for n in names]
+    names = CASES[name][1]
     prompt = prompts()[0]
     # the threshold at which the policy never hands off: above every score, or p = 0
     never = 0.0 if name in ("bernoulli", "citer") else 1.0
-    runs = {
-        t: reference_generate(
-            models,
-            policy,
-            prompt,
-            SamplingParams(max_tokens=MAX_TOKENS),
-            SEED,
-            thresholds=(t,),
-        )
-        for t in (never, 1.0 - never)
-    }
+    runs = {t: reference(name, prompt, thresholds=(t,)) for t in (never, 1.0 - never)}
     assert runs[never].counts == {names[0]: len(runs[never].token_ids)}
     assert runs[never].handoffs == 0
     assert runs[1.0 - never].handoffs > 0
@@ -362,12 +357,12 @@ def greedy_alone(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 @pytest.mark.parametrize("alone", ["large", "small"])
 def test_a_request_served_alone_is_that_models_own_answer(
-    alone, chain_dirs, chain_reference_models
+    alone, chain_dirs, chain_reference_models, reference
 ) -> None:
     """Single-model bypass (``routing.model``): under a policy that hands off dozens of
     times a request, a request served alone is the model's own greedy answer, every token
     written by it, with no handoff; requests routed beside it are routed as before."""
-    policy = build_policy("bernoulli", {"p": 0.35}, TWO)
+    policy = build_policy("bernoulli", *CASES["bernoulli"])
     spec = SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED)
 
     async def go():
@@ -389,18 +384,13 @@ def test_a_request_served_alone_is_that_models_own_answer(
         assert (got.counts, got.handoffs) == ({alone: len(got.token_ids)}, 0)
     served_ids = {c.request_id for c in served}
     assert not [h for h in handoffs if h.rid in served_ids]
-    models = [(n, chain_reference_models[n]) for n in TWO]
     for prompt, got in zip(prompts(), routed, strict=True):
-        want = reference_generate(
-            models, policy, prompt, SamplingParams(max_tokens=MAX_TOKENS), SEED
-        )
+        want = reference("bernoulli", prompt)
         assert (got.token_ids, got.counts) == (want.token_ids, want.counts)
 
 
 @pytest.mark.parametrize("name", ["always", "bernoulli", "r2r", "escalation"])
-def test_per_request_caps_on_the_large_share_equal_reference(
-    name, chain_dirs, chain_reference_models
-) -> None:
+def test_per_request_caps_on_the_large_share_equal_reference(name, chain_dirs, reference) -> None:
     """``routing.max_large_share``: 8 concurrent greedy requests, each with its own cap on
     the top model's share (none, 0, 0.1 .. 0.9, 1; with a per-request threshold on two),
     equal the reference run with the same cap; no answer's top share passes its cap, and
@@ -411,18 +401,14 @@ def test_per_request_caps_on_the_large_share_equal_reference(
     thresholds = [()] * 6 + ([(0.9,), (0.1,)] if name in THRESHOLD_POLICIES else [()] * 2)
     specs = [SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED) for _ in thresholds]
     results = run_local_each(policy, chain_engines(chain_dirs, names), specs, caps, thresholds)
-    models = [(n, chain_reference_models[n]) for n in names]
     bound = 0
     for prompt, got, cap, t in zip(prompts(), results, caps, thresholds, strict=True):
-        sampling = SamplingParams(max_tokens=MAX_TOKENS)
-        want = reference_generate(
-            models, policy, prompt, sampling, SEED, max_share=cap, thresholds=t
-        )
+        want = reference(name, prompt, max_share=cap, thresholds=t)
         assert got.error is None
         assert outcome(got) == outcome(want)
         top = got.counts.get(names[-1], 0)
         if cap is not None:
             assert top <= cap * len(got.token_ids) + 1e-9
-            free = reference_generate(models, policy, prompt, sampling, SEED, thresholds=t)
+            free = reference(name, prompt, thresholds=t)
             bound += free.counts != want.counts
     assert bound >= 2
