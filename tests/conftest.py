@@ -149,9 +149,6 @@ def ray_cluster() -> Iterator[Any]:
             "num_cpus": 6,
             "resources": {"tokenrouter_small": 1},
             "include_dashboard": False,
-            # every process exports its metrics each second (Ray's floor; 10 s by default),
-            # so a test reading them from the metrics agents or Prometheus waits seconds
-            "_system_config": {"metrics_report_interval_ms": 1000},
         },
     )
     cluster.add_node(num_cpus=6, resources={"tokenrouter_large": 1})
